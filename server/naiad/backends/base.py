@@ -1,0 +1,144 @@
+"""What a backend provides: model instances that execute lists of requests on their own thread."""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import InvalidArgument
+from ..inference import InferenceRequest, InferenceResponse, OutputTensor
+from ..config import data_type_name
+from ..tensors import config_to_wire, datatype_of
+
+if TYPE_CHECKING:
+    from tritonclient.grpc.model_config_pb2 import ModelInstanceGroup
+
+
+@dataclass
+class ModelContext:
+    """Everything an instance needs to know about the model version it serves."""
+
+    name: str
+    version: int
+    config: ModelConfig
+    model_dir: Path
+    version_dir: Path
+    server: Any = None  # naiad.server.Server, for BLS
+    loop: Any = None  # the server's event loop
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def model_file(self) -> Path:
+        return self.version_dir / self.config.default_model_filename
+
+    @property
+    def batched(self) -> bool:
+        return self.config.max_batch_size > 0
+
+
+@dataclass(slots=True)
+class Timing:
+    """Compute time of one execution, split as Triton's statistics do."""
+
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+
+class ModelInstance(abc.ABC):
+    """One instance of a model (an `instance_group` member). `execute` runs on the instance's own thread."""
+
+    def __init__(self, ctx: ModelContext, group: "ModelInstanceGroup", device_id: int, index: int):
+        self.ctx = ctx
+        self.group = group
+        self.device_id = device_id
+        self.index = index
+        self.name = f"{group.name}_{index}"
+
+    @abc.abstractmethod
+    def execute(self, requests: list[InferenceRequest], timing: Timing) -> list[InferenceResponse]:
+        """Run a list of requests; return one response per request (an error response is allowed)."""
+
+    def warmup_thread_init(self) -> None:
+        """Called once on the instance's thread before the first execution."""
+
+    def close(self) -> None:
+        """Release the engine; called once when the model version unloads."""
+
+
+class TensorInstance(ModelInstance):
+    """A backend that runs a tensor graph: requests are stacked along the batch dimension, run once, split."""
+
+    def __init__(self, ctx, group, device_id, index):
+        super().__init__(ctx, group, device_id, index)
+        self.output_types = {o.name: config_to_wire(data_type_name(o.data_type)) for o in ctx.config.output}
+        self.all_outputs = [o.name for o in ctx.config.output]
+
+    @abc.abstractmethod
+    def run(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        """Run the engine on (batched) inputs and return the named outputs."""
+
+    def execute(self, requests, timing):
+        t0 = time.monotonic_ns()
+        wanted = self._wanted_outputs(requests)
+        if len(requests) == 1:
+            inputs = requests[0].inputs
+            sizes = None
+        else:
+            sizes = [r.batch_size(True) for r in requests]
+            inputs = {
+                name: np.concatenate([r.inputs[name] for r in requests], axis=0)
+                for name in requests[0].inputs
+            }
+        t1 = time.monotonic_ns()
+        results = self.run(inputs, wanted)
+        t2 = time.monotonic_ns()
+        responses = []
+        if sizes is None:
+            responses.append(self._response(requests[0], results))
+        else:
+            offset = 0
+            for r, n in zip(requests, sizes):
+                part = {}
+                for name, arr in results.items():
+                    if arr.ndim == 0 or arr.shape[0] != sum(sizes):
+                        raise InvalidArgument(
+                            f"model '{self.ctx.name}' output '{name}' has shape {list(arr.shape)}, which "
+                            f"does not have the batch size {sum(sizes)} along its first dimension"
+                        )
+                    part[name] = arr[offset:offset + n]
+                offset += n
+                responses.append(self._response(r, part))
+        timing.input_ns += t1 - t0
+        timing.infer_ns += t2 - t1
+        timing.output_ns += time.monotonic_ns() - t2
+        return responses
+
+    def _wanted_outputs(self, requests) -> list[str]:
+        names: list[str] = []
+        for r in requests:
+            if not r.outputs:
+                return self.all_outputs
+            for o in r.outputs:
+                if o.name not in names:
+                    names.append(o.name)
+        return names
+
+    def _response(self, request: InferenceRequest, results: dict[str, np.ndarray]) -> InferenceResponse:
+        if request.outputs:
+            names = [o.name for o in request.outputs]
+        else:
+            names = self.all_outputs
+        outputs = []
+        for name in names:
+            arr = results[name]
+            outputs.append(OutputTensor(name, datatype_of(arr, self.output_types.get(name)), arr))
+        return InferenceResponse(
+            model_name=self.ctx.name, model_version=str(self.ctx.version), outputs=outputs, id=request.id
+        )

@@ -1,0 +1,175 @@
+"""Python backend: `model.py` with `TritonPythonModel`, run in-process on the instance's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .. import config as cfg
+from ..config import ModelConfig
+from ..errors import Internal, InvalidArgument, NaiadError
+from ..inference import InferenceResponse
+from . import python_utils as pb_utils
+from .base import ModelContext, ModelInstance
+
+# Models do `import triton_python_backend_utils as pb_utils`.
+sys.modules.setdefault("triton_python_backend_utils", pb_utils)
+
+_module_ids = itertools.count()
+
+_ERROR_CODES = {
+    pb_utils.TritonError.NOT_FOUND: "NotFound",
+    pb_utils.TritonError.INVALID_ARG: "InvalidArgument",
+    pb_utils.TritonError.UNAVAILABLE: "Unavailable",
+    pb_utils.TritonError.UNSUPPORTED: "Unsupported",
+    pb_utils.TritonError.ALREADY_EXISTS: "AlreadyExists",
+    pb_utils.TritonError.CANCELLED: "Cancelled",
+}
+
+
+def _naiad_error(err: pb_utils.TritonError) -> NaiadError:
+    from .. import errors
+    return getattr(errors, _ERROR_CODES.get(err.code(), "Internal"))(err.message())
+
+
+def load_module(model_file: Path, model_name: str):
+    """Import model.py under a unique module name, so versions and models never share globals."""
+    if not model_file.is_file():
+        raise InvalidArgument(f"model '{model_name}': {model_file} not found")
+    unique = f"naiad_model_{next(_module_ids)}"
+    spec = importlib.util.spec_from_file_location(unique, model_file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise InvalidArgument(f"model '{model_name}': failed to import {model_file}: "
+                              f"{type(exc).__name__}: {exc}") from None
+    if not hasattr(module, "TritonPythonModel"):
+        raise InvalidArgument(f"model '{model_name}': {model_file} defines no class TritonPythonModel")
+    return module
+
+
+def auto_complete(config: ModelConfig, model_file: Path) -> None:
+    """Run `TritonPythonModel.auto_complete_config` when the model defines it."""
+    module = load_module(model_file, config.name)
+    hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
+    if hook is None:
+        return
+    wrapper = pb_utils.ModelConfig(cfg.to_dict(config))
+    try:
+        result = hook(wrapper)
+    except Exception as exc:
+        raise InvalidArgument(f"model '{config.name}': auto_complete_config failed: {exc}") from None
+    data = (result or wrapper).as_dict()
+    completed = cfg.parse_json(data, f"auto-completed config of model '{config.name}'")
+    config.CopyFrom(completed)
+
+
+class PythonInstance(ModelInstance):
+    def __init__(self, ctx: ModelContext, group, device_id: int, index: int):
+        super().__init__(ctx, group, device_id, index)
+        module = ctx.extra.get("python_module")
+        if module is None:
+            module = ctx.extra["python_module"] = load_module(ctx.model_file, ctx.name)
+        self.model = module.TritonPythonModel()
+        self.decoupled = ctx.config.model_transaction_policy.decoupled
+        self.all_outputs = [o.name for o in ctx.config.output]
+        # numpy has no bfloat16: uint16 words are BF16 where the config says so
+        self.bf16_outputs = {o.name for o in ctx.config.output if o.data_type == mc.TYPE_BF16}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._initialized = False
+
+    def _initialize(self) -> None:
+        kind = "GPU" if self.group.kind == mc.ModelInstanceGroup.KIND_GPU else "CPU"
+        args = {
+            "model_config": json.dumps(cfg.to_dict(self.ctx.config)),
+            "model_instance_kind": kind,
+            "model_instance_name": self.name,
+            "model_instance_device_id": str(self.device_id),
+            "model_repository": str(self.ctx.model_dir),
+            "model_version": str(self.ctx.version),
+            "model_name": self.ctx.name,
+        }
+        init = getattr(self.model, "initialize", None)
+        if init is not None:
+            try:
+                self._call(init, args)
+            except Exception as exc:
+                raise InvalidArgument(f"model '{self.ctx.name}': initialize failed: "
+                                      f"{type(exc).__name__}: {exc}") from None
+        self._initialized = True
+
+    def warmup_thread_init(self) -> None:
+        pb_utils._bind(self.ctx.server, self.ctx.loop)
+        if not self._initialized:
+            self._initialize()
+
+    def _call(self, fn, *args):
+        result = fn(*args)
+        if inspect.isawaitable(result):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            result = self._loop.run_until_complete(result)
+        return result
+
+    def execute(self, requests, timing):
+        import time
+        t0 = time.monotonic_ns()
+        pb_requests = [
+            pb_utils.InferenceRequest._incoming(r, [o.name for o in r.outputs] or self.all_outputs)
+            for r in requests
+        ]
+        try:
+            result = self._call(self.model.execute, pb_requests)
+        except pb_utils.TritonModelException as exc:
+            raise Internal(exc.message() or str(exc)) from None
+        except pb_utils.TritonError as exc:
+            raise _naiad_error(exc) from None
+        except NaiadError:
+            raise
+        except Exception as exc:
+            raise Internal(f"Failed to process the request(s) for model '{self.name}', message: "
+                           f"{type(exc).__name__}: {exc}") from None
+        timing.infer_ns += time.monotonic_ns() - t0
+        if self.decoupled:
+            if result is not None:
+                raise Internal(f"model '{self.ctx.name}' is decoupled: execute must return None and send "
+                               "responses with the response sender")
+            return [None] * len(requests)
+        if not isinstance(result, (list, tuple)) or len(result) != len(requests):
+            got = len(result) if isinstance(result, (list, tuple)) else type(result).__name__
+            raise Internal(f"model '{self.ctx.name}': execute returned {got} responses for "
+                           f"{len(requests)} requests")
+        responses: list[InferenceResponse] = []
+        for pb_req, native, resp in zip(pb_requests, requests, result):
+            if not isinstance(resp, pb_utils.InferenceResponse):
+                raise Internal(f"model '{self.ctx.name}': execute must return InferenceResponse objects, "
+                               f"got {type(resp).__name__}")
+            out = pb_utils._to_native(pb_req, resp, True)
+            for t in out.outputs:
+                if t.datatype == "UINT16" and t.name in self.bf16_outputs:
+                    t.datatype = "BF16"
+            if resp.has_error():
+                out.error = _naiad_error(resp.error())
+            responses.append(out)
+        return responses
+
+    def close(self) -> None:
+        fin = getattr(self.model, "finalize", None)
+        try:
+            if fin is not None and self._initialized:
+                self._call(fin)
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+
+
+def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> PythonInstance:
+    return PythonInstance(ctx, group, device_id, index)

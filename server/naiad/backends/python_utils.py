@@ -1,0 +1,545 @@
+"""Naiad's `triton_python_backend_utils`: the API Triton python models import, served in-process.
+
+Models run unmodified: `import triton_python_backend_utils as pb_utils` resolves to this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from .. import tensors as _t
+from ..errors import NaiadError as _NaiadError
+
+_log = logging.getLogger("naiad.python_model")
+
+# ---- constants (values as in tritonserver.h) ----
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+TRITONSERVER_TYPE_INVALID = 0
+TRITONSERVER_TYPE_BOOL = 1
+TRITONSERVER_TYPE_UINT8 = 2
+TRITONSERVER_TYPE_UINT16 = 3
+TRITONSERVER_TYPE_UINT32 = 4
+TRITONSERVER_TYPE_UINT64 = 5
+TRITONSERVER_TYPE_INT8 = 6
+TRITONSERVER_TYPE_INT16 = 7
+TRITONSERVER_TYPE_INT32 = 8
+TRITONSERVER_TYPE_INT64 = 9
+TRITONSERVER_TYPE_FP16 = 10
+TRITONSERVER_TYPE_FP32 = 11
+TRITONSERVER_TYPE_FP64 = 12
+TRITONSERVER_TYPE_BYTES = 13
+TRITONSERVER_TYPE_BF16 = 14
+
+_TYPE_NAMES = ["INVALID", "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+               "FP16", "FP32", "FP64", "BYTES", "BF16"]
+_TYPE_BY_NAME = {n: i for i, n in enumerate(_TYPE_NAMES)}
+
+
+class PreferredMemory:
+    """Accepted for API compatibility; Naiad's python models always get CPU (numpy) tensors."""
+
+    def __init__(self, preferred_memory_type=0, preferred_device_id=0):
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
+TRITONSERVER_MEMORY_CPU = 0
+TRITONSERVER_MEMORY_CPU_PINNED = 1
+TRITONSERVER_MEMORY_GPU = 2
+
+
+# ---- datatype helpers ----
+
+def triton_to_numpy_type(data_type: int):
+    name = _TYPE_NAMES[data_type] if 0 <= data_type < len(_TYPE_NAMES) else "INVALID"
+    if name == "INVALID":
+        return None
+    if name == "BYTES":
+        return np.object_
+    return _t.numpy_dtype(name).type
+
+
+def numpy_to_triton_type(data_type) -> int | None:
+    dt = np.dtype(data_type)
+    if dt.kind in ("O", "S", "U"):
+        return TRITONSERVER_TYPE_BYTES
+    try:
+        return _TYPE_BY_NAME[_t.datatype_of(np.empty(0, dt))]
+    except _NaiadError:
+        return None
+
+
+def triton_string_to_numpy(triton_type_string: str):
+    """'TYPE_FP32' (or 'FP32') -> numpy type."""
+    name = triton_type_string[5:] if triton_type_string.startswith("TYPE_") else triton_type_string
+    if name in ("STRING", "BYTES"):
+        return np.object_
+    return _t.numpy_dtype(name).type
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
+    if input_tensor.size == 0:
+        return np.empty([0], dtype=np.object_)
+    return np.frombuffer(_t.serialize_bytes(input_tensor), dtype=np.uint8)
+
+
+def deserialize_bytes_tensor(encoded_tensor) -> np.ndarray:
+    return _t.deserialize_bytes(bytes(encoded_tensor))
+
+
+# ---- errors ----
+
+class TritonError(Exception):
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, message: str, code: int = INTERNAL):
+        super().__init__(message)
+        self._message = message
+        self._code = code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __str__(self) -> str:
+        return self._message
+
+
+class TritonModelException(Exception):
+    def __init__(self, msg: str = ""):
+        super().__init__(msg)
+        self._msg = msg
+
+    def message(self) -> str:
+        return self._msg
+
+
+# ---- tensors ----
+
+class Tensor:
+    """A named tensor held as a numpy array (zero-copy views where the request allows)."""
+
+    __slots__ = ("_name", "_array", "_datatype")
+
+    def __init__(self, name: str, tensor, datatype: str | None = None):
+        if not isinstance(tensor, np.ndarray):
+            tensor = np.asarray(tensor)
+        if tensor.dtype.kind in ("S", "U"):
+            tensor = tensor.astype(np.object_)
+        self._name = name
+        self._array = tensor
+        self._datatype = datatype or _t.datatype_of(tensor)
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def triton_dtype(self) -> int:
+        return _TYPE_BY_NAME[self._datatype]
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self):
+        return self._array.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, dlpack_tensor) -> "Tensor":
+        if hasattr(dlpack_tensor, "__dlpack__"):
+            return Tensor(name, np.from_dlpack(dlpack_tensor))
+        try:  # a raw PyCapsule, as torch.utils.dlpack.to_dlpack returns
+            import torch.utils.dlpack as tdl
+        except ImportError:
+            raise TritonModelException("from_dlpack of a raw capsule needs torch installed") from None
+        t = tdl.from_dlpack(dlpack_tensor)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        return Tensor(name, t.numpy())
+
+    def __repr__(self) -> str:
+        return f"Tensor(name={self._name!r}, datatype={self._datatype}, shape={self.shape()})"
+
+
+# ---- server context for BLS (set on each instance thread) ----
+
+_context = threading.local()
+_default: dict[str, Any] = {}
+
+
+def _bind(server, loop) -> None:
+    """Called by the python backend on an instance thread: BLS from this thread goes to `server`."""
+    _context.server = server
+    _context.loop = loop
+    _default["server"], _default["loop"] = server, loop
+
+
+def _target():
+    server = getattr(_context, "server", None) or _default.get("server")
+    loop = getattr(_context, "loop", None) or _default.get("loop")
+    if server is None:
+        raise TritonModelException("BLS requests need a running Naiad server")
+    return server, loop
+
+
+# ---- requests and responses ----
+
+class InferenceResponse:
+    def __init__(self, output_tensors=None, error: TritonError | None = None, parameters=None):
+        self._outputs = list(output_tensors or [])
+        if error is not None and not isinstance(error, TritonError):
+            error = TritonError(str(error))
+        self._error = error
+        if isinstance(parameters, str):
+            parameters = json.loads(parameters) if parameters else {}
+        self._parameters = dict(parameters or {})
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
+
+
+class InferenceResponseSender:
+    """Sends responses of a decoupled model's request, from any thread."""
+
+    def __init__(self, request: "InferenceRequest"):
+        self._request = request
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        with self._lock:
+            if self._closed:
+                raise TritonModelException("Unable to send response. Response sender has been closed.")
+            final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if final:
+                self._closed = True
+        if response is None and not final:
+            raise TritonModelException("Inference Response object must be provided when the flags is not FINAL")
+        deliver = self._request._native.response_callback
+        if deliver is None:
+            raise TritonModelException("this request does not accept decoupled responses")
+        deliver(_to_native(self._request, response, final))
+
+    def is_cancelled(self) -> bool:
+        return self._request.is_cancelled()
+
+
+class InferenceRequest:
+    """Incoming request handed to `execute`, or a BLS request built by a model and sent with exec()."""
+
+    def __init__(self, model_name: str = "", inputs=None, requested_output_names=None, model_version: int = -1,
+                 correlation_id: int | str = 0, request_id: str = "", flags: int = 0, timeout: int = 0,
+                 preferred_memory=None, trace=None, parameters=None, **_ignored):
+        self._model_name = model_name
+        self._inputs = list(inputs or [])
+        self._requested = list(requested_output_names or [])
+        self._model_version = model_version
+        self._correlation_id = correlation_id
+        self._request_id = request_id
+        self._flags = flags
+        self._timeout = timeout
+        if isinstance(parameters, str):
+            parameters = json.loads(parameters) if parameters else {}
+        self._parameters = dict(parameters or {})
+        self._native = None
+        self._sender = None
+
+    @classmethod
+    def _incoming(cls, native, requested: list[str]) -> "InferenceRequest":
+        r = cls.__new__(cls)
+        r._model_name = native.model_name
+        r._inputs = [Tensor(n, a, native.datatypes.get(n)) for n, a in native.inputs.items()]
+        r._requested = requested
+        r._model_version = native.model_version
+        r._correlation_id = native.correlation_id
+        r._request_id = native.id
+        r._flags = native.flags
+        r._timeout = native.timeout_us
+        r._parameters = native.parameters
+        r._native = native
+        r._sender = None
+        return r
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self):
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
+
+    def is_cancelled(self) -> bool:
+        return bool(self._native is not None and self._native.cancelled)
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None:
+            self._sender = InferenceResponseSender(self)
+        return self._sender
+
+    # ---- BLS ----
+    def _native_request(self):
+        from ..inference import InferenceRequest as Native, RequestedOutput
+        inputs, datatypes = {}, {}
+        for t in self._inputs:
+            inputs[t.name()] = t.as_numpy()
+            datatypes[t.name()] = t._datatype
+        return Native(
+            model_name=self._model_name, inputs=inputs, datatypes=datatypes,
+            model_version=int(self._model_version), id=self._request_id,
+            outputs=[RequestedOutput(n) for n in self._requested], parameters=dict(self._parameters),
+            timeout_us=self._timeout, correlation_id=self._correlation_id, flags=self._flags,
+        )
+
+    def exec(self, decoupled: bool = False):
+        server, loop = _target()
+        native = self._native_request()
+        if decoupled:
+            return _ResponseIterator(server, loop, native)
+        fut = asyncio.run_coroutine_threadsafe(server.infer(native), loop)
+        return _from_native_result(fut)
+
+    async def async_exec(self, decoupled: bool = False):
+        server, loop = _target()
+        native = self._native_request()
+        if decoupled:
+            return _ResponseIterator(server, loop, native)
+        fut = asyncio.run_coroutine_threadsafe(server.infer(native), loop)
+        await asyncio.wrap_future(fut)
+        return _from_native_result(fut)
+
+
+class _ResponseIterator:
+    """BLS on a decoupled model: iterate its responses as they arrive."""
+
+    def __init__(self, server, loop, native):
+        import queue
+        self._queue: "queue.Queue" = queue.Queue()
+        self._done = False
+
+        def on_response(resp):
+            self._queue.put(resp)
+
+        native.response_callback = on_response
+
+        async def run():
+            try:
+                async for _ in server.infer_stream(native):
+                    pass
+            except Exception as exc:  # noqa: BLE001 - reported to the model as an error response
+                self._queue.put(exc)
+            self._queue.put(None)
+
+        asyncio.run_coroutine_threadsafe(run(), loop)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        while True:
+            if self._done:
+                raise StopIteration
+            item = self._queue.get()
+            if item is None:
+                self._done = True
+                raise StopIteration
+            if isinstance(item, Exception):
+                return InferenceResponse(error=TritonError(str(item)))
+            return _from_native_response(item)
+
+
+def _from_native_response(resp) -> InferenceResponse:
+    if resp.error is not None:
+        return InferenceResponse(error=TritonError(str(resp.error)))
+    return InferenceResponse([Tensor(o.name, o.data, o.datatype) for o in resp.outputs],
+                             parameters=resp.parameters)
+
+
+def _from_native_result(fut) -> InferenceResponse:
+    try:
+        resp = fut.result()
+    except Exception as exc:  # noqa: BLE001 - BLS errors come back in the response, as in Triton
+        return InferenceResponse(error=TritonError(str(exc)))
+    return _from_native_response(resp)
+
+
+def _to_native(request: InferenceRequest, response: InferenceResponse | None, final: bool):
+    from ..errors import Internal
+    from ..inference import InferenceResponse as Native, OutputTensor
+    native = request._native
+    if response is None:
+        return Native(model_name=native.model_name, model_version=str(native.model_version),
+                      id=native.id, final=final)
+    if response.has_error():
+        return Native(model_name=native.model_name, model_version=str(native.model_version), id=native.id,
+                      error=Internal(response.error().message()), final=final)
+    requested = set(request._requested) if native.outputs else None
+    outputs = [OutputTensor(t.name(), t._datatype, t.as_numpy()) for t in response.output_tensors()
+               if requested is None or t.name() in requested]
+    return Native(model_name=native.model_name, model_version=str(native.model_version), outputs=outputs,
+                  id=native.id, parameters=response._parameters, final=final)
+
+
+# ---- lookups ----
+
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+    for t in inference_request.inputs():
+        if t.name() == name:
+            return t
+    return None
+
+
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+    for t in inference_response.output_tensors():
+        if t.name() == name:
+            return t
+    return None
+
+
+def get_input_config_by_name(model_config: dict, name: str) -> dict | None:
+    for entry in model_config.get("input", []):
+        if entry.get("name") == name:
+            return entry
+    return None
+
+
+def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
+    for entry in model_config.get("output", []):
+        if entry.get("name") == name:
+            return entry
+    return None
+
+
+# ---- logging ----
+
+class Logger:
+    INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
+
+    @staticmethod
+    def log(message: str, level: int = 0) -> None:
+        {0: _log.info, 1: _log.warning, 2: _log.error, 3: _log.debug}.get(level, _log.info)(message)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        _log.info(message)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        _log.warning(message)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        _log.error(message)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        _log.debug(message)
+
+
+class LogLevel:
+    INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
+
+
+# ---- auto_complete_config ----
+
+class ModelConfig:
+    """The object `TritonPythonModel.auto_complete_config` receives and returns."""
+
+    def __init__(self, model_config: dict | str):
+        self._config = json.loads(model_config) if isinstance(model_config, str) else model_config
+
+    def as_dict(self) -> dict:
+        return self._config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        current = int(self._config.get("max_batch_size", 0) or 0)
+        if current and current != max_batch_size:
+            raise ValueError(
+                f"configuration specified max_batch_size {current}, but in auto-complete-config "
+                f"function for model '{self._config.get('name')}' specified max_batch_size {max_batch_size}"
+            )
+        self._config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        if "sequence_batching" in self._config:
+            raise ValueError("configuration specified sequence batching, dynamic batching cannot be added")
+        self._config.setdefault("dynamic_batching", {})
+
+    def _add(self, kind: str, spec: dict) -> None:
+        if not isinstance(spec, dict):
+            raise ValueError(f"model {kind} must be specified as a dict")
+        for key in ("name", "data_type", "dims"):
+            if key not in spec:
+                raise ValueError(f"model {kind} in auto-complete-config for model "
+                                 f"'{self._config.get('name')}' must have '{key}'")
+        entries = self._config.setdefault(kind, [])
+        for entry in entries:
+            if entry.get("name") == spec["name"]:
+                if entry.get("data_type") and entry["data_type"] != spec["data_type"]:
+                    raise ValueError(f"model {kind} '{spec['name']}' data_type conflicts with config.pbtxt")
+                if entry.get("dims") and list(entry["dims"]) != list(spec["dims"]):
+                    raise ValueError(f"model {kind} '{spec['name']}' dims conflict with config.pbtxt")
+                entry.update({k: v for k, v in spec.items() if k not in entry})
+                return
+        entries.append(dict(spec))
+
+    def add_input(self, input: dict) -> None:  # noqa: A002 - Triton's parameter name
+        self._add("input", input)
+
+    def add_output(self, output: dict) -> None:
+        self._add("output", output)
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict) -> None:
+        self._config["model_transaction_policy"] = dict(transaction_policy_dict)
+
+    def add_input_tensor(self, input: dict) -> None:  # noqa: A002
+        self.add_input(input)
+

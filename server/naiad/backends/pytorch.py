@@ -1,0 +1,151 @@
+"""PyTorch (TorchScript) backend: `model.pt` loaded with torch.jit, inputs bound like Triton's libtorch backend."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..config import ModelConfig, data_type_name
+from ..errors import InvalidArgument, Unavailable
+from ..tensors import config_to_wire, numpy_dtype
+from .base import ModelContext, TensorInstance
+
+_INDEXED = re.compile(r"^(.*)__(\d+)$")
+_threads_lock = threading.Lock()
+
+_TORCH_TO_CONFIG = {
+    "torch.float32": mc.TYPE_FP32, "torch.float64": mc.TYPE_FP64, "torch.float16": mc.TYPE_FP16,
+    "torch.bfloat16": mc.TYPE_BF16, "torch.int8": mc.TYPE_INT8, "torch.int16": mc.TYPE_INT16,
+    "torch.int32": mc.TYPE_INT32, "torch.int64": mc.TYPE_INT64, "torch.uint8": mc.TYPE_UINT8,
+    "torch.bool": mc.TYPE_BOOL,
+}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise Unavailable("the pytorch backend needs the 'torch' package: pip install 'naiad[torch]'") from None
+    return torch
+
+
+def _load(path: Path, device: str = "cpu"):
+    torch = _torch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            module = torch.jit.load(str(path), map_location=device)
+        except Exception as exc:
+            raise InvalidArgument(f"failed to load TorchScript model {path}: {exc}") from None
+    module.eval()
+    return module
+
+
+def _forward_args(module) -> list[str]:
+    schema = module.forward.schema
+    return [a.name for a in schema.arguments if a.name != "self"]
+
+
+def _order(names: list[str], forward_args: list[str]) -> list[str]:
+    """Positional order of config tensors: `<name>__<i>` index, else forward-argument names, else config order."""
+    indexed = [_INDEXED.match(n) for n in names]
+    if names and all(indexed):
+        return [n for _, n in sorted((int(m.group(2)), n) for m, n in zip(indexed, names))]
+    if names and set(names) <= set(forward_args):
+        return sorted(names, key=forward_args.index)
+    return list(names)
+
+
+def auto_complete(config: ModelConfig, model_file: Path) -> None:
+    """Beyond Triton: outputs are derived by a probe run once the inputs are declared."""
+    if config.input and config.output:
+        return
+    module = _load(model_file)
+    args = _forward_args(module)
+    if not config.input:
+        raise InvalidArgument(
+            f"model '{config.name}': a TorchScript model does not record its input types; declare its "
+            f"inputs in config.pbtxt (forward takes: {', '.join(args) or 'no tensors'}), "
+            "for example: input [ { name: \"INPUT__0\" data_type: TYPE_FP32 dims: [ -1 ] } ]"
+        )
+    torch = _torch()
+    feed = []
+    batch = [1] if config.max_batch_size > 0 else []
+    for name in _order([i.name for i in config.input], args):
+        spec = next(i for i in config.input if i.name == name)
+        shape = batch + [d if d > 0 else 1 for d in spec.dims]
+        dtype = numpy_dtype(config_to_wire(data_type_name(spec.data_type)))
+        feed.append(torch.from_numpy(np.zeros(shape, dtype=dtype)))
+    try:
+        with torch.no_grad():
+            result = module(*feed)
+    except Exception as exc:
+        raise InvalidArgument(
+            f"model '{config.name}': could not derive outputs by running forward on zeros ({exc}); "
+            "declare the outputs in config.pbtxt"
+        ) from None
+    results = list(result) if isinstance(result, (tuple, list)) else [result]
+    for i, t in enumerate(results):
+        out = config.output.add()
+        out.name = f"OUTPUT__{i}"
+        dtype = _TORCH_TO_CONFIG.get(str(t.dtype))
+        if dtype is None:
+            raise InvalidArgument(f"model '{config.name}': output {i} has unsupported dtype {t.dtype}")
+        out.data_type = dtype
+        out.dims.extend([-1] * (t.dim() - len(batch)) or [1])
+
+
+class TorchInstance(TensorInstance):
+    def __init__(self, ctx: ModelContext, group, device_id: int, index: int):
+        super().__init__(ctx, group, device_id, index)
+        torch = _torch()
+        self.torch = torch
+        if group.kind == mc.ModelInstanceGroup.KIND_GPU:
+            if not torch.cuda.is_available():
+                raise Unavailable(f"model '{ctx.name}' asks for a GPU instance but torch has no CUDA device")
+            self.device = torch.device(f"cuda:{device_id}")
+        else:
+            self.device = torch.device("cpu")
+            with _threads_lock:
+                total = sum(g.count for g in ctx.config.instance_group) or 1
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // total))
+        self.module = _load(ctx.model_file, str(self.device))
+        args = _forward_args(self.module)
+        self.input_order = _order([i.name for i in ctx.config.input], args)
+        self.output_order = _order([o.name for o in ctx.config.output], [])
+
+    def run(self, inputs, outputs):
+        torch = self.torch
+        feed = []
+        for name in self.input_order:
+            arr = inputs[name]
+            if arr.dtype == np.object_:
+                raise InvalidArgument(f"input '{name}': the pytorch backend does not take BYTES tensors here")
+            if not arr.flags.writeable:
+                arr = arr.copy()  # torch wants writable memory; request bytes are read-only
+            feed.append(torch.from_numpy(arr).to(self.device))
+        try:
+            with torch.inference_mode():
+                result = self.module(*feed)
+        except Exception as exc:
+            raise InvalidArgument(f"PyTorch execute failure: {exc}") from None
+        results = list(result) if isinstance(result, (tuple, list)) else [result]
+        if len(results) < len(self.output_order):
+            raise InvalidArgument(
+                f"model '{self.ctx.name}' returned {len(results)} outputs, config declares {len(self.output_order)}"
+            )
+        by_name = dict(zip(self.output_order, results))
+        return {name: by_name[name].detach().cpu().numpy() for name in outputs}
+
+    def close(self):
+        self.module = None
+
+
+def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> TorchInstance:
+    return TorchInstance(ctx, group, device_id, index)

@@ -1,0 +1,136 @@
+"""`naiad serve`: flags named like tritonserver's; SIGTERM drains in-flight requests, then exits 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from . import __version__
+from .errors import NaiadError
+from .server import Server, ServerOptions
+
+log = logging.getLogger("naiad")
+
+
+def _bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="naiad", description="Naiad inference server (Triton-compatible)")
+    p.add_argument("--version", action="version", version=f"naiad {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a Triton model repository over HTTP and gRPC")
+    s.add_argument("--model-repository", "--model-store", action="append", required=True, dest="model_repository",
+                   help="path of a model repository (repeatable)")
+    s.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none")
+    s.add_argument("--load-model", action="append", default=[], help="model to load at startup in explicit "
+                   "mode (repeatable; '*' loads all)")
+    s.add_argument("--repository-poll-secs", type=float, default=15.0)
+    s.add_argument("--strict-readiness", type=_bool, default=True)
+    s.add_argument("--exit-timeout-secs", type=float, default=30.0)
+    s.add_argument("--disable-auto-complete-config", action="store_true")
+    s.add_argument("--strict-model-config", type=_bool, default=None,
+                   help="deprecated tritonserver spelling of --disable-auto-complete-config")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--http-address", default="0.0.0.0")
+    s.add_argument("--grpc-address", default="0.0.0.0")
+    s.add_argument("--metrics-address", default=None, help="default: the HTTP address")
+    s.add_argument("--allow-http", type=_bool, default=True)
+    s.add_argument("--allow-grpc", type=_bool, default=True)
+    s.add_argument("--allow-metrics", type=_bool, default=True)
+    s.add_argument("--allow-gpu-metrics", type=_bool, default=True)
+    s.add_argument("--allow-cpu-metrics", type=_bool, default=True)
+    s.add_argument("--metrics-interval-ms", type=int, default=2000)
+    s.add_argument("--metrics-config", action="append", default=[],
+                   help="<setting>=<value>: counter_latencies, histogram_latencies, summary_latencies, "
+                        "summary_quantiles")
+    s.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024)
+    s.add_argument("--allow-client-shm", type=_bool, default=True)
+    s.add_argument("--log-verbose", type=int, default=0)
+    s.add_argument("--log-info", type=_bool, default=True)
+    s.add_argument("--log-warning", type=_bool, default=True)
+    s.add_argument("--log-error", type=_bool, default=True)
+    return p
+
+
+def configure_logging(verbose: int, info: bool = True) -> None:
+    level = logging.DEBUG if verbose > 0 else (logging.INFO if info else logging.WARNING)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
+                        stream=sys.stderr)
+
+
+def model_table(server: Server) -> str:
+    rows = [("Model", "Version", "Status")]
+    for entry in server.repository.index():
+        status = entry.get("state", "UNAVAILABLE")
+        if status != "READY" and entry.get("reason"):
+            status = f"{status}: {entry['reason']}"
+        rows.append((entry["name"], entry.get("version", "-") or "-", status))
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    line = "+" + "+".join("-" * (w + 2) for w in widths) + "+" + "-" * 10
+    out = [line]
+    for i, (a, b, c) in enumerate(rows):
+        out.append(f"| {a.ljust(widths[0])} | {b.ljust(widths[1])} | {c}")
+        if i == 0:
+            out.append(line)
+    out.append(line)
+    return "\n".join(out)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from .app import App
+    auto_complete = not args.disable_auto_complete_config
+    if args.strict_model_config is not None:
+        auto_complete = not args.strict_model_config
+    options = ServerOptions(
+        model_repositories=args.model_repository,
+        model_control_mode=args.model_control_mode,
+        load_models=args.load_model,
+        repository_poll_secs=args.repository_poll_secs,
+        strict_readiness=args.strict_readiness,
+        exit_timeout_secs=args.exit_timeout_secs,
+        auto_complete_config=auto_complete,
+        allow_client_shm=args.allow_client_shm,
+    )
+    app = App(options, args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await app.start()
+    except (NaiadError, OSError) as exc:
+        log.error("failed to start: %s", exc)
+        await app.stop(0)
+        return 1
+    print(model_table(app.server), file=sys.stderr, flush=True)
+    log.info("%s", app.endpoints_banner())
+    await stop.wait()
+    log.info("shutting down: draining in-flight requests (up to %ss)", args.exit_timeout_secs)
+    await app.stop(args.exit_timeout_secs)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_verbose, args.log_info)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""One error hierarchy for the whole server, and its single mapping to HTTP and gRPC status codes."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class NaiadError(Exception):
+    """Base of every error a client may see. `http_status`/`grpc_status` decide how frontends report it."""
+
+    http_status = 400
+    grpc_status = grpc.StatusCode.INVALID_ARGUMENT
+    triton_code = "TRITONSERVER_ERROR_INVALID_ARG"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(NaiadError):
+    pass
+
+
+class NotFound(NaiadError):
+    http_status = 404
+    grpc_status = grpc.StatusCode.NOT_FOUND
+    triton_code = "TRITONSERVER_ERROR_NOT_FOUND"
+
+
+class Unavailable(NaiadError):
+    http_status = 503
+    grpc_status = grpc.StatusCode.UNAVAILABLE
+    triton_code = "TRITONSERVER_ERROR_UNAVAILABLE"
+
+
+class Internal(NaiadError):
+    http_status = 500
+    grpc_status = grpc.StatusCode.INTERNAL
+    triton_code = "TRITONSERVER_ERROR_INTERNAL"
+
+
+class Unsupported(NaiadError):
+    http_status = 400
+    grpc_status = grpc.StatusCode.UNIMPLEMENTED
+    triton_code = "TRITONSERVER_ERROR_UNSUPPORTED"
+
+
+class AlreadyExists(NaiadError):
+    http_status = 409
+    grpc_status = grpc.StatusCode.ALREADY_EXISTS
+    triton_code = "TRITONSERVER_ERROR_ALREADY_EXISTS"
+
+
+class PermissionDenied(NaiadError):
+    http_status = 403
+    grpc_status = grpc.StatusCode.PERMISSION_DENIED
+    triton_code = "TRITONSERVER_ERROR_UNAVAILABLE"
+
+
+class Cancelled(NaiadError):
+    http_status = 499
+    grpc_status = grpc.StatusCode.CANCELLED
+    triton_code = "TRITONSERVER_ERROR_CANCELLED"
+
+
+def as_naiad_error(exc: BaseException) -> NaiadError:
+    """Wrap anything a model or backend raised into a NaiadError; keep NaiadErrors as they are."""
+    if isinstance(exc, NaiadError):
+        return exc
+    return Internal(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)

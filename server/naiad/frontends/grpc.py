@@ -1,0 +1,338 @@
+"""KServe v2 gRPC frontend (grpc.aio) over the service definitions shipped in tritonclient. A thin adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from .. import tensors
+from ..errors import InvalidArgument, NaiadError, as_naiad_error
+from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
+from ..server import Server
+from .common import request_options
+
+log = logging.getLogger("naiad.grpc")
+
+# InferTensorContents field per datatype
+_CONTENTS = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+
+MAX_MESSAGE = 2**31 - 1
+
+
+def param_value(p):
+    kind = p.WhichOneof("parameter_choice")
+    return getattr(p, kind) if kind else None
+
+
+def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
+    """ModelInferRequest -> InferenceRequest; raw contents become numpy views without copies."""
+    raw = req.raw_input_contents
+    if raw and len(raw) != len(req.inputs):
+        raise InvalidArgument(
+            f"expected {len(req.inputs)} raw_input_contents entries (one per input), got {len(raw)}"
+        )
+    inputs: dict[str, np.ndarray] = {}
+    datatypes: dict[str, str] = {}
+    for i, t in enumerate(req.inputs):
+        name, datatype, shape = t.name, t.datatype, list(t.shape)
+        if datatype not in tensors.DATATYPES:
+            raise InvalidArgument(f"input '{name}' has invalid datatype '{datatype}'")
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(f"input '{name}' has a negative dimension in shape {shape}")
+        if name in inputs:
+            raise InvalidArgument(f"input '{name}' is given more than once")
+        tparams = {k: param_value(v) for k, v in t.parameters.items()}
+        if "shared_memory_region" in tparams:
+            if shm is None:
+                raise InvalidArgument("shared memory is not enabled on this server")
+            inputs[name] = shm.read_input(name, datatype, shape, tparams)
+        elif raw:
+            inputs[name] = tensors.from_buffer(datatype, raw[i], shape)
+        else:
+            field = _CONTENTS.get(datatype)
+            if field is None:
+                raise InvalidArgument(f"input '{name}': datatype {datatype} must be sent in raw_input_contents")
+            values = getattr(t.contents, field)
+            count = tensors.element_count(shape)
+            if len(values) != count:
+                raise InvalidArgument(
+                    f"unexpected number of elements {len(values)} in the contents of input '{name}', "
+                    f"expecting {count} for shape {shape}"
+                )
+            if datatype == "BYTES":
+                arr = np.empty(count, dtype=np.object_)
+                arr[:] = list(values)
+            else:
+                arr = np.asarray(values, dtype=tensors.numpy_dtype(datatype))
+            inputs[name] = arr.reshape(shape)
+        datatypes[name] = datatype
+    params = {k: param_value(v) for k, v in req.parameters.items()}
+    outputs = []
+    for o in req.outputs:
+        oparams = {k: param_value(v) for k, v in o.parameters.items()}
+        outputs.append(RequestedOutput(o.name, binary=True, classification=int(oparams.get("classification", 0)),
+                                       parameters=oparams))
+    version = req.model_version
+    if version:
+        try:
+            v = int(version)
+        except ValueError:
+            raise InvalidArgument(f"failed to parse model version '{version}': must be an integer") from None
+    else:
+        v = -1
+    request = InferenceRequest(model_name=req.model_name, inputs=inputs, datatypes=datatypes, model_version=v,
+                               id=req.id, outputs=outputs, parameters=params)
+    request_options(request, params)
+    return request
+
+
+def _set_param(p, value) -> None:
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = str(value)
+
+
+def encode_response(resp: InferenceResponse, request: InferenceRequest | None, shm=None) -> pb.ModelInferResponse:
+    out = pb.ModelInferResponse(model_name=resp.model_name, model_version=resp.model_version, id=resp.id)
+    for k, v in resp.parameters.items():
+        _set_param(out.parameters[k], v)
+    wanted = {o.name: o for o in request.outputs} if request is not None else {}
+    raws = []
+    for t in resp.outputs:
+        o = out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        req = wanted.get(t.name)
+        if req is not None and "shared_memory_region" in req.parameters:
+            if shm is None:
+                raise InvalidArgument("shared memory is not enabled on this server")
+            for k, v in shm.write_output(t, req.parameters).items():
+                _set_param(o.parameters[k], v)
+            continue
+        raws.append(bytes(tensors.to_bytes(t.data, t.datatype)))
+    if raws:
+        out.raw_output_contents.extend(raws)
+    return out
+
+
+class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, server: Server, shm=None, logging_ext=None, trace_ext=None):
+        self.server = server
+        self.shm = shm
+        self.logging_ext = logging_ext
+        self.trace_ext = trace_ext
+
+    async def _fail(self, context, exc: BaseException):
+        err = as_naiad_error(exc)
+        await context.abort(err.grpc_status, err.message)
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=self.server.live())
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.server.ready())
+
+    async def ModelReady(self, request, context):
+        try:
+            return pb.ModelReadyResponse(ready=self.server.model_ready(request.name, request.version))
+        except NaiadError as exc:
+            await self._fail(context, exc)
+
+    async def ServerMetadata(self, request, context):
+        md = self.server.metadata()
+        return pb.ServerMetadataResponse(name=md["name"], version=md["version"], extensions=md["extensions"])
+
+    async def ModelMetadata(self, request, context):
+        try:
+            md = self.server.model_metadata(request.name, request.version)
+        except NaiadError as exc:
+            return await self._fail(context, exc)
+        resp = pb.ModelMetadataResponse(name=md["name"], versions=md["versions"], platform=md["platform"])
+        for kind in ("inputs", "outputs"):
+            for t in md[kind]:
+                getattr(resp, kind).add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+        return resp
+
+    async def ModelConfig(self, request, context):
+        try:
+            mv = self.server.model(request.name, request.version)
+        except NaiadError as exc:
+            return await self._fail(context, exc)
+        return pb.ModelConfigResponse(config=mv.config)
+
+    async def ModelStatistics(self, request, context):
+        try:
+            stats = self.server.model_statistics(request.name, request.version)
+        except NaiadError as exc:
+            return await self._fail(context, exc)
+        resp = pb.ModelStatisticsResponse()
+        for s in stats:
+            json_format.ParseDict(s, resp.model_stats.add(), ignore_unknown_fields=True)
+        return resp
+
+    async def RepositoryIndex(self, request, context):
+        resp = pb.RepositoryIndexResponse()
+        for e in self.server.repository.index(request.ready):
+            resp.models.add(name=e["name"], version=e.get("version", ""), state=e.get("state", ""),
+                            reason=e.get("reason", ""))
+        return resp
+
+    async def RepositoryModelLoad(self, request, context):
+        params = {k: param_value(v) for k, v in request.parameters.items()}
+        files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
+        try:
+            await self.server.load_model(request.model_name, params.get("config") or None, files or None)
+        except NaiadError as exc:
+            return await self._fail(context, exc)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request, context):
+        params = {k: param_value(v) for k, v in request.parameters.items()}
+        try:
+            await self.server.unload_model(request.model_name, bool(params.get("unload_dependents")))
+        except NaiadError as exc:
+            return await self._fail(context, exc)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def ModelInfer(self, request, context):
+        try:
+            req = decode_request(request, self.shm)
+            resp = await self.server.infer(req)
+            return encode_response(resp, req, self.shm)
+        except NaiadError as exc:
+            return await self._fail(context, exc)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("ModelInfer failed")
+            return await self._fail(context, exc)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Bidirectional stream: requests run concurrently; errors go in `error_message`, never abort."""
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        loop = asyncio.get_running_loop()
+
+        async def handle(msg: pb.ModelInferRequest) -> None:
+            req = None
+            try:
+                req = decode_request(msg, self.shm)
+                empty_final = bool(req.parameters.get("triton_enable_empty_final_response", False))
+                mv = self.server.repository.get(req.model_name, req.model_version)
+                if not mv.decoupled:
+                    resp = await self.server.infer(req)
+                    queue.put_nowait(pb.ModelStreamInferResponse(infer_response=encode_response(resp, req,
+                                                                                                self.shm)))
+                    return
+                async for resp in self.server.infer_stream(req):
+                    if resp.error is not None:
+                        queue.put_nowait(pb.ModelStreamInferResponse(error_message=str(resp.error)))
+                        if resp.final:
+                            break
+                        continue
+                    if not resp.outputs and resp.final and not empty_final:
+                        break
+                    out = encode_response(resp, req, self.shm)
+                    out.parameters["triton_final_response"].bool_param = resp.final
+                    queue.put_nowait(pb.ModelStreamInferResponse(infer_response=out))
+            except Exception as exc:  # noqa: BLE001 - reported on the stream
+                err = as_naiad_error(exc)
+                queue.put_nowait(pb.ModelStreamInferResponse(
+                    error_message=err.message,
+                    infer_response=pb.ModelInferResponse(model_name=msg.model_name,
+                                                         model_version=msg.model_version, id=msg.id)))
+
+        async def reader() -> None:
+            try:
+                async for msg in request_iterator:
+                    task = loop.create_task(handle(msg))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                while tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                queue.put_nowait(None)
+
+        read_task = loop.create_task(reader())
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            read_task.cancel()
+            for t in list(tasks):
+                t.cancel()
+
+    # Shared memory, logging and trace are served by their extension objects when present.
+    async def SystemSharedMemoryStatus(self, request, context):
+        return await self._ext(context, self.shm, "status_grpc", request)
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        return await self._ext(context, self.shm, "register_grpc", request)
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        return await self._ext(context, self.shm, "unregister_grpc", request)
+
+    async def LogSettings(self, request, context):
+        return await self._ext(context, self.logging_ext, "grpc", request)
+
+    async def TraceSetting(self, request, context):
+        return await self._ext(context, self.trace_ext, "grpc", request)
+
+    async def _ext(self, context, ext, method: str, request):
+        if ext is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this extension is not enabled on this server")
+        try:
+            return getattr(ext, method)(request)
+        except NaiadError as exc:
+            return await self._fail(context, exc)
+
+
+class GrpcFrontend:
+    def __init__(self, server: Server, shm=None, logging_ext=None, trace_ext=None):
+        self.server = server
+        self.servicer = _Servicer(server, shm, logging_ext, trace_ext)
+        self._grpc: grpc.aio.Server | None = None
+        self._health = None
+
+    async def start(self, host: str, port: int) -> None:
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._grpc = grpc.aio.server(options=options)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, self._grpc)
+        try:
+            from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+            self._health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+            for svc in ("", "inference.GRPCInferenceService"):
+                await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        except ImportError:
+            log.warning("grpcio-health-checking is not installed: grpc.health.v1 is not served")
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self._grpc.add_insecure_port(addr) == 0:
+            raise OSError(f"cannot bind gRPC to {addr}")
+        await self._grpc.start()
+
+    async def stop(self, grace: float) -> None:
+        if self._health is not None:
+            from grpc_health.v1 import health_pb2
+            for svc in ("", "inference.GRPCInferenceService"):
+                await self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._grpc is not None:
+            await self._grpc.stop(grace)

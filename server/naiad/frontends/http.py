@@ -1,0 +1,305 @@
+"""KServe v2 HTTP/REST frontend (aiohttp) with Triton's extensions. A thin adapter over `Server`."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from .. import config as cfg
+from ..errors import InvalidArgument, NaiadError, NotFound, as_naiad_error
+from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
+from ..repository import decode_file_overrides
+from ..server import Server
+from .. import tensors
+from .common import request_options
+
+log = logging.getLogger("naiad.http")
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_NUMPY_OPT = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _json(data, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def error_response(exc: BaseException) -> web.Response:
+    err = as_naiad_error(exc)
+    return _json({"error": err.message}, status=err.http_status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return _json({"error": exc.reason or exc.text or "error"}, status=exc.status)
+        raise
+    except NaiadError as exc:
+        return error_response(exc)
+    except Exception as exc:  # noqa: BLE001 - never let a handler bug drop the connection
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(exc)
+
+
+# ---- request decoding ----
+
+def decode_infer_request(model: str, version: str, body: bytes, header_length: str | None,
+                         shm=None) -> tuple[InferenceRequest, bool]:
+    """Parse a KServe v2 JSON (+ binary) request; tensors are views over `body` wherever possible."""
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise InvalidArgument(f"invalid {HEADER_LENGTH} header '{header_length}'") from None
+        if n < 0 or n > len(body):
+            raise InvalidArgument(
+                f"{HEADER_LENGTH} header value {n} is larger than the request body ({len(body)} bytes)"
+            )
+        json_part = memoryview(body)[:n]
+        binary = memoryview(body)[n:]
+    else:
+        json_part, binary = body, memoryview(b"")
+    try:
+        doc = orjson.loads(json_part)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"failed to parse the request JSON buffer: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list):
+        raise InvalidArgument("request JSON must contain an 'inputs' array")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidArgument("'parameters' must be a JSON object")
+    inputs: dict[str, np.ndarray] = {}
+    datatypes: dict[str, str] = {}
+    offset = 0
+    for item in raw_inputs:
+        if not isinstance(item, dict):
+            raise InvalidArgument("each entry of 'inputs' must be a JSON object")
+        name = item.get("name")
+        datatype = item.get("datatype")
+        shape = item.get("shape")
+        if not isinstance(name, str):
+            raise InvalidArgument("input is missing 'name'")
+        if not isinstance(datatype, str):
+            raise InvalidArgument(f"input '{name}' is missing 'datatype'")
+        if datatype not in tensors.DATATYPES:
+            raise InvalidArgument(f"input '{name}' has invalid datatype '{datatype}'")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise InvalidArgument(f"input '{name}' must have a 'shape' of non-negative integers")
+        if name in inputs:
+            raise InvalidArgument(f"input '{name}' is given more than once")
+        iparams = item.get("parameters") or {}
+        if "shared_memory_region" in iparams:
+            if shm is None:
+                raise InvalidArgument("shared memory is not enabled on this server")
+            inputs[name] = shm.read_input(name, datatype, shape, iparams)
+        elif "binary_data_size" in iparams:
+            size = iparams["binary_data_size"]
+            if not isinstance(size, int) or size < 0:
+                raise InvalidArgument(f"input '{name}': 'binary_data_size' must be a non-negative integer")
+            if offset + size > len(binary):
+                raise InvalidArgument(
+                    f"unexpected end of binary data for input '{name}': needs {size} bytes at offset "
+                    f"{offset}, but only {len(binary) - offset} remain"
+                )
+            inputs[name] = tensors.from_buffer(datatype, binary[offset:offset + size], shape)
+            offset += size
+        elif "data" in item:
+            inputs[name] = tensors.from_json_data(datatype, item["data"], shape)
+        else:
+            raise InvalidArgument(f"input '{name}' has neither 'data' nor binary data")
+        datatypes[name] = datatype
+    if offset != len(binary):
+        raise InvalidArgument(
+            f"binary data is {len(binary)} bytes but the inputs' binary_data_size add up to {offset}"
+        )
+    default_binary = bool(params.get("binary_data_output", False))
+    outputs = []
+    raw_outputs = doc.get("outputs") or []
+    if not isinstance(raw_outputs, list):
+        raise InvalidArgument("'outputs' must be an array")
+    for item in raw_outputs:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
+        oparams = item.get("parameters") or {}
+        binary_flag = oparams.get("binary_data")
+        outputs.append(RequestedOutput(
+            item["name"],
+            binary=None if binary_flag is None else bool(binary_flag),
+            classification=int(oparams.get("classification", 0) or 0),
+            parameters=oparams,
+        ))
+    req_id = doc.get("id", "")
+    request = InferenceRequest(
+        model_name=model, inputs=inputs, datatypes=datatypes, model_version=_version(version),
+        id=req_id if isinstance(req_id, str) else str(req_id), outputs=outputs, parameters=params,
+    )
+    request_options(request, params)
+    return request, default_binary
+
+
+def _version(version: str) -> int:
+    """Triton's routes only match numeric versions: anything else is a 404."""
+    if not version:
+        return -1
+    if not version.isdigit():
+        raise NotFound(f"Not Found: model version '{version}' must be a non-negative integer")
+    return int(version)
+
+
+def encode_infer_response(response: InferenceResponse, request: InferenceRequest, default_binary: bool,
+                          shm=None) -> tuple[list, dict]:
+    """(body chunks, headers). Binary outputs follow the JSON header, as the binary extension defines."""
+    wanted = {o.name: o for o in request.outputs}
+    outputs = []
+    chunks = []
+    for out in response.outputs:
+        req = wanted.get(out.name)
+        entry = {"name": out.name, "datatype": out.datatype, "shape": out.shape}
+        oparams = req.parameters if req is not None else {}
+        if req is not None and "shared_memory_region" in oparams:
+            if shm is None:
+                raise InvalidArgument("shared memory is not enabled on this server")
+            entry["parameters"] = shm.write_output(out, oparams)
+        elif (req.binary if req is not None and req.binary is not None else default_binary):
+            data = tensors.to_bytes(out.data, out.datatype)
+            entry["parameters"] = {"binary_data_size": len(data)}
+            chunks.append(data)
+        else:
+            if out.datatype in ("BYTES", "BF16") or out.data.dtype.byteorder == ">":
+                entry["data"] = tensors.to_json_data(out.data, out.datatype)
+            else:
+                entry["data"] = out.data.reshape(-1)
+        outputs.append(entry)
+    doc = {"model_name": response.model_name, "model_version": response.model_version}
+    if response.id:
+        doc["id"] = response.id
+    if response.parameters:
+        doc["parameters"] = response.parameters
+    doc["outputs"] = outputs
+    head = orjson.dumps(doc, option=_NUMPY_OPT)
+    if chunks:
+        headers = {HEADER_LENGTH: str(len(head)), "Content-Type": "application/octet-stream"}
+        return [head, *chunks], headers
+    return [head], {"Content-Type": "application/json"}
+
+
+# ---- the app ----
+
+class HttpFrontend:
+    def __init__(self, server: Server, shm=None, max_input_size: int = 64 * 1024 * 1024,
+                 restricted: dict | None = None):
+        self.server = server
+        self.shm = shm
+        self.restricted = restricted or {}
+        self.app = web.Application(client_max_size=max_input_size, middlewares=[_errors])
+        self.extra_routes: list = []
+        r = self.app.router
+        r.add_get("/v2/health/live", self.live)
+        r.add_get("/v2/health/ready", self.ready)
+        r.add_get("/v2", self.metadata)
+        r.add_get("/v2/models/stats", self.stats)
+        r.add_post("/v2/repository/index", self.index)
+        r.add_post("/v2/repository/models/{model}/load", self.load)
+        r.add_post("/v2/repository/models/{model}/unload", self.unload)
+        for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            r.add_get(prefix, self.model_metadata)
+            r.add_get(prefix + "/ready", self.model_ready)
+            r.add_get(prefix + "/config", self.model_config)
+            r.add_get(prefix + "/stats", self.stats)
+            r.add_post(prefix + "/infer", self.infer)
+
+    # health & metadata
+    async def live(self, request):
+        return web.Response(status=200 if self.server.live() else 400)
+
+    async def ready(self, request):
+        return web.Response(status=200 if self.server.ready() else 400)
+
+    async def metadata(self, request):
+        return _json(self.server.metadata())
+
+    async def model_metadata(self, request):
+        m = request.match_info
+        return _json(self.server.model_metadata(m["model"], m.get("version", "")))
+
+    async def model_ready(self, request):
+        m = request.match_info
+        _version(m.get("version", ""))
+        if self.server.model_ready(m["model"], m.get("version", "")):
+            return web.Response(status=200)
+        return _json({"error": "Model version not ready"}, status=400)
+
+    async def model_config(self, request):
+        m = request.match_info
+        mv = self.server.model(m["model"], m.get("version", ""))
+        return _json(cfg.to_dict(mv.config))
+
+    async def stats(self, request):
+        m = request.match_info
+        return _json({"model_stats": self.server.model_statistics(m.get("model", ""), m.get("version", ""))})
+
+    # repository extension
+    async def _body_json(self, request) -> dict:
+        body = await request.read()
+        if not body:
+            return {}
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgument(f"failed to parse the request JSON buffer: {exc}") from None
+        if not isinstance(doc, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return doc
+
+    async def index(self, request):
+        doc = await self._body_json(request)
+        return _json(self.server.repository.index(bool(doc.get("ready", False))))
+
+    async def load(self, request):
+        doc = await self._body_json(request)
+        params = doc.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidArgument("'parameters' must be a JSON object")
+        config = params.get("config")
+        if config is not None and not isinstance(config, (str, dict)):
+            raise InvalidArgument("the 'config' parameter must be a JSON string")
+        files = decode_file_overrides(params)
+        await self.server.load_model(request.match_info["model"], config, files or None)
+        return web.Response(status=200)
+
+    async def unload(self, request):
+        doc = await self._body_json(request)
+        params = doc.get("parameters") or {}
+        await self.server.unload_model(request.match_info["model"], bool(params.get("unload_dependents")))
+        return web.Response(status=200)
+
+    # inference
+    async def infer(self, request: web.Request):
+        m = request.match_info
+        body = await request.read()
+        req, default_binary = decode_infer_request(
+            m["model"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH), self.shm)
+        response = await self.server.infer(req)
+        chunks, headers = encode_infer_response(response, req, default_binary, self.shm)
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        resp = web.Response(body=body, headers=headers)
+        if "gzip" in request.headers.get("Accept-Encoding", "") or \
+                "deflate" in request.headers.get("Accept-Encoding", ""):
+            resp.enable_compression()
+        return resp
+
+    async def start(self, host: str, port: int) -> web.AppRunner:
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+        await site.start()
+        return runner

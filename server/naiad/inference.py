@@ -1,0 +1,74 @@
+"""The one internal request/response shape that every frontend decodes into and encodes from."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+# Triton's request flags (TRITONSERVER_REQUEST_FLAG_*).
+SEQUENCE_START = 1
+SEQUENCE_END = 2
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    name: str
+    binary: bool | None = None  # None: the frontend's default
+    classification: int = 0
+    parameters: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    model_name: str
+    inputs: dict[str, np.ndarray]
+    datatypes: dict[str, str]  # wire datatype of each input ("FP32", "BYTES", "BF16", ...)
+    model_version: int = -1  # -1: the policy's latest ready version
+    id: str = ""
+    outputs: list[RequestedOutput] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    timeout_us: int = 0
+    correlation_id: int | str = 0
+    flags: int = 0
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+    # Set by the server for decoupled models: called with each response from any thread.
+    response_callback: Callable[["InferenceResponse"], None] | None = None
+    cancelled: bool = False
+
+    def batch_size(self, batched: bool) -> int:
+        if not batched or not self.inputs:
+            return 1
+        first = next(iter(self.inputs.values()))
+        return int(first.shape[0]) if first.ndim else 1
+
+
+@dataclass(slots=True)
+class OutputTensor:
+    name: str
+    datatype: str
+    data: np.ndarray
+
+    @property
+    def shape(self) -> list[int]:
+        return list(self.data.shape)
+
+
+@dataclass(slots=True)
+class InferenceResponse:
+    model_name: str
+    model_version: str
+    outputs: list[OutputTensor] = field(default_factory=list)
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    error: Exception | None = None
+    final: bool = True
+
+    def output(self, name: str) -> OutputTensor | None:
+        for o in self.outputs:
+            if o.name == name:
+                return o
+        return None

@@ -1,0 +1,222 @@
+"""Prometheus metrics under Triton's names, read from the same counters as the statistics API.
+
+Counters are produced at scrape time from `ModelStats` (no double counting); latency histograms and summaries
+are fed by a stats observer. CPU metrics come from psutil, GPU metrics from NVML when it is available.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import psutil
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, Summary, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+log = logging.getLogger("naiad.metrics")
+
+# Seconds; from 100 µs to 60 s, dense where model serving lives.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+_COUNTERS = [
+    # name, help, how to read it from ModelStats
+    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
+     lambda s: s.success.count),
+    ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
+     lambda s: s.inference_count),
+    ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
+     lambda s: s.execution_count),
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds "
+     "(includes cached requests)", lambda s: (s.success.ns + s.fail.ns) // 1000),
+    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds "
+     "(includes cached requests)", lambda s: s.queue.ns // 1000),
+    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds "
+     "(does not include cached requests)", lambda s: s.compute_input.ns // 1000),
+    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds "
+     "(does not include cached requests)", lambda s: s.compute_infer.ns // 1000),
+    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
+     "microseconds (does not include cached requests)", lambda s: s.compute_output.ns // 1000),
+]
+_HISTOGRAMS = {
+    "request": ("nv_inference_request_duration_seconds", "Inference request latency in seconds"),
+    "queue": ("nv_inference_queue_duration_seconds", "Inference queue time in seconds"),
+    "compute_input": ("nv_inference_compute_input_duration_seconds", "Compute input time in seconds"),
+    "compute_infer": ("nv_inference_compute_infer_duration_seconds", "Compute inference time in seconds"),
+    "compute_output": ("nv_inference_compute_output_duration_seconds", "Compute output time in seconds"),
+}
+_FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
+
+def parse_metrics_config(items: list[str]) -> dict:
+    """`--metrics-config key=value` settings with Triton's names and defaults (histograms on, beyond Triton)."""
+    out = {"counter_latencies": True, "histogram_latencies": True, "summary_latencies": False,
+           "summary_quantiles": "0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001"}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in out:
+            raise ValueError(f"invalid --metrics-config '{item}' (known: {', '.join(out)})")
+        out[key] = value if key == "summary_quantiles" else value.strip().lower() in ("1", "true", "yes", "on")
+    return out
+
+
+class _ModelCollector:
+    """Yields the per-model counter families from the live ModelStats at scrape time."""
+
+    def __init__(self, server, settings: dict):
+        self.server = server
+        self.settings = settings
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        versions = [mv for rec in self.server.repository.records.values() for mv in rec.versions.values()]
+        fam = {}
+        for name, doc, _ in _COUNTERS:
+            if name.endswith("_us") and not self.settings["counter_latencies"]:
+                continue
+            fam[name] = Metric(name, doc, "counter")
+        failure = Metric("nv_inference_request_failure", "Number of failed inference requests, all batch "
+                         "sizes", "counter")
+        pending = GaugeMetricFamily("nv_inference_pending_request_count", "Instantaneous number of pending "
+                                    "requests awaiting execution per-model.", labels=["model", "version"])
+        load = GaugeMetricFamily("nv_model_load_duration_secs", "Model load time in seconds",
+                                 labels=["model", "version"])
+        for mv in versions:
+            s = mv.stats
+            labels = {"model": s.model, "version": s.version}
+            with s.lock:
+                for name, _, read in _COUNTERS:
+                    if name in fam:
+                        fam[name].add_sample(name, labels, read(s))
+                for reason in _FAILURE_REASONS:
+                    failure.add_sample("nv_inference_request_failure", {**labels, "reason": reason},
+                                       s.failures_by_reason.get(reason, 0))
+                pending.add_metric([s.model, s.version], s.pending)
+            rec = self.server.repository.records.get(mv.name)
+            load.add_metric([s.model, s.version], rec.load_seconds if rec else 0.0)
+        yield fam["nv_inference_request_success"]
+        yield failure
+        for name, m in fam.items():
+            if name != "nv_inference_request_success":
+                yield m
+        yield pending
+        yield load
+
+
+class _SystemCollector:
+    """CPU (psutil) and GPU (NVML) utilisation and memory, sampled every `interval_ms`."""
+
+    def __init__(self, cpu: bool, gpu: bool):
+        self.cpu = cpu
+        self.gpu = gpu
+        self.cpu_util = 0.0
+        self.gpus = []
+        self.nvml = None
+        if gpu:
+            try:
+                import pynvml
+                pynvml.nvmlInit()
+                self.nvml = pynvml
+                for i in range(pynvml.nvmlDeviceGetCount()):
+                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                    uuid = pynvml.nvmlDeviceGetUUID(h)
+                    self.gpus.append((h, uuid.decode() if isinstance(uuid, bytes) else uuid))
+            except Exception as exc:  # noqa: BLE001 - no driver or no package: no GPU metrics
+                log.debug("GPU metrics unavailable: %s", exc)
+                self.nvml = None
+                self.gpus = []
+
+    def sample(self) -> None:
+        if self.cpu:
+            self.cpu_util = psutil.cpu_percent(interval=None) / 100.0
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        if self.cpu:
+            mem = psutil.virtual_memory()
+            yield GaugeMetricFamily("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", value=self.cpu_util)
+            yield GaugeMetricFamily("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes",
+                                    value=mem.total)
+            yield GaugeMetricFamily("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes",
+                                    value=mem.total - mem.available)
+        if self.nvml is not None and self.gpus:
+            n = self.nvml
+            util = GaugeMetricFamily("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)", labels=["gpu_uuid"])
+            total = GaugeMetricFamily("nv_gpu_memory_total_bytes", "GPU total memory, in bytes", labels=["gpu_uuid"])
+            used = GaugeMetricFamily("nv_gpu_memory_used_bytes", "GPU used memory, in bytes", labels=["gpu_uuid"])
+            power = GaugeMetricFamily("nv_gpu_power_usage", "GPU power usage in watts", labels=["gpu_uuid"])
+            limit = GaugeMetricFamily("nv_gpu_power_limit", "GPU power management limit in watts",
+                                      labels=["gpu_uuid"])
+            for h, uuid in self.gpus:
+                try:
+                    u = n.nvmlDeviceGetUtilizationRates(h)
+                    m = n.nvmlDeviceGetMemoryInfo(h)
+                    util.add_metric([uuid], u.gpu / 100.0)
+                    total.add_metric([uuid], m.total)
+                    used.add_metric([uuid], m.used)
+                    power.add_metric([uuid], n.nvmlDeviceGetPowerUsage(h) / 1000.0)
+                    limit.add_metric([uuid], n.nvmlDeviceGetPowerManagementLimit(h) / 1000.0)
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("NVML query failed: %s", exc)
+            yield from (util, total, used, power, limit)
+
+
+class Metrics:
+    def __init__(self, server, settings: dict, cpu: bool = True, gpu: bool = True, interval_ms: int = 2000):
+        self.server = server
+        self.settings = settings
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_ModelCollector(server, settings))
+        self.system = _SystemCollector(cpu, gpu)
+        self.registry.register(self.system)
+        self.interval = max(0.1, interval_ms / 1000.0)
+        self.histograms = {}
+        self.summaries = {}
+        if settings["histogram_latencies"]:
+            for kind, (name, doc) in _HISTOGRAMS.items():
+                self.histograms[kind] = Histogram(name, doc, ["model", "version"], registry=self.registry,
+                                                  buckets=LATENCY_BUCKETS)
+        if settings["summary_latencies"]:
+            for kind, (name, doc) in _HISTOGRAMS.items():
+                sname = name.replace("_seconds", "_summary_seconds")
+                self.summaries[kind] = Summary(sname, doc, ["model", "version"], registry=self.registry)
+        if self.histograms or self.summaries:
+            server.stats_observers.append(self.observe)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_loop, name="naiad-metrics", daemon=True)
+        self._thread.start()
+
+    def observe(self, kind: str, model: str, version: str, seconds: float) -> None:
+        h = self.histograms.get(kind)
+        if h is not None:
+            h.labels(model, version).observe(seconds)
+        s = self.summaries.get(kind)
+        if s is not None:
+            s.labels(model, version).observe(seconds)
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.system.sample()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def start(self, host: str, port: int) -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/metrics", self.handle)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        return runner
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,171 @@
+"""A loaded model version: its normalised config, instances, scheduler and statistics; request validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .backends.base import ModelContext
+from .config import data_type_name
+from .errors import InvalidArgument
+from .inference import InferenceRequest, InferenceResponse
+from .scheduling.batcher import Scheduler
+from .scheduling.pool import InstancePool
+from .stats import ModelStats
+from .tensors import config_to_wire
+
+
+@dataclass(slots=True)
+class TensorSpec:
+    name: str
+    datatype: str  # wire name: FP32, BYTES, ...
+    dims: tuple[int, ...]  # without the batch dimension
+    optional: bool = False
+    reshape: tuple[int, ...] | None = None
+
+
+def _specs(tensors) -> dict[str, TensorSpec]:
+    out = {}
+    for t in tensors:
+        reshape = tuple(t.reshape.shape) if t.HasField("reshape") else None
+        out[t.name] = TensorSpec(t.name, config_to_wire(data_type_name(t.data_type)), tuple(t.dims),
+                                 getattr(t, "optional", False), reshape)
+    return out
+
+
+class ModelVersion:
+    """One servable version. `infer` validates the request and hands it to the scheduler."""
+
+    def __init__(self, ctx: ModelContext, pool: InstancePool | None, stats: ModelStats):
+        self.ctx = ctx
+        self.name = ctx.name
+        self.version = ctx.version
+        self.config: mc.ModelConfig = ctx.config
+        self.pool = pool
+        self.stats = stats
+        self.scheduler = Scheduler(pool, ctx.config) if pool is not None else None
+        self.inputs = _specs(ctx.config.input)
+        self.outputs = _specs(ctx.config.output)
+        self.max_batch_size = ctx.config.max_batch_size
+        self.decoupled = ctx.config.model_transaction_policy.decoupled
+        self.is_python = ctx.config.backend == "python"
+        self.runner = None  # ensembles replace the scheduler with their own runner
+
+    def metadata(self, versions: list[str]) -> dict:
+        def entry(spec: TensorSpec) -> dict:
+            shape = list(spec.dims)
+            if self.max_batch_size > 0:
+                shape = [-1] + shape
+            return {"name": spec.name, "datatype": spec.datatype, "shape": shape}
+
+        platform = self.config.platform or self.config.backend
+        return {
+            "name": self.name,
+            "versions": versions,
+            "platform": platform,
+            "inputs": [entry(s) for s in self.inputs.values()],
+            "outputs": [entry(s) for s in self.outputs.values()],
+        }
+
+    def validate(self, request: InferenceRequest) -> None:
+        """Check names, datatypes, shapes and batch size against the config, as Triton does."""
+        name = self.name
+        batch = None
+        for in_name, arr in request.inputs.items():
+            spec = self.inputs.get(in_name)
+            if spec is None:
+                raise InvalidArgument(
+                    f"[request id: {request.id or '<id_unknown>'}] unexpected inference input '{in_name}' "
+                    f"for model '{name}'"
+                )
+            dt = request.datatypes.get(in_name)
+            if dt != spec.datatype:
+                raise InvalidArgument(
+                    f"[request id: {request.id or '<id_unknown>'}] inference input '{in_name}' data-type is "
+                    f"'{dt}', but model '{name}' expects '{spec.datatype}'"
+                )
+            shape = arr.shape
+            if self.max_batch_size > 0:
+                if len(shape) < 1:
+                    raise InvalidArgument(
+                        f"[request id: {request.id or '<id_unknown>'}] inference input '{in_name}' has no "
+                        f"batch dimension; model '{name}' supports batching so the first dimension is the "
+                        "batch size"
+                    )
+                b = shape[0]
+                if batch is None:
+                    batch = b
+                elif b != batch:
+                    raise InvalidArgument(
+                        f"[request id: {request.id or '<id_unknown>'}] input '{in_name}' batch size {b} does "
+                        f"not match other inputs' batch size {batch} for model '{name}'"
+                    )
+                shape = shape[1:]
+            expected = spec.reshape if spec.reshape is not None else spec.dims
+            if not _shape_matches(shape, spec.dims) and (spec.reshape is None
+                                                         or not _shape_matches(shape, expected)):
+                full = ([-1] if self.max_batch_size > 0 else []) + list(spec.dims)
+                got = list(arr.shape)
+                note = ""
+                if self.max_batch_size > 0 and len(arr.shape) == len(spec.dims):
+                    note = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
+                            "dimension to be prepended to each input shape. If you want to specify the full "
+                            "shape including the batch dim in your input dims config, try setting "
+                            "max_batch_size to zero. See the model configuration docs for more info on "
+                            "max_batch_size.")
+                raise InvalidArgument(
+                    f"[request id: {request.id or '<id_unknown>'}] unexpected shape for input '{in_name}' for "
+                    f"model '{name}'. Expected {_fmt(full)}, got {_fmt(got)}. {note}"
+                )
+        if self.max_batch_size > 0 and batch is not None:
+            if batch < 1 or batch > self.max_batch_size:
+                raise InvalidArgument(
+                    f"[request id: {request.id or '<id_unknown>'}] inference request batch-size must be <= "
+                    f"{self.max_batch_size} for '{name}'"
+                )
+        for spec in self.inputs.values():
+            if not spec.optional and spec.name not in request.inputs:
+                raise InvalidArgument(
+                    f"[request id: {request.id or '<id_unknown>'}] expected {len(self._required())} inputs "
+                    f"but got {len(request.inputs)} inputs for model '{name}'. Got input(s) "
+                    f"{_names(request.inputs)}, but missing required input(s) "
+                    f"{_names([s for s in self._required() if s not in request.inputs])}. "
+                    "Please provide all required input(s)."
+                )
+        if self.outputs or not self.is_python:
+            for out in request.outputs:
+                if out.name not in self.outputs:
+                    raise InvalidArgument(f"unexpected inference output '{out.name}' for model '{name}'")
+                if out.classification and self.outputs[out.name].datatype == "BYTES":
+                    raise InvalidArgument(
+                        f"classification is not supported for BYTES output '{out.name}' of model '{name}'"
+                    )
+
+    def _required(self) -> list[str]:
+        return [s.name for s in self.inputs.values() if not s.optional]
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse | None:
+        if self.runner is not None:
+            return await self.runner(request)
+        return await self.scheduler.submit(request)
+
+    async def close(self, timeout: float | None = None) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.close(timeout)
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _shape_matches(shape, dims) -> bool:
+    if len(shape) != len(dims):
+        return False
+    return all(d == -1 or d == s for s, d in zip(shape, dims))
+
+
+def _fmt(shape) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _names(names) -> str:
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"

@@ -1,0 +1,398 @@
+"""Model repository: discovery, version policy, and the load/unload lifecycle for control modes none|poll|explicit."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from . import backends
+from . import config as cfg
+from .backends.base import ModelContext
+from .errors import InvalidArgument, NaiadError, NotFound, Unavailable, as_naiad_error
+from .model import ModelVersion
+from .scheduling.pool import InstancePool
+from .stats import ModelStats
+
+log = logging.getLogger("naiad.repository")
+
+READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
+
+
+def numeric_versions(model_dir: Path) -> list[int]:
+    out = []
+    try:
+        entries = list(os.scandir(model_dir))
+    except OSError:
+        return out
+    for e in entries:
+        if e.is_dir() and e.name.isdigit() and not e.name.startswith("0"):
+            out.append(int(e.name))
+    return sorted(out)
+
+
+def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list[int]:
+    if policy.HasField("all"):
+        return list(available)
+    if policy.HasField("specific"):
+        return sorted(v for v in policy.specific.versions if v in available)
+    n = policy.latest.num_versions or 1
+    return sorted(available)[-n:]
+
+
+def _signature(model_dir: Path) -> tuple:
+    """Cheap change detector for poll mode: names, sizes and mtimes of every file under the model."""
+    sig = []
+    for root, dirs, files in os.walk(model_dir):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for f in files:
+            p = os.path.join(root, f)
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            sig.append((os.path.relpath(p, model_dir), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(sig))
+
+
+@dataclass
+class ModelRecord:
+    """What the repository knows about one model name."""
+
+    name: str
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    state: str = UNAVAILABLE
+    reason: str = ""
+    config: mc.ModelConfig | None = None
+    version_states: dict[int, tuple[str, str]] = field(default_factory=dict)
+    signature: tuple = ()
+    override_dir: Path | None = None
+    load_seconds: float = 0.0
+
+
+class ModelRepository:
+    """Owns every loaded model. All mutation happens on the event loop; builds run in worker threads."""
+
+    def __init__(self, paths: list[str], server, auto_complete: bool = True, gpu_count: int = 0):
+        self.paths = [Path(p).resolve() for p in paths]
+        self.server = server
+        self.auto_complete = auto_complete
+        self.gpu_count = gpu_count
+        self.records: dict[str, ModelRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.on_change: list = []  # callbacks(name) after load/unload, e.g. metrics
+
+    # ---- discovery ----
+    def scan(self) -> dict[str, Path]:
+        found: dict[str, Path] = {}
+        for repo in self.paths:
+            try:
+                entries = sorted(os.scandir(repo), key=lambda e: e.name)
+            except OSError as exc:
+                log.error("cannot read model repository %s: %s", repo, exc)
+                continue
+            for e in entries:
+                if not e.is_dir() or e.name.startswith("."):
+                    continue
+                if e.name in found:
+                    log.error("model '%s' appears in more than one repository (%s and %s); using the first",
+                              e.name, found[e.name], e.path)
+                    continue
+                found[e.name] = Path(e.path)
+        return found
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
+
+    # ---- lookup ----
+    def get(self, name: str, version: int = -1) -> ModelVersion:
+        """The ready version asked for (-1: the latest); Triton's NOT_FOUND / UNAVAILABLE errors otherwise."""
+        rec = self.records.get(name)
+        if rec is None:
+            raise NotFound(f"Request for unknown model: '{name}' is not found")
+        if version <= 0:
+            if version == 0:
+                raise NotFound(f"Request for unknown model: '{name}' version 0 is not found")
+            if not rec.versions:
+                raise NotFound(f"Request for unknown model: '{name}' has no available versions")
+            return rec.versions[max(rec.versions)]
+        mv = rec.versions.get(version)
+        if mv is None:
+            if version in rec.version_states or (not rec.versions and rec.reason):
+                raise Unavailable(f"Request for unknown model: '{name}' version {version} is not at ready state")
+            raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
+        return mv
+
+    def is_ready(self, name: str, version: int = -1) -> bool:
+        try:
+            self.get(name, version)
+            return True
+        except NaiadError:
+            return False
+
+    # ---- lifecycle ----
+    async def load(self, name: str, config_json: str | dict | None = None,
+                   files: dict[str, bytes] | None = None) -> None:
+        """Load (or reload) a model; new versions go live before old ones are drained and unloaded."""
+        async with self._lock(name):
+            rec = self.records.setdefault(name, ModelRecord(name))
+            rec.state, rec.reason = LOADING, ""
+            started = time.monotonic()
+            try:
+                model_dir = self._model_dir(name, rec, files)
+                loop = asyncio.get_running_loop()
+                config, built = await loop.run_in_executor(
+                    None, self._build, name, model_dir, config_json)
+            except BaseException as exc:
+                err = as_naiad_error(exc)
+                rec.reason = err.message
+                rec.state = READY if rec.versions else UNAVAILABLE
+                log.error("failed to load '%s': %s", name, err.message)
+                self._changed(name)
+                raise err from None
+            old = rec.versions
+            rec.versions = built
+            rec.config = config
+            rec.state, rec.reason = READY, ""
+            rec.version_states = {v: (READY, "") for v in built}
+            for v in old:
+                if v not in built:
+                    rec.version_states[v] = (UNAVAILABLE, "unloaded")
+            rec.signature = _signature(model_dir)
+            rec.load_seconds = time.monotonic() - started
+            log.info("successfully loaded '%s' version(s) %s", name, ", ".join(map(str, sorted(built))))
+            self._changed(name)
+        for mv in old.values():
+            await mv.close(self.server.options.exit_timeout_secs)
+
+    def _model_dir(self, name: str, rec: ModelRecord, files: dict[str, bytes] | None) -> Path:
+        if files:
+            if rec.override_dir is not None:
+                shutil.rmtree(rec.override_dir, ignore_errors=True)
+            root = Path(tempfile.mkdtemp(prefix=f"naiad-{name}-"))
+            model_dir = root / name
+            for rel, content in files.items():
+                target = (model_dir / rel).resolve()
+                if not str(target).startswith(str(model_dir.resolve()) + os.sep):
+                    raise InvalidArgument(f"file override path '{rel}' escapes the model directory")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+            rec.override_dir = root
+            return model_dir
+        if rec.override_dir is not None:
+            return rec.override_dir / name
+        found = self.scan().get(name)
+        if found is None:
+            raise InvalidArgument(f"failed to load '{name}', failed to poll from model repository")
+        return found
+
+    def _build(self, name: str, model_dir: Path, config_json) -> tuple[mc.ModelConfig, dict[int, ModelVersion]]:
+        """Parse, auto-complete and normalise the config, then create every selected version. Worker thread."""
+        if config_json:
+            config = cfg.parse_json(config_json, f"config override for model '{name}'")
+        else:
+            config = cfg.load_file(model_dir) or mc.ModelConfig()
+        if not config.name:
+            config.name = name
+        elif config.name != name:
+            raise InvalidArgument(
+                f"model name '{config.name}' in {model_dir / 'config.pbtxt'} does not match the model "
+                f"directory name '{name}'"
+            )
+        available = numeric_versions(model_dir)
+        cfg.detect_backend(config, model_dir, available)
+        if config.platform != "ensemble" and self.auto_complete and available:
+            latest = model_dir / str(max(available))
+            module = backends.get(config.backend)
+            filename = config.default_model_filename or cfg.DEFAULT_FILENAME.get(config.backend, "")
+            model_file = latest / filename
+            if model_file.exists():
+                module.auto_complete(config, model_file)
+        cfg.normalize(config, self.gpu_count)
+        versions = select_versions(config.version_policy, available)
+        if not versions:
+            raise InvalidArgument(
+                f"at least one version must be available under the version policy of model '{name}' "
+                f"(found version folders: {available or 'none'})"
+            )
+        built: dict[int, ModelVersion] = {}
+        try:
+            for v in versions:
+                built[v] = self._build_version(config, model_dir, v)
+        except BaseException:
+            for mv in built.values():
+                if mv.pool is not None:
+                    mv.pool.close()
+            raise
+        return config, built
+
+    def _build_version(self, config: mc.ModelConfig, model_dir: Path, version: int) -> ModelVersion:
+        vconfig = mc.ModelConfig()
+        vconfig.CopyFrom(config)
+        ctx = ModelContext(
+            name=config.name, version=version, config=vconfig, model_dir=model_dir,
+            version_dir=model_dir / str(version), server=self.server, loop=self.server.loop,
+        )
+        stats = ModelStats(config.name, str(version))
+        for hook in self.server.stats_observers:
+            stats.observers.append(hook)
+        if config.platform == "ensemble":
+            from .scheduling.ensemble import build_ensemble
+            return build_ensemble(ctx, stats, self.server)
+        if not ctx.model_file.exists():
+            raise InvalidArgument(
+                f"model '{config.name}' version {version}: {ctx.model_file.name} not found in {ctx.version_dir}"
+            )
+        module = backends.get(config.backend)
+        instances = []
+        try:
+            for group in vconfig.instance_group:
+                devices = list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
+                for device in devices:
+                    for i in range(group.count):
+                        instances.append(module.create_instance(ctx, group, device, len(instances)))
+            pool = InstancePool(instances, stats, vconfig.max_batch_size > 0)
+            pool.initialize()
+        except BaseException:
+            for inst in instances:
+                try:
+                    inst.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
+        mv = ModelVersion(ctx, pool, stats)
+        self.server.warmup(mv)
+        return mv
+
+    async def unload(self, name: str, unload_dependents: bool = False) -> None:
+        async with self._lock(name):
+            rec = self.records.get(name)
+            if rec is None or not rec.versions:
+                # Triton answers 200 for unloading a model that is not loaded (or does not exist).
+                if rec is not None:
+                    rec.state, rec.reason = UNAVAILABLE, "unloaded"
+                return
+            old = rec.versions
+            rec.versions = {}
+            rec.state, rec.reason = UNLOADING, ""
+            self._changed(name)
+        for mv in old.values():
+            await mv.close(self.server.options.exit_timeout_secs)
+        rec.state, rec.reason = UNAVAILABLE, "unloaded"
+        rec.version_states = {v: (UNAVAILABLE, "unloaded") for v in old}
+        if rec.override_dir is not None:
+            shutil.rmtree(rec.override_dir, ignore_errors=True)
+            rec.override_dir = None
+        log.info("successfully unloaded '%s'", name)
+        self._changed(name)
+        if unload_dependents:
+            for other in list(self.records.values()):
+                if other.config is not None and other.config.platform == "ensemble" and other.versions and \
+                        any(s.model_name == name for s in other.config.ensemble_scheduling.step):
+                    await self.unload(other.name)
+
+    def _changed(self, name: str) -> None:
+        for cb in self.on_change:
+            cb(name)
+
+    async def load_many(self, names: list[str]) -> None:
+        """Load models concurrently; failures are recorded and logged, never fatal to the others."""
+        ordered = self._dependency_order(names)
+        for wave in ordered:
+            await asyncio.gather(*(self._load_quietly(n) for n in wave))
+
+    async def _load_quietly(self, name: str) -> None:
+        try:
+            await self.load(name)
+        except NaiadError:
+            pass
+
+    def _dependency_order(self, names: list[str]) -> list[list[str]]:
+        """Ensembles load after the models they call: plain models first, ensembles after."""
+        plain, ensembles = [], []
+        found = self.scan()
+        for n in names:
+            d = found.get(n)
+            is_ens = False
+            if d is not None:
+                try:
+                    c = cfg.load_file(d)
+                    is_ens = c is not None and c.platform == "ensemble"
+                except NaiadError:
+                    pass
+            (ensembles if is_ens else plain).append(n)
+        return [w for w in (plain, ensembles) if w]
+
+    async def poll(self) -> None:
+        """Poll mode: load new models, reload changed ones, unload removed ones."""
+        found = self.scan()
+        for name in list(self.records):
+            rec = self.records[name]
+            if name not in found and rec.override_dir is None and rec.versions:
+                await self.unload(name)
+        changed = []
+        for name, path in found.items():
+            rec = self.records.get(name)
+            if rec is None or (rec.override_dir is None and _signature(path) != rec.signature):
+                changed.append(name)
+        if changed:
+            await self.load_many(changed)
+
+    def index(self, ready_only: bool = False) -> list[dict]:
+        out = []
+        names = set(self.scan()) | set(self.records)
+        for name in sorted(names):
+            rec = self.records.get(name)
+            if rec is None:
+                if not ready_only:
+                    out.append({"name": name})
+                continue
+            if rec.version_states:
+                for v, (state, reason) in sorted(rec.version_states.items()):
+                    if rec.versions.get(v) is not None:
+                        state, reason = READY, ""
+                    elif rec.state in (LOADING, UNLOADING):
+                        state = rec.state
+                    if ready_only and state != READY:
+                        continue
+                    out.append({"name": name, "version": str(v), "state": state, "reason": reason})
+            elif not ready_only:
+                out.append({"name": name, "version": "", "state": rec.state, "reason": rec.reason}
+                           if rec.state != UNAVAILABLE or rec.reason else {"name": name})
+        return out
+
+    async def close(self, timeout: float | None = None) -> None:
+        for rec in list(self.records.values()):
+            versions, rec.versions = rec.versions, {}
+            for mv in versions.values():
+                await mv.close(timeout)
+            if rec.override_dir is not None:
+                shutil.rmtree(rec.override_dir, ignore_errors=True)
+
+
+def decode_file_overrides(parameters: dict) -> dict[str, bytes]:
+    """`file:<path>` load parameters carry base64 content (HTTP) or raw bytes (gRPC)."""
+    files = {}
+    for key, value in parameters.items():
+        if not key.startswith("file:"):
+            continue
+        rel = key[len("file:"):]
+        if isinstance(value, (bytes, bytearray)):
+            files[rel] = bytes(value)
+        else:
+            try:
+                files[rel] = base64.b64decode(value, validate=True)
+            except (ValueError, TypeError):
+                raise InvalidArgument(f"load parameter '{key}' must be base64-encoded file content") from None
+    return files

@@ -1,0 +1,84 @@
+"""Instance pool: every model instance owns one thread; a free-list hands instances to the scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ..backends.base import ModelInstance, Timing
+from ..errors import as_naiad_error
+from ..inference import InferenceRequest, InferenceResponse
+from ..stats import ModelStats
+
+
+class InstancePool:
+    def __init__(self, instances: list[ModelInstance], stats: ModelStats, batched: bool):
+        self.instances = instances
+        self.stats = stats
+        self.batched = batched
+        self.executors = {
+            id(inst): ThreadPoolExecutor(1, thread_name_prefix=f"naiad-{inst.name}") for inst in instances
+        }
+        self._free: asyncio.Queue | None = None
+
+    def initialize(self) -> None:
+        """Run each instance's per-thread set-up (python `initialize`) on its own thread; raise on failure."""
+        futures = [self.executors[id(i)].submit(i.warmup_thread_init) for i in self.instances]
+        for f in futures:
+            f.result()
+
+    def _queue(self) -> asyncio.Queue:
+        if self._free is None:
+            self._free = asyncio.Queue()
+            for inst in self.instances:
+                self._free.put_nowait(inst)
+        return self._free
+
+    async def acquire(self) -> ModelInstance:
+        return await self._queue().get()
+
+    def release(self, inst: ModelInstance) -> None:
+        self._queue().put_nowait(inst)
+
+    def free_count(self) -> int:
+        return self._queue().qsize()
+
+    async def run(self, inst: ModelInstance, requests: list[InferenceRequest], dispatch_ns: int
+                  ) -> list[InferenceResponse | BaseException]:
+        """Execute a batch on `inst` (off the event loop) and account for it. Never raises."""
+        loop = asyncio.get_running_loop()
+        timing = Timing()
+
+        def call():
+            return inst.execute(requests, timing)
+
+        try:
+            results = await loop.run_in_executor(self.executors[id(inst)], call)
+            outcome: list = list(results)
+        except BaseException as exc:  # noqa: BLE001 - every request of the batch gets the error
+            err = as_naiad_error(exc)
+            outcome = [err] * len(requests)
+        done = time.monotonic_ns()
+        batch = sum(r.batch_size(self.batched) for r in requests)
+        self.stats.record_execution(batch, timing.input_ns, timing.infer_ns, timing.output_ns)
+        for req, res in zip(requests, outcome):
+            ok = not isinstance(res, BaseException) and (res is None or res.error is None)
+            self.stats.record_request(
+                ok, done - req.arrival_ns, dispatch_ns - req.arrival_ns,
+                timing.input_ns, timing.infer_ns, timing.output_ns, reason="BACKEND",
+            )
+        return outcome
+
+    def execute_on(self, inst: ModelInstance, fn, *args):
+        """Run a function on an instance's thread (warmup, shutdown); returns a concurrent Future."""
+        return self.executors[id(inst)].submit(fn, *args)
+
+    def close(self) -> None:
+        for inst in self.instances:
+            ex = self.executors[id(inst)]
+            try:
+                ex.submit(inst.close).result()
+            except Exception:  # noqa: BLE001 - a failing finalize must not block unloading
+                pass
+            ex.shutdown(wait=False)

@@ -1,0 +1,278 @@
+"""Server: the in-process API. Frontends, BLS and ensembles all come through here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from . import __version__
+from .classification import classify
+from .errors import InvalidArgument, NaiadError, NotFound, Unavailable
+from .inference import InferenceRequest, InferenceResponse, OutputTensor
+from .repository import ModelRepository
+from .warmup import run_warmup
+
+log = logging.getLogger("naiad.server")
+
+CONTROL_MODES = ("none", "poll", "explicit")
+
+
+@dataclass
+class ServerOptions:
+    model_repositories: list[str] = field(default_factory=list)
+    model_control_mode: str = "none"
+    load_models: list[str] = field(default_factory=list)
+    repository_poll_secs: float = 15.0
+    strict_readiness: bool = True
+    exit_timeout_secs: float = 30.0
+    auto_complete_config: bool = True
+    gpu_count: int = 0
+    allow_client_shm: bool = True
+
+
+class Server:
+    """Repository, schedulers and statistics, usable with or without any network frontend."""
+
+    name = "naiad"
+
+    def __init__(self, options: ServerOptions):
+        if options.model_control_mode not in CONTROL_MODES:
+            raise InvalidArgument(f"unknown model control mode '{options.model_control_mode}' "
+                                  f"(expected one of {', '.join(CONTROL_MODES)})")
+        self.options = options
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stats_observers: list = []
+        self.repository = ModelRepository(options.model_repositories, self,
+                                          auto_complete=options.auto_complete_config,
+                                          gpu_count=options.gpu_count)
+        self.extensions = [
+            "classification", "sequence", "model_repository", "model_repository(unload_dependents)",
+            "schedule_policy", "model_configuration", "system_shared_memory", "binary_tensor_data",
+            "parameters", "statistics",
+        ]
+        self._started = False
+        self._stopping = False
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._poll_task: asyncio.Task | None = None
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        mode = self.options.model_control_mode
+        if mode in ("none", "poll"):
+            names = list(self.repository.scan())
+        else:
+            wanted = self.options.load_models
+            names = list(self.repository.scan()) if "*" in wanted else list(dict.fromkeys(wanted))
+        await self.repository.load_many(names)
+        if mode == "poll":
+            self._poll_task = self.loop.create_task(self._poll_forever())
+        self._started = True
+
+    async def _poll_forever(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.options.repository_poll_secs)
+            try:
+                await self.repository.poll()
+            except Exception:  # noqa: BLE001 - a bad poll must not stop polling
+                log.exception("repository poll failed")
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Refuse new requests, wait for in-flight ones (up to `timeout`), then unload everything."""
+        self._stopping = True
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+        timeout = self.options.exit_timeout_secs if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < deadline:
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
+        await self.repository.close(max(0.0, deadline - time.monotonic()))
+
+    # ---- health and metadata ----
+    def live(self) -> bool:
+        return not self._stopping
+
+    def ready(self) -> bool:
+        """Ready once started; with strict readiness, only while no model has failed to load."""
+        if not self._started or self._stopping:
+            return False
+        if not self.options.strict_readiness:
+            return True
+        return not any(rec.reason and not rec.versions for rec in self.repository.records.values())
+
+    def metadata(self) -> dict:
+        return {"name": self.name, "version": __version__, "extensions": list(self.extensions)}
+
+    def model(self, name: str, version: str | int = "") -> "ModelVersion":  # noqa: F821
+        return self.repository.get(name, _parse_version(version))
+
+    def model_metadata(self, name: str, version: str | int = "") -> dict:
+        mv = self.model(name, version)
+        rec = self.repository.records[name]
+        return mv.metadata([str(v) for v in sorted(rec.versions)])
+
+    def model_ready(self, name: str, version: str | int = "") -> bool:
+        return self.repository.is_ready(name, _parse_version(version))
+
+    def model_statistics(self, name: str = "", version: str | int = "") -> list[dict]:
+        if not name:
+            return [mv.stats.as_dict() for rec in sorted(self.repository.records.values(), key=lambda r: r.name)
+                    for _, mv in sorted(rec.versions.items())]
+        v = _parse_version(version)
+        rec = self.repository.records.get(name)
+        if rec is None or not rec.versions:
+            raise NotFound(f"requested model '{name}' is not available")
+        if v > 0:
+            mv = rec.versions.get(v)
+            if mv is None:
+                raise NotFound(f"requested model '{name}' version {v} is not available")
+            return [mv.stats.as_dict()]
+        return [mv.stats.as_dict() for _, mv in sorted(rec.versions.items())]
+
+    # ---- repository extension ----
+    def _check_explicit(self, what: str) -> None:
+        if self.options.model_control_mode != "explicit":
+            raise Unavailable(f"explicit model {what} is not allowed if polling is enabled")
+
+    async def load_model(self, name: str, config: str | dict | None = None,
+                         files: dict[str, bytes] | None = None) -> None:
+        self._check_explicit("load / unload")
+        if files and not config:
+            raise InvalidArgument("failed to load '" + name + "': model configuration must be provided "
+                                  "with file overrides ('config' parameter)")
+        await self.repository.load(name, config, files)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        self._check_explicit("load / unload")
+        await self.repository.unload(name, unload_dependents)
+
+    # ---- inference ----
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """Run one request to completion; errors are raised as NaiadError."""
+        if self._stopping:
+            raise Unavailable("Server is shutting down")
+        mv = self.repository.get(request.model_name, request.model_version)
+        if mv.decoupled:
+            raise InvalidArgument(
+                f"ModelInfer RPC doesn't support models with decoupled transaction policy; use "
+                f"ModelStreamInfer (gRPC) or /generate_stream (HTTP) for model '{request.model_name}'"
+            )
+        mv.validate(request)
+        self._inflight += 1
+        try:
+            response = await mv.infer(request)
+        finally:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
+        if response.error is not None:
+            raise response.error if isinstance(response.error, NaiadError) else InvalidArgument(
+                str(response.error))
+        response.model_name = mv.name
+        response.model_version = str(mv.version)
+        response.id = request.id
+        self._postprocess(mv, request, response)
+        return response
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+        """Decoupled (or not) inference as a stream of responses; the last one has `final` set."""
+        if self._stopping:
+            raise Unavailable("Server is shutting down")
+        mv = self.repository.get(request.model_name, request.model_version)
+        if not mv.decoupled:
+            yield await self.infer(request)
+            return
+        mv.validate(request)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        user_callback = request.response_callback
+        started = time.monotonic_ns()
+        counter = [0]
+
+        def deliver(resp: InferenceResponse) -> None:
+            key = str(counter[0])
+            counter[0] += 1
+            mv.stats.record_response(key, time.monotonic_ns() - started, resp.error is None,
+                                     not resp.outputs and resp.error is None)
+            loop.call_soon_threadsafe(queue.put_nowait, resp)
+
+        request.response_callback = deliver
+        self._inflight += 1
+        try:
+            run = loop.create_task(mv.infer(request))
+            while True:
+                getter = loop.create_task(queue.get())
+                done, _ = await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    resp = getter.result()
+                    resp.model_name, resp.model_version, resp.id = mv.name, str(mv.version), request.id
+                    if resp.error is None:
+                        self._postprocess(mv, request, resp)
+                    if user_callback is not None:
+                        user_callback(resp)
+                    yield resp
+                    if resp.final:
+                        break
+                    continue
+                getter.cancel()
+                exc = run.exception()
+                if exc is not None:
+                    raise exc
+                # execute returned; keep waiting for responses sent later from the model's own threads
+                run = loop.create_future()
+        finally:
+            request.cancelled = True
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.set()
+
+    def _postprocess(self, mv, request: InferenceRequest, response: InferenceResponse) -> None:
+        """Classification extension: replace outputs asked for with `classification: k` by top-k labels."""
+        for out in request.outputs:
+            if out.classification:
+                tensor = response.output(out.name)
+                if tensor is not None:
+                    labels = mv.ctx.extra.get("labels", {}).get(out.name)
+                    if labels is None:
+                        labels = mv.ctx.extra.setdefault("labels", {})[out.name] = _labels(mv, out.name)
+                    data = classify(tensor.data, out.classification, labels, mv.max_batch_size > 0)
+                    idx = response.outputs.index(tensor)
+                    response.outputs[idx] = OutputTensor(out.name, "BYTES", data)
+
+    def warmup(self, mv) -> None:
+        """Run the model's warmup samples on every instance before it is marked ready (loader thread)."""
+        run_warmup(mv)
+
+
+def _labels(mv, output_name: str) -> list[str]:
+    for o in mv.config.output:
+        if o.name == output_name and o.label_filename:
+            path = mv.ctx.model_dir / o.label_filename
+            try:
+                return path.read_text().splitlines()
+            except OSError as exc:
+                log.warning("cannot read labels %s: %s", path, exc)
+    return []
+
+
+def _parse_version(version: str | int) -> int:
+    if isinstance(version, int):
+        return version
+    if version in ("", None):
+        return -1
+    try:
+        v = int(version)
+    except ValueError:
+        raise InvalidArgument(f"failed to parse model version '{version}': must be an integer") from None
+    if v < 0:
+        raise InvalidArgument(f"invalid model version '{version}'")
+    return v
+

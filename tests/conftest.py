@@ -1,0 +1,44 @@
+"""Shared fixtures: the test model repository and one live Naiad server for the session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+
+from build_models import build  # noqa: E402
+from helpers import NaiadProcess  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_repo(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("repo") / "models")
+
+
+@pytest.fixture(scope="session")
+def naiad(model_repo):
+    """A server on the full test repository; `broken_init` fails to load, so strict readiness is off."""
+    proc = NaiadProcess(model_repo, "--strict-readiness", "false")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def http_client(naiad):
+    import tritonclient.http as httpclient
+    client = httpclient.InferenceServerClient(naiad.http, concurrency=4)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def grpc_client(naiad):
+    import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(naiad.grpc)
+    yield client
+    client.close()

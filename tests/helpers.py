@@ -1,0 +1,111 @@
+"""Test helpers: free ports, and a real `naiad serve` process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class NaiadProcess:
+    """`naiad serve` in a subprocess; `.http`, `.grpc`, `.metrics` are host:port strings."""
+
+    def __init__(self, repos, *args: str, wait_ready: bool = True, timeout: float = 90.0):
+        self.repos = [str(r) for r in (repos if isinstance(repos, (list, tuple)) else [repos])]
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.args = list(args)
+        self.wait_ready = wait_ready
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.log_path = None
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics(self) -> str:
+        return f"127.0.0.1:{self.metrics_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http}"
+
+    def start(self) -> "NaiadProcess":
+        cmd = [sys.executable, "-m", "naiad.cli", "serve"]
+        for r in self.repos:
+            cmd += ["--model-repository", r]
+        cmd += ["--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
+                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+                "--metrics-port", str(self.metrics_port), *self.args]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT / "server") + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONUNBUFFERED"] = "1"
+        import tempfile
+        self.log = tempfile.NamedTemporaryFile(prefix="naiad-", suffix=".log", delete=False)
+        self.log_path = self.log.name
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait()
+        return self
+
+    def _wait(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        path = "/v2/health/ready" if self.wait_ready else "/v2/health/live"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"naiad exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if requests.get(self.url + path, timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"naiad did not become ready in {self.timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        try:
+            return Path(self.log_path).read_text()
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,334 @@
+"""Pure renderers for an InferenceModel: what to load (name, config, revision), on which pool, and the objects
+around it (a dedicated InferenceServer, the model's Services, its HPA)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import OperatorConfig
+from .naming import (
+    API_VERSION,
+    DEDICATED_FOR_LABEL,
+    GRPC_PORT,
+    HTTP_PORT,
+    MAX_MODEL_NAME,
+    MODEL_KIND,
+    MODEL_LABEL_VALUE,
+    SERVER_KIND,
+    SERVER_LABEL,
+    SERVICE_ROLE_LABEL,
+    dedicated_server_name,
+    headless_service_name,
+    model_label_key,
+    name_problems,
+    selector_string,
+    short_hash,
+)
+from .quantity import quantity_bytes
+from .resources import (
+    Body,
+    Owner,
+    Spec,
+    autoscaling_active,
+    desired_replicas,
+    render_hpa,
+    repository_claim,
+    repository_path,
+)
+
+# Fields of a dedicated pool that the InferenceModel decides (its replicas drive the pool; its HPA scales it).
+_MODEL_OWNED_SERVER_FIELDS = ("replicas", "minReplicas", "maxReplicas", "autoscaling")
+
+
+@dataclass(frozen=True)
+class Repository:
+    """Where a model's repository lives: a claim (and directory in it), or a directory already in the image."""
+
+    claim: str | None
+    sub_path: str  # "" for the volume root
+    path: str | None = None  # file:// repositories: the directory in the container
+
+
+@dataclass(frozen=True)
+class ModelIntent:
+    """Everything the placement loop needs to know about one InferenceModel."""
+
+    name: str
+    model_name: str
+    pool: str
+    dedicated: bool
+    revision: str
+    load_config: dict[str, Any] | None
+    version: str | None
+    replicas: int | None  # None: every pod of the pool (a dedicated pool is sized by the model)
+    memory: int
+    backend: str | None
+    suspended: bool
+    repository: Repository | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def wanted_replicas(self) -> int | None:
+        return 0 if self.suspended else self.replicas
+
+
+def _normal_dir(path: str | None) -> str:
+    if not path:
+        return ""
+    normal = posixpath.normpath(path.strip("/"))
+    return "" if normal == "." else normal
+
+
+def parse_storage_uri(uri: str) -> Repository:
+    """pvc://claim[/dir] or file:///dir; raises ValueError otherwise."""
+    if uri.startswith("pvc://"):
+        rest = uri[len("pvc://") :]
+        claim, _, sub_path = rest.partition("/")
+        if not claim:
+            raise ValueError(f"storage.uri {uri!r} names no claim (expected pvc://<claim>[/<dir>])")
+        return Repository(claim=claim, sub_path=_normal_dir(sub_path))
+    if uri.startswith("file:///"):
+        return Repository(claim=None, sub_path="", path="/" + _normal_dir(uri[len("file://") :]))
+    raise ValueError(f"storage.uri {uri!r} must start with pvc:// or file:///")
+
+
+def model_name_of(name: str, spec: Spec) -> str:
+    if spec.get("modelName"):
+        return str(spec["modelName"])
+    if spec.get("path"):
+        return posixpath.basename(_normal_dir(spec["path"]))
+    return name
+
+
+def load_config(spec: Spec) -> dict[str, Any] | None:
+    """The ModelConfig override sent with the load call: `config`, with `version` as a specific version policy."""
+    config = copy.deepcopy(dict(spec["config"])) if spec.get("config") else None
+    if spec.get("version") is not None:
+        config = config or {}
+        config["version_policy"] = {"specific": {"versions": [int(spec["version"])]}}
+    return config
+
+
+def revision_of(model_name: str, config: Mapping[str, Any] | None) -> str:
+    """Identifies what a pod should hold: a change of name, version or config is a new revision (a live reload)."""
+    return short_hash(
+        json.dumps({"model": model_name, "config": config}, sort_keys=True, separators=(",", ":"))
+    )
+
+
+def model_intent(name: str, spec: Spec) -> ModelIntent:
+    problems = name_problems(name, MAX_MODEL_NAME)
+    model_name = model_name_of(name, spec)
+    repository: Repository | None = None
+    if spec.get("storage"):
+        try:
+            repository = parse_storage_uri(str(spec["storage"]["uri"]))
+        except ValueError as error:
+            problems.append(str(error))
+    elif spec.get("path"):
+        path = _normal_dir(spec["path"])
+        if posixpath.basename(path) != model_name:
+            problems.append(
+                f"path {spec['path']!r} ends in {posixpath.basename(path)!r} but modelName is {model_name!r}: the "
+                "server finds a model by its directory name"
+            )
+        repository = Repository(claim=None, sub_path=posixpath.dirname(path))
+    if spec.get("serverRef") and spec.get("server") is not None:
+        problems.append("set either serverRef or server, not both")
+    dedicated = not spec.get("serverRef")
+    pool = dedicated_server_name(name) if dedicated else str(spec["serverRef"]["name"])
+    config = load_config(spec)
+    memory = 0
+    try:
+        memory = quantity_bytes(spec.get("memory"))
+    except ValueError as error:
+        problems.append(f"memory: {error}")
+    if dedicated:
+        problems += _dedicated_problems(spec, repository)
+    return ModelIntent(
+        name=name,
+        model_name=model_name,
+        pool=pool,
+        dedicated=dedicated,
+        revision=revision_of(model_name, config),
+        load_config=config,
+        version=str(spec["version"]) if spec.get("version") is not None else None,
+        replicas=None if dedicated else desired_replicas(spec),
+        memory=memory,
+        backend=spec.get("backend"),
+        suspended=bool(spec.get("suspended", False)),
+        repository=repository,
+        problems=problems,
+    )
+
+
+def _dedicated_problems(spec: Spec, repo: Repository | None) -> list[str]:
+    """A dedicated pool needs somewhere to read the model from when `path` names a directory in a volume."""
+    template = (spec.get("server") or {}).get("modelRepository") or {}
+    has_volume = bool(template.get("claimName") or template.get("create"))
+    if repo is not None and repo.claim is None and repo.path is None and not has_volume:
+        return ["path needs a volume: set storage.uri to pvc://<claim>/... or server.modelRepository"]
+    return []
+
+
+def pool_problems(intent: ModelIntent, pool: Mapping[str, Any]) -> list[str]:
+    """Why this pool cannot serve the model: a dedicated pool that was not made for it, a backend it cannot run,
+    or another repository."""
+    problems = []
+    pool_spec = pool.get("spec") or {}
+    if intent.dedicated:
+        made_for = ((pool.get("metadata") or {}).get("labels") or {}).get(DEDICATED_FOR_LABEL)
+        if made_for != intent.name:
+            problems.append(
+                f"InferenceServer {intent.pool} exists and was not created for this model; set serverRef to use it"
+            )
+    backends = (pool_spec.get("capabilities") or {}).get("backends") or []
+    if intent.backend and backends and intent.backend not in backends:
+        problems.append(
+            f"InferenceServer {intent.pool} runs backends {sorted(backends)}, not {intent.backend!r}"
+        )
+    repo = intent.repository
+    if repo is not None and not intent.dedicated:
+        pool_claim = repository_claim(intent.pool, pool_spec)
+        pool_sub = _normal_dir((pool_spec.get("modelRepository") or {}).get("subPath"))
+        if repo.path is not None:
+            if pool_claim is not None or repository_path(pool_spec) != repo.path:
+                problems.append(
+                    f"InferenceServer {intent.pool} does not serve the repository {repo.path} from its image"
+                )
+        else:
+            if repo.claim is not None and repo.claim != pool_claim:
+                problems.append(
+                    f"the model is on claim {repo.claim!r} but InferenceServer {intent.pool} mounts "
+                    f"{pool_claim!r}"
+                )
+            if repo.sub_path != pool_sub:
+                problems.append(
+                    f"the model's repository directory is {repo.sub_path or '/'!r} but InferenceServer "
+                    f"{intent.pool} serves {pool_sub or '/'!r}"
+                )
+    return problems
+
+
+# --- dedicated pool ---------------------------------------------------------------------------------------------
+
+
+def render_dedicated_server(owner: Owner, spec: Spec, intent: ModelIntent) -> Body:
+    """The InferenceServer an InferenceModel without serverRef runs on: the `server` template, with the
+    repository from storage/path and the size from the model (suspended: zero pods)."""
+    server_spec = {
+        k: copy.deepcopy(v)
+        for k, v in (spec.get("server") or {}).items()
+        if k not in _MODEL_OWNED_SERVER_FIELDS
+    }
+    server_spec["replicas"] = 0 if intent.suspended else desired_replicas(spec)
+    server_spec["autoscaling"] = {"enabled": False}
+    repo = intent.repository
+    if repo is not None:
+        repository = dict(server_spec.get("modelRepository") or {})
+        if repo.path is not None:
+            repository = {"path": repo.path}
+        else:
+            if repo.claim is not None:
+                repository.pop("create", None)
+                repository["claimName"] = repo.claim
+            if repo.sub_path:
+                repository["subPath"] = repo.sub_path
+            else:
+                repository.pop("subPath", None)
+        server_spec["modelRepository"] = repository
+    return {
+        "apiVersion": API_VERSION,
+        "kind": SERVER_KIND,
+        "metadata": {
+            "name": intent.pool,
+            "namespace": owner.namespace,
+            "labels": {DEDICATED_FOR_LABEL: owner.name, "app.kubernetes.io/managed-by": "naiad-operator"},
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": server_spec,
+    }
+
+
+# --- model Services and HPA -------------------------------------------------------------------------------------
+
+
+def model_selector(intent: ModelIntent) -> dict[str, str]:
+    """Pods of the pool that hold the model: what the model's Services and its HPA select."""
+    return {SERVER_LABEL: intent.pool, model_label_key(intent.name): MODEL_LABEL_VALUE}
+
+
+def model_selector_string(intent: ModelIntent) -> str:
+    return selector_string(model_selector(intent))
+
+
+def model_labels(intent: ModelIntent) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "naiad-model",
+        "app.kubernetes.io/instance": intent.name,
+        "app.kubernetes.io/managed-by": "naiad-operator",
+        SERVER_LABEL: intent.pool,
+    }
+
+
+def _ports() -> list[Body]:
+    return [
+        {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+    ]
+
+
+def render_model_services(owner: Owner, intent: ModelIntent) -> list[Body]:
+    """A Service named after the model that reaches only pods holding it, and a headless twin for gRPC clients
+    that balance per pod."""
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": intent.name,
+            "namespace": owner.namespace,
+            "labels": {**model_labels(intent), SERVICE_ROLE_LABEL: "model"},
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": {"type": "ClusterIP", "selector": model_selector(intent), "ports": _ports()},
+    }
+    headless = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": headless_service_name(intent.name),
+            "namespace": owner.namespace,
+            "labels": {**model_labels(intent), SERVICE_ROLE_LABEL: "model-headless"},
+            "ownerReferences": [owner.reference()],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": model_selector(intent),
+            "ports": _ports(),
+            "publishNotReadyAddresses": False,
+        },
+    }
+    return [service, headless]
+
+
+def render_model_hpa(owner: Owner, spec: Spec, intent: ModelIntent, config: OperatorConfig) -> Body | None:
+    """HPA on the InferenceModel's scale subresource; its default metric is the queue time of this model only."""
+    if intent.suspended or not autoscaling_active(spec):
+        return None
+    return render_hpa(
+        owner, MODEL_KIND, intent.name, spec, config, model_labels(intent), model=intent.model_name
+    )
+
+
+def endpoint(intent: ModelIntent, namespace: str) -> dict[str, str]:
+    host = f"{intent.name}.{namespace}.svc"
+    return {
+        "service": intent.name,
+        "http": f"http://{host}:{HTTP_PORT}/v2/models/{intent.model_name}",
+        "grpc": f"{host}:{GRPC_PORT}",
+    }

@@ -1,0 +1,511 @@
+"""Pure renderers: an InferenceServer spec in, the desired Deployment, Services, claim, HPA and ServiceMonitor out.
+
+Nothing here talks to a cluster; the handlers apply what these functions return with server-side apply.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .config import OperatorConfig
+from .naming import (
+    API_VERSION,
+    GRPC_PORT,
+    HTTP_PORT,
+    MAX_SERVER_NAME,
+    METRICS_PORT,
+    MODEL_REPOSITORY_PATH,
+    MODELS_READY_CONDITION,
+    SERVER_CONTAINER,
+    SERVER_KIND,
+    SERVER_LABEL,
+    SERVICE_ROLE_LABEL,
+    headless_service_name,
+    models_claim_name,
+    name_problems,
+    selector_string,
+)
+from .quantity import parse_quantity
+
+Body = dict[str, Any]
+Spec = Mapping[str, Any]
+
+GPU_RESOURCE = "nvidia.com/gpu"
+# Flags the operator sets itself: a user value would break model control or the ports Services point at.
+RESERVED_FLAGS = (
+    "--model-control-mode",
+    "--model-repository",
+    "--model-store",
+    "--http-port",
+    "--grpc-port",
+    "--metrics-port",
+    "--allow-http",
+    "--allow-grpc",
+    "--allow-metrics",
+)
+
+PROBE_DEFAULTS = {
+    # The server starts without models (explicit mode), so startup is quick; allow 5 minutes for slow nodes.
+    "startup": {"path": "/v2/health/live", "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 60},
+    "readiness": {"path": "/v2/health/ready", "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
+    "liveness": {"path": "/v2/health/live", "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
+}
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The object that owns rendered children (garbage collection through owner references)."""
+
+    api_version: str
+    kind: str
+    name: str
+    uid: str
+    namespace: str
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> Owner:
+        meta = body["metadata"]
+        return cls(body["apiVersion"], body["kind"], meta["name"], meta["uid"], meta["namespace"])
+
+    def reference(self) -> Body:
+        return {
+            "apiVersion": self.api_version,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def pool_labels(server: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "naiad-server",
+        "app.kubernetes.io/instance": server,
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/managed-by": "naiad-operator",
+        SERVER_LABEL: server,
+    }
+
+
+def pool_selector(server: str) -> dict[str, str]:
+    return {SERVER_LABEL: server}
+
+
+def pool_selector_string(server: str) -> str:
+    return selector_string(pool_selector(server))
+
+
+def _metadata(
+    name: str,
+    owner: Owner,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str] | None = None,
+    owned: bool = True,
+) -> Body:
+    meta: Body = {"name": name, "namespace": owner.namespace, "labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    if owned:
+        meta["ownerReferences"] = [owner.reference()]
+    return meta
+
+
+# --- validation -------------------------------------------------------------------------------------------------
+
+
+def _flag_name(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def server_spec_problems(name: str, spec: Spec) -> list[str]:
+    """What in an InferenceServer spec the operator cannot render (reported in status, never retried)."""
+    problems = name_problems(name, MAX_SERVER_NAME)
+    for arg in spec.get("args") or []:
+        if _flag_name(arg) in RESERVED_FLAGS:
+            problems.append(f"args: {_flag_name(arg)} is set by the operator and cannot be overridden")
+    minimum, maximum = spec.get("minReplicas"), spec.get("maxReplicas")
+    if minimum is not None and maximum is not None and minimum > maximum:
+        problems.append(f"minReplicas ({minimum}) exceeds maxReplicas ({maximum})")
+    repository = spec.get("modelRepository") or {}
+    if repository.get("claimName") and repository.get("create"):
+        problems.append("modelRepository: set either claimName or create, not both")
+    for field in ("shmSize",):
+        if spec.get(field) is not None:
+            try:
+                parse_quantity(spec[field])
+            except ValueError as error:
+                problems.append(f"{field}: {error}")
+    capacity = spec.get("capacity") or {}
+    if capacity.get("memory") is not None:
+        try:
+            parse_quantity(capacity["memory"])
+        except ValueError as error:
+            problems.append(f"capacity.memory: {error}")
+    return problems
+
+
+# --- Deployment -------------------------------------------------------------------------------------------------
+
+
+def desired_replicas(spec: Spec) -> int:
+    """spec.replicas kept within minReplicas/maxReplicas when those are set."""
+    replicas = int(spec.get("replicas", 1))
+    if spec.get("minReplicas") is not None:
+        replicas = max(replicas, int(spec["minReplicas"]))
+    if spec.get("maxReplicas") is not None:
+        replicas = min(replicas, int(spec["maxReplicas"]))
+    return replicas
+
+
+def repository_path(spec: Spec) -> str:
+    return (spec.get("modelRepository") or {}).get("path") or MODEL_REPOSITORY_PATH
+
+
+def repository_claim(server: str, spec: Spec) -> str | None:
+    """Name of the PVC that holds the pool's repository, or None when the repository is in the image."""
+    repository = spec.get("modelRepository") or {}
+    if repository.get("claimName"):
+        return str(repository["claimName"])
+    if repository.get("create"):
+        return models_claim_name(server)
+    return None
+
+
+def server_args(spec: Spec) -> list[str]:
+    """`naiad serve` arguments: explicit model control (the operator loads models live), fixed ports, then the
+    user's extra flags."""
+    return [
+        "serve",
+        f"--model-repository={repository_path(spec)}",
+        "--model-control-mode=explicit",
+        f"--http-port={HTTP_PORT}",
+        f"--grpc-port={GRPC_PORT}",
+        f"--metrics-port={METRICS_PORT}",
+        *[str(arg) for arg in spec.get("args") or []],
+    ]
+
+
+def _probe(kind: str, overrides: Mapping[str, Any] | None) -> Body:
+    defaults = dict(PROBE_DEFAULTS[kind])
+    path = defaults.pop("path")
+    probe: Body = {"httpGet": {"path": path, "port": "http"}, **defaults}
+    for key, value in (overrides or {}).items():
+        probe[key] = value
+    return probe
+
+
+def _requests_gpu(resources: Mapping[str, Any]) -> bool:
+    for section in ("limits", "requests"):
+        value = (resources.get(section) or {}).get(GPU_RESOURCE)
+        if value is not None and parse_quantity(value) > 0:
+            return True
+    return False
+
+
+def _tolerations(spec: Spec) -> list[Body]:
+    """The user's tolerations, plus the usual GPU-node taint when the pod asks for GPUs and none covers it."""
+    tolerations = [copy.deepcopy(t) for t in spec.get("tolerations") or []]
+    if _requests_gpu(spec.get("resources") or {}) and not any(
+        t.get("key") == GPU_RESOURCE for t in tolerations
+    ):
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def _container(spec: Spec, config: OperatorConfig) -> Body:
+    container: Body = {
+        "name": SERVER_CONTAINER,
+        "image": spec.get("image") or config.server_image,
+        "imagePullPolicy": spec.get("imagePullPolicy") or config.server_image_pull_policy,
+        "command": ["naiad"],
+        "args": server_args(spec),
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        "startupProbe": _probe("startup", (spec.get("probes") or {}).get("startup")),
+        "readinessProbe": _probe("readiness", (spec.get("probes") or {}).get("readiness")),
+        "livenessProbe": _probe("liveness", (spec.get("probes") or {}).get("liveness")),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+        },
+    }
+    if spec.get("env"):
+        container["env"] = copy.deepcopy(list(spec["env"]))
+    if spec.get("resources"):
+        container["resources"] = copy.deepcopy(dict(spec["resources"]))
+    mounts = []
+    repository = spec.get("modelRepository") or {}
+    if repository.get("claimName") or repository.get("create"):
+        mount: Body = {"name": "models", "mountPath": repository_path(spec), "readOnly": True}
+        sub_path = repository.get("subPath")
+        if sub_path:
+            mount["subPath"] = sub_path.strip("/")
+        mounts.append(mount)
+    if spec.get("shmSize") is not None:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if mounts:
+        container["volumeMounts"] = mounts
+    return container
+
+
+def _volumes(server: str, spec: Spec) -> list[Body]:
+    volumes = []
+    claim = repository_claim(server, spec)
+    if claim is not None:
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    if spec.get("shmSize") is not None:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["shmSize"]}})
+    return volumes
+
+
+def pod_annotations(spec: Spec) -> dict[str, str]:
+    return {
+        **{str(k): str(v) for k, v in (spec.get("podAnnotations") or {}).items()},
+        "kubectl.kubernetes.io/default-container": SERVER_CONTAINER,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def render_deployment(owner: Owner, spec: Spec, config: OperatorConfig) -> Body:
+    server = owner.name
+    labels = pool_labels(server)
+    pod_spec: Body = {
+        "containers": [_container(spec, config)],
+        # Set True by the operator once the models placed on the pod are loaded, so a new pod (a rollout, an
+        # autoscaler replica) receives traffic only when it can serve.
+        "readinessGates": [{"conditionType": MODELS_READY_CONDITION}],
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    volumes = _volumes(server, spec)
+    if volumes:
+        pod_spec["volumes"] = volumes
+    tolerations = _tolerations(spec)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    for field in ("nodeSelector", "affinity", "topologySpreadConstraints", "imagePullSecrets"):
+        if spec.get(field):
+            pod_spec[field] = copy.deepcopy(spec[field])
+    for field in ("runtimeClassName", "priorityClassName", "serviceAccountName"):
+        if spec.get(field):
+            pod_spec[field] = spec[field]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(server, owner, labels),
+        "spec": {
+            "replicas": desired_replicas(spec),
+            "selector": {"matchLabels": pool_selector(server)},
+            # One new pod at a time and none removed before it is Ready (models loaded): serving never dips.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {
+                    "labels": {
+                        **{str(k): str(v) for k, v in (spec.get("podLabels") or {}).items()},
+                        **labels,
+                    },
+                    "annotations": pod_annotations(spec),
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+# --- Services ---------------------------------------------------------------------------------------------------
+
+
+def _service_ports(metrics: bool) -> list[Body]:
+    ports = [
+        {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+    ]
+    if metrics:
+        ports.append({"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"})
+    return ports
+
+
+def render_pool_service(owner: Owner, spec: Spec) -> Body:
+    service = spec.get("service") or {}
+    labels = {**pool_labels(owner.name), SERVICE_ROLE_LABEL: "pool"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner.name, owner, labels, service.get("annotations")),
+        "spec": {
+            "type": service.get("type") or "ClusterIP",
+            "selector": pool_selector(owner.name),
+            "ports": _service_ports(metrics=True),
+        },
+    }
+
+
+def render_headless_service(owner: Owner) -> Body:
+    """Headless Service: one DNS record per Ready pod, for gRPC clients that balance across pods themselves."""
+    labels = {**pool_labels(owner.name), SERVICE_ROLE_LABEL: "headless"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(headless_service_name(owner.name), owner, labels),
+        "spec": {
+            "clusterIP": "None",
+            "selector": pool_selector(owner.name),
+            "ports": _service_ports(metrics=False),
+            "publishNotReadyAddresses": False,
+        },
+    }
+
+
+# --- model repository claim ------------------------------------------------------------------------------------
+
+
+def render_claim(owner: Owner, spec: Spec) -> Body | None:
+    create = (spec.get("modelRepository") or {}).get("create")
+    if not create:
+        return None
+    claim_spec: Body = {
+        "accessModes": list(create.get("accessModes") or ["ReadOnlyMany"]),
+        "resources": {"requests": {"storage": create["size"]}},
+    }
+    if create.get("storageClassName"):
+        claim_spec["storageClassName"] = create["storageClassName"]
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(
+            models_claim_name(owner.name),
+            owner,
+            pool_labels(owner.name),
+            owned=not create.get("retain", False),
+        ),
+        "spec": claim_spec,
+    }
+
+
+# --- autoscaling ------------------------------------------------------------------------------------------------
+
+
+def autoscaling_active(spec: Spec) -> bool:
+    """An HPA exists when maxReplicas is above minReplicas (default 1) and autoscaling is not disabled."""
+    if (spec.get("autoscaling") or {}).get("enabled") is False:
+        return False
+    maximum = spec.get("maxReplicas")
+    return maximum is not None and int(maximum) > int(spec.get("minReplicas") or 1)
+
+
+def queue_time_metric(config: OperatorConfig, target_us: int, model: str | None = None) -> Body:
+    """Pods metric: average queue time per request (microseconds) from prometheus-adapter."""
+    metric: Body = {"name": config.queue_metric_name}
+    if model is not None:
+        metric["selector"] = {"matchLabels": {"model": model}}
+    return {
+        "type": "Pods",
+        "pods": {"metric": metric, "target": {"type": "AverageValue", "averageValue": str(target_us)}},
+    }
+
+
+def render_hpa(
+    owner: Owner,
+    target_kind: str,
+    target_name: str,
+    spec: Spec,
+    config: OperatorConfig,
+    labels: Mapping[str, str],
+    model: str | None = None,
+) -> Body | None:
+    """autoscaling/v2 HPA on the scale subresource of an InferenceServer or InferenceModel, or None."""
+    if not autoscaling_active(spec):
+        return None
+    autoscaling = spec.get("autoscaling") or {}
+    metrics = copy.deepcopy(list(autoscaling.get("metrics") or [])) or [
+        queue_time_metric(config, int(autoscaling.get("targetQueueTimeMicroseconds") or 20000), model)
+    ]
+    hpa_spec: Body = {
+        "scaleTargetRef": {"apiVersion": API_VERSION, "kind": target_kind, "name": target_name},
+        "minReplicas": int(spec.get("minReplicas") or 1),
+        "maxReplicas": int(spec["maxReplicas"]),
+        "metrics": metrics,
+    }
+    if autoscaling.get("behavior"):
+        hpa_spec["behavior"] = copy.deepcopy(dict(autoscaling["behavior"]))
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(target_name, owner, labels),
+        "spec": hpa_spec,
+    }
+
+
+def render_server_hpa(owner: Owner, spec: Spec, config: OperatorConfig) -> Body | None:
+    return render_hpa(owner, SERVER_KIND, owner.name, spec, config, pool_labels(owner.name))
+
+
+# --- monitoring -------------------------------------------------------------------------------------------------
+
+
+def service_monitor_wanted(spec: Spec, config: OperatorConfig) -> bool:
+    return config.service_monitors != "false" and (spec.get("monitoring") or {}).get("serviceMonitor", True)
+
+
+def render_service_monitor(owner: Owner, spec: Spec) -> Body:
+    """ServiceMonitor on the pool Service only (model Services select the same pods and would double-count)."""
+    monitoring = spec.get("monitoring") or {}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
+        "spec": {
+            "selector": {"matchLabels": {**pool_selector(owner.name), SERVICE_ROLE_LABEL: "pool"}},
+            "namespaceSelector": {"matchNames": [owner.namespace]},
+            "endpoints": [
+                {"port": "metrics", "path": "/metrics", "interval": monitoring.get("interval") or "15s"}
+            ],
+        },
+    }
+
+
+# --- everything for one pool ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolObjects:
+    """The children of one InferenceServer; `absent` lists kinds that must not exist (e.g. HPA turned off)."""
+
+    apply: list[Body]
+    absent: list[tuple[str, str, str]]  # (apiVersion, kind, name)
+
+
+def render_pool(owner: Owner, spec: Spec, config: OperatorConfig, monitoring_api: bool) -> PoolObjects:
+    apply: list[Body] = []
+    absent: list[tuple[str, str, str]] = []
+    claim = render_claim(owner, spec)
+    if claim is not None:
+        apply.append(claim)
+    apply += [
+        render_deployment(owner, spec, config),
+        render_pool_service(owner, spec),
+        render_headless_service(owner),
+    ]
+    hpa = render_server_hpa(owner, spec, config)
+    if hpa is not None:
+        apply.append(hpa)
+    else:
+        absent.append(("autoscaling/v2", "HorizontalPodAutoscaler", owner.name))
+    if monitoring_api:
+        if service_monitor_wanted(spec, config):
+            apply.append(render_service_monitor(owner, spec))
+        else:
+            absent.append(("monitoring.coreos.com/v1", "ServiceMonitor", owner.name))
+    return PoolObjects(apply, absent)

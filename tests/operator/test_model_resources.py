@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from naiad_operator.config import OperatorConfig
 from naiad_operator.model_resources import (
     Repository,
@@ -30,7 +29,10 @@ CONFIG = OperatorConfig(queue_metric_name="queue_us")
 def test_model_name_defaults_to_resource_name_then_path():
     assert model_intent("resnet", {}).model_name == "resnet"
     assert model_intent("resnet", {"modelName": "resnet50"}).model_name == "resnet50"
-    assert model_intent("resnet", {"path": "vision/resnet50", "serverRef": {"name": "p"}}).model_name == "resnet50"
+    assert (
+        model_intent("resnet", {"path": "vision/resnet50", "serverRef": {"name": "p"}}).model_name
+        == "resnet50"
+    )
 
 
 def test_shared_and_dedicated_pools():
@@ -80,14 +82,23 @@ def test_intent_problems():
     assert any("directory name" in p for p in mismatch.problems)
     no_volume = model_intent("resnet", {"path": "dir/resnet"})
     assert any("needs a volume" in p for p in no_volume.problems)
-    assert model_intent("resnet", {"path": "dir/resnet", "server": {"modelRepository": {"claimName": "c"}}}
-                        ).problems == []
+    assert (
+        model_intent(
+            "resnet", {"path": "dir/resnet", "server": {"modelRepository": {"claimName": "c"}}}
+        ).problems
+        == []
+    )
 
 
 def test_dedicated_server_takes_template_repository_and_size_from_the_model():
     spec = {
-        "server": {"image": "img", "replicas": 9, "maxReplicas": 9, "autoscaling": {"enabled": True},
-                   "resources": {"limits": {"nvidia.com/gpu": 1}}},
+        "server": {
+            "image": "img",
+            "replicas": 9,
+            "maxReplicas": 9,
+            "autoscaling": {"enabled": True},
+            "resources": {"limits": {"nvidia.com/gpu": 1}},
+        },
         "storage": {"uri": "pvc://models/prod"},
         "replicas": 2,
     }
@@ -105,7 +116,11 @@ def test_dedicated_server_takes_template_repository_and_size_from_the_model():
 
 
 def test_dedicated_server_for_path_and_file_repositories_and_suspension():
-    spec = {"server": {"modelRepository": {"create": {"size": "5Gi"}}}, "path": "team/resnet", "suspended": True}
+    spec = {
+        "server": {"modelRepository": {"create": {"size": "5Gi"}}},
+        "path": "team/resnet",
+        "suspended": True,
+    }
     server = render_dedicated_server(OWNER, spec, model_intent("resnet", spec))
     assert server["spec"]["modelRepository"] == {"create": {"size": "5Gi"}, "subPath": "team"}
     assert server["spec"]["replicas"] == 0
@@ -128,13 +143,23 @@ def test_model_services_select_pods_that_hold_the_model():
 
 
 def test_model_hpa_scales_the_model_on_its_own_queue_time():
-    spec = {"serverRef": {"name": "gpu"}, "minReplicas": 1, "maxReplicas": 4,
-            "autoscaling": {"targetQueueTimeMicroseconds": 800}, "modelName": "resnet50"}
+    spec = {
+        "serverRef": {"name": "gpu"},
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "autoscaling": {"targetQueueTimeMicroseconds": 800},
+        "modelName": "resnet50",
+    }
     hpa = render_model_hpa(OWNER, spec, model_intent("resnet", spec), CONFIG)
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "naiad.dev/v1alpha1", "kind": "InferenceModel",
-                                             "name": "resnet"}
-    assert hpa["spec"]["metrics"][0]["pods"]["metric"] == {"name": "queue_us",
-                                                          "selector": {"matchLabels": {"model": "resnet50"}}}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "naiad.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "name": "resnet",
+    }
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"] == {
+        "name": "queue_us",
+        "selector": {"matchLabels": {"model": "resnet50"}},
+    }
     assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "800"
     suspended = {**spec, "suspended": True}
     assert render_model_hpa(OWNER, suspended, model_intent("resnet", suspended), CONFIG) is None
@@ -142,12 +167,21 @@ def test_model_hpa_scales_the_model_on_its_own_queue_time():
 
 
 def test_pool_problems():
-    pool = {"metadata": {"name": "gpu"}, "spec": {"capabilities": {"backends": ["onnxruntime", "python"]},
-                                                  "modelRepository": {"claimName": "models", "subPath": "prod"}}}
-    ok = model_intent("m", {"serverRef": {"name": "gpu"}, "backend": "python", "storage": {"uri": "pvc://models/prod"}})
+    pool = {
+        "metadata": {"name": "gpu"},
+        "spec": {
+            "capabilities": {"backends": ["onnxruntime", "python"]},
+            "modelRepository": {"claimName": "models", "subPath": "prod"},
+        },
+    }
+    ok = model_intent(
+        "m", {"serverRef": {"name": "gpu"}, "backend": "python", "storage": {"uri": "pvc://models/prod"}}
+    )
     assert pool_problems(ok, pool) == []
     assert pool_problems(model_intent("m", {"serverRef": {"name": "gpu"}, "backend": "tensorrt"}), pool)
-    assert pool_problems(model_intent("m", {"serverRef": {"name": "gpu"}, "storage": {"uri": "pvc://other"}}), pool)
+    assert pool_problems(
+        model_intent("m", {"serverRef": {"name": "gpu"}, "storage": {"uri": "pvc://other"}}), pool
+    )
     assert pool_problems(model_intent("m", {"serverRef": {"name": "gpu"}, "path": "dev/m"}), pool)
     assert pool_problems(model_intent("m", {"serverRef": {"name": "gpu"}, "path": "prod/m"}), pool) == []
     image_repo = model_intent("m", {"serverRef": {"name": "gpu"}, "storage": {"uri": "file:///models"}})
@@ -161,9 +195,11 @@ def test_pool_problems():
 
 def test_endpoint():
     intent = model_intent("resnet", {"serverRef": {"name": "gpu"}, "modelName": "resnet50"})
-    assert endpoint(intent, "ml") == {"service": "resnet",
-                                      "http": "http://resnet.ml.svc:8000/v2/models/resnet50",
-                                      "grpc": "resnet.ml.svc:8001"}
+    assert endpoint(intent, "ml") == {
+        "service": "resnet",
+        "http": "http://resnet.ml.svc:8000/v2/models/resnet50",
+        "grpc": "resnet.ml.svc:8001",
+    }
 
 
 def test_load_config_is_json_serialisable():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 from naiad_operator.config import OperatorConfig
 from naiad_operator.naming import MODELS_READY_CONDITION, SERVER_LABEL, SERVICE_ROLE_LABEL
 from naiad_operator.resources import (
@@ -32,8 +31,10 @@ FULL_SPEC = {
     "imagePullPolicy": "Always",
     "imagePullSecrets": [{"name": "pull"}],
     "args": ["--log-verbose=1", "--exit-timeout-secs=5"],
-    "env": [{"name": "OMP_NUM_THREADS", "value": "4"}, {"name": "TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": "s", "key": "k"}}}],
+    "env": [
+        {"name": "OMP_NUM_THREADS", "value": "4"},
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+    ],
     "replicas": 3,
     "minReplicas": 2,
     "maxReplicas": 6,
@@ -45,7 +46,9 @@ FULL_SPEC = {
     "nodeSelector": {"gpu": "a100"},
     "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
     "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
-    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}],
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
     "runtimeClassName": "nvidia",
     "priorityClassName": "inference",
     "serviceAccountName": "naiad-server",
@@ -53,8 +56,11 @@ FULL_SPEC = {
     "podAnnotations": {"sidecar.istio.io/inject": "false"},
     "shmSize": "2Gi",
     "modelRepository": {"claimName": "models", "subPath": "prod/", "path": "/models"},
-    "probes": {"startup": {"failureThreshold": 120}, "readiness": {"periodSeconds": 2},
-               "liveness": {"timeoutSeconds": 9}},
+    "probes": {
+        "startup": {"failureThreshold": 120},
+        "readiness": {"periodSeconds": 2},
+        "liveness": {"timeoutSeconds": 9},
+    },
     "service": {"type": "LoadBalancer", "annotations": {"lb": "internal"}},
     "capabilities": {"backends": ["onnxruntime"]},
     "capacity": {"maxModels": 4, "memory": "20Gi"},
@@ -74,9 +80,16 @@ def test_deployment_identity_and_ownership():
     d = deployment()
     assert d["apiVersion"] == "apps/v1" and d["kind"] == "Deployment"
     assert d["metadata"]["name"] == "gpu-pool" and d["metadata"]["namespace"] == "ml"
-    assert d["metadata"]["ownerReferences"] == [{
-        "apiVersion": "naiad.dev/v1alpha1", "kind": "InferenceServer", "name": "gpu-pool", "uid": "uid-1",
-        "controller": True, "blockOwnerDeletion": True}]
+    assert d["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "naiad.dev/v1alpha1",
+            "kind": "InferenceServer",
+            "name": "gpu-pool",
+            "uid": "uid-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     assert d["spec"]["selector"] == {"matchLabels": {SERVER_LABEL: "gpu-pool"}}
     assert d["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
@@ -96,10 +109,20 @@ def test_container_image_command_and_explicit_model_control():
     assert c["imagePullPolicy"] == "Always"
     assert c["command"] == ["naiad"]
     assert c["args"] == [
-        "serve", "--model-repository=/models", "--model-control-mode=explicit", "--http-port=8000",
-        "--grpc-port=8001", "--metrics-port=8002", "--log-verbose=1", "--exit-timeout-secs=5"]
-    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [("http", 8000), ("grpc", 8001),
-                                                                    ("metrics", 8002)]
+        "serve",
+        "--model-repository=/models",
+        "--model-control-mode=explicit",
+        "--http-port=8000",
+        "--grpc-port=8001",
+        "--metrics-port=8002",
+        "--log-verbose=1",
+        "--exit-timeout-secs=5",
+    ]
+    assert [(p["name"], p["containerPort"]) for p in c["ports"]] == [
+        ("http", 8000),
+        ("grpc", 8001),
+        ("metrics", 8002),
+    ]
 
 
 def test_operator_defaults_fill_image_and_pull_policy():
@@ -130,7 +153,9 @@ def test_probes_use_health_endpoints_and_overrides():
 def test_repository_volume_is_read_only_with_sub_path_and_shm():
     d = deployment()
     pod = d["spec"]["template"]["spec"]
-    assert {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod[
+        "volumes"
+    ]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
     mounts = pod["containers"][0]["volumeMounts"]
     assert {"name": "models", "mountPath": "/models", "readOnly": True, "subPath": "prod"} in mounts
@@ -138,8 +163,12 @@ def test_repository_volume_is_read_only_with_sub_path_and_shm():
 
 
 def test_created_claim_is_mounted_and_rendered():
-    spec = {"modelRepository": {"create": {"size": "50Gi", "storageClassName": "fast",
-                                           "accessModes": ["ReadWriteMany"]}, "path": "/repo"}}
+    spec = {
+        "modelRepository": {
+            "create": {"size": "50Gi", "storageClassName": "fast", "accessModes": ["ReadWriteMany"]},
+            "path": "/repo",
+        }
+    }
     pod = deployment(spec)["spec"]["template"]["spec"]
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "gpu-pool-models"
     assert pod["containers"][0]["volumeMounts"][0]["mountPath"] == "/repo"
@@ -147,8 +176,11 @@ def test_created_claim_is_mounted_and_rendered():
     claim = render_claim(OWNER, spec)
     assert claim["metadata"]["name"] == "gpu-pool-models"
     assert claim["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "50Gi"}},
-                             "storageClassName": "fast"}
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "50Gi"}},
+        "storageClassName": "fast",
+    }
 
 
 def test_retained_claim_has_no_owner_and_no_claim_without_create():
@@ -177,10 +209,14 @@ def test_gpu_pods_tolerate_the_gpu_taint_unless_user_covers_it():
         FULL_SPEC["tolerations"][0],
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
     ]
-    own = {"resources": {"limits": {"nvidia.com/gpu": "2"}},
-           "tolerations": [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "a100"}]}
+    own = {
+        "resources": {"limits": {"nvidia.com/gpu": "2"}},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "a100"}],
+    }
     assert deployment(own)["spec"]["template"]["spec"]["tolerations"] == own["tolerations"]
-    assert "tolerations" not in deployment({"resources": {"limits": {"cpu": "2"}}})["spec"]["template"]["spec"]
+    assert (
+        "tolerations" not in deployment({"resources": {"limits": {"cpu": "2"}}})["spec"]["template"]["spec"]
+    )
 
 
 def test_pod_labels_and_annotations_merge_with_ours_winning():
@@ -206,8 +242,11 @@ def test_pool_service_and_headless_service():
     assert svc["metadata"]["labels"][SERVICE_ROLE_LABEL] == "pool"
     assert svc["spec"]["type"] == "LoadBalancer"
     assert svc["spec"]["selector"] == {SERVER_LABEL: "gpu-pool"}
-    assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [("http", 8000), ("grpc", 8001),
-                                                                     ("metrics", 8002)]
+    assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
+        ("http", 8000),
+        ("grpc", 8001),
+        ("metrics", 8002),
+    ]
     headless = render_headless_service(OWNER)
     assert headless["metadata"]["name"] == "gpu-pool-headless"
     assert headless["spec"]["clusterIP"] == "None"
@@ -219,18 +258,32 @@ def test_pool_service_and_headless_service():
 def test_hpa_targets_the_inference_server_scale_subresource_with_the_queue_metric():
     hpa = render_server_hpa(OWNER, FULL_SPEC, CONFIG)
     assert hpa["apiVersion"] == "autoscaling/v2"
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "naiad.dev/v1alpha1", "kind": "InferenceServer",
-                                             "name": "gpu-pool"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "naiad.dev/v1alpha1",
+        "kind": "InferenceServer",
+        "name": "gpu-pool",
+    }
     assert hpa["spec"]["minReplicas"] == 2 and hpa["spec"]["maxReplicas"] == 6
-    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
-        "metric": {"name": "queue_us"}, "target": {"type": "AverageValue", "averageValue": "5000"}}}]
+    assert hpa["spec"]["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "queue_us"},
+                "target": {"type": "AverageValue", "averageValue": "5000"},
+            },
+        }
+    ]
     assert hpa["spec"]["behavior"] == FULL_SPEC["autoscaling"]["behavior"]
 
 
 def test_hpa_custom_metrics_replace_the_default():
     spec = copy.deepcopy(FULL_SPEC)
-    spec["autoscaling"]["metrics"] = [{"type": "Resource", "resource": {"name": "cpu", "target": {
-        "type": "Utilization", "averageUtilization": 70}}}]
+    spec["autoscaling"]["metrics"] = [
+        {
+            "type": "Resource",
+            "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 70}},
+        }
+    ]
     assert render_server_hpa(OWNER, spec, CONFIG)["spec"]["metrics"] == spec["autoscaling"]["metrics"]
 
 
@@ -253,13 +306,20 @@ def test_service_monitor_selects_only_the_pool_service():
 
 def test_render_pool_lists_children_and_the_ones_to_remove():
     objects = render_pool(OWNER, FULL_SPEC, CONFIG, monitoring_api=True)
-    assert [o["kind"] for o in objects.apply] == ["Deployment", "Service", "Service", "HorizontalPodAutoscaler",
-                                                   "ServiceMonitor"]
+    assert [o["kind"] for o in objects.apply] == [
+        "Deployment",
+        "Service",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "ServiceMonitor",
+    ]
     assert objects.absent == []
     plain = render_pool(OWNER, {"monitoring": {"serviceMonitor": False}}, CONFIG, monitoring_api=True)
     assert [o["kind"] for o in plain.apply] == ["Deployment", "Service", "Service"]
-    assert plain.absent == [("autoscaling/v2", "HorizontalPodAutoscaler", "gpu-pool"),
-                            ("monitoring.coreos.com/v1", "ServiceMonitor", "gpu-pool")]
+    assert plain.absent == [
+        ("autoscaling/v2", "HorizontalPodAutoscaler", "gpu-pool"),
+        ("monitoring.coreos.com/v1", "ServiceMonitor", "gpu-pool"),
+    ]
     no_api = render_pool(OWNER, {}, CONFIG, monitoring_api=False)
     assert ("monitoring.coreos.com/v1", "ServiceMonitor", "gpu-pool") not in no_api.absent
     off = render_pool(OWNER, {}, OperatorConfig(service_monitors="false"), monitoring_api=True)
@@ -268,8 +328,16 @@ def test_render_pool_lists_children_and_the_ones_to_remove():
     assert with_claim.apply[0]["kind"] == "PersistentVolumeClaim"
 
 
-@pytest.mark.parametrize("arg", ["--model-control-mode=poll", "--http-port=9000", "--model-repository=/x",
-                                 "--grpc-port", "--metrics-port=1"])
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "--model-control-mode=poll",
+        "--http-port=9000",
+        "--model-repository=/x",
+        "--grpc-port",
+        "--metrics-port=1",
+    ],
+)
 def test_reserved_flags_are_reported(arg):
     problems = server_spec_problems("pool", {"args": [arg]})
     assert len(problems) == 1 and arg.split("=")[0] in problems[0]
@@ -278,7 +346,8 @@ def test_reserved_flags_are_reported(arg):
 def test_spec_problems():
     assert server_spec_problems("pool", FULL_SPEC) == []
     assert "minReplicas (5) exceeds maxReplicas (2)" in server_spec_problems(
-        "pool", {"minReplicas": 5, "maxReplicas": 2})
+        "pool", {"minReplicas": 5, "maxReplicas": 2}
+    )
     assert any("DNS-1035" in p for p in server_spec_problems("Pool.A", {}))
     assert any("longer than" in p for p in server_spec_problems("p" * 60, {}))
     assert any("capacity.memory" in p for p in server_spec_problems("pool", {"capacity": {"memory": "lots"}}))

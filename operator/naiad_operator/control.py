@@ -1,0 +1,173 @@
+"""Async client of a Naiad (or Triton) server's model-control API: health, repository index, load, unload.
+
+Each call targets one pod by IP, so the operator can place models pod by pod instead of through a Service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from .naming import HTTP_PORT
+
+
+class ControlError(Exception):
+    """A model-control call did not succeed."""
+
+
+class ServerUnreachable(ControlError):
+    """No usable answer from the server (connection refused, timeout, or not KServe v2 JSON)."""
+
+
+class ModelControlError(ControlError):
+    """The server answered with an error for a load or unload: the message is the server's own."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    version: str
+    state: str
+    reason: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY"
+
+
+def base_url(host: str, port: int = HTTP_PORT) -> str:
+    """http://host:port, bracketing IPv6 addresses."""
+    try:
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            host = f"[{host}]"
+    except ValueError:
+        pass  # a DNS name
+    return f"http://{host}:{port}"
+
+
+def _error_message(status: int, text: str) -> str:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip() or f"HTTP {status}"
+    if isinstance(body, Mapping) and body.get("error"):
+        return str(body["error"])
+    return text.strip() or f"HTTP {status}"
+
+
+def _is_not_found(status: int, message: str) -> bool:
+    lowered = message.lower()
+    return status == 404 or "not found" in lowered or "unknown model" in lowered
+
+
+class ModelControlClient:
+    """One aiohttp session for all pods; per-call timeouts (loads may take minutes, index calls must not)."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        port: int = HTTP_PORT,
+        request_timeout: float = 10.0,
+        load_timeout: float = 600.0,
+    ):
+        self._session = session
+        self._port = port
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout)
+        self._load_timeout = aiohttp.ClientTimeout(total=load_timeout)
+
+    async def _call(
+        self,
+        method: str,
+        host: str,
+        path: str,
+        *,
+        body: Any = None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> tuple[int, str]:
+        url = base_url(host, self._port) + path
+        kwargs: dict[str, Any] = {"timeout": timeout or self._timeout}
+        if body is not None:
+            kwargs["data"] = json.dumps(body)
+            kwargs["headers"] = {"Content-Type": "application/json"}
+        try:
+            async with self._session.request(method, url, **kwargs) as response:
+                return response.status, await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+            raise ServerUnreachable(
+                f"{method} {url}: {error.__class__.__name__}: {error}".rstrip(": ")
+            ) from error
+
+    async def live(self, host: str) -> bool:
+        try:
+            status, _ = await self._call("GET", host, "/v2/health/live")
+        except ServerUnreachable:
+            return False
+        return status == 200
+
+    async def ready(self, host: str) -> bool:
+        try:
+            status, _ = await self._call("GET", host, "/v2/health/ready")
+        except ServerUnreachable:
+            return False
+        return status == 200
+
+    async def index(self, host: str) -> list[IndexEntry]:
+        """Every model the server knows, with state (READY, UNAVAILABLE, LOADING, ...)."""
+        status, text = await self._call("POST", host, "/v2/repository/index", body={})
+        if status != 200:
+            raise ServerUnreachable(
+                f"repository index on {host} answered {status}: {_error_message(status, text)}"
+            )
+        try:
+            entries = json.loads(text)
+        except ValueError as error:
+            raise ServerUnreachable(f"repository index on {host} is not JSON: {text[:200]!r}") from error
+        if not isinstance(entries, list):
+            raise ServerUnreachable(f"repository index on {host} is not a list: {text[:200]!r}")
+        result = []
+        for entry in entries:
+            if isinstance(entry, Mapping) and entry.get("name"):
+                result.append(
+                    IndexEntry(
+                        name=str(entry["name"]),
+                        version=str(entry.get("version") or ""),
+                        state=str(entry.get("state") or ""),
+                        reason=str(entry.get("reason") or ""),
+                    )
+                )
+        return result
+
+    async def load(self, host: str, model: str, config: Mapping[str, Any] | None = None) -> None:
+        """Load (or reload, when already loaded) `model`; `config` is a ModelConfig override in JSON form."""
+        body = {"parameters": {"config": json.dumps(config, sort_keys=True)}} if config is not None else None
+        status, text = await self._call(
+            "POST",
+            host,
+            f"/v2/repository/models/{quote(model, safe='')}/load",
+            body=body,
+            timeout=self._load_timeout,
+        )
+        if status != 200:
+            raise ModelControlError(_error_message(status, text), status)
+
+    async def unload(self, host: str, model: str) -> None:
+        """Unload `model`; a server that does not know it has nothing to unload, which counts as done."""
+        status, text = await self._call("POST", host, f"/v2/repository/models/{quote(model, safe='')}/unload")
+        if status == 200:
+            return
+        message = _error_message(status, text)
+        if _is_not_found(status, message):
+            return
+        raise ModelControlError(message, status)

@@ -1,0 +1,303 @@
+"""kopf handlers, kept thin: render the desired children, apply them with server-side apply, and ask for a
+placement pass (which loads models and writes status). Timers re-run both, so the operator converges after its
+own restart, after drift, and after pods restart or scale."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import aiohttp
+import kopf
+
+from .config import OperatorConfig
+from .control import ModelControlClient
+from .kube import KubeClient, KubeError
+from .model_resources import model_intent, render_dedicated_server, render_model_hpa, render_model_services
+from .naming import (
+    API_VERSION,
+    GROUP,
+    MODEL_PLURAL,
+    SERVER_CONTAINER,
+    SERVER_KIND,
+    SERVER_LABEL,
+    SERVER_PLURAL,
+    VERSION,
+)
+from .pool import LoadBackoff, PoolContext, PoolReport, reconcile_pool
+from .resources import Body, Owner, render_pool, server_spec_problems
+from .runner import PassRunner
+
+log = logging.getLogger(__name__)
+
+# Timer intervals are fixed when the handlers are registered, so they come from the environment at import.
+_CONFIG = OperatorConfig.from_env()
+RESYNC = _CONFIG.resync_seconds
+# Retries of a delete before giving up on pods that cannot be reached (their leftovers are unloaded later).
+DELETE_RETRIES = 5
+
+
+# --- lifecycle ------------------------------------------------------------------------------------------------
+
+
+def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """Credentials the same way kopf finds them: the client library's loader, then a service account, then a
+    kubeconfig."""
+    for login in (kopf.login_via_client, kopf.login_with_service_account, kopf.login_with_kubeconfig):
+        info = login(logger=log, settings=settings)
+        if info is not None:
+            return info
+    raise kopf.LoginError("no Kubernetes credentials: neither a service account nor a kubeconfig")
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.batching.error_delays = (1, 2, 5, 10, 20, 30, 60)
+
+    config = OperatorConfig.from_env()
+    memo.config = config
+    memo.kube = KubeClient(lambda: asyncio.to_thread(connection_info, settings))
+    memo.http = aiohttp.ClientSession()
+    control = ModelControlClient(
+        memo.http, request_timeout=config.request_timeout_seconds, load_timeout=config.load_timeout_seconds
+    )
+    memo.backoff = LoadBackoff(config.load_retry_seconds)
+    context = PoolContext(kube=memo.kube, control=control, config=config, backoff=memo.backoff)
+    memo.pools = PassRunner(partial(reconcile_pool, context))
+    memo.pod_fingerprints = {}
+    log.info(
+        "naiad-operator started: server image %s, resync every %.0fs",
+        config.server_image,
+        config.resync_seconds,
+    )
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await memo.pools.close()
+    await memo.http.close()
+    await memo.kube.close()
+
+
+# --- shared helpers -------------------------------------------------------------------------------------------
+
+
+def _retry_or_raise(error: KubeError, what: str) -> kopf.TemporaryError | kopf.PermanentError:
+    if error.retriable:
+        return kopf.TemporaryError(f"{what}: {error}", delay=10)
+    return kopf.PermanentError(f"{what}: {error}")
+
+
+async def _apply_all(kube: KubeClient, objects: list[Body]) -> list[str]:
+    """Apply each object; an object the API rejects does not stop the others. Passing failures raise."""
+    rejected = []
+    for obj in objects:
+        what = f"{obj['kind']} {obj['metadata']['name']}"
+        try:
+            await kube.apply(obj)
+        except KubeError as error:
+            if error.retriable:
+                raise kopf.TemporaryError(f"applying {what}: {error}", delay=10) from error
+            rejected.append(f"{what}: {error.message}")
+    return rejected
+
+
+async def _delete_if_owned(
+    kube: KubeClient, api_version: str, kind: str, namespace: str, name: str, owner_uid: str
+) -> None:
+    """Remove a child that is no longer wanted, never an object someone else made with the same name."""
+    try:
+        existing = await kube.get(api_version, kind, namespace, name)
+    except KubeError as error:
+        if error.status == 404:  # the API itself is not served (e.g. no monitoring.coreos.com)
+            return
+        raise
+    if existing is None:
+        return
+    owners = existing["metadata"].get("ownerReferences") or []
+    if any(ref.get("uid") == owner_uid for ref in owners):
+        await kube.delete(api_version, kind, namespace, name)
+
+
+def _report(body: Body, problems: list[str], reason: str, events: bool) -> None:
+    if problems and events:
+        kopf.warn(body, reason=reason, message="; ".join(problems))
+
+
+# --- InferenceServer ------------------------------------------------------------------------------------------
+
+
+async def ensure_pool(memo: kopf.Memo, body: Body, *, events: bool) -> list[str]:
+    """Apply the Deployment, Services, claim, HPA and ServiceMonitor of a pool; returns spec problems."""
+    owner = Owner.of(body)
+    spec = body.get("spec") or {}
+    problems = server_spec_problems(owner.name, spec)
+    if problems:
+        _report(body, problems, "InvalidSpec", events)
+        return problems
+    config: OperatorConfig = memo.config
+    kube: KubeClient = memo.kube
+    monitoring = config.service_monitors != "false" and await kube.api_available(
+        "monitoring.coreos.com/v1", "servicemonitors"
+    )
+    objects = render_pool(owner, spec, config, monitoring)
+    rejected = await _apply_all(kube, objects.apply)
+    for api_version, kind, name in objects.absent:
+        await _delete_if_owned(kube, api_version, kind, owner.namespace, name, owner.uid)
+    _report(body, rejected, "ApplyFailed", events)
+    return rejected
+
+
+@kopf.on.resume(GROUP, VERSION, SERVER_PLURAL)
+@kopf.on.create(GROUP, VERSION, SERVER_PLURAL)
+@kopf.on.update(GROUP, VERSION, SERVER_PLURAL)
+async def server_changed(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        await ensure_pool(memo, dict(body), events=True)
+    except KubeError as error:
+        raise _retry_or_raise(error, f"InferenceServer {name}") from error
+    memo.pools.request(namespace, name)
+
+
+@kopf.timer(GROUP, VERSION, SERVER_PLURAL, interval=RESYNC, initial_delay=RESYNC / 3)
+async def server_resync(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """Self-healing: re-apply the children and compare every pod's repository index with the placements."""
+    try:
+        await ensure_pool(memo, dict(body), events=False)
+        await memo.pools.run(namespace, name)
+    except KubeError as error:
+        raise _retry_or_raise(error, f"resync of InferenceServer {name}") from error
+
+
+# --- InferenceModel -------------------------------------------------------------------------------------------
+
+
+async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
+    """Apply the dedicated pool (without serverRef), the model's Services and HPA; returns the pool name."""
+    owner = Owner.of(body)
+    spec = body.get("spec") or {}
+    intent = model_intent(owner.name, spec)
+    if intent.problems:
+        _report(body, intent.problems, "InvalidSpec", events)
+        return intent.pool
+    config: OperatorConfig = memo.config
+    kube: KubeClient = memo.kube
+    objects: list[Body] = []
+    if intent.dedicated:
+        existing = await kube.get(API_VERSION, SERVER_KIND, owner.namespace, intent.pool)
+        if existing is None or any(
+            r.get("uid") == owner.uid for r in existing["metadata"].get("ownerReferences") or []
+        ):
+            objects.append(render_dedicated_server(owner, spec, intent))
+        # else: someone else's InferenceServer has the name; the pass reports it in status.
+    objects += render_model_services(owner, intent)
+    hpa = render_model_hpa(owner, spec, intent, config)
+    if hpa is not None:
+        objects.append(hpa)
+    rejected = await _apply_all(kube, objects)
+    if hpa is None:
+        await _delete_if_owned(
+            kube, "autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace, owner.name, owner.uid
+        )
+    _report(body, rejected, "ApplyFailed", events)
+    return intent.pool
+
+
+@kopf.on.resume(GROUP, VERSION, MODEL_PLURAL)
+@kopf.on.create(GROUP, VERSION, MODEL_PLURAL)
+@kopf.on.update(GROUP, VERSION, MODEL_PLURAL)
+async def model_changed(
+    body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, old: Mapping[str, Any] | None, **_: Any
+) -> None:
+    try:
+        pool = await ensure_model(memo, dict(body), events=True)
+    except KubeError as error:
+        raise _retry_or_raise(error, f"InferenceModel {name}") from error
+    memo.pools.request(namespace, pool)
+    previous = model_intent(name, (old or {}).get("spec") or {}).pool if old else pool
+    if previous != pool:
+        memo.pools.request(namespace, previous)  # the old pool unloads it (its records are now strays)
+
+
+@kopf.timer(GROUP, VERSION, MODEL_PLURAL, interval=RESYNC * 2, initial_delay=RESYNC / 2)
+async def model_resync(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """Re-apply the model's objects and make sure its pool gets a pass (also when the pool does not exist yet,
+    which the pass reports as Pending)."""
+    try:
+        pool = await ensure_model(memo, dict(body), events=False)
+        await memo.pools.run(namespace, pool)
+    except KubeError as error:
+        raise _retry_or_raise(error, f"resync of InferenceModel {name}") from error
+
+
+@kopf.on.delete(GROUP, VERSION, MODEL_PLURAL)
+async def model_deleted(
+    body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, retry: int, **_: Any
+) -> None:
+    """Unload from every pod of a shared pool and drop the labels (the pass sees the deletionTimestamp). A
+    dedicated pool is removed with the model by garbage collection, so there is nothing to unload."""
+    intent = model_intent(name, dict(spec))
+    memo.backoff.forget_model(namespace, name)
+    if intent.dedicated:
+        return
+    try:
+        report: PoolReport = await memo.pools.run(namespace, intent.pool)
+    except KubeError as error:
+        raise _retry_or_raise(error, f"unloading InferenceModel {name}") from error
+    left = report.holders.get(name, [])
+    if left and retry < DELETE_RETRIES:
+        raise kopf.TemporaryError(
+            f"{intent.model_name} is still loaded on {', '.join(sorted(left))}", delay=10
+        )
+    if left:
+        kopf.warn(
+            dict(body),
+            reason="UnloadIncomplete",
+            message=f"gave up unloading from {', '.join(sorted(left))}; the pool unloads it when they answer",
+        )
+
+
+# --- pods -----------------------------------------------------------------------------------------------------
+
+
+def pod_fingerprint(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The parts of a pod that change what placement sees (not the labels and annotations the pass writes)."""
+    status = body.get("status") or {}
+    container = next(
+        (c for c in status.get("containerStatuses") or [] if c.get("name") == SERVER_CONTAINER), {}
+    )
+    meta = body.get("metadata") or {}
+    return (
+        status.get("podIP"),
+        bool(container.get("ready")),
+        container.get("restartCount"),
+        bool(meta.get("deletionTimestamp")),
+    )
+
+
+@kopf.on.event("", "v1", "pods", labels={SERVER_LABEL: kopf.PRESENT})
+async def pod_event(
+    event: Mapping[str, Any], body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any
+) -> None:
+    """A pod of a pool started, became ready, restarted or went away: give the pool a pass right now, so new
+    replicas get their models before they count as serving."""
+    uid = body["metadata"].get("uid")
+    if event.get("type") == "DELETED":
+        memo.pod_fingerprints.pop(uid, None)
+    else:
+        fingerprint = pod_fingerprint(body)
+        if memo.pod_fingerprints.get(uid) == fingerprint:
+            return
+        memo.pod_fingerprints[uid] = fingerprint
+    memo.pools.request(namespace, body["metadata"]["labels"][SERVER_LABEL])

@@ -1,0 +1,152 @@
+"""Pure placement decisions: given the pods of a pool (ready state, what they hold, capacity) and the models
+that want replicas there, decide where each model is kept, loaded and unloaded.
+
+Rules, in order: a model stays where it already is with the right revision; a stale copy is reloaded in place;
+new copies go to pods that have room and hold the fewest models; pods leaving in a rollout are a last resort.
+Copies beyond the wanted count are unloaded, but only after the new copies loaded (see `unloads_allowed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PodState:
+    name: str
+    ip: str | None
+    # Server container ready, index answered, pod not terminating: the operator can load into it.
+    ready: bool
+    # Belongs to a ReplicaSet the Deployment is rolling away from.
+    leaving: bool = False
+    # InferenceModel name -> revision it holds, READY on the server ("" when the revision is unknown).
+    held: Mapping[str, str] = field(default_factory=dict)
+    # Models READY on the server in total, whoever loaded them (they all take a slot and memory).
+    loaded_count: int = 0
+
+
+@dataclass(frozen=True)
+class Demand:
+    name: str
+    revision: str
+    # None: every pod of the pool (a dedicated pool); 0: nowhere (suspended or being deleted).
+    replicas: int | None
+    memory: int = 0
+    # Pods where loading this revision failed recently; no new attempt there until the back-off passes.
+    avoid: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Capacity:
+    max_models: int | None = None
+    memory: int | None = None
+
+
+@dataclass
+class Plan:
+    keep: list[str] = field(default_factory=list)  # hold the right revision and stay
+    load: list[str] = field(default_factory=list)  # load (new copy) or reload (stale revision)
+    unload: list[str] = field(default_factory=list)  # surplus copies, unloaded after the loads succeed
+    shortfall: int = 0  # wanted copies no pod could take
+
+    @property
+    def chosen(self) -> list[str]:
+        return self.keep + self.load
+
+    @property
+    def wanted(self) -> int:
+        return len(self.keep) + len(self.load) + self.shortfall
+
+
+class _Ledger:
+    """Slots and memory taken on each pod, updated as a pass places models so later models see earlier ones."""
+
+    def __init__(self, pods: Sequence[PodState], demands: Sequence[Demand], capacity: Capacity):
+        memory_of = {d.name: d.memory for d in demands}
+        self.capacity = capacity
+        self.count = {p.name: max(p.loaded_count, len(p.held)) for p in pods}
+        self.memory = {p.name: sum(memory_of.get(m, 0) for m in p.held) for p in pods}
+
+    def has_room(self, pod: str, memory: int) -> bool:
+        if self.capacity.max_models is not None and self.count[pod] + 1 > self.capacity.max_models:
+            return False
+        return self.capacity.memory is None or self.memory[pod] + memory <= self.capacity.memory
+
+    def take(self, pod: str, memory: int) -> None:
+        self.count[pod] += 1
+        self.memory[pod] += memory
+
+
+def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan:
+    eligible = sorted((p for p in pods if p.ready and p.ip), key=lambda p: p.name)
+    holders = [p for p in eligible if demand.name in p.held]
+    if demand.replicas == 0:
+        return Plan(unload=[p.name for p in holders])
+
+    def current(p: PodState) -> bool:
+        return p.held.get(demand.name) == demand.revision
+
+    def empties(group: Iterable[PodState]) -> list[PodState]:
+        candidates = [p for p in group if demand.name not in p.held and p.name not in demand.avoid]
+        return sorted(candidates, key=lambda p: (ledger.count[p.name], ledger.memory[p.name], p.name))
+
+    fresh = [p for p in eligible if not p.leaving]
+    old = [p for p in eligible if p.leaving]
+    tiers = [
+        [p for p in fresh if demand.name in p.held and current(p)],
+        [p for p in fresh if demand.name in p.held and not current(p)],
+        empties(fresh),
+        [p for p in old if demand.name in p.held and current(p)],
+        [p for p in old if demand.name in p.held and not current(p)],
+        empties(old),
+    ]
+    wanted = len(fresh) if demand.replicas is None else demand.replicas
+    chosen: list[PodState] = []
+    for tier_index, tier in enumerate(tiers):
+        if demand.replicas is None and tier_index >= 3:
+            # Every-pod models keep copies on leaving pods (below) but never add new ones there.
+            break
+        for pod in tier:
+            if len(chosen) >= wanted:
+                break
+            if demand.name not in pod.held:
+                if not ledger.has_room(pod.name, demand.memory):
+                    continue
+                ledger.take(pod.name, demand.memory)
+            chosen.append(pod)
+    if demand.replicas is None:
+        # Copies on pods that are leaving keep serving until the pod goes; stale ones are brought up to date.
+        chosen += [p for p in old if demand.name in p.held]
+    chosen_names = {p.name for p in chosen}
+    plan = Plan(
+        shortfall=max(0, wanted - len([p for p in chosen if not (demand.replicas is None and p.leaving)]))
+    )
+    for pod in chosen:
+        if current(pod):
+            plan.keep.append(pod.name)
+        elif pod.name in demand.avoid:
+            # A reload that failed recently: keep serving the copy it has until the back-off passes.
+            plan.keep.append(pod.name)
+        else:
+            plan.load.append(pod.name)
+    plan.unload = [p.name for p in holders if p.name not in chosen_names]
+    return plan
+
+
+def plan_pool(demands: Sequence[Demand], pods: Sequence[PodState], capacity: Capacity) -> dict[str, Plan]:
+    """A plan per model. Demands earlier in the sequence are placed first (callers order by creation time), so a
+    full pool turns newcomers away rather than evicting models that were there first."""
+    ledger = _Ledger(pods, demands, capacity)
+    return {demand.name: _plan_one(demand, pods, ledger) for demand in demands}
+
+
+def unloads_allowed(plan: Plan, demand: Demand, loaded: Iterable[str]) -> list[str]:
+    """Surplus copies to unload now: all of them when the model is going away, otherwise only once the copies
+    the plan wanted are loaded (load before unload, so capacity never dips below what was serving)."""
+    if demand.replicas == 0:
+        return list(plan.unload)
+    loaded_set = set(loaded)
+    if all(pod in loaded_set for pod in plan.load):
+        return list(plan.unload)
+    return []

@@ -1,0 +1,515 @@
+"""One placement pass over a pool: read the pods and every server's repository index, decide placements, load
+and unload through the model-control API, then make pod labels, readiness gates and statuses tell the truth.
+
+A pass is idempotent and starts from what the servers report, so the same code creates placements, heals pods
+that restarted or were added by the autoscaler, rolls revisions, and cleans up after deleted models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from .config import OperatorConfig
+from .control import ControlError, IndexEntry, ModelControlClient
+from .kube import KubeClient, KubeError
+from .model_resources import ModelIntent, endpoint, model_intent, model_selector_string, pool_problems
+from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
+from .observe import (
+    Held,
+    PodFacts,
+    PodTruth,
+    current_template_hash,
+    gate_patch,
+    metadata_patch,
+    pod_facts,
+    pod_state,
+    version_of,
+)
+from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
+from .quantity import quantity_bytes
+from .resources import autoscaling_active, desired_replicas, pool_selector_string, server_spec_problems
+from .status import ModelCount, ModelObservation, Placement, model_status, now_rfc3339, server_status
+
+log = logging.getLogger(__name__)
+Body = dict[str, Any]
+
+
+class LoadBackoff:
+    """Remembers failed loads per (pod, model, revision) so a broken model is not reloaded every pass; the wait
+    doubles with each failure up to 16 times the base. Kept in memory: an operator restart simply retries."""
+
+    def __init__(self, base_seconds: float, clock: Any = time.monotonic):
+        self._base = base_seconds
+        self._clock = clock
+        self._failures: dict[tuple[str, str, str, str], tuple[int, float, str]] = {}
+
+    def failed(self, namespace: str, pod: str, model: str, revision: str, message: str) -> None:
+        key = (namespace, pod, model, revision)
+        count = self._failures.get(key, (0, 0.0, ""))[0] + 1
+        delay = self._base * min(2 ** (count - 1), 16)
+        self._failures[key] = (count, self._clock() + delay, message)
+
+    def succeeded(self, namespace: str, pod: str, model: str, revision: str) -> None:
+        self._failures.pop((namespace, pod, model, revision), None)
+
+    def avoid(self, namespace: str, model: str, revision: str) -> dict[str, str]:
+        """Pods still waiting out a failure of this revision, with the failure message."""
+        now = self._clock()
+        return {
+            pod: msg
+            for (ns, pod, m, rev), (_, until, msg) in self._failures.items()
+            if ns == namespace and m == model and rev == revision and until > now
+        }
+
+    def forget_model(self, namespace: str, model: str) -> None:
+        for key in [k for k in self._failures if k[0] == namespace and k[2] == model]:
+            del self._failures[key]
+
+
+@dataclass
+class PoolContext:
+    kube: KubeClient
+    control: ModelControlClient
+    config: OperatorConfig
+    backoff: LoadBackoff
+    load_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(16))
+
+
+@dataclass
+class PoolReport:
+    found: bool
+    # InferenceModel name -> pods that still hold it after the pass.
+    holders: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class _Model:
+    body: Body
+    intent: ModelIntent
+    problems: list[str]
+
+    @property
+    def deleting(self) -> bool:
+        return bool(self.body["metadata"].get("deletionTimestamp"))
+
+
+def _creation_order(body: Mapping[str, Any]) -> tuple[str, str]:
+    meta = body["metadata"]
+    return meta.get("creationTimestamp") or "", meta["name"]
+
+
+def _with_kind(body: Body) -> Body:
+    # List items of custom resources carry apiVersion/kind, but Events need them, so make sure.
+    body.setdefault("apiVersion", API_VERSION)
+    body.setdefault("kind", MODEL_KIND)
+    return body
+
+
+def models_of_pool(models: Sequence[Body], pool: str, server: Mapping[str, Any] | None) -> list[_Model]:
+    """The InferenceModels that want this pool, oldest first, with the problems that keep each from loading.
+    Two models of one pool may not share a model name: the younger one is reported, the older one keeps it."""
+    found: list[_Model] = []
+    names: dict[str, str] = {}
+    for body in sorted(models, key=_creation_order):
+        intent = model_intent(body["metadata"]["name"], body.get("spec") or {})
+        if intent.pool != pool:
+            continue
+        problems = list(intent.problems)
+        if server is not None:
+            problems += pool_problems(intent, server)
+        if intent.model_name in names and not body["metadata"].get("deletionTimestamp"):
+            problems.append(
+                f"model {intent.model_name!r} is already served on {pool} by InferenceModel {names[intent.model_name]}"
+            )
+        else:
+            names.setdefault(intent.model_name, intent.name)
+        found.append(_Model(_with_kind(body), intent, problems))
+    return found
+
+
+async def _read_index(ctx: PoolContext, facts: PodFacts) -> list[IndexEntry] | None:
+    if not facts.loadable or facts.ip is None:
+        return None
+    try:
+        return await ctx.control.index(facts.ip)
+    except ControlError as error:
+        log.info("pod %s: repository index unavailable: %s", facts.name, error)
+        return None
+
+
+async def _patch_pod(
+    ctx: PoolContext, namespace: str, facts: PodFacts, truth: PodTruth, now: str
+) -> PodFacts:
+    """Write labels, annotations and the readiness gate; returns the pod as it is afterwards."""
+    latest = None
+    try:
+        patch = metadata_patch(facts, truth)
+        if patch is not None:
+            latest = await ctx.kube.patch("v1", "Pod", namespace, facts.name, patch)
+        if truth.gate is not None:
+            message = (
+                f"{len(truth.held)} models loaded" if truth.gate else "the server restarted; reloading models"
+            )
+            gate = gate_patch(facts, truth.gate, now, message)
+            if gate is not None:
+                latest = await ctx.kube.patch(
+                    "v1", "Pod", namespace, facts.name, gate, subresource="status", patch_type="strategic"
+                )
+    except KubeError as error:
+        if error.status != 404:  # a pod that went away has nothing left to say
+            raise
+    return pod_facts(latest) if latest else facts
+
+
+def _event(body: Body, kind: str, reason: str, message: str) -> None:
+    try:
+        kopf.event(body, type=kind, reason=reason, message=message)
+    except LookupError:
+        # Outside a running operator (no event queue in context): the log line is all there is.
+        log.info("%s %s: %s", reason, body["metadata"]["name"], message)
+
+
+class _Pass:
+    """The state of one pass; `run` is the sequence of steps."""
+
+    def __init__(self, ctx: PoolContext, namespace: str, pool: str):
+        self.ctx = ctx
+        self.namespace = namespace
+        self.pool = pool
+        self.now = now_rfc3339()
+        self.failures: dict[str, dict[str, str]] = {}  # model -> pod -> load error in this pass
+        self.unload_failures: dict[str, dict[str, str]] = {}
+        self.fresh: set[tuple[str, str]] = set()  # (model, pod) loaded in this pass
+
+    async def run(self) -> PoolReport:
+        kube = self.ctx.kube
+        server, model_bodies = await asyncio.gather(
+            kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool),
+            kube.list(API_VERSION, MODEL_KIND, self.namespace),
+        )
+        models = models_of_pool(model_bodies, self.pool, server)
+        if server is None:
+            for model in models:
+                if not model.deleting:
+                    await self._write_model_status(
+                        model, ModelObservation(wanted=0, holding=0, available=0), pool_found=False
+                    )
+            return PoolReport(found=False)
+        self.server = server
+        self.models = models
+        spec = server.get("spec") or {}
+        selector = pool_selector_string(self.pool)
+        pods, deployment, replicasets, hpa = await asyncio.gather(
+            kube.list("v1", "Pod", self.namespace, selector),
+            kube.get("apps/v1", "Deployment", self.namespace, self.pool),
+            kube.list("apps/v1", "ReplicaSet", self.namespace, selector),
+            kube.get("autoscaling/v2", "HorizontalPodAutoscaler", self.namespace, self.pool),
+        )
+        self.facts = [pod_facts(p) for p in pods]
+        current_hash = current_template_hash(deployment, replicasets)
+        indexes = await asyncio.gather(*(_read_index(self.ctx, f) for f in self.facts))
+        self.index = {f.name: idx for f, idx in zip(self.facts, indexes)}
+        intents = [m.intent for m in models]
+        self.states = {f.name: pod_state(f, self.index[f.name], intents, current_hash) for f in self.facts}
+
+        self.truth = self._initial_truth()
+        await self._drop_lost_models()
+
+        valid = [m for m in models if not m.problems]
+        self.demands = {
+            m.intent.name: Demand(
+                name=m.intent.name,
+                revision=m.intent.revision,
+                replicas=0 if m.deleting else m.intent.wanted_replicas,
+                memory=m.intent.memory,
+                avoid=frozenset(self.ctx.backoff.avoid(self.namespace, m.intent.name, m.intent.revision)),
+            )
+            for m in valid
+        }
+        plans = plan_pool(list(self.demands.values()), list(self.states.values()), self._capacity(spec))
+
+        for model in valid:
+            if plans[model.intent.name].load and not model.deleting:
+                await self._write_model_status(
+                    model, self._observe(model, plans[model.intent.name], loading=True), pool_found=True
+                )
+        loaded = await self._load_all(valid, plans)
+        await self._unload_all(valid, plans, loaded)
+        await self._unload_strays()
+
+        for facts in self.facts:
+            truth = self.truth[facts.name]
+            if self.states[facts.name].ready:
+                truth.gate = True
+            await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
+
+        counts = []
+        for model in models:
+            if model.deleting:
+                continue
+            observed = self._observe(model, plans.get(model.intent.name), loading=False)
+            if model.intent.dedicated and not model.intent.suspended and not model.problems:
+                observed.wanted = max(observed.wanted, desired_replicas(spec))
+            await self._write_model_status(model, observed, pool_found=True)
+            counts.append(ModelCount(model.intent.name, model.intent.model_name, observed.holding))
+        await self._write_server_status(spec, deployment, hpa, counts)
+        holders: dict[str, list[str]] = {}
+        for pod, truth in self.truth.items():
+            for name in truth.held:
+                holders.setdefault(name, []).append(pod)
+        return PoolReport(found=True, holders=holders)
+
+    # --- steps ------------------------------------------------------------------------------------------------
+
+    def _capacity(self, spec: Mapping[str, Any]) -> Capacity:
+        capacity = spec.get("capacity") or {}
+        try:
+            memory = quantity_bytes(capacity.get("memory")) or None
+        except ValueError:
+            memory = None
+        return Capacity(max_models=capacity.get("maxModels"), memory=memory)
+
+    def _initial_truth(self) -> dict[str, PodTruth]:
+        """What each pod holds now: for pods the pass can read, what their index says; for the others, what was
+        recorded (unless the server restarted, which loses every model)."""
+        by_name = {m.intent.name: m.intent for m in self.models}
+        truth = {}
+        for facts in self.facts:
+            state = self.states[facts.name]
+            index = self.index[facts.name]
+            if index is not None:
+                held = {
+                    name: Held(by_name[name].model_name, revision) for name, revision in state.held.items()
+                }
+                # Records of models no longer bound to this pool stay until they are unloaded (_unload_strays).
+                for name, record in facts.recorded.items():
+                    if name not in by_name and not facts.restarted:
+                        held[name] = record
+            elif facts.restarted:
+                held = {}
+            else:
+                held = dict(facts.recorded)
+            truth[facts.name] = PodTruth(
+                held=held, restarts=facts.restarts, gate=False if facts.restarted else None
+            )
+        return truth
+
+    async def _drop_lost_models(self) -> None:
+        """Before any slow load: pods whose labels promise models they lost (restart, crash) stop receiving
+        that model's traffic now."""
+        for i, facts in enumerate(self.facts):
+            truth = self.truth[facts.name]
+            lost = [n for n in facts.recorded if n not in truth.held]
+            if lost or facts.restarted:
+                self.facts[i] = await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
+
+    async def _load_one(self, model: _Model, pod: PodState) -> tuple[str, str, str | None]:
+        intent = model.intent
+        try:
+            async with self.ctx.load_slots:
+                await self.ctx.control.load(pod.ip or "", intent.model_name, intent.load_config)
+        except ControlError as error:
+            return intent.name, pod.name, str(error)
+        return intent.name, pod.name, None
+
+    async def _load_all(self, models: Sequence[_Model], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
+        by_name = {m.intent.name: m for m in models}
+        jobs = [
+            self._load_one(by_name[name], self.states[pod])
+            for name, plan in plans.items()
+            for pod in plan.load
+        ]
+        loaded: dict[str, set[str]] = {}
+        for name, pod, error in await asyncio.gather(*jobs):
+            model = by_name[name]
+            intent = model.intent
+            if error is None:
+                self.truth[pod].held[name] = Held(intent.model_name, intent.revision)
+                self.fresh.add((name, pod))
+                self.ctx.backoff.succeeded(self.namespace, pod, name, intent.revision)
+                loaded.setdefault(name, set()).add(pod)
+                _event(
+                    model.body,
+                    "Normal",
+                    "Loaded",
+                    f"loaded {intent.model_name} (revision {intent.revision}) on pod {pod}",
+                )
+            else:
+                self.ctx.backoff.failed(self.namespace, pod, name, intent.revision, error)
+                self.failures.setdefault(name, {})[pod] = error
+                _event(
+                    model.body, "Warning", "LoadFailed", f"loading {intent.model_name} on pod {pod}: {error}"
+                )
+        return loaded
+
+    async def _unload(self, pod: str, model_name: str) -> str | None:
+        ip = self.states[pod].ip
+        try:
+            await self.ctx.control.unload(ip or "", model_name)
+        except ControlError as error:
+            return str(error)
+        return None
+
+    async def _unload_all(
+        self, models: Sequence[_Model], plans: Mapping[str, Plan], loaded: Mapping[str, set[str]]
+    ) -> None:
+        for model in models:
+            name = model.intent.name
+            pods = unloads_allowed(plans[name], self.demands[name], loaded.get(name, set()))
+            errors = await asyncio.gather(*(self._unload(pod, model.intent.model_name) for pod in pods))
+            for pod, error in zip(pods, errors):
+                if error is None:
+                    self.truth[pod].held.pop(name, None)
+                    _event(
+                        model.body, "Normal", "Unloaded", f"unloaded {model.intent.model_name} from pod {pod}"
+                    )
+                else:
+                    self.unload_failures.setdefault(name, {})[pod] = error
+                    _event(
+                        model.body,
+                        "Warning",
+                        "UnloadFailed",
+                        f"unloading {model.intent.model_name} from pod {pod}: {error}",
+                    )
+
+    async def _unload_strays(self) -> None:
+        """Models recorded on a pod by an InferenceModel that is gone (or moved to another pool)."""
+        bound = {m.intent.name for m in self.models}
+        for facts in self.facts:
+            state, truth = self.states[facts.name], self.truth[facts.name]
+            if not state.ready:
+                continue
+            in_use = {h.model_name for n, h in truth.held.items() if n in bound}
+            for name, record in list(truth.held.items()):
+                if name in bound:
+                    continue
+                if record.model_name in in_use:
+                    truth.held.pop(name)  # another InferenceModel serves that model here now: only forget it
+                    continue
+                error = await self._unload(facts.name, record.model_name)
+                if error is None:
+                    truth.held.pop(name)
+                    log.info(
+                        "pod %s: unloaded %s, left by InferenceModel %s", facts.name, record.model_name, name
+                    )
+                else:
+                    log.warning(
+                        "pod %s: unloading %s (InferenceModel %s is gone): %s",
+                        facts.name,
+                        record.model_name,
+                        name,
+                        error,
+                    )
+
+    # --- status -----------------------------------------------------------------------------------------------
+
+    def _observe(self, model: _Model, plan: Plan | None, loading: bool) -> ModelObservation:
+        intent = model.intent
+        placements = []
+        holding = available = 0
+        avoid = self.ctx.backoff.avoid(self.namespace, intent.name, intent.revision)
+        planned = set(plan.load) if plan is not None and loading else set()
+        eligible = 0
+        for facts in self.facts:
+            pod = facts.name
+            state, held = self.states[pod], self.truth[pod].held.get(intent.name)
+            eligible += 1 if state.ready else 0
+            version = version_of(self.index[pod] or [], intent.model_name)
+            if intent.version is not None and (intent.name, pod) in self.fresh:
+                version = intent.version  # the index was read before this load
+            failure = self.failures.get(intent.name, {}).get(pod)
+            unload_failure = self.unload_failures.get(intent.name, {}).get(pod)
+            if pod in planned:
+                placements.append(
+                    Placement(
+                        pod,
+                        "Loading",
+                        facts.ip,
+                        version,
+                        "reloading a new revision" if held is not None else None,
+                    )
+                )
+                if held is not None:
+                    holding += 1
+                continue
+            if held is not None:
+                holding += 1
+                current = held.revision == intent.revision
+                if current and state.ready:
+                    available += 1
+                message = unload_failure or failure or (None if current else "older revision; reload pending")
+                placements.append(
+                    Placement(pod, "Unloading" if unload_failure else "Loaded", facts.ip, version, message)
+                )
+            elif failure is not None or pod in avoid:
+                placements.append(Placement(pod, "Failed", facts.ip, None, failure or avoid.get(pod)))
+        failure = None
+        for pod, message in self.failures.get(intent.name, {}).items():
+            failure = {"time": self.now, "pod": pod, "message": message}
+        return ModelObservation(
+            wanted=plan.wanted if plan is not None else 0,
+            holding=holding,
+            available=available,
+            placements=placements,
+            shortfall=plan.shortfall if plan is not None else 0,
+            loading=loading and bool(planned),
+            failure=failure,
+            eligible_pods=eligible,
+        )
+
+    async def _write_model_status(self, model: _Model, observed: ModelObservation, pool_found: bool) -> None:
+        intent, meta = model.intent, model.body["metadata"]
+        status = model_status(
+            generation=meta.get("generation"),
+            pool=intent.pool,
+            model_name=intent.model_name,
+            revision=intent.revision,
+            selector=model_selector_string(intent),
+            endpoint=endpoint(intent, self.namespace),
+            problems=model.problems,
+            suspended=intent.suspended,
+            pool_found=pool_found,
+            observed=observed,
+            old_status=model.body.get("status"),
+            now=self.now,
+        )
+        try:
+            await self.ctx.kube.apply_status(API_VERSION, MODEL_KIND, self.namespace, meta["name"], status)
+        except KubeError as error:
+            if error.status != 404:
+                raise
+        model.body["status"] = status
+
+    async def _write_server_status(
+        self, spec: Mapping[str, Any], deployment: Body | None, hpa: Body | None, counts: Sequence[ModelCount]
+    ) -> None:
+        meta = self.server["metadata"]
+        status = server_status(
+            generation=meta.get("generation"),
+            selector=pool_selector_string(self.pool),
+            desired=desired_replicas(spec),
+            deployment=deployment,
+            hpa=hpa,
+            hpa_wanted=autoscaling_active(spec),
+            models=counts,
+            problems=server_spec_problems(self.pool, spec),
+            old_conditions=(self.server.get("status") or {}).get("conditions"),
+            now=self.now,
+        )
+        try:
+            await self.ctx.kube.apply_status(API_VERSION, SERVER_KIND, self.namespace, self.pool, status)
+        except KubeError as error:
+            if error.status != 404:
+                raise
+
+
+async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolReport:
+    """Run one pass over the pool `pool` in `namespace`."""
+    return await _Pass(ctx, namespace, pool).run()

@@ -1,0 +1,289 @@
+"""Pure builders of the status of InferenceServers and InferenceModels: phase, counts and conditions."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Condition = dict[str, Any]
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(kind: str, ok: bool | None, reason: str, message: str = "") -> Condition:
+    return {
+        "type": kind,
+        "status": "Unknown" if ok is None else ("True" if ok else "False"),
+        "reason": reason,
+        "message": message,
+    }
+
+
+def merge_conditions(
+    old: Sequence[Mapping[str, Any]] | None, new: Sequence[Condition], now: str, generation: int | None = None
+) -> list[Condition]:
+    """New conditions, keeping lastTransitionTime where the status did not change (so a steady state writes
+    nothing new)."""
+    previous = {c.get("type"): c for c in old or []}
+    merged = []
+    for cond in new:
+        before = previous.get(cond["type"])
+        changed = before is None or before.get("status") != cond["status"]
+        item = dict(cond)
+        item["lastTransitionTime"] = now if changed else before.get("lastTransitionTime", now)
+        if generation is not None:
+            item["observedGeneration"] = generation
+        merged.append(item)
+    return merged
+
+
+# --- InferenceServer ----------------------------------------------------------------------------------------------
+
+
+def _hpa_condition(hpa: Mapping[str, Any] | None, wanted: bool) -> Condition:
+    if not wanted:
+        return condition("AutoscalerReady", True, "Disabled", "autoscaling is not configured")
+    if hpa is None:
+        return condition(
+            "AutoscalerReady", False, "NotCreated", "the HorizontalPodAutoscaler does not exist yet"
+        )
+    problems = []
+    seen = False
+    for cond in (hpa.get("status") or {}).get("conditions") or []:
+        if cond.get("type") in ("AbleToScale", "ScalingActive"):
+            seen = True
+            if cond.get("status") != "True":
+                problems.append(
+                    f"{cond.get('type')}: {cond.get('reason', '')} {cond.get('message', '')}".strip()
+                )
+    if problems:
+        return condition("AutoscalerReady", False, "MetricsUnavailable", "; ".join(problems))
+    if not seen:
+        return condition("AutoscalerReady", None, "Pending", "the autoscaler has not reported yet")
+    return condition("AutoscalerReady", True, "ScalingActive", "the autoscaler reads its metrics")
+
+
+def _workload_condition(deployment: Mapping[str, Any] | None, desired: int) -> Condition:
+    if deployment is None:
+        return condition("WorkloadReady", False, "NotCreated", "the Deployment does not exist yet")
+    status = deployment.get("status") or {}
+    ready = int(status.get("readyReplicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    if desired == 0:
+        return condition("WorkloadReady", True, "ScaledToZero", "no pods wanted")
+    if ready >= desired and updated >= desired:
+        return condition("WorkloadReady", True, "PodsReady", f"{ready}/{desired} pods ready")
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return condition("WorkloadReady", False, "ProgressDeadlineExceeded", cond.get("message", ""))
+    return condition("WorkloadReady", False, "PodsNotReady", f"{ready}/{desired} pods ready")
+
+
+@dataclass(frozen=True)
+class ModelCount:
+    name: str
+    model_name: str
+    pods: int
+
+
+def server_status(
+    *,
+    generation: int | None,
+    selector: str,
+    desired: int,
+    deployment: Mapping[str, Any] | None,
+    hpa: Mapping[str, Any] | None,
+    hpa_wanted: bool,
+    models: Sequence[ModelCount],
+    problems: Sequence[str],
+    old_conditions: Sequence[Mapping[str, Any]] | None,
+    now: str,
+) -> dict:
+    workload = _workload_condition(deployment, desired)
+    autoscaler = _hpa_condition(hpa, hpa_wanted)
+    if problems:
+        ready = condition("Ready", False, "InvalidSpec", "; ".join(problems))
+    elif workload["status"] == "True" and autoscaler["status"] == "True":
+        ready = condition("Ready", True, "Ready", workload["message"])
+    else:
+        failing = workload if workload["status"] != "True" else autoscaler
+        ready = condition("Ready", False, failing["reason"], failing["message"])
+    deployment_status = (deployment or {}).get("status") or {}
+    return {
+        "observedGeneration": generation,
+        "replicas": int(deployment_status.get("replicas") or 0),
+        "readyReplicas": int(deployment_status.get("readyReplicas") or 0),
+        "selector": selector,
+        "modelCount": len(models),
+        "models": [{"name": m.name, "modelName": m.model_name, "pods": m.pods} for m in models],
+        "conditions": merge_conditions(old_conditions, [workload, autoscaler, ready], now, generation),
+    }
+
+
+# --- InferenceModel -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    pod: str
+    state: str  # Loading, Loaded, Unloading, Failed
+    ip: str | None = None
+    version: str | None = None
+    message: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        out = {"pod": self.pod, "state": self.state}
+        if self.ip:
+            out["ip"] = self.ip
+        if self.version:
+            out["version"] = self.version
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class ModelObservation:
+    """What one pass saw and did for a model."""
+
+    wanted: int
+    holding: int  # pods with the model loaded (any revision)
+    available: int  # pods with the current revision loaded, ready to serve
+    placements: list[Placement] = field(default_factory=list)
+    shortfall: int = 0
+    loading: bool = False  # loads still in flight (status written before they finish)
+    failure: dict[str, str] | None = None  # {"time", "pod", "message"} of the latest failed load in this pass
+    eligible_pods: int = 0
+
+
+def model_phase(
+    *, problems: Sequence[str], suspended: bool, pool_found: bool, observed: ModelObservation
+) -> str:
+    if problems:
+        return "Failed"
+    if suspended:
+        return "Suspended"
+    if not pool_found:
+        return "Pending"
+    if observed.wanted > 0 and observed.available >= observed.wanted:
+        return "Available"
+    if observed.available > 0:
+        return "PartiallyAvailable"
+    if observed.loading:
+        return "Loading"
+    if observed.failure is not None:
+        return "Failed"
+    return "Pending"
+
+
+def model_conditions(
+    *, problems: Sequence[str], suspended: bool, pool: str, pool_found: bool, observed: ModelObservation
+) -> list[Condition]:
+    if problems:
+        message = "; ".join(problems)
+        return [
+            condition("Scheduled", False, "InvalidSpec", message),
+            condition("Loaded", False, "InvalidSpec", message),
+            condition("ServiceReady", False, "InvalidSpec", message),
+            condition("Ready", False, "InvalidSpec", message),
+        ]
+    if suspended:
+        return [
+            condition("Scheduled", False, "Suspended", "spec.suspended is true"),
+            condition("Loaded", False, "Suspended", "unloaded from every pod"),
+            condition("ServiceReady", False, "Suspended", "no pod holds the model"),
+            condition("Ready", False, "Suspended", "spec.suspended is true"),
+        ]
+    if not pool_found:
+        message = f"InferenceServer {pool} not found"
+        scheduled = condition("Scheduled", False, "ServerNotFound", message)
+    elif observed.wanted == 0:
+        scheduled = condition("Scheduled", True, "ScaledToZero", "replicas is 0")
+    elif observed.eligible_pods == 0:
+        scheduled = condition("Scheduled", False, "NoReadyPods", f"no pod of {pool} is ready for loading")
+    elif observed.shortfall:
+        scheduled = condition(
+            "Scheduled",
+            False,
+            "InsufficientCapacity",
+            f"{observed.wanted - observed.shortfall}/{observed.wanted} replicas placed; no other pod of {pool} "
+            "has room",
+        )
+    else:
+        scheduled = condition("Scheduled", True, "Placed", f"{observed.wanted} replicas placed on {pool}")
+    if observed.wanted > 0 and observed.available >= observed.wanted:
+        loaded = condition(
+            "Loaded", True, "Loaded", f"{observed.available}/{observed.wanted} replicas loaded"
+        )
+    elif observed.loading:
+        loaded = condition(
+            "Loaded", False, "Loading", f"{observed.available}/{observed.wanted} replicas loaded"
+        )
+    elif observed.failure is not None:
+        loaded = condition(
+            "Loaded", False, "LoadFailed", f"{observed.failure.get('pod')}: {observed.failure.get('message')}"
+        )
+    else:
+        loaded = condition(
+            "Loaded",
+            observed.wanted == 0,
+            "Unavailable" if observed.wanted else "ScaledToZero",
+            f"{observed.available}/{observed.wanted} replicas loaded",
+        )
+    if observed.available > 0:
+        service = condition(
+            "ServiceReady", True, "Endpoints", f"{observed.available} pods behind the Service"
+        )
+    else:
+        service = condition("ServiceReady", False, "NoEndpoints", "no pod holds the model yet")
+    if all(c["status"] == "True" for c in (scheduled, loaded, service)):
+        ready = condition("Ready", True, "Ready", loaded["message"])
+    else:
+        failing = next(c for c in (scheduled, loaded, service) if c["status"] != "True")
+        ready = condition("Ready", False, failing["reason"], failing["message"])
+    return [scheduled, loaded, service, ready]
+
+
+def model_status(
+    *,
+    generation: int | None,
+    pool: str,
+    model_name: str,
+    revision: str,
+    selector: str,
+    endpoint: Mapping[str, str],
+    problems: Sequence[str],
+    suspended: bool,
+    pool_found: bool,
+    observed: ModelObservation,
+    old_status: Mapping[str, Any] | None,
+    now: str,
+) -> dict:
+    old_status = old_status or {}
+    conditions = model_conditions(
+        problems=problems, suspended=suspended, pool=pool, pool_found=pool_found, observed=observed
+    )
+    status = {
+        "observedGeneration": generation,
+        "phase": model_phase(
+            problems=problems, suspended=suspended, pool_found=pool_found, observed=observed
+        ),
+        "server": pool,
+        "modelName": model_name,
+        "revision": revision,
+        "desiredReplicas": observed.wanted,
+        "replicas": observed.holding,
+        "availableReplicas": observed.available,
+        "selector": selector,
+        "placements": [p.as_dict() for p in sorted(observed.placements, key=lambda p: p.pod)],
+        "endpoint": dict(endpoint),
+        "conditions": merge_conditions(old_status.get("conditions"), conditions, now, generation),
+    }
+    failure = observed.failure or old_status.get("lastFailure")
+    if failure:
+        status["lastFailure"] = dict(failure)
+    return status

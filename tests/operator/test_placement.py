@@ -1,0 +1,135 @@
+"""Placement decisions: where models stay, load and unload, under capacity, rollouts and back-off."""
+
+from __future__ import annotations
+
+from naiad_operator.placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
+
+
+def pod(name, held=None, ready=True, leaving=False, loaded=None, ip="10.0.0.1"):
+    held = held or {}
+    return PodState(
+        name=name,
+        ip=ip,
+        ready=ready,
+        leaving=leaving,
+        held=held,
+        loaded_count=len(held) if loaded is None else loaded,
+    )
+
+
+UNLIMITED = Capacity()
+
+
+def plan(demands, pods, capacity=UNLIMITED):
+    return plan_pool(demands, pods, capacity)
+
+
+def test_new_model_goes_to_the_emptiest_ready_pods():
+    pods = [pod("a", {"x": "r"}), pod("b"), pod("c", {"x": "r", "y": "r"}), pod("d", ready=False)]
+    result = plan([Demand("m", "r1", 2)], pods)["m"]
+    assert result.load == ["b", "a"]
+    assert result.keep == [] and result.unload == [] and result.shortfall == 0
+
+
+def test_pods_already_holding_the_model_are_preferred():
+    pods = [pod("a"), pod("b", {"m": "r1"}), pod("c", {"m": "r1"})]
+    result = plan([Demand("m", "r1", 2)], pods)["m"]
+    assert result.keep == ["b", "c"] and result.load == [] and result.unload == []
+
+
+def test_stale_revision_is_reloaded_in_place_not_moved():
+    pods = [pod("a"), pod("b", {"m": "old"})]
+    result = plan([Demand("m", "new", 1)], pods)["m"]
+    assert result.load == ["b"] and result.keep == [] and result.unload == []
+
+
+def test_scale_down_unloads_surplus_copies():
+    pods = [pod("a", {"m": "r"}), pod("b", {"m": "r"}), pod("c", {"m": "r"})]
+    result = plan([Demand("m", "r", 1)], pods)["m"]
+    assert result.keep == ["a"] and result.unload == ["b", "c"]
+
+
+def test_zero_replicas_unloads_everywhere():
+    pods = [pod("a", {"m": "r"}), pod("b", {"m": "old"}), pod("c")]
+    result = plan([Demand("m", "r", 0)], pods)["m"]
+    assert result.unload == ["a", "b"] and result.chosen == [] and result.shortfall == 0
+
+
+def test_not_ready_pods_and_pods_without_ip_are_skipped():
+    pods = [pod("a", ready=False), pod("b", ip=None), pod("c")]
+    result = plan([Demand("m", "r", 3)], pods)["m"]
+    assert result.load == ["c"] and result.shortfall == 2
+
+
+def test_max_models_capacity_is_shared_across_models_in_order():
+    pods = [pod("a"), pod("b")]
+    result = plan([Demand("first", "r", 2), Demand("second", "r", 2)], pods, Capacity(max_models=1))
+    assert result["first"].load == ["a", "b"]
+    assert result["second"].load == [] and result["second"].shortfall == 2
+
+
+def test_models_loaded_by_others_take_slots():
+    pods = [pod("a", loaded=2), pod("b", loaded=0)]
+    result = plan([Demand("m", "r", 2)], pods, Capacity(max_models=2))["m"]
+    assert result.load == ["b"] and result.shortfall == 1
+
+
+def test_memory_capacity():
+    pods = [pod("a", {"big": "r"}), pod("b")]
+    demands = [Demand("big", "r", 1, memory=6), Demand("m", "r", 2, memory=5)]
+    result = plan(demands, pods, Capacity(memory=10))
+    assert result["big"].keep == ["a"]
+    assert result["m"].load == ["b"] and result["m"].shortfall == 1
+
+
+def test_holders_never_need_a_new_slot():
+    pods = [pod("a", {"m": "old"}, loaded=4)]
+    result = plan([Demand("m", "new", 1)], pods, Capacity(max_models=4))["m"]
+    assert result.load == ["a"] and result.shortfall == 0
+
+
+def test_every_pod_mode_for_dedicated_pools():
+    pods = [pod("a", {"m": "r"}), pod("b"), pod("c", ready=False)]
+    result = plan([Demand("m", "r", None)], pods)["m"]
+    assert result.keep == ["a"] and result.load == ["b"] and result.shortfall == 0
+
+
+def test_rollout_prefers_new_pods_and_keeps_serving_on_leaving_ones():
+    pods = [pod("old1", {"m": "r"}, leaving=True), pod("old2", {"m": "r"}, leaving=True), pod("new1")]
+    result = plan([Demand("m", "r", 2)], pods)["m"]
+    # new1 gets a copy, old1 keeps serving; old2 is surplus and goes once new1 has loaded
+    assert result.load == ["new1"] and result.keep == ["old1"] and result.unload == ["old2"]
+    every = plan([Demand("m", "r", None)], pods)["m"]
+    assert every.load == ["new1"] and sorted(every.keep) == ["old1", "old2"] and every.unload == []
+
+
+def test_leaving_pods_are_a_last_resort_for_new_copies():
+    pods = [pod("old", leaving=True), pod("new", loaded=1)]
+    result = plan([Demand("m", "r", 2)], pods, Capacity(max_models=1))["m"]
+    assert result.load == ["old"] and result.shortfall == 1
+
+
+def test_back_off_avoids_failed_pods_and_keeps_stale_copies():
+    pods = [pod("a"), pod("b"), pod("c", {"m": "old"})]
+    result = plan([Demand("m", "new", 2, avoid=frozenset({"a", "c"}))], pods)["m"]
+    assert result.load == ["b"] and result.keep == ["c"]  # c keeps serving the old revision meanwhile
+    every = plan([Demand("m", "r", None, avoid=frozenset({"a"}))], [pod("a"), pod("b")])["m"]
+    assert every.load == ["b"] and every.shortfall == 1
+
+
+def test_deterministic_order():
+    pods = [pod(n) for n in "dcba"]
+    assert plan([Demand("m", "r", 2)], pods)["m"].load == ["a", "b"]
+
+
+def test_unloads_wait_for_the_loads_they_replace():
+    demand = Demand("m", "r", 1)
+    moving = Plan(keep=[], load=["b"], unload=["a"])
+    assert unloads_allowed(moving, demand, loaded=[]) == []
+    assert unloads_allowed(moving, demand, loaded=["b"]) == ["a"]
+    assert unloads_allowed(Plan(unload=["a"]), Demand("m", "r", 0), loaded=[]) == ["a"]
+
+
+def test_wanted_counts_placed_and_missing_copies():
+    result = plan([Demand("m", "r", 3)], [pod("a", {"m": "r"}), pod("b")])["m"]
+    assert result.wanted == 3 and result.chosen == ["a", "b"] and result.shortfall == 1

@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-gpu examples bench e2e lint clean
+.PHONY: venv serve test test-deps test-gpu examples bench e2e lint clean
 
 venv: $(VENV)/.installed
 
@@ -25,8 +25,16 @@ $(REPO)/.built: venv examples/build_repository.py $(shell find examples/src -typ
 serve: venv examples
 	$(VENV)/bin/naiad serve --model-repository $(REPO) --http-port 8000 --grpc-port 8001 --metrics-port 8002
 
-test: venv
+test: venv test-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# Tools the test tiers use beyond Python packages: Debian's prometheus (scrape tests) and a real tritonserver
+# from the nvidia-pytriton wheel (side-by-side comparison). Without them those tiers skip with a reason.
+test-deps:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	   prometheus >/dev/null) ; } || echo "prometheus not installed: its tests will skip"
+	@bash tools/triton/setup.sh >/dev/null || echo "real Triton unavailable: comparison tests will skip"
 
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests

@@ -10,6 +10,44 @@ from .server import Server, ServerOptions
 log = logging.getLogger("naiad")
 
 
+API_GROUPS = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
+              "statistics", "trace", "logging")
+
+
+def parse_restricted(items: list[str]) -> dict[str, tuple[str, str]]:
+    """`<api>[,<api>...]:<header>=<value>` (repeatable) -> {api: (header, value)}."""
+    out: dict[str, tuple[str, str]] = {}
+    for item in items or []:
+        apis, sep, rule = item.partition(":")
+        key, eq, value = rule.partition("=")
+        if not sep or not eq or not key:
+            raise ValueError(f"invalid restricted API '{item}': expected <apis>:<header>=<value>")
+        for api in apis.split(","):
+            api = api.strip()
+            if api not in API_GROUPS:
+                raise ValueError(f"unknown API group '{api}' (known: {', '.join(API_GROUPS)})")
+            if api in out:
+                raise ValueError(f"API group '{api}' is restricted twice")
+            out[api] = (key.strip().lower(), value)
+    return out
+
+
+def parse_trace_config(items: list[str]) -> dict:
+    """`--trace-config key=value` (tritonserver's spelling; `level` may repeat)."""
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"invalid --trace-config '{item}', expected <setting>=<value>")
+        key = {"level": "trace_level", "rate": "trace_rate", "count": "trace_count", "file": "trace_file",
+               "log-frequency": "log_frequency", "mode": "trace_mode"}.get(key, key)
+        if key == "trace_level":
+            out.setdefault(key, []).append(value.upper())
+        else:
+            out[key] = value
+    return out
+
+
 class App:
     def __init__(self, options: ServerOptions, args: argparse.Namespace):
         self.args = args
@@ -26,15 +64,22 @@ class App:
             self.metrics = Metrics(self.server, parse_metrics_config(a.metrics_config),
                                    cpu=a.allow_cpu_metrics, gpu=a.allow_gpu_metrics,
                                    interval_ms=a.metrics_interval_ms)
+        self.server.log_settings.update({"log_verbose_level": a.log_verbose, "log_info": a.log_info,
+                                         "log_warning": a.log_warning, "log_error": a.log_error})
+        if a.trace_config:
+            self.server.tracer.update(parse_trace_config(a.trace_config))
+        from .frontends.shm import SharedMemoryManager
+        shm = SharedMemoryManager(enabled=a.allow_client_shm)
         await self.server.start()
         if a.allow_http:
             from .frontends.http import HttpFrontend
-            http = HttpFrontend(self.server, max_input_size=a.http_max_input_size)
+            http = HttpFrontend(self.server, shm=shm, max_input_size=a.http_max_input_size,
+                                restricted=parse_restricted(a.http_restricted_api))
             self._runners.append(await http.start(a.http_address, a.http_port))
             self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}")
         if a.allow_grpc:
             from .frontends.grpc import GrpcFrontend
-            self._grpc = GrpcFrontend(self.server)
+            self._grpc = GrpcFrontend(self.server, shm=shm, restricted=parse_restricted(a.grpc_restricted_protocol))
             await self._grpc.start(a.grpc_address, a.grpc_port)
             self.endpoints.append(f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port}")
         if self.metrics is not None:

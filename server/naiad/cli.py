@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "summary_quantiles")
     s.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024)
     s.add_argument("--allow-client-shm", type=_bool, default=True)
+    s.add_argument("--http-restricted-api", action="append", default=[],
+                   help="<api>[,<api>...]:<header>=<value>: only requests with that header may use those APIs")
+    s.add_argument("--grpc-restricted-protocol", action="append", default=[],
+                   help="<protocol>[,...]:<metadata-key>=<value>, as --http-restricted-api for gRPC")
+    s.add_argument("--trace-config", action="append", default=[],
+                   help="trace setting, e.g. level=TIMESTAMPS, rate=1, file=/tmp/trace.json")
     s.add_argument("--log-verbose", type=int, default=0)
     s.add_argument("--log-info", type=_bool, default=True)
     s.add_argument("--log-warning", type=_bool, default=True)
@@ -110,7 +116,7 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         await app.start()
-    except (NaiadError, OSError) as exc:
+    except (NaiadError, OSError, ValueError) as exc:
         log.error("failed to start: %s", exc)
         await app.stop(0)
         return 1

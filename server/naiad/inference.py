@@ -38,6 +38,8 @@ class InferenceRequest:
     # Set by the server for decoupled models: called with each response from any thread.
     response_callback: Callable[["InferenceResponse"], None] | None = None
     cancelled: bool = False
+    # (name, monotonic ns) pairs when the trace extension sampled this request
+    trace: list | None = None
 
     def batch_size(self, batched: bool) -> int:
         if not batched or not self.inputs:

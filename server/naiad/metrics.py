@@ -176,6 +176,7 @@ class Metrics:
         self.system = _SystemCollector(cpu, gpu)
         self.registry.register(self.system)
         self.interval = max(0.1, interval_ms / 1000.0)
+        self._triton_counters = [n.encode() for n, _, _ in _COUNTERS] + [b"nv_inference_request_failure"]
         self.histograms = {}
         self.summaries = {}
         if settings["histogram_latencies"]:
@@ -205,7 +206,17 @@ class Metrics:
             self.system.sample()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """prometheus-client's text exposition, with Triton's counter family names.
+
+        prometheus-client names a counter family `<name>_total` in its HELP/TYPE lines; Triton's counters
+        (`nv_inference_request_success`, ...) carry no suffix, and their samples here have none either. Only
+        those header lines are renamed, so `# TYPE nv_inference_request_success counter` matches Triton.
+        """
+        text = generate_latest(self.registry)
+        for name in self._triton_counters:
+            text = text.replace(b"# HELP " + name + b"_total ", b"# HELP " + name + b" ", 1)
+            text = text.replace(b"# TYPE " + name + b"_total counter", b"# TYPE " + name + b" counter", 1)
+        return text
 
     async def handle(self, request: web.Request) -> web.Response:
         return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -44,7 +44,13 @@ class ModelVersion:
         self.config: mc.ModelConfig = ctx.config
         self.pool = pool
         self.stats = stats
-        self.scheduler = Scheduler(pool, ctx.config) if pool is not None else None
+        self.scheduler = None
+        if pool is not None:
+            if ctx.config.HasField("sequence_batching"):
+                from .scheduling.sequence import SequenceScheduler
+                self.scheduler = SequenceScheduler(pool, ctx.config)
+            else:
+                self.scheduler = Scheduler(pool, ctx.config)
         self.inputs = _specs(ctx.config.input)
         self.outputs = _specs(ctx.config.output)
         self.max_batch_size = ctx.config.max_batch_size

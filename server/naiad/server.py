@@ -12,7 +12,9 @@ from . import __version__
 from .classification import classify
 from .errors import InvalidArgument, NaiadError, NotFound, Unavailable
 from .inference import InferenceRequest, InferenceResponse, OutputTensor
+from .logsettings import LogSettings
 from .repository import ModelRepository
+from .trace import Tracer
 from .warmup import run_warmup
 
 log = logging.getLogger("naiad.server")
@@ -48,11 +50,15 @@ class Server:
         self.repository = ModelRepository(options.model_repositories, self,
                                           auto_complete=options.auto_complete_config,
                                           gpu_count=options.gpu_count)
+        self.log_settings = LogSettings()
+        self.tracer = Tracer()
         self.extensions = [
             "classification", "sequence", "model_repository", "model_repository(unload_dependents)",
-            "schedule_policy", "model_configuration", "system_shared_memory", "binary_tensor_data",
-            "parameters", "statistics",
+            "schedule_policy", "model_configuration", "binary_tensor_data", "parameters", "statistics",
+            "trace", "logging",
         ]
+        if options.allow_client_shm:
+            self.extensions.insert(6, "system_shared_memory")
         self._started = False
         self._stopping = False
         self._inflight = 0
@@ -95,6 +101,7 @@ class Server:
             except asyncio.TimeoutError:
                 break
         await self.repository.close(max(0.0, deadline - time.monotonic()))
+        self.tracer.flush()
 
     # ---- health and metadata ----
     def live(self) -> bool:
@@ -166,6 +173,10 @@ class Server:
                 f"ModelStreamInfer (gRPC) or /generate_stream (HTTP) for model '{request.model_name}'"
             )
         mv.validate(request)
+        trace = self.tracer.start(mv.name)
+        if trace is not None:
+            trace.append(("REQUEST_START", request.arrival_ns))
+            request.trace = trace
         self._inflight += 1
         try:
             response = await mv.infer(request)
@@ -173,6 +184,9 @@ class Server:
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
+            if trace is not None:
+                trace.append(("REQUEST_END", time.monotonic_ns()))
+                self.tracer.finish(mv.name, str(mv.version), trace)
         if response.error is not None:
             raise response.error if isinstance(response.error, NaiadError) else InvalidArgument(
                 str(response.error))

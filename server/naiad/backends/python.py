@@ -171,5 +171,9 @@ class PythonInstance(ModelInstance):
                 self._loop.close()
 
 
-def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> PythonInstance:
+def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> ModelInstance:
+    """In-process or in a worker process, as `python_process.execution_isolation` decides for the model."""
+    from .python_process import ProcessInstance, execution_isolation
+    if execution_isolation(ctx.config) == "process":
+        return ProcessInstance(ctx, group, device_id, index)
     return PythonInstance(ctx, group, device_id, index)

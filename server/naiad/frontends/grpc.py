@@ -290,7 +290,23 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._ext(context, self.logging_ext, "grpc", request)
 
     async def TraceSetting(self, request, context):
+        if request.model_name and request.model_name not in self.server.repository.records:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"Request for unknown model : {request.model_name}")
         return await self._ext(context, self.trace_ext, "grpc", request)
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        if request.name:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"Unable to find cuda shared memory region: '{request.name}'")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "CUDA shared memory is not supported by this server: it needs a CUDA device")
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     async def _ext(self, context, ext, method: str, request):
         if ext is None:
@@ -301,10 +317,50 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
             return await self._fail(context, exc)
 
 
+_GROUPS = {
+    "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
+    "ServerMetadata": "metadata", "ModelMetadata": "metadata",
+    "ModelInfer": "inference", "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config", "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository", "RepositoryModelLoad": "model-repository",
+    "RepositoryModelUnload": "model-repository", "TraceSetting": "trace", "LogSettings": "logging",
+}
+
+
+class _Restrict(grpc.aio.ServerInterceptor):
+    """--grpc-restricted-protocol: calls of a restricted group need the configured metadata key/value."""
+
+    def __init__(self, rules: dict[str, tuple[str, str]]):
+        self.rules = rules
+
+    async def intercept_service(self, continuation, details):
+        method = details.method.rsplit("/", 1)[-1]
+        group = "shared-memory" if "SharedMemory" in method else _GROUPS.get(method)
+        rule = self.rules.get(group)
+        if rule is None:
+            return await continuation(details)
+        key, value = rule
+        if any(k == key and v == value for k, v in (details.invocation_metadata or ())):
+            return await continuation(details)
+        message = f"This API is restricted, expecting header '{key}'"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+
+        async def deny_stream(request_iterator, context):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+            yield  # pragma: no cover - abort raises
+
+        if method == "ModelStreamInfer":
+            return grpc.stream_stream_rpc_method_handler(deny_stream)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
 class GrpcFrontend:
-    def __init__(self, server: Server, shm=None, logging_ext=None, trace_ext=None):
+    def __init__(self, server: Server, shm=None, restricted: dict | None = None):
         self.server = server
-        self.servicer = _Servicer(server, shm, logging_ext, trace_ext)
+        self.servicer = _Servicer(server, shm, server.log_settings, server.tracer)
+        self.restricted = restricted or {}
         self._grpc: grpc.aio.Server | None = None
         self._health = None
 
@@ -314,7 +370,8 @@ class GrpcFrontend:
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.so_reuseport", 0),
         ]
-        self._grpc = grpc.aio.server(options=options)
+        interceptors = [_Restrict(self.restricted)] if self.restricted else []
+        self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, self._grpc)
         try:
             from grpc_health.v1 import health, health_pb2, health_pb2_grpc

@@ -194,14 +194,42 @@ def encode_infer_response(response: InferenceResponse, request: InferenceRequest
 
 # ---- the app ----
 
+def api_category(path: str) -> str:
+    """Triton's restricted-API groups for an HTTP path."""
+    parts = path.strip("/").split("/")
+    if len(parts) < 2:
+        return "metadata"
+    head = parts[1]
+    if head == "health":
+        return "health"
+    if head in ("systemsharedmemory", "cudasharedmemory"):
+        return "shared-memory"
+    if head == "repository":
+        return "model-repository"
+    if head == "logging":
+        return "logging"
+    if head == "trace" or parts[-2:] == ["trace", "setting"]:
+        return "trace"
+    last = parts[-1]
+    if last == "stats":
+        return "statistics"
+    if last == "config":
+        return "model-config"
+    if last in ("infer", "generate", "generate_stream"):
+        return "inference"
+    return "metadata"
+
+
 class HttpFrontend:
     def __init__(self, server: Server, shm=None, max_input_size: int = 64 * 1024 * 1024,
                  restricted: dict | None = None):
         self.server = server
         self.shm = shm
         self.restricted = restricted or {}
-        self.app = web.Application(client_max_size=max_input_size, middlewares=[_errors])
-        self.extra_routes: list = []
+        middlewares = [_errors]
+        if self.restricted:
+            middlewares.append(self._restrict)
+        self.app = web.Application(client_max_size=max_input_size, middlewares=middlewares)
         r = self.app.router
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
@@ -216,6 +244,31 @@ class HttpFrontend:
             r.add_get(prefix + "/config", self.model_config)
             r.add_get(prefix + "/stats", self.stats)
             r.add_post(prefix + "/infer", self.infer)
+            r.add_get(prefix + "/trace/setting", self.trace_setting)
+            r.add_post(prefix + "/trace/setting", self.trace_setting)
+        r.add_get("/v2/trace/setting", self.trace_setting)
+        r.add_post("/v2/trace/setting", self.trace_setting)
+        r.add_get("/v2/logging", self.logging)
+        r.add_post("/v2/logging", self.logging)
+        r.add_get("/v2/systemsharedmemory/status", self.shm_status)
+        r.add_get("/v2/systemsharedmemory/region/{region}/status", self.shm_status)
+        r.add_post("/v2/systemsharedmemory/region/{region}/register", self.shm_register)
+        r.add_post("/v2/systemsharedmemory/region/{region}/unregister", self.shm_unregister)
+        r.add_post("/v2/systemsharedmemory/unregister", self.shm_unregister)
+        r.add_get("/v2/cudasharedmemory/status", self.cuda_shm)
+        r.add_get("/v2/cudasharedmemory/region/{region}/status", self.cuda_shm)
+        r.add_post("/v2/cudasharedmemory/region/{region}/register", self.cuda_shm)
+        r.add_post("/v2/cudasharedmemory/region/{region}/unregister", self.cuda_shm)
+        r.add_post("/v2/cudasharedmemory/unregister", self.cuda_shm)
+
+    @web.middleware
+    async def _restrict(self, request: web.Request, handler):
+        rule = self.restricted.get(api_category(request.path))
+        if rule is not None:
+            key, value = rule
+            if request.headers.get(key) != value:
+                return _json({"error": f"This API is restricted, expecting header '{key}'"}, status=403)
+        return await handler(request)
 
     # health & metadata
     async def live(self, request):
@@ -281,6 +334,47 @@ class HttpFrontend:
         params = doc.get("parameters") or {}
         await self.server.unload_model(request.match_info["model"], bool(params.get("unload_dependents")))
         return web.Response(status=200)
+
+    # logging, trace
+    async def logging(self, request):
+        if request.method == "POST":
+            return _json(self.server.log_settings.update(await self._body_json(request)))
+        return _json(self.server.log_settings.get())
+
+    async def trace_setting(self, request):
+        model = request.match_info.get("model", "")
+        if model and model not in self.server.repository.records:
+            raise InvalidArgument(f"Request for unknown model : {model}")
+        if request.method == "POST":
+            return _json(self.server.tracer.update(await self._body_json(request), model))
+        return _json(self.server.tracer.get(model))
+
+    # shared memory
+    def _shm(self):
+        if self.shm is None or not self.shm.enabled:
+            raise InvalidArgument("shared memory support is disabled on this server (--allow-client-shm)")
+        return self.shm
+
+    async def shm_status(self, request):
+        return _json(self._shm().status(request.match_info.get("region", "")))
+
+    async def shm_register(self, request):
+        doc = await self._body_json(request)
+        self._shm().register(request.match_info["region"], doc.get("key"), doc.get("offset", 0),
+                             doc.get("byte_size", 0))
+        return web.Response(status=200)
+
+    async def shm_unregister(self, request):
+        self._shm().unregister(request.match_info.get("region", ""))
+        return web.Response(status=200)
+
+    async def cuda_shm(self, request):
+        """No CUDA shared memory on this build: status lists no regions, registration is refused clearly."""
+        if request.method == "GET":
+            if request.match_info.get("region"):
+                raise NotFound(f"Unable to find cuda shared memory region: '{request.match_info['region']}'")
+            return _json([])
+        raise InvalidArgument("CUDA shared memory is not supported by this server: it needs a CUDA device")
 
     # inference
     async def infer(self, request: web.Request):

@@ -102,6 +102,8 @@ class Scheduler:
             entry.deadline_ns = request.arrival_ns + timeout_us * 1000
             if not policy.delay_on_timeout:
                 entry.timer = loop.call_later(timeout_us / 1e6, self._expire, entry)
+        if request.trace is not None:
+            request.trace.append(("QUEUE_START", time.monotonic_ns()))
         queue.append(entry)
         self.queued += 1
         self.pool.stats.pending += 1

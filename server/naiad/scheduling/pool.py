@@ -53,6 +53,7 @@ class InstancePool:
         def call():
             return inst.execute(requests, timing)
 
+        start = time.monotonic_ns()
         try:
             results = await loop.run_in_executor(self.executors[id(inst)], call)
             outcome: list = list(results)
@@ -60,6 +61,11 @@ class InstancePool:
             err = as_naiad_error(exc)
             outcome = [err] * len(requests)
         done = time.monotonic_ns()
+        for req in requests:
+            if req.trace is not None:
+                req.trace.extend((("COMPUTE_START", start), ("COMPUTE_INPUT_END", start + timing.input_ns),
+                                  ("COMPUTE_OUTPUT_START", start + timing.input_ns + timing.infer_ns),
+                                  ("COMPUTE_END", done)))
         batch = sum(r.batch_size(self.batched) for r in requests)
         self.stats.record_execution(batch, timing.input_ns, timing.infer_ns, timing.output_ns)
         for req, res in zip(requests, outcome):

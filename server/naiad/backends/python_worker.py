@@ -1,0 +1,236 @@
+"""The worker process of a process-isolated python instance (see `python_process`).
+
+It hosts an ordinary `PythonInstance`, so importing `model.py`, `initialize` arguments, error texts and
+response conversion are exactly those of in-process instances. What differs is only what lies outside
+the process: `pb_utils` is bound to a `RemoteServer` whose BLS calls travel to the parent, decoupled
+responses go to the parent as messages, and log records are forwarded to the server's logging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from typing import AsyncIterator
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..errors import Internal, as_naiad_error
+from ..inference import InferenceRequest, InferenceResponse
+from .base import ModelContext, Timing
+from .python import PythonInstance
+from .python_process import PICKLE_ERRORS, STARTUP_CALL, Channel, request_fields, request_from_fields
+
+
+class RemoteServer:
+    """Stands in for `naiad.server.Server` in the worker: `pb_utils` BLS calls run in the parent.
+
+    Its coroutines run on the worker's BLS loop (`pb_utils.InferenceRequest.exec` schedules them there);
+    the reader thread settles them when the parent's answer arrives."""
+
+    def __init__(self, channel: Channel):
+        self._channel = channel
+        self._ids = itertools.count(1)
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future | None, asyncio.Queue | None]] = {}
+        self._lock = threading.Lock()
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        bls = self._open(loop, future, None)
+        try:
+            self._channel.send(("bls", bls, request_fields(request), False))
+            return await future
+        finally:
+            self._close(bls)
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+        """As `Server.infer_stream`: the request's callback sees every response the parent's callback saw."""
+        loop = asyncio.get_running_loop()
+        responses: asyncio.Queue = asyncio.Queue()
+        bls = self._open(loop, None, responses)
+        try:
+            self._channel.send(("bls", bls, request_fields(request), True))
+            while True:
+                kind, value = await responses.get()
+                if kind == "response":
+                    if request.response_callback is not None:
+                        request.response_callback(value)
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            self._close(bls)
+
+    def _open(self, loop, future, responses) -> int:
+        with self._lock:
+            bls = next(self._ids)
+            self._calls[bls] = (loop, future, responses)
+        return bls
+
+    def _close(self, bls: int) -> None:
+        with self._lock:
+            self._calls.pop(bls, None)
+
+    def reply(self, bls: int, response: InferenceResponse | None, error: Exception | None) -> None:
+        """The parent's answer (reader thread): the result of `infer`, or the end of `infer_stream`."""
+        with self._lock:
+            entry = self._calls.get(bls)
+        if entry is None:
+            return
+        loop, future, responses = entry
+        if future is not None:
+            loop.call_soon_threadsafe(_settle, future, response, error)
+        else:
+            loop.call_soon_threadsafe(responses.put_nowait, ("error", error) if error else ("end", None))
+
+    def stream(self, bls: int, response: InferenceResponse) -> None:
+        with self._lock:
+            entry = self._calls.get(bls)
+        if entry is not None and entry[2] is not None:
+            entry[0].call_soon_threadsafe(entry[2].put_nowait, ("response", response))
+
+
+def _settle(future: asyncio.Future, response, error) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(response)
+
+
+class _ForwardLogs(logging.Handler):
+    """Sends the model's log records to the parent, which logs them with the server's handlers."""
+
+    def __init__(self, channel: Channel):
+        super().__init__()
+        self._channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            self._channel.send(("log", record.name, record.levelno, text))
+        except Exception:  # noqa: BLE001 - logging must never break the model
+            self.handleError(record)
+
+
+class Worker:
+    """Runs one PythonInstance: the main thread executes, a reader thread receives."""
+
+    def __init__(self, channel: Channel, spec: dict):
+        self.channel = channel
+        self.spec = spec
+        self.server = RemoteServer(channel)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.requests: dict[int, InferenceRequest] = {}  # open decoupled requests by key
+        self.finalizing = False
+        self.bls_loop = asyncio.new_event_loop()
+
+    def run(self) -> None:
+        threading.Thread(target=self.bls_loop.run_forever, daemon=True, name="naiad-bls-loop").start()
+        threading.Thread(target=self._read_loop, daemon=True, name="naiad-worker-reader").start()
+        instance = self._start()
+        if instance is None:
+            return
+        while True:
+            message = self.commands.get()
+            if message[0] == "execute":
+                self._execute(instance, *message[1:])
+            else:  # finalize
+                self.finalizing = True
+                try:
+                    instance.close()
+                except BaseException as exc:  # noqa: BLE001 - reported to the parent, as in thread mode
+                    self._reply(message[1], None, as_naiad_error(exc))
+                else:
+                    self._reply(message[1], None, None)
+                return
+
+    def _start(self) -> PythonInstance | None:
+        spec = self.spec
+        config = mc.ModelConfig.FromString(spec["config"])
+        ctx = ModelContext(name=spec["name"], version=spec["version"], config=config,
+                           model_dir=Path(spec["model_dir"]), version_dir=Path(spec["version_dir"]),
+                           server=self.server, loop=self.bls_loop)
+        group = mc.ModelInstanceGroup.FromString(spec["group"])
+        try:
+            instance = PythonInstance(ctx, group, spec["device_id"], spec["index"])
+            instance.warmup_thread_init()
+        except BaseException as exc:  # noqa: BLE001 - the parent fails the load with this error
+            self.finalizing = True
+            self._reply(STARTUP_CALL, None, as_naiad_error(exc))
+            return None
+        self._reply(STARTUP_CALL, os.getpid(), None)
+        return instance
+
+    def _execute(self, instance: PythonInstance, call: int, fields: list[dict], keys: list[int | None]) -> None:
+        requests = []
+        for f, key in zip(fields, keys):
+            callback = None if key is None else partial(self._send_response, key)
+            request = request_from_fields(f, callback)
+            if key is not None:
+                self.requests[key] = request
+            requests.append(request)
+        started = time.monotonic_ns()
+        try:
+            responses = instance.execute(requests, Timing())
+        except BaseException as exc:  # noqa: BLE001 - the pool reports it for every request, as in thread mode
+            self._reply(call, None, as_naiad_error(exc))
+            return
+        self._reply(call, (responses, started, time.monotonic_ns()), None)
+
+    def _send_response(self, key: int, response: InferenceResponse) -> None:
+        """A decoupled response (any model thread): to the parent, which calls the request's callback."""
+        if response.final:
+            self.requests.pop(key, None)
+        self.channel.send(("response", key, response))
+
+    def _reply(self, call: int, value, error) -> None:
+        try:
+            self.channel.send(("reply", call, value, error))
+        except PICKLE_ERRORS as exc:  # e.g. an output tensor of objects that do not pickle
+            self.channel.send(("reply", call, None, Internal(
+                f"model '{self.spec['name']}': cannot send the result to the server: {type(exc).__name__}: {exc}")))
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                message = self.channel.recv()
+                kind = message[0]
+                if kind in ("execute", "finalize"):
+                    self.commands.put(message)
+                elif kind == "bls_reply":
+                    self.server.reply(*message[1:])
+                elif kind == "bls_stream":
+                    self.server.stream(*message[1:])
+                elif kind == "cancel":
+                    request = self.requests.get(message[1])
+                    if request is not None:
+                        request.cancelled = True
+        except (EOFError, OSError):
+            pass
+        if not self.finalizing:
+            os._exit(0)  # the server went away: nobody is left to answer
+
+
+def main(sock: socket.socket, spec: dict) -> None:
+    """Entry point of the spawned process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server unloads us
+    channel = Channel(sock)
+    root = logging.getLogger()
+    root.handlers[:] = [_ForwardLogs(channel)]
+    root.setLevel(spec["log_level"])
+    Worker(channel, spec).run()

@@ -14,6 +14,7 @@ from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..repository import decode_file_overrides
 from ..server import Server
 from .. import tensors
+from . import generate
 from .common import request_options
 
 log = logging.getLogger("naiad.http")
@@ -244,6 +245,8 @@ class HttpFrontend:
             r.add_get(prefix + "/config", self.model_config)
             r.add_get(prefix + "/stats", self.stats)
             r.add_post(prefix + "/infer", self.infer)
+            r.add_post(prefix + "/generate", self.generate)
+            r.add_post(prefix + "/generate_stream", self.generate_stream)
             r.add_get(prefix + "/trace/setting", self.trace_setting)
             r.add_post(prefix + "/trace/setting", self.trace_setting)
         r.add_get("/v2/trace/setting", self.trace_setting)
@@ -390,6 +393,49 @@ class HttpFrontend:
                 "deflate" in request.headers.get("Accept-Encoding", ""):
             resp.enable_compression()
         return resp
+
+    # generate extension
+    async def _generate_request(self, request):
+        m = request.match_info
+        version = _version(m.get("version", ""))
+        mv = self.server.repository.get(m["model"], version)
+        return generate.decode(mv, await self._body_json(request), version)
+
+    async def generate(self, request):
+        req = await self._generate_request(request)
+        responses = []
+        async for resp in self.server.infer_stream(req):
+            if resp.error is not None:
+                raise resp.error if isinstance(resp.error, NaiadError) else InvalidArgument(str(resp.error))
+            if resp.outputs:
+                responses.append(resp)
+        if len(responses) != 1:
+            raise InvalidArgument(f"model '{req.model_name}' sent {len(responses)} responses; /generate returns "
+                                  "exactly one, use /generate_stream for a stream")
+        return _json(generate.encode(responses[0]))
+
+    async def generate_stream(self, request):
+        """Server-Sent Events: one `data: {...}` event per response; an error ends the stream as an event."""
+        req = await self._generate_request(request)
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        started = False
+        try:
+            async for resp in self.server.infer_stream(req):
+                if not started:
+                    await stream.prepare(request)
+                    started = True
+                if resp.error is not None:
+                    await stream.write(b"data: " + orjson.dumps({"error": str(resp.error)}) + b"\n\n")
+                elif resp.outputs:
+                    await stream.write(b"data: " + orjson.dumps(generate.encode(resp)) + b"\n\n")
+        except NaiadError as exc:
+            if not started:
+                raise
+            await stream.write(b"data: " + orjson.dumps({"error": exc.message}) + b"\n\n")
+        if not started:
+            await stream.prepare(request)
+        await stream.write_eof()
+        return stream
 
     async def start(self, host: str, port: int) -> web.AppRunner:
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)

@@ -1,0 +1,669 @@
+"""Triton's sequence batcher: stateful models whose requests are grouped into sequences by correlation ID.
+
+Routing. A request carrying SEQUENCE_START opens a sequence (keyed by its correlation ID, a uint64 or a
+string; 7 and "7" are different sequences) and binds it to one *slot* of one model instance; every later
+request of the sequence runs on that instance, in arrival order, never two at once. SEQUENCE_END closes the
+sequence when that request is taken for execution, which frees the slot. A START for a sequence that is
+still active restarts it in place (Triton: "previous sequence will be terminated early"): the requests
+already queued run first, then the START request runs with fresh controls and fresh implicit state.
+
+Slots. Each instance has `max(1, max_batch_size)` slots for `direct` and `max_candidate_sequences` (or
+`max(1, max_batch_size)` when unset) for `oldest` -- per instance, as Triton's sequence batcher allocates
+them. A START that finds every slot of every instance taken goes to a FIFO backlog with the requests that
+follow it; the backlog's head takes the next slot that frees. New sequences take the lowest free slot index
+over all instances, so they spread over instances before filling any one.
+
+Batching. Each instance has one dispatcher task and runs one batch at a time. A batch holds at most one
+request per sequence (the head of its queue) and at most `max(1, max_batch_size)` requests:
+- `direct`: the ready sequences in slot order. `direct.max_queue_delay_microseconds` only delays a batch
+  when `minimum_slot_utilization` > 0, until that fraction of slots is ready or the oldest head request
+  has waited that long (Triton's rule; the default utilization 0 runs as soon as one slot is ready).
+- `oldest`: the ready sequences, oldest head request first, like the dynamic batcher: wait up to
+  `oldest.max_queue_delay_microseconds` for the largest `preferred_batch_size` (or max_batch_size), and
+  trim an oversized batch to the largest preferred size that fits.
+Requests whose non-ragged input shapes differ from the batch's first request wait for a later batch.
+
+Control inputs (`control_input`) are synthesised per request: START/END/READY from the flags (READY is
+always true: Naiad never pads a batch with not-ready filler requests), CORRID from the correlation ID in
+the configured data type; shape [1], or [1, 1] when max_batch_size > 0 so that batching gives [B, 1].
+
+Implicit state (`state`): the state input carries the previous request's state output of the same
+sequence; at START it is the initial state (`zero_data`, `<model_dir>/initial_state/<data_file>`, or zeros
+with variable dims as 1 when no `initial_state` is given). The state output is removed from the client's
+response unless the output is also declared in `config.output` and requested (Triton's debugging case).
+A failed request leaves the state as it was.
+
+Idle sequences: a sequence with nothing queued or running that gets no request for
+`max_sequence_idle_microseconds` (default 1 s) is released: its slot frees and later non-START requests
+for it fail as for an unknown sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..config import data_type_name
+from ..errors import InvalidArgument, Unavailable, as_naiad_error
+from ..inference import SEQUENCE_END, SEQUENCE_START, InferenceRequest, InferenceResponse, RequestedOutput
+from ..tensors import config_to_wire, deserialize_bytes, numpy_dtype
+from .pool import InstancePool
+
+log = logging.getLogger("naiad.sequence")
+
+_Kind = mc.ModelSequenceBatching.Control
+START, READY, END, CORRID = (_Kind.CONTROL_SEQUENCE_START, _Kind.CONTROL_SEQUENCE_READY,
+                             _Kind.CONTROL_SEQUENCE_END, _Kind.CONTROL_SEQUENCE_CORRID)
+DEFAULT_IDLE_US = 1_000_000  # Triton's default max_sequence_idle_microseconds
+_U64 = (1 << 64) - 1
+_CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
+
+
+def correlation_key(cid) -> int | tuple | None:
+    """Hashable sequence key: an int for a uint64 ID, ('s', text) for a string ID; None when absent."""
+    if isinstance(cid, bool) or cid is None:
+        return None
+    if isinstance(cid, int):
+        value = cid & _U64  # an int64 on the wire names the same uint64
+        return value or None
+    if isinstance(cid, bytes):
+        cid = cid.decode("utf-8", "replace")
+    if isinstance(cid, str):
+        return ("s", cid) if cid else None
+    return None
+
+
+def _display(key) -> str:
+    return key[1] if isinstance(key, tuple) else str(key)
+
+
+@dataclass
+class _Control:
+    name: str
+    kind: int
+    datatype: str  # wire datatype
+    false: object = None
+    true: object = None
+
+
+@dataclass
+class _State:
+    input_name: str
+    output_name: str
+    datatype: str
+    initial: np.ndarray  # batch dimension included when max_batch_size > 0
+
+
+class _Seq:
+    """One sequence: its slot, its queue of not-yet-dispatched requests and its implicit state."""
+
+    __slots__ = ("key", "worker", "slot", "queue", "states", "busy", "closed", "timer")
+
+    def __init__(self, key):
+        self.key = key
+        self.worker: _Worker | None = None
+        self.slot = -1
+        self.queue: collections.deque[_Entry] = collections.deque()
+        self.states: dict[str, np.ndarray] | None = None  # None: initial state
+        self.busy = False  # a request of it is executing
+        self.closed = False  # END taken, or released as idle: no longer routable
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class _Entry:
+    __slots__ = ("request", "future", "seq", "wanted")
+
+    def __init__(self, request, future, seq):
+        self.request = request
+        self.future = future
+        self.seq = seq
+        self.wanted: list[RequestedOutput] | None = None  # the client's outputs, while patched
+
+
+class _Worker:
+    """One model instance: its sequence slots and its dispatcher task."""
+
+    def __init__(self, inst, slots: int):
+        self.inst = inst
+        self.slots: list[_Seq | None] = [None] * slots
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+
+class SequenceScheduler:
+    """Sequence batcher in front of an InstancePool (same interface as `Scheduler`)."""
+
+    def __init__(self, pool: InstancePool, config: mc.ModelConfig, model_dir=None):
+        self.pool = pool
+        self.config = config
+        try:
+            self._configure(config, model_dir)
+        except BaseException:
+            pool.close()  # the caller never gets a scheduler to close, so nothing else would
+            raise
+        self.active: dict = {}  # key -> routable sequence (in a slot or in the backlog)
+        self.backlog: collections.deque[_Seq] = collections.deque()
+        self.workers: list[_Worker] | None = None  # created on the loop, at the first request
+        self.queued = 0  # requests not yet taken into a batch
+        self.running = 0  # batches executing
+        self._stopping = False
+        self._closed = False
+
+    # ---- configuration ----
+    def _configure(self, config: mc.ModelConfig, model_dir) -> None:
+        sb = config.sequence_batching
+        name = config.name
+        if sb.iterative_sequence:
+            raise InvalidArgument(f"model '{name}': sequence_batching.iterative_sequence is not supported")
+        self.batched = config.max_batch_size > 0
+        self.max_batch = max(1, config.max_batch_size)
+        self.oldest = sb.WhichOneof("strategy_choice") == "oldest"
+        if self.oldest:
+            self.slot_count = sb.oldest.max_candidate_sequences or self.max_batch
+            self.delay_ns = sb.oldest.max_queue_delay_microseconds * 1000
+            self.preferred = sorted(p for p in sb.oldest.preferred_batch_size if p > 0)
+            for p in self.preferred:
+                if p > self.max_batch:
+                    raise InvalidArgument(
+                        f"model '{name}': sequence batching preferred batch size {p} must be <= "
+                        f"max_batch_size {config.max_batch_size}"
+                    )
+            self.min_utilization = 0.0
+        else:
+            self.slot_count = self.max_batch
+            self.delay_ns = sb.direct.max_queue_delay_microseconds * 1000
+            self.min_utilization = sb.direct.minimum_slot_utilization
+            self.preferred = []
+        self.idle_s = (sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US) / 1e6
+        self.control_shape = (1, 1) if self.batched else (1,)
+        self.controls = _parse_controls(config)
+        if model_dir is None:
+            model_dir = getattr(self.pool.instances[0].ctx, "model_dir", None) if self.pool.instances else None
+        self.states = _parse_states(config, model_dir)
+        self.ragged = {i.name for i in config.input if i.allow_ragged_batch}
+        self.config_outputs = [o.name for o in config.output]
+        self.is_python = config.backend == "python"
+
+    # ---- submission ----
+    async def submit(self, request: InferenceRequest) -> InferenceResponse | None:
+        name = self.config.name
+        if self._closed:
+            raise Unavailable(f"model '{name}' is unloading")
+        if request.batch_size(self.batched) > 1:
+            raise InvalidArgument(
+                f"inference request to model '{name}' must specify batch-size 1 due to requirements of "
+                "sequence batcher"
+            )
+        key = correlation_key(request.correlation_id)
+        if key is None:
+            raise InvalidArgument(
+                f"inference request to model '{name}' must specify a non-zero or non-empty correlation ID"
+            )
+        start = bool(request.flags & SEQUENCE_START)
+        end = bool(request.flags & SEQUENCE_END)
+        if self._stopping and start:
+            raise Unavailable("Server is stopping, scheduler for model has stopped accepting new inference "
+                              "requests")
+        self._start_workers()
+        seq = self.active.get(key)
+        if seq is None:
+            if not start:
+                raise InvalidArgument(
+                    f"inference request for sequence {_display(key)} to model '{name}' must specify the "
+                    "START flag on the first request of the sequence"
+                )
+            seq = _Seq(key)
+            self.active[key] = seq
+            self._place(seq)
+        elif start:
+            log.warning("sequence %s for model '%s' has a conflict. The previous sequence did not end before "
+                        "this sequence start. Previous sequence will be terminated early.", _display(key), name)
+        entry = _Entry(request, asyncio.get_running_loop().create_future(), seq)
+        trace = getattr(request, "trace", None)
+        if trace is not None:
+            trace.append(("QUEUE_START", time.monotonic_ns()))
+        seq.queue.append(entry)
+        self.queued += 1
+        self._disarm(seq)
+        if end:
+            seq.closed = True
+            del self.active[key]
+        if seq.worker is not None:
+            seq.worker.wake.set()
+        self.pool.stats.pending += 1
+        try:
+            return await entry.future
+        finally:
+            self.pool.stats.pending -= 1
+
+    # ---- slots ----
+    def _start_workers(self) -> None:
+        if self.workers is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self.workers = [_Worker(inst, self.slot_count) for inst in self.pool.instances]
+        for w in self.workers:
+            w.task = loop.create_task(self._worker_loop(w))
+
+    def _place(self, seq: _Seq) -> None:
+        """Give a new sequence the lowest free slot over all instances, or put it in the backlog."""
+        for slot in range(self.slot_count):
+            for w in self.workers:
+                if w.slots[slot] is None:
+                    self._assign(seq, w, slot)
+                    return
+        self.backlog.append(seq)
+
+    def _assign(self, seq: _Seq, w: _Worker, slot: int) -> None:
+        w.slots[slot] = seq
+        seq.worker, seq.slot = w, slot
+        self._arm(seq)
+        w.wake.set()
+
+    def _release(self, seq: _Seq) -> None:
+        """Free the sequence's slot and hand it to the oldest backlogged sequence still worth running."""
+        w, slot = seq.worker, seq.slot
+        if w is None:
+            return
+        seq.worker, seq.slot = None, -1
+        w.slots[slot] = None
+        while self.backlog:
+            nxt = self.backlog.popleft()
+            if nxt.closed and not nxt.queue:
+                continue  # every request of it was cancelled
+            self._assign(nxt, w, slot)
+            return
+
+    def _arm(self, seq: _Seq) -> None:
+        """Start the idle clock of a sequence that has nothing queued or running."""
+        if seq.closed or seq.busy or seq.queue or seq.worker is None:
+            return
+        self._disarm(seq)
+        seq.timer = asyncio.get_running_loop().call_later(self.idle_s, self._reap, seq)
+
+    @staticmethod
+    def _disarm(seq: _Seq) -> None:
+        if seq.timer is not None:
+            seq.timer.cancel()
+            seq.timer = None
+
+    def _reap(self, seq: _Seq) -> None:
+        seq.timer = None
+        if seq.closed or seq.busy or seq.queue:
+            return
+        seq.closed = True
+        if self.active.get(seq.key) is seq:
+            del self.active[seq.key]
+        log.info("sequence %s of model '%s' was idle for %.0f us: released", _display(seq.key),
+                 self.config.name, self.idle_s * 1e6)
+        self._release(seq)
+
+    # ---- dispatch ----
+    def _ready(self, w: _Worker) -> list[_Seq]:
+        """Sequences of the instance with a request waiting, in slot order (cancelled heads dropped)."""
+        ready = []
+        for seq in w.slots:
+            if seq is None:
+                continue
+            while seq.queue and seq.queue[0].future.done():  # its client went away
+                seq.queue.popleft()
+                self.queued -= 1
+            if seq.queue:
+                ready.append(seq)
+            elif seq.closed:
+                self._release(seq)
+            else:
+                self._arm(seq)
+        return ready
+
+    def _wait_s(self, ready: list[_Seq]) -> float:
+        """How long to hold the batch back for more sequences (0: run now)."""
+        if not self.delay_ns or self.max_batch == 1:
+            return 0.0
+        if self.oldest:
+            target = self.preferred[-1] if self.preferred else self.max_batch
+            if len(ready) >= target:
+                return 0.0
+        else:
+            if self.min_utilization <= 0 or len(ready) / self.max_batch >= self.min_utilization:
+                return 0.0
+        oldest = min(s.queue[0].request.arrival_ns for s in ready)
+        remaining = oldest + self.delay_ns - time.monotonic_ns()
+        return max(0.0, remaining / 1e9)
+
+    async def _worker_loop(self, w: _Worker) -> None:
+        while not self._closed:
+            try:
+                ready = self._ready(w)
+                if not ready:
+                    w.wake.clear()
+                    await w.wake.wait()
+                    continue
+                wait = self._wait_s(ready)
+                if wait > 0:
+                    w.wake.clear()
+                    try:
+                        await asyncio.wait_for(w.wake.wait(), wait)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                batch = self._collect(w, ready)
+                if batch:
+                    await self._execute(w, batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the dispatcher must survive a bad request
+                log.exception("sequence batcher of model '%s' failed", self.config.name)
+                await asyncio.sleep(0.01)
+
+    def _collect(self, w: _Worker, ready: list[_Seq]) -> list[_Entry]:
+        """Take the next batch: at most one request per sequence, same shapes, up to max_batch_size."""
+        order = sorted(ready, key=lambda s: s.queue[0].request.arrival_ns) if self.oldest else ready
+        batch: list[_Entry] = []
+        shape_key = None
+        for seq in order:
+            if len(batch) >= self.max_batch:
+                break
+            entry = seq.queue[0]
+            try:
+                self._prepare(entry)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                seq.queue.popleft()
+                self.queued -= 1
+                self._restore(entry)
+                if not entry.future.done():
+                    entry.future.set_exception(as_naiad_error(exc))
+                self._after_take(seq, entry)
+                continue
+            key = self._shape_key(entry.request)
+            if batch and key != shape_key:
+                continue
+            if not batch:
+                shape_key = key
+            batch.append(entry)
+        if self.preferred and len(batch) not in self.preferred and len(batch) > self.preferred[0]:
+            batch = batch[:max(p for p in self.preferred if p <= len(batch))]
+        for entry in batch:
+            seq = entry.seq
+            seq.queue.popleft()
+            self.queued -= 1
+            seq.busy = True
+            if entry.request.flags & SEQUENCE_START:
+                seq.states = None  # the (re)started sequence begins from the initial state
+            self._after_take(seq, entry)
+        return batch
+
+    def _after_take(self, seq: _Seq, entry: _Entry) -> None:
+        # The END request frees the slot as it is taken (Triton): a backlogged sequence moves in and runs
+        # in this instance's next batch.
+        if seq.closed and not seq.queue and (entry.request.flags & SEQUENCE_END or seq.worker is not None):
+            if entry.request.flags & SEQUENCE_END:
+                self._release(seq)
+
+    def _shape_key(self, request: InferenceRequest):
+        if not self.batched:
+            return None
+        return tuple(sorted((n, a.shape[1:] if n not in self.ragged else None) for n, a in request.inputs.items()))
+
+    def _prepare(self, entry: _Entry) -> None:
+        """Add control and state inputs; make sure the state outputs get computed and returned to us."""
+        req = entry.request
+        seq = entry.seq
+        flags = req.flags
+        for c in self.controls:
+            if c.kind == CORRID:
+                arr = _corrid_array(seq.key, c.datatype, self.control_shape)
+            else:
+                on = bool(flags & SEQUENCE_START) if c.kind == START else \
+                    bool(flags & SEQUENCE_END) if c.kind == END else True
+                arr = np.full(self.control_shape, c.true if on else c.false, dtype=numpy_dtype(c.datatype))
+            req.inputs[c.name] = arr
+            req.datatypes[c.name] = c.datatype
+        if not self.states:
+            return
+        current = None if (flags & SEQUENCE_START) or seq.states is None else seq.states
+        for st in self.states:
+            value = current.get(st.input_name) if current is not None else None
+            req.inputs[st.input_name] = value if value is not None else st.initial.copy()
+            req.datatypes[st.input_name] = st.datatype
+        if entry.wanted is None:
+            entry.wanted = list(req.outputs)
+            names = {o.name for o in req.outputs}
+            if not req.outputs and not self.is_python:
+                # Tensor backends compute only config outputs unless told otherwise.
+                req.outputs = [RequestedOutput(n) for n in self.config_outputs]
+                names = set(self.config_outputs)
+            if req.outputs:
+                req.outputs = list(req.outputs) + [RequestedOutput(st.output_name) for st in self.states
+                                                   if st.output_name not in names]
+
+    @staticmethod
+    def _restore(entry: _Entry) -> None:
+        if entry.wanted is not None:
+            entry.request.outputs = entry.wanted
+
+    async def _execute(self, w: _Worker, batch: list[_Entry]) -> None:
+        dispatch_ns = time.monotonic_ns()
+        self.running += 1
+        try:
+            results = await self.pool.run(w.inst, [e.request for e in batch], dispatch_ns)
+        finally:
+            self.running -= 1
+        for entry, res in zip(batch, results):
+            seq = entry.seq
+            seq.busy = False
+            if self.states and isinstance(res, InferenceResponse):
+                self._take_states(entry, res)
+            self._restore(entry)
+            if not entry.future.done():
+                if isinstance(res, BaseException):
+                    entry.future.set_exception(res)
+                else:
+                    entry.future.set_result(res)
+            if seq.worker is not None:
+                self._arm(seq)
+
+    def _take_states(self, entry: _Entry, res: InferenceResponse) -> None:
+        """Keep the state outputs of a successful response as the sequence's next state inputs; hide them."""
+        seq = entry.seq
+        wanted = entry.wanted or []
+        requested = {o.name for o in wanted}
+        if res.error is None:
+            new = dict(seq.states) if seq.states is not None else {}
+            for st in self.states:
+                out = res.output(st.output_name)
+                if out is not None:
+                    new[st.input_name] = out.data
+            seq.states = new
+        hidden = {st.output_name for st in self.states
+                  if st.output_name not in self.config_outputs or (requested and st.output_name not in requested)}
+        if hidden:
+            res.outputs = [o for o in res.outputs if o.name not in hidden]
+
+    # ---- shutdown ----
+    async def close(self, timeout: float | None = None) -> None:
+        """Stop accepting new sequences; let queued and running work finish (up to `timeout`)."""
+        self._stopping = True
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while (self.queued or self.running) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._closed = True
+        error = Unavailable(f"model '{self.config.name}' was unloaded")
+        seqs = list(self.backlog)
+        for w in self.workers or []:
+            seqs.extend(s for s in w.slots if s is not None)
+        for seq in seqs:
+            self._disarm(seq)
+            while seq.queue:
+                entry = seq.queue.popleft()
+                self._restore(entry)
+                if not entry.future.done():
+                    entry.future.set_exception(error)
+        self.queued = 0
+        self.active.clear()
+        self.backlog.clear()
+        for w in self.workers or []:
+            w.wake.set()
+            if w.task is not None:
+                w.task.cancel()
+
+
+# ---- configuration helpers ----
+
+def _parse_controls(config: mc.ModelConfig) -> list[_Control]:
+    """Validate `control_input` as Triton does and return one _Control per configured control."""
+    name = config.name
+    seen_tensors: set[str] = set()
+    seen_kinds: set[int] = set()
+    out: list[_Control] = []
+    for ci in config.sequence_batching.control_input:
+        if not ci.name:
+            raise InvalidArgument(f"sequence batching control tensor must have a name for {name}")
+        if ci.name in seen_tensors:
+            raise InvalidArgument(f"sequence batching control tensor '{ci.name}' is specified for multiple "
+                                  f"control kinds for {name}")
+        seen_tensors.add(ci.name)
+        for c in ci.control:
+            kind = _Kind.Kind.Name(c.kind)
+            if c.kind in seen_kinds:
+                raise InvalidArgument(f"sequence batching specifies multiple {kind} tensors for {name}")
+            seen_kinds.add(c.kind)
+            found = [(field, list(values)) for field, values in (
+                ("int32_false_true", c.int32_false_true), ("fp32_false_true", c.fp32_false_true),
+                ("bool_false_true", c.bool_false_true)) if len(values)]
+            if c.kind == CORRID:
+                if found:
+                    raise InvalidArgument(
+                        "sequence batching must not specify either 'int32_false_true', 'fp32_false_true' or "
+                        f"'bool_false_true' for {kind} for {name}"
+                    )
+                if c.data_type not in _CORRID_TYPES:
+                    raise InvalidArgument(
+                        "unexpected control data type, expected TYPE_UINT64, TYPE_INT64, TYPE_UINT32, "
+                        f"TYPE_INT32, or TYPE_STRING for {kind} for {name}"
+                    )
+                out.append(_Control(ci.name, c.kind, config_to_wire(data_type_name(c.data_type))))
+                continue
+            if not found:
+                raise InvalidArgument(
+                    "sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
+                    f"'bool_false_true' for {kind} for {name}"
+                )
+            if len(found) > 1:
+                raise InvalidArgument(
+                    "sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' and "
+                    f"'bool_false_true' for {kind} for {name}"
+                )
+            field, values = found[0]
+            if len(values) != 2:
+                raise InvalidArgument(
+                    f"sequence batching control '{field}' must have exactly 2 entries for {kind} for {name}"
+                )
+            datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32", "bool_false_true": "BOOL"}[field]
+            out.append(_Control(ci.name, c.kind, datatype, values[0], values[1]))
+    return out
+
+
+def _corrid_array(key, datatype: str, shape: tuple) -> np.ndarray:
+    if datatype == "BYTES":
+        arr = np.empty(shape, dtype=np.object_)
+        arr[...] = _display(key).encode("utf-8")
+        return arr
+    dtype = numpy_dtype(datatype)
+    if isinstance(key, tuple):  # a string ID in a numeric control: its number if it is one, else 0
+        text = key[1]
+        value = int(text) if text.isdigit() else 0
+    else:
+        value = key
+    return np.full(shape, value, dtype=np.uint64).astype(dtype)  # wraps as a C cast would
+
+
+def _parse_states(config: mc.ModelConfig, model_dir) -> list[_State]:
+    """Validate `state` as Triton does and build each state's initial value."""
+    name = config.name
+    batched = config.max_batch_size > 0
+    states: list[_State] = []
+    seen: set[str] = set()
+    for st in config.sequence_batching.state:
+        if not st.input_name or not st.output_name:
+            raise InvalidArgument(f"model '{name}': a sequence batching state needs input_name and output_name")
+        if st.input_name in seen:
+            raise InvalidArgument(f"State input name '{st.input_name}' specified more than once.")
+        seen.add(st.input_name)
+        if st.data_type == mc.TYPE_INVALID:
+            raise InvalidArgument(f"model '{name}': state '{st.input_name}' has no data_type")
+        datatype = config_to_wire(data_type_name(st.data_type))
+        if len(st.initial_state) > 1:
+            raise InvalidArgument(
+                f"initial_state field for state input '{st.input_name}' must contain exactly one or zero "
+                f"element. Found '{len(st.initial_state)}' elements."
+            )
+        if st.initial_state:
+            initial = _initial_state(config, st, st.initial_state[0], model_dir)
+        else:
+            # Triton leaves the first input state uninitialised (variable dims as 1); Naiad gives zeros.
+            shape = ([1] if batched else []) + [1 if d == -1 else d for d in st.dims]
+            initial = _zeros(shape, datatype)
+        states.append(_State(st.input_name, st.output_name, datatype, initial))
+    return states
+
+
+def _zeros(shape, datatype: str) -> np.ndarray:
+    if datatype == "BYTES":
+        arr = np.empty(shape, dtype=np.object_)
+        arr[...] = b""
+        return arr
+    return np.zeros(shape, dtype=numpy_dtype(datatype))
+
+
+def _initial_state(config, st, init, model_dir) -> np.ndarray:
+    if init.data_type != st.data_type:
+        raise InvalidArgument(f"The data type used for 'initial_state' field of state '{st.input_name}' does "
+                              "not match the state data type.")
+    if not init.name:
+        raise InvalidArgument(f"Field 'name' must be set when using initial_state for state input "
+                              f"'{st.input_name}'.")
+    if len(init.dims) != len(st.dims):
+        raise InvalidArgument(
+            "Number of dimensions in 'initial_state' doesn't match the size of 'state' dimensions for state "
+            f"input '{st.input_name}'. {len(init.dims)} != {len(st.dims)}"
+        )
+    for idim, sdim in zip(init.dims, st.dims):
+        if idim == -1:
+            raise InvalidArgument(f"'initial_state' field for state input name '{st.input_name}' contains "
+                                  "variable dimensions.")
+        if sdim != -1 and idim != sdim:
+            raise InvalidArgument(f"'initial_state' dim for input name '{st.input_name}' doesn't match "
+                                  f"'state' dim description. {idim} != {sdim}")
+    shape = ([1] if config.max_batch_size > 0 else []) + list(init.dims)
+    datatype = config_to_wire(data_type_name(st.data_type))
+    count = int(np.prod(shape)) if shape else 1
+    which = init.WhichOneof("state_data")
+    if which == "zero_data":
+        return _zeros(shape, datatype)
+    if which != "data_file":
+        raise InvalidArgument(f"'initial_state' of state input '{st.input_name}' must set zero_data or "
+                              "data_file")
+    if model_dir is None:
+        raise InvalidArgument(f"model '{config.name}': no model directory to read initial state from")
+    from pathlib import Path
+    path = Path(model_dir) / "initial_state" / init.data_file
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"model '{config.name}': failed to read initial state file {path}: "
+                              f"{exc.strerror or exc}") from None
+    if datatype == "BYTES":
+        return deserialize_bytes(raw, count).reshape(shape)
+    dtype = numpy_dtype(datatype)
+    need = count * dtype.itemsize
+    if len(raw) < need:
+        raise InvalidArgument(f"initial_state setting expects {need} bytes, but the data provided from "
+                              f"{init.data_file} only has {len(raw)} bytes.")
+    return np.frombuffer(raw[:need], dtype=dtype).reshape(shape).copy()

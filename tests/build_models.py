@@ -8,6 +8,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
+# Models that share tests/models/batch_probe.py as their model.py.
+BATCH_PROBES = ("batched", "preferred", "queue_limited", "queue_timeout", "prioritized", "cached", "warm")
+
 MLP_CONFIG = """
 name: "mlp_onnx"
 platform: "onnxruntime_onnx"
@@ -66,7 +69,10 @@ def build(out: Path) -> Path:
     import torch
     if out.exists():
         shutil.rmtree(out)
-    shutil.copytree(HERE / "models", out, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(HERE / "models", out, ignore=shutil.ignore_patterns("__pycache__", "batch_probe.py"))
+    for name in BATCH_PROBES:
+        (out / name / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copy(HERE / "models" / "batch_probe.py", out / name / "1" / "model.py")
     model = mlp()
     export_onnx(model, out / "mlp_onnx" / "1" / "model.onnx", 16)
     (out / "mlp_onnx" / "config.pbtxt").write_text(MLP_CONFIG)

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="<protocol>[,...]:<metadata-key>=<value>, as --http-restricted-api for gRPC")
     s.add_argument("--trace-config", action="append", default=[],
                    help="trace setting, e.g. level=TIMESTAMPS, rate=1, file=/tmp/trace.json")
+    s.add_argument("--cache-config", action="append", default=[],
+                   help="response cache: local,size=<bytes> (models opt in with response_cache { enable: true })")
     s.add_argument("--log-verbose", type=int, default=0)
     s.add_argument("--log-info", type=_bool, default=True)
     s.add_argument("--log-warning", type=_bool, default=True)
@@ -96,6 +98,7 @@ def model_table(server: Server) -> str:
 
 async def serve(args: argparse.Namespace) -> int:
     from .app import App
+    from .cache import parse_cache_config
     auto_complete = not args.disable_auto_complete_config
     if args.strict_model_config is not None:
         auto_complete = not args.strict_model_config
@@ -108,6 +111,7 @@ async def serve(args: argparse.Namespace) -> int:
         exit_timeout_secs=args.exit_timeout_secs,
         auto_complete_config=auto_complete,
         allow_client_shm=args.allow_client_shm,
+        cache_size=parse_cache_config(args.cache_config),
     )
     app = App(options, args)
     stop = asyncio.Event()

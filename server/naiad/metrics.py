@@ -105,6 +105,20 @@ class _ModelCollector:
                 yield m
         yield pending
         yield load
+        if self.server.cache is not None:
+            cache = [("nv_cache_num_hits_per_model", "Number of cache hits per model", lambda s: s.cache_hit.count),
+                     ("nv_cache_num_misses_per_model", "Number of cache misses per model",
+                      lambda s: s.cache_miss.count),
+                     ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds",
+                      lambda s: s.cache_hit.ns // 1000),
+                     ("nv_cache_miss_duration_per_model", "Total cache miss (insertion) duration per model, in "
+                      "microseconds", lambda s: s.cache_miss.ns // 1000)]
+            for name, doc, read in cache:
+                fam = GaugeMetricFamily(name, doc, labels=["model", "version"])
+                for mv in versions:
+                    if mv.config.response_cache.enable:
+                        fam.add_metric([mv.stats.model, mv.stats.version], read(mv.stats))
+                yield fam
 
 
 class _SystemCollector:

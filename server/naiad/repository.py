@@ -143,8 +143,16 @@ class ModelRepository:
 
     # ---- lifecycle ----
     async def load(self, name: str, config_json: str | dict | None = None,
-                   files: dict[str, bytes] | None = None) -> None:
-        """Load (or reload) a model; new versions go live before old ones are drained and unloaded."""
+                   files: dict[str, bytes] | None = None, _chain: tuple = ()) -> None:
+        """Load (or reload) a model; new versions go live before old ones are drained and unloaded.
+
+        An ensemble's composing models are loaded first when they are not loaded yet (as Triton does).
+        """
+        for step_model in self._composing_models(name, config_json):
+            if step_model in _chain:
+                raise InvalidArgument(f"ensemble '{name}' depends on itself through '{step_model}'")
+            if not self.is_ready(step_model):
+                await self.load(step_model, _chain=_chain + (name,))
         async with self._lock(name):
             rec = self.records.setdefault(name, ModelRecord(name))
             rec.state, rec.reason = LOADING, ""
@@ -175,6 +183,19 @@ class ModelRepository:
             self._changed(name)
         for mv in old.values():
             await mv.close(self.server.options.exit_timeout_secs)
+
+    def _composing_models(self, name: str, config_json) -> list[str]:
+        try:
+            if config_json:
+                config = cfg.parse_json(config_json)
+            else:
+                path = self.scan().get(name)
+                config = cfg.load_file(path) if path is not None else None
+        except NaiadError:
+            return []  # the load itself reports the error
+        if config is None or config.platform != "ensemble":
+            return []
+        return list(dict.fromkeys(s.model_name for s in config.ensemble_scheduling.step if s.model_name))
 
     def _model_dir(self, name: str, rec: ModelRecord, files: dict[str, bytes] | None) -> Path:
         if files:
@@ -249,7 +270,9 @@ class ModelRepository:
             stats.observers.append(hook)
         if config.platform == "ensemble":
             from .scheduling.ensemble import build_ensemble
-            return build_ensemble(ctx, stats, self.server)
+            mv = build_ensemble(ctx, stats, self.server)
+            self.server.warmup(mv)
+            return mv
         if not ctx.model_file.exists():
             raise InvalidArgument(
                 f"model '{config.name}' version {version}: {ctx.model_file.name} not found in {ctx.version_dir}"

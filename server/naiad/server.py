@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from . import __version__
+from .cache import ResponseCache, request_key
 from .classification import classify
 from .errors import InvalidArgument, NaiadError, NotFound, Unavailable
 from .inference import InferenceRequest, InferenceResponse, OutputTensor
@@ -33,6 +34,7 @@ class ServerOptions:
     auto_complete_config: bool = True
     gpu_count: int = 0
     allow_client_shm: bool = True
+    cache_size: int = 0  # bytes; 0: no response cache
 
 
 class Server:
@@ -50,6 +52,7 @@ class Server:
         self.repository = ModelRepository(options.model_repositories, self,
                                           auto_complete=options.auto_complete_config,
                                           gpu_count=options.gpu_count)
+        self.cache = ResponseCache(options.cache_size) if options.cache_size > 0 else None
         self.log_settings = LogSettings()
         self.tracer = Tracer()
         self.extensions = [
@@ -173,6 +176,18 @@ class Server:
                 f"ModelStreamInfer (gRPC) or /generate_stream (HTTP) for model '{request.model_name}'"
             )
         mv.validate(request)
+        cache_key = None
+        if self.cache is not None and mv.config.response_cache.enable:
+            t0 = time.monotonic_ns()
+            cache_key = request_key(request, mv.version)
+            hit = self.cache.get(cache_key)
+            if hit is not None:
+                ns = time.monotonic_ns() - t0
+                mv.stats.record_cache(True, ns)
+                mv.stats.record_request(True, time.monotonic_ns() - request.arrival_ns, 0, 0, 0, 0)
+                return InferenceResponse(model_name=mv.name, model_version=str(mv.version), id=request.id,
+                                         outputs=list(hit))
+            miss_ns = time.monotonic_ns() - t0
         trace = self.tracer.start(mv.name)
         if trace is not None:
             trace.append(("REQUEST_START", request.arrival_ns))
@@ -194,6 +209,10 @@ class Server:
         response.model_version = str(mv.version)
         response.id = request.id
         self._postprocess(mv, request, response)
+        if cache_key is not None:
+            t0 = time.monotonic_ns()
+            self.cache.put(cache_key, response)
+            mv.stats.record_cache(False, miss_ns + time.monotonic_ns() - t0)
         return response
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -49,16 +50,24 @@ def sample_inputs(mv, sample: mc.ModelWarmup) -> tuple[dict[str, np.ndarray], di
 
 
 def run_warmup(mv) -> None:
-    """Run each sample `count` times on every instance, on the instance's own thread; raise on failure."""
+    """Run each sample `count` times on every instance, on the instance's own thread; raise on failure.
+
+    Ensembles (beyond Triton, which refuses them: server#6877) run each sample through all their steps.
+    Called on a loader thread, never on the event loop.
+    """
     samples = list(mv.config.model_warmup)
-    if not samples or mv.pool is None:
+    if not samples:
+        return
+    if mv.pool is None:
+        _warm_ensemble(mv, samples)
         return
     for sample in samples:
         inputs, datatypes = sample_inputs(mv, sample)
         for inst in mv.pool.instances:
             for _ in range(max(1, sample.count)):
                 req = InferenceRequest(model_name=mv.name, inputs=inputs, datatypes=datatypes,
-                                       model_version=mv.version, id=f"warmup:{sample.name}")
+                                       model_version=mv.version, id=f"warmup:{sample.name}",
+                                       response_callback=_discard)
                 try:
                     mv.pool.execute_on(inst, inst.execute, [req], Timing()).result()
                 except Exception as exc:  # noqa: BLE001
@@ -67,3 +76,24 @@ def run_warmup(mv) -> None:
                         f"model '{mv.name}' warmup sample '{sample.name}' failed: {err.message}") from None
         log.info("model '%s' version %s: warmup sample '%s' ran on %d instance(s)",
                  mv.name, mv.version, sample.name, len(mv.pool.instances))
+
+
+def _discard(response) -> None:
+    """Decoupled models send warmup responses here."""
+
+
+def _warm_ensemble(mv, samples) -> None:
+    loop = mv.ctx.loop
+    for sample in samples:
+        inputs, datatypes = sample_inputs(mv, sample)
+        for _ in range(max(1, sample.count)):
+            req = InferenceRequest(model_name=mv.name, inputs=inputs, datatypes=datatypes,
+                                   model_version=mv.version, id=f"warmup:{sample.name}")
+            try:
+                asyncio.run_coroutine_threadsafe(mv.runner(req), loop).result()
+            except Exception as exc:  # noqa: BLE001
+                err = as_naiad_error(exc)
+                raise InvalidArgument(
+                    f"ensemble '{mv.name}' warmup sample '{sample.name}' failed: {err.message}") from None
+        log.info("ensemble '%s' version %s: warmup sample '%s' ran through every step",
+                 mv.name, mv.version, sample.name)

@@ -281,10 +281,9 @@ class SequenceScheduler:
             return
 
     def _arm(self, seq: _Seq) -> None:
-        """Start the idle clock of a sequence that has nothing queued or running."""
-        if seq.closed or seq.busy or seq.queue or seq.worker is None:
+        """Start the idle clock of a sequence that has nothing queued or running (if not yet running)."""
+        if seq.timer is not None or seq.closed or seq.busy or seq.queue or seq.worker is None:
             return
-        self._disarm(seq)
         seq.timer = asyncio.get_running_loop().call_later(self.idle_s, self._reap, seq)
 
     @staticmethod
@@ -340,14 +339,13 @@ class SequenceScheduler:
     async def _worker_loop(self, w: _Worker) -> None:
         while not self._closed:
             try:
+                w.wake.clear()  # before looking: a wake-up while we look is not lost
                 ready = self._ready(w)
                 if not ready:
-                    w.wake.clear()
                     await w.wake.wait()
                     continue
                 wait = self._wait_s(ready)
                 if wait > 0:
-                    w.wake.clear()
                     try:
                         await asyncio.wait_for(w.wake.wait(), wait)
                     except asyncio.TimeoutError:
@@ -401,10 +399,9 @@ class SequenceScheduler:
 
     def _after_take(self, seq: _Seq, entry: _Entry) -> None:
         # The END request frees the slot as it is taken (Triton): a backlogged sequence moves in and runs
-        # in this instance's next batch.
-        if seq.closed and not seq.queue and (entry.request.flags & SEQUENCE_END or seq.worker is not None):
-            if entry.request.flags & SEQUENCE_END:
-                self._release(seq)
+        # in this instance's next batch. Nothing can follow END in the queue: END makes it unroutable.
+        if entry.request.flags & SEQUENCE_END:
+            self._release(seq)
 
     def _shape_key(self, request: InferenceRequest):
         if not self.batched:

@@ -170,3 +170,26 @@ def test_ensemble_warmup_beyond_triton(model_repo):
         assert client.is_model_ready("scale_python") and client.is_model_ready("ensemble_warm")
         stats = client.get_inference_statistics("scale_python")["model_stats"][0]
         assert stats["inference_count"] == 1  # the warmup sample went through the step
+
+
+def test_rate_limiter_serialises_executions_across_models(model_repo):
+    """Two models x two instances, each execution needs resource R; with R:1 only one runs at a time."""
+    import requests
+
+    def run_four(proc) -> float:
+        def call(i):
+            body = {"inputs": [{"name": "SECONDS", "shape": [1], "datatype": "FP32", "data": [0.3]}]}
+            r = requests.post(f"{proc.url}/v2/models/limited_{'ab'[i % 2]}/infer", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+        start = time.monotonic()
+        results, errors = concurrently(call, 4)
+        assert errors == [None] * 4
+        return time.monotonic() - start
+
+    common = ("--model-control-mode", "explicit", "--load-model", "limited_a", "--load-model", "limited_b")
+    with NaiadProcess(model_repo, *common, "--rate-limit", "execution_count", "--rate-limit-resource", "R:1") as p:
+        limited = run_four(p)
+    with NaiadProcess(model_repo, *common) as p:
+        free = run_four(p)
+    assert limited >= 1.15  # 4 x 0.3 s, one at a time
+    assert free < 0.9  # 4 instances in parallel

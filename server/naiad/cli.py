@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="<protocol>[,...]:<metadata-key>=<value>, as --http-restricted-api for gRPC")
     s.add_argument("--trace-config", action="append", default=[],
                    help="trace setting, e.g. level=TIMESTAMPS, rate=1, file=/tmp/trace.json")
+    s.add_argument("--rate-limit", choices=["off", "execution_count"], default="off")
+    s.add_argument("--rate-limit-resource", action="append", default=[],
+                   help="<name>:<count>[:<device>] available to rate-limited instances")
     s.add_argument("--cache-config", action="append", default=[],
                    help="response cache: local,size=<bytes> (models opt in with response_cache { enable: true })")
     s.add_argument("--log-verbose", type=int, default=0)
@@ -96,13 +99,10 @@ def model_table(server: Server) -> str:
     return "\n".join(out)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    from .app import App
+def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
     from .cache import parse_cache_config
-    auto_complete = not args.disable_auto_complete_config
-    if args.strict_model_config is not None:
-        auto_complete = not args.strict_model_config
-    options = ServerOptions(
+    from .scheduling.ratelimit import parse_resources
+    return ServerOptions(
         model_repositories=args.model_repository,
         model_control_mode=args.model_control_mode,
         load_models=args.load_model,
@@ -112,7 +112,21 @@ async def serve(args: argparse.Namespace) -> int:
         auto_complete_config=auto_complete,
         allow_client_shm=args.allow_client_shm,
         cache_size=parse_cache_config(args.cache_config),
+        rate_limit=args.rate_limit,
+        rate_limit_resources=parse_resources(args.rate_limit_resource),
     )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from .app import App
+    auto_complete = not args.disable_auto_complete_config
+    if args.strict_model_config is not None:
+        auto_complete = not args.strict_model_config
+    try:
+        options = _options(args, auto_complete)
+    except ValueError as exc:
+        log.error("invalid arguments: %s", exc)
+        return 2
     app = App(options, args)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

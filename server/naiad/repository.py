@@ -285,7 +285,7 @@ class ModelRepository:
                 for device in devices:
                     for i in range(group.count):
                         instances.append(module.create_instance(ctx, group, device, len(instances)))
-            pool = InstancePool(instances, stats, vconfig.max_batch_size > 0)
+            pool = InstancePool(instances, stats, vconfig.max_batch_size > 0, self.server.rate_limiter)
             pool.initialize()
         except BaseException:
             for inst in instances:

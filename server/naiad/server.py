@@ -15,6 +15,7 @@ from .errors import InvalidArgument, NaiadError, NotFound, Unavailable
 from .inference import InferenceRequest, InferenceResponse, OutputTensor
 from .logsettings import LogSettings
 from .repository import ModelRepository
+from .scheduling.ratelimit import RateLimiter
 from .trace import Tracer
 from .warmup import run_warmup
 
@@ -35,6 +36,8 @@ class ServerOptions:
     gpu_count: int = 0
     allow_client_shm: bool = True
     cache_size: int = 0  # bytes; 0: no response cache
+    rate_limit: str = "off"  # off | execution_count
+    rate_limit_resources: dict = field(default_factory=dict)
 
 
 class Server:
@@ -52,6 +55,8 @@ class Server:
         self.repository = ModelRepository(options.model_repositories, self,
                                           auto_complete=options.auto_complete_config,
                                           gpu_count=options.gpu_count)
+        self.rate_limiter = RateLimiter(options.rate_limit_resources) \
+            if options.rate_limit == "execution_count" else None
         self.cache = ResponseCache(options.cache_size) if options.cache_size > 0 else None
         self.log_settings = LogSettings()
         self.tracer = Tracer()

@@ -13,8 +13,12 @@ from ..stats import ModelStats
 
 
 class InstancePool:
-    def __init__(self, instances: list[ModelInstance], stats: ModelStats, batched: bool):
+    def __init__(self, instances: list[ModelInstance], stats: ModelStats, batched: bool, limiter=None):
         self.instances = instances
+        self.limiter = limiter
+        if limiter is not None:
+            for inst in instances:
+                limiter.register(inst)
         self.stats = stats
         self.batched = batched
         self.executors = {
@@ -36,9 +40,19 @@ class InstancePool:
         return self._free
 
     async def acquire(self) -> ModelInstance:
-        return await self._queue().get()
+        """A free instance whose rate-limiter resources (if any) are also held for it."""
+        inst = await self._queue().get()
+        if self.limiter is not None:
+            try:
+                await self.limiter.acquire(inst)
+            except BaseException:
+                self._queue().put_nowait(inst)
+                raise
+        return inst
 
     def release(self, inst: ModelInstance) -> None:
+        if self.limiter is not None:
+            self.limiter.release(inst)
         self._queue().put_nowait(inst)
 
     def free_count(self) -> int:

@@ -456,7 +456,10 @@ class SequenceScheduler:
             seq = entry.seq
             seq.busy = False
             if self.states and isinstance(res, InferenceResponse):
-                self._take_states(entry, res)
+                try:
+                    self._take_states(entry, res)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    res = as_naiad_error(exc)
             self._restore(entry)
             if not entry.future.done():
                 if isinstance(res, BaseException):
@@ -506,9 +509,7 @@ class SequenceScheduler:
         self.active.clear()
         self.backlog.clear()
         for w in self.workers or []:
-            w.wake.set()
-            if w.task is not None:
-                w.task.cancel()
+            w.wake.set()  # the dispatcher exits; a batch still executing completes and answers its requests
 
 
 # ---- configuration helpers ----

@@ -15,6 +15,7 @@ import kopf
 
 from .config import OperatorConfig
 from .control import ModelControlClient
+from .events import post as post_event
 from .kube import KubeClient, KubeError
 from .model_resources import model_intent, render_dedicated_server, render_model_hpa, render_model_services
 from .naming import (
@@ -132,7 +133,7 @@ async def _delete_if_owned(
 
 def _report(body: Body, problems: list[str], reason: str, events: bool) -> None:
     if problems and events:
-        kopf.warn(body, reason=reason, message="; ".join(problems))
+        post_event(body, "Warning", reason, "; ".join(problems))
 
 
 # --- InferenceServer ------------------------------------------------------------------------------------------
@@ -261,10 +262,11 @@ async def model_deleted(
             f"{intent.model_name} is still loaded on {', '.join(sorted(left))}", delay=10
         )
     if left:
-        kopf.warn(
+        post_event(
             dict(body),
-            reason="UnloadIncomplete",
-            message=f"gave up unloading from {', '.join(sorted(left))}; the pool unloads it when they answer",
+            "Warning",
+            "UnloadIncomplete",
+            f"gave up unloading from {', '.join(sorted(left))}; the pool unloads it when they answer",
         )
 
 

@@ -14,10 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import kopf
-
 from .config import OperatorConfig
 from .control import ControlError, IndexEntry, ModelControlClient
+from .events import post as post_event
 from .kube import KubeClient, KubeError
 from .model_resources import ModelIntent, endpoint, model_intent, model_selector_string, pool_problems
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
@@ -166,14 +165,6 @@ async def _patch_pod(
         if error.status != 404:  # a pod that went away has nothing left to say
             raise
     return pod_facts(latest) if latest else facts
-
-
-def _event(body: Body, kind: str, reason: str, message: str) -> None:
-    try:
-        kopf.event(body, type=kind, reason=reason, message=message)
-    except LookupError:
-        # Outside a running operator (no event queue in context): the log line is all there is.
-        log.info("%s %s: %s", reason, body["metadata"]["name"], message)
 
 
 class _Pass:
@@ -335,7 +326,7 @@ class _Pass:
                 self.fresh.add((name, pod))
                 self.ctx.backoff.succeeded(self.namespace, pod, name, intent.revision)
                 loaded.setdefault(name, set()).add(pod)
-                _event(
+                post_event(
                     model.body,
                     "Normal",
                     "Loaded",
@@ -344,7 +335,7 @@ class _Pass:
             else:
                 self.ctx.backoff.failed(self.namespace, pod, name, intent.revision, error)
                 self.failures.setdefault(name, {})[pod] = error
-                _event(
+                post_event(
                     model.body, "Warning", "LoadFailed", f"loading {intent.model_name} on pod {pod}: {error}"
                 )
         return loaded
@@ -367,12 +358,12 @@ class _Pass:
             for pod, error in zip(pods, errors):
                 if error is None:
                     self.truth[pod].held.pop(name, None)
-                    _event(
+                    post_event(
                         model.body, "Normal", "Unloaded", f"unloaded {model.intent.model_name} from pod {pod}"
                     )
                 else:
                     self.unload_failures.setdefault(name, {})[pod] = error
-                    _event(
+                    post_event(
                         model.body,
                         "Warning",
                         "UnloadFailed",

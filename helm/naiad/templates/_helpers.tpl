@@ -1,0 +1,80 @@
+{{/* Chart name, truncated to fit label values. */}}
+{{- define "naiad.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name: the release name, plus the chart name unless the release name already contains it. */}}
+{{- define "naiad.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "naiad.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "naiad.name" . }}-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "naiad.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "naiad.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: naiad
+{{- end -}}
+
+{{- define "naiad.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "naiad.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "naiad.operatorImage" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "naiad.serverImage" -}}
+{{- printf "%s:%s" .Values.serverImage.repository (default .Chart.AppVersion .Values.serverImage.tag) -}}
+{{- end -}}
+
+{{- define "naiad.adapterRulesName" -}}
+{{- default (printf "%s-prometheus-adapter-rules" (include "naiad.fullname" .)) .Values.prometheusAdapter.rules.configMapName -}}
+{{- end -}}
+
+{{/* The operator's permissions, shared by the ClusterRole and the per-namespace Roles. */}}
+{{- define "naiad.operatorRules" -}}
+- apiGroups: [naiad.dev]
+  resources: [inferenceservers, inferencemodels]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [naiad.dev]
+  resources: [inferenceservers/status, inferencemodels/status]
+  verbs: [get, update, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [apps]
+  resources: [replicasets]
+  verbs: [get, list, watch]
+- apiGroups: [""]
+  resources: [services, persistentvolumeclaims]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, patch]
+- apiGroups: [""]
+  resources: [pods/status]
+  verbs: [patch]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors]
+  verbs: [get, list, watch, create, update, patch, delete]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}

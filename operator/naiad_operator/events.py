@@ -1,0 +1,20 @@
+"""Kubernetes Events on the operator's objects, posted through kopf's event queue (logged instead when no
+operator is running, e.g. in tests or scripts)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+log = logging.getLogger(__name__)
+
+
+def post(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+    """kind is Normal or Warning."""
+    try:
+        kopf.event(dict(body), type=kind, reason=reason, message=message)
+    except LookupError:
+        log.info("%s %s %s: %s", kind, reason, body["metadata"]["name"], message)

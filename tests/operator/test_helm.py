@@ -1,0 +1,163 @@
+"""`helm lint` and `helm template` on the chart, when a helm binary is available (skipped otherwise).
+
+helm is found through $NAIAD_HELM, the e2e cache (~/.cache/naiad-e2e/*/bin/helm), or PATH.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "naiad"
+
+
+def find_helm() -> str | None:
+    candidates = [os.environ.get("NAIAD_HELM", "")]
+    candidates += sorted(glob.glob(os.path.expanduser("~/.cache/naiad-e2e/*/bin/helm")))
+    candidates.append(shutil.which("helm") or "")
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+HELM = find_helm()
+pytestmark = pytest.mark.skipif(
+    HELM is None, reason="no helm binary (set NAIAD_HELM or build the e2e binaries)"
+)
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120)
+
+
+def template(*sets: str) -> list[dict]:
+    args = ["template", "naiad", str(CHART), "--namespace", "naiad-system", "--include-crds"]
+    for s in sets:
+        args += ["--set", s]
+    result = helm(*args)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_lint_is_clean():
+    for extra in (
+        [],
+        [
+            "--set",
+            "prometheusAdapter.rules.enabled=true,serviceMonitor.enabled=true,grafana.dashboard.enabled=true",
+        ],
+    ):
+        result = helm("lint", "--strict", str(CHART), *extra)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "0 chart(s) failed" in result.stdout
+
+
+def test_default_render():
+    docs = template()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        [
+            "CustomResourceDefinition",
+            "CustomResourceDefinition",
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ClusterRole",
+            "ClusterRole",
+            "Deployment",
+        ]
+    )
+    (deployment,) = by_kind(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["NAIAD_SERVER_IMAGE"] == "ghcr.io/naiad-dev/naiad-server:0.1.0"
+    assert env["NAIAD_QUEUE_METRIC"] == "naiad_queue_time_per_request_us"
+    assert env["NAIAD_SERVICE_MONITORS"] == "auto"
+    assert container["image"] == "ghcr.io/naiad-dev/naiad-operator:0.1.0"
+    assert not any(a.startswith("--namespace") for a in container["args"])
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_optional_monitoring_objects():
+    docs = template(
+        "prometheusAdapter.rules.enabled=true",
+        "serviceMonitor.enabled=true",
+        "grafana.dashboard.enabled=true",
+        "autoscaling.metricName=queue_us",
+    )
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["selector"]["matchLabels"]["naiad.dev/service-role"] == "pool"
+    config_maps = {d["metadata"]["name"]: d for d in by_kind(docs, "ConfigMap")}
+    rules = yaml.safe_load(config_maps["naiad-prometheus-adapter-rules"]["data"]["config.yaml"])["rules"]
+    assert rules[0]["name"]["as"] == "queue_us"
+    assert "[1m]" in rules[0]["metricsQuery"]
+    dashboard = config_maps["naiad-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"]["naiad.json"].strip() == (ROOT / "dashboards" / "naiad.json").read_text().strip()
+    env = {
+        e["name"]: e["value"]
+        for e in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["NAIAD_SERVICE_MONITORS"] == "false"  # the chart-wide ServiceMonitor replaces per-pool ones
+
+
+def test_namespace_scoped_rbac():
+    docs = template(
+        "rbac.scope=namespace", "watchNamespaces={ml,team-a}", "rbac.aggregateToDefaultRoles=false"
+    )
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == ["ml", "team-a"]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == ["ml", "team-a"]
+    args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=ml" in args and "--namespace=team-a" in args
+    failed = helm("template", "naiad", str(CHART), "--set", "rbac.scope=namespace")
+    assert failed.returncode != 0
+
+
+# What the operator does to the API (kube.py calls and kopf's own), to check the role grants it all.
+NEEDED = [
+    ("naiad.dev", "inferenceservers", {"get", "list", "watch", "patch", "create"}),
+    ("naiad.dev", "inferencemodels", {"get", "list", "watch", "patch"}),
+    ("naiad.dev", "inferenceservers/status", {"patch"}),
+    ("naiad.dev", "inferencemodels/status", {"patch"}),
+    ("apps", "deployments", {"get", "patch", "create"}),
+    ("apps", "replicasets", {"list"}),
+    ("", "services", {"patch", "create"}),
+    ("", "persistentvolumeclaims", {"patch", "create"}),
+    ("", "pods", {"list", "watch", "patch"}),
+    ("", "pods/status", {"patch"}),
+    ("autoscaling", "horizontalpodautoscalers", {"get", "patch", "create", "delete"}),
+    ("monitoring.coreos.com", "servicemonitors", {"get", "patch", "create", "delete"}),
+    ("", "events", {"create"}),
+]
+
+
+def grants(rules: list[dict], group: str, resource: str, verbs: set[str]) -> bool:
+    allowed = set()
+    for rule in rules:
+        if group in rule["apiGroups"] and resource in rule["resources"]:
+            allowed |= set(rule["verbs"])
+    return verbs <= allowed
+
+
+def test_rbac_grants_what_the_operator_uses():
+    docs = template()
+    role = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "naiad")
+    for group, resource, verbs in NEEDED:
+        assert grants(role["rules"], group, resource, verbs), (group, resource, verbs)
+    # least privilege: no wildcards, no secrets
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert "secrets" not in rule["resources"]

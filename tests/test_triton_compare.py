@@ -76,17 +76,12 @@ DELIBERATE_DIFFERENCES: dict[str, Deliberate] = {
 
 #: Model-config (GET /v2/models/<m>/config) top-level keys that only Triton prints, with the reason.
 CONFIG_KEYS_ONLY_TRITON: dict[str, str] = {
-    "runtime": "field added to model_config.proto after tritonclient 2.41, whose proto Naiad renders; selects a "
-               "custom backend runtime library, which Naiad does not have",
     "optimization": "Triton's C++-core tuning block (priority, pinned memory, CUDA graphs, TensorRT accelerators);"
                     " Naiad implements none of it and does not echo Triton's defaults",
 }
 
 #: Keys of model-config `input`/`output` entries that only Triton prints, with the reason.
-CONFIG_IO_KEYS_ONLY_TRITON: dict[str, str] = {
-    "is_non_linear_format_io": "field added to model_config.proto after tritonclient 2.41 (Naiad's proto); "
-                               "TensorRT non-linear I/O formats, which Naiad does not serve",
-}
+CONFIG_IO_KEYS_ONLY_TRITON: dict[str, str] = {}
 
 #: Model-config top-level keys that only Naiad prints, with the reason (none today).
 CONFIG_KEYS_ONLY_NAIAD: dict[str, str] = {}
@@ -123,7 +118,11 @@ def naiad_only_family_ok(name: str) -> bool:
 
 
 #: Metric families only Triton exposes, with the reason Naiad does not (none accepted today).
-TRITON_ONLY_FAMILIES: dict[str, str] = {}
+TRITON_ONLY_FAMILIES: dict[str, str] = {
+    "nv_pinned_memory_pool_total_bytes": "Triton allocates a 256 MiB pinned host pool even without a GPU; Naiad "
+                                         "stages GPU inputs per backend and reports no pool it does not have",
+    "nv_pinned_memory_pool_used_bytes": "as nv_pinned_memory_pool_total_bytes",
+}
 
 # --------------------------------------------------------------------------------------------------
 # The two servers

@@ -68,8 +68,8 @@ class App:
                                          "log_warning": a.log_warning, "log_error": a.log_error})
         if a.trace_config:
             self.server.tracer.update(parse_trace_config(a.trace_config))
-        from .frontends.shm import SharedMemoryManager
-        shm = SharedMemoryManager(enabled=a.allow_client_shm)
+        from .gpu import shared_memory_manager  # system shared memory, plus CUDA shared memory with a GPU
+        shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
         await self.server.start()
         if a.allow_http:
             from .frontends.http import HttpFrontend

@@ -10,6 +10,7 @@ import sys
 
 from . import __version__
 from .errors import NaiadError
+from .gpu import device_count
 from .server import Server, ServerOptions
 
 log = logging.getLogger("naiad")
@@ -111,6 +112,7 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
         exit_timeout_secs=args.exit_timeout_secs,
         auto_complete_config=auto_complete,
         allow_client_shm=args.allow_client_shm,
+        gpu_count=device_count(),
         cache_size=parse_cache_config(args.cache_config),
         rate_limit=args.rate_limit,
         rate_limit_resources=parse_resources(args.rate_limit_resource),

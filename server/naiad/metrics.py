@@ -98,6 +98,14 @@ class _ModelCollector:
                 pending.add_metric([s.model, s.version], s.pending)
             rec = self.server.repository.records.get(mv.name)
             load.add_metric([s.model, s.version], rec.load_seconds if rec else 0.0)
+        # Triton keeps zero failure series for models that failed to load.
+        for rec in self.server.repository.records.values():
+            if not rec.versions:
+                for v, (state, reason) in rec.version_states.items():
+                    if state == "UNAVAILABLE" and reason and reason != "unloaded":
+                        for r in _FAILURE_REASONS:
+                            failure.add_sample("nv_inference_request_failure",
+                                               {"model": rec.name, "version": str(v), "reason": r}, 0)
         yield fam["nv_inference_request_success"]
         yield failure
         for name, m in fam.items():

@@ -166,6 +166,10 @@ class ModelRepository:
                 err = as_naiad_error(exc)
                 rec.reason = err.message
                 rec.state = READY if rec.versions else UNAVAILABLE
+                if not rec.versions:
+                    found = self.scan().get(name)
+                    latest = numeric_versions(found)[-1:] if found is not None else []
+                    rec.version_states = {v: (UNAVAILABLE, err.message) for v in latest}
                 log.error("failed to load '%s': %s", name, err.message)
                 self._changed(name)
                 raise err from None
@@ -373,26 +377,26 @@ class ModelRepository:
             await self.load_many(changed)
 
     def index(self, ready_only: bool = False) -> list[dict]:
+        """Triton's repository index: a bare `{"name"}` for models never loaded; `reason` only when set."""
         out = []
-        names = set(self.scan()) | set(self.records)
-        for name in sorted(names):
+        for name in sorted(set(self.scan()) | set(self.records)):
             rec = self.records.get(name)
-            if rec is None:
+            if rec is None or not (rec.version_states or rec.state != UNAVAILABLE or rec.reason):
                 if not ready_only:
                     out.append({"name": name})
                 continue
-            if rec.version_states:
-                for v, (state, reason) in sorted(rec.version_states.items()):
-                    if rec.versions.get(v) is not None:
-                        state, reason = READY, ""
-                    elif rec.state in (LOADING, UNLOADING):
-                        state = rec.state
-                    if ready_only and state != READY:
-                        continue
-                    out.append({"name": name, "version": str(v), "state": state, "reason": reason})
-            elif not ready_only:
-                out.append({"name": name, "version": "", "state": rec.state, "reason": rec.reason}
-                           if rec.state != UNAVAILABLE or rec.reason else {"name": name})
+            states = rec.version_states or {0: (rec.state, rec.reason)}
+            for v, (state, reason) in sorted(states.items()):
+                if rec.versions.get(v) is not None:
+                    state, reason = READY, ""
+                elif rec.state in (LOADING, UNLOADING):
+                    state = rec.state
+                if ready_only and state != READY:
+                    continue
+                entry = {"name": name, "version": str(v) if v else "", "state": state}
+                if reason:
+                    entry["reason"] = reason
+                out.append(entry)
         return out
 
     async def close(self, timeout: float | None = None) -> None:

@@ -144,11 +144,11 @@ class Server:
         v = _parse_version(version)
         rec = self.repository.records.get(name)
         if rec is None or not rec.versions:
-            raise NotFound(f"requested model '{name}' is not available")
+            raise InvalidArgument(f"requested model '{name}' is not available")
         if v > 0:
             mv = rec.versions.get(v)
             if mv is None:
-                raise NotFound(f"requested model '{name}' version {v} is not available")
+                raise InvalidArgument(f"requested model version is not available for model '{name}'")
             return [mv.stats.as_dict()]
         return [mv.stats.as_dict() for _, mv in sorted(rec.versions.items())]
 

@@ -139,6 +139,8 @@ def to_bytes(array: np.ndarray, datatype: str):
     """Wire bytes of a tensor: a zero-copy memoryview for contiguous fixed-size data."""
     if datatype == "BYTES":
         return serialize_bytes(array)
+    if array.size == 0:
+        return b""
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)
     if array.dtype.byteorder == ">":
@@ -167,13 +169,26 @@ def from_json_data(datatype: str, data, shape) -> np.ndarray:
         return arr.reshape(shape)
     dt = numpy_dtype(datatype)
     try:
-        arr = np.asarray(data, dtype=dt)
+        raw = np.asarray(data)
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidArgument(f"unable to parse 'data' as {datatype}: {exc}") from None
-    if arr.size != count:
-        raise _count_mismatch(arr.size, count, shape)
-    if datatype == "BOOL" and not _all_bool(data):
-        raise InvalidArgument("BOOL tensor data must be true/false")
+    if raw.size != count:
+        raise _count_mismatch(raw.size, count, shape)
+    if count == 0:
+        return np.empty(shape, dtype=dt)
+    kind = raw.dtype.kind
+    if datatype == "BOOL":
+        if kind != "b":
+            raise InvalidArgument("unable to parse 'data': BOOL tensor data must be true/false")
+    elif kind not in ("i", "u", "f") or (kind == "f" and dt.kind in "iu") or _has_bool(data, raw):
+        expected = "integers" if dt.kind in "iu" else "numbers"
+        raise InvalidArgument(f"unable to parse 'data': {datatype} tensor data must be JSON {expected}")
+    try:
+        arr = raw.astype(dt, copy=False) if raw.dtype != dt else raw
+    except (ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"unable to parse 'data' as {datatype}: {exc}") from None
+    if kind in "iu" and dt.kind in "iu" and (raw.min() < np.iinfo(dt).min or raw.max() > np.iinfo(dt).max):
+        raise InvalidArgument(f"unable to parse 'data': value out of range for {datatype}")
     return arr.reshape(shape)
 
 
@@ -221,5 +236,8 @@ def _flatten(data) -> list:
     return out
 
 
-def _all_bool(data) -> bool:
-    return all(isinstance(v, bool) for v in _flatten(data))
+def _has_bool(data, raw: np.ndarray) -> bool:
+    """numpy folds true/false into numbers; a JSON number tensor must not contain them."""
+    if raw.dtype.kind not in "iu" or raw.size == 0:
+        return False
+    return any(v is True or v is False for v in _flatten(data))

@@ -296,16 +296,22 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._ext(context, self.trace_ext, "grpc", request)
 
     async def CudaSharedMemoryStatus(self, request, context):
+        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
+            return await self._ext(context, self.shm.cuda, "status_grpc", request)
         if request.name:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"Unable to find cuda shared memory region: '{request.name}'")
         return pb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request, context):
+        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
+            return await self._ext(context, self.shm.cuda, "register_grpc", request)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             "CUDA shared memory is not supported by this server: it needs a CUDA device")
 
     async def CudaSharedMemoryUnregister(self, request, context):
+        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
+            return await self._ext(context, self.shm.cuda, "unregister_grpc", request)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def _ext(self, context, ext, method: str, request):

@@ -373,6 +373,8 @@ class HttpFrontend:
 
     async def cuda_shm(self, request):
         """No CUDA shared memory on this build: status lists no regions, registration is refused clearly."""
+        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves CUDA shared memory
+            return await self.shm.cuda.handle_http(request)
         if request.method == "GET":
             if request.match_info.get("region"):
                 raise NotFound(f"Unable to find cuda shared memory region: '{request.match_info['region']}'")
@@ -380,18 +382,48 @@ class HttpFrontend:
         raise InvalidArgument("CUDA shared memory is not supported by this server: it needs a CUDA device")
 
     # inference
+    def _raw_binary_request(self, model: str, version: str, body: bytes) -> InferenceRequest:
+        """Triton's raw binary request (no JSON header): the whole body is the only input's tensor."""
+        v = _version(version)
+        mv = self.server.repository.get(model, v)
+        if len(mv.inputs) != 1:
+            raise InvalidArgument(f"a raw binary request (no JSON header) needs a model with exactly one input; "
+                                  f"model '{model}' has {len(mv.inputs)}")
+        spec = next(iter(mv.inputs.values()))
+        batch = [1] if mv.max_batch_size > 0 else []
+        if spec.datatype == "BYTES":
+            data = tensors.deserialize_bytes(body)
+            shape = batch + [len(data)]
+        else:
+            size = tensors.ITEMSIZE[spec.datatype]
+            if len(body) % size:
+                raise InvalidArgument(f"raw binary request of {len(body)} bytes is not a whole number of "
+                                      f"{spec.datatype} elements")
+            fixed = all(d > 0 for d in spec.dims) and len(spec.dims) > 1
+            shape = batch + (list(spec.dims) if fixed else [len(body) // size])
+            data = body
+        arr = tensors.from_buffer(spec.datatype, data, shape) if spec.datatype != "BYTES" else data.reshape(shape)
+        return InferenceRequest(model_name=model, inputs={spec.name: arr}, datatypes={spec.name: spec.datatype},
+                                model_version=v)
+
     async def infer(self, request: web.Request):
         m = request.match_info
         body = await request.read()
-        req, default_binary = decode_infer_request(
-            m["model"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH), self.shm)
+        header_length = request.headers.get(HEADER_LENGTH)
+        if header_length == "0" or (header_length is None and not body):
+            req, default_binary = self._raw_binary_request(m["model"], m.get("version", ""), body), True
+        else:
+            req, default_binary = decode_infer_request(
+                m["model"], m.get("version", ""), body, header_length, self.shm)
         response = await self.server.infer(req)
         chunks, headers = encode_infer_response(response, req, default_binary, self.shm)
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         resp = web.Response(body=body, headers=headers)
-        if "gzip" in request.headers.get("Accept-Encoding", "") or \
-                "deflate" in request.headers.get("Accept-Encoding", ""):
-            resp.enable_compression()
+        accept = request.headers.get("Accept-Encoding", "")
+        if "gzip" in accept:
+            resp.enable_compression(web.ContentCoding.gzip)
+        elif "deflate" in accept:
+            resp.enable_compression(web.ContentCoding.deflate)
         return resp
 
     # generate extension

@@ -63,6 +63,13 @@ def _nvml():
     return pynvml
 
 
+def _shutdown(nvml) -> None:
+    try:
+        nvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001
+        log.debug("nvmlShutdown: %s", exc)
+
+
 def device_count() -> int:
     """Number of CUDA devices this process may use (NVML's count limited by CUDA_VISIBLE_DEVICES); 0 when
     NVML is missing or fails, never an exception."""
@@ -77,10 +84,7 @@ def device_count() -> int:
         log.debug("NVML device count failed, assuming no GPU: %s", exc)
         return 0
     finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        _shutdown(nvml)
 
 
 def devices() -> list[dict]:
@@ -103,10 +107,7 @@ def devices() -> list[dict]:
     except Exception as exc:  # noqa: BLE001
         log.debug("NVML query failed: %s", exc)
     finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        _shutdown(nvml)
     return out
 
 
@@ -311,8 +312,8 @@ class CudaSharedMemoryManager:
         offset = _int_param(params, "shared_memory_offset", 0)
         if offset + size > region.byte_size:
             raise InvalidArgument(
-                f"shared memory region '{region.name}': offset {offset} + byte size {size} is past the end of "
-                f"the registered region ({region.byte_size} bytes)")
+                f"shared memory region '{region.name}': offset {offset} + byte size {size} is past the end "
+                f"of the registered region ({region.byte_size} bytes)")
         if needed is not None and size < needed:
             raise InvalidArgument(
                 f"shared memory region '{region.name}' holds {size} bytes, the tensor needs {needed}")
@@ -365,7 +366,8 @@ class CudaSharedMemoryManager:
         region, offset, _ = self._span(params, data.nbytes)
         if data.nbytes:
             data = np.ascontiguousarray(data)
-            self._copy(region, region.pointer + offset, data.ctypes.data, data.nbytes, "cudaMemcpyHostToDevice")
+            self._copy(region, region.pointer + offset, data.ctypes.data, data.nbytes,
+                       "cudaMemcpyHostToDevice")
         result = {"shared_memory_region": region.name, "shared_memory_byte_size": int(data.nbytes)}
         if params.get("shared_memory_offset"):
             result["shared_memory_offset"] = params["shared_memory_offset"]
@@ -384,6 +386,9 @@ class CudaSharedMemoryManager:
                     raise NotFound(f"Unable to find cuda shared memory region: '{region}'")
                 return web.Response(body=b"[]", content_type="application/json")
             return web.Response(body=orjson.dumps(self.status(region)), content_type="application/json")
+        self._check_enabled()
+        if self.reason is not None:  # as without a GPU: every POST is refused with the reason
+            raise InvalidArgument(self.reason)
         if request.path.endswith("/register"):
             body = await request.read()
             try:
@@ -392,16 +397,10 @@ class CudaSharedMemoryManager:
                 raise InvalidArgument(f"failed to parse the request JSON buffer: {exc}") from None
             if not isinstance(doc, dict):
                 raise InvalidArgument("the request body must be a JSON object")
-            self._check_enabled()
-            if self.reason is not None:
-                raise InvalidArgument(self.reason)
             self.register(region, _b64_handle(doc.get("raw_handle")), doc.get("device_id", 0),
                           doc.get("byte_size", 0))
             return web.Response(status=200)
-        if self.available:
-            self.unregister(region)
-        else:
-            self._check_enabled()
+        self.unregister(region)
         return web.Response(status=200)
 
     # ---- gRPC adapters ----
@@ -435,7 +434,8 @@ class CudaSharedMemoryManager:
 def _b64_handle(raw) -> bytes:
     """HTTP's `"raw_handle": {"b64": "<base64 of the 64-byte cudaIpcMemHandle_t>"}`."""
     if not isinstance(raw, dict) or not isinstance(raw.get("b64"), str):
-        raise InvalidArgument("cuda shared memory registration needs 'raw_handle': {\"b64\": <base64 handle>}")
+        raise InvalidArgument(
+            "cuda shared memory registration needs 'raw_handle': {\"b64\": <base64 handle>}")
     try:
         return base64.b64decode(raw["b64"], validate=True)
     except (binascii.Error, ValueError):

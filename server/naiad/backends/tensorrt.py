@@ -46,21 +46,23 @@ def _trt():
         import tensorrt
     except ImportError:
         raise Unavailable(
-            "the tensorrt backend needs the 'tensorrt' package (TensorRT >= 10): pip install 'naiad[tensorrt]'"
+            "the tensorrt backend needs the 'tensorrt' package (TensorRT >= 10): "
+            "pip install 'naiad[tensorrt]'"
         ) from None
     return tensorrt
 
 
-_logger = None
+_loggers: dict = {}
 
 
 def _trt_logger(trt):
-    """One process-wide ILogger that forwards TensorRT's messages to Python logging."""
-    global _logger
-    if _logger is None:
+    """One ILogger per tensorrt module that forwards TensorRT's messages to Python logging."""
+    logger = _loggers.get(trt)
+    if logger is None:
         levels = {}
         for name, level in (("INTERNAL_ERROR", logging.CRITICAL), ("ERROR", logging.ERROR),
-                            ("WARNING", logging.WARNING), ("INFO", logging.DEBUG), ("VERBOSE", logging.DEBUG)):
+                            ("WARNING", logging.WARNING), ("INFO", logging.DEBUG),
+                            ("VERBOSE", logging.DEBUG)):
             sev = getattr(trt.ILogger.Severity, name, None)
             if sev is not None:
                 levels[sev] = level
@@ -72,8 +74,8 @@ def _trt_logger(trt):
             def log(self, severity, msg):
                 log.log(levels.get(severity, logging.INFO), "%s", msg)
 
-        _logger = _Logger()
-    return _logger
+        logger = _loggers[trt] = _Logger()
+    return logger
 
 
 def _need_gpu(what: str) -> None:
@@ -105,7 +107,8 @@ class _Tensor:
     config_type: int
     dtype: np.dtype
     shape: list[int]  # engine shape, -1 where dynamic
-    profiles: list[tuple[list[int], list[int], list[int]]] = field(default_factory=list)  # inputs: (min, opt, max)
+    # inputs only: (min, opt, max) shape per optimisation profile
+    profiles: list[tuple[list[int], list[int], list[int]]] = field(default_factory=list)
 
 
 def _describe(trt, engine, model: str) -> list[_Tensor]:
@@ -117,11 +120,11 @@ def _describe(trt, engine, model: str) -> list[_Tensor]:
         type_name = getattr(trt_type, "name", str(trt_type).rsplit(".", 1)[-1])
         if type_name not in _TRT_TYPES:
             raise InvalidArgument(
-                f"model '{model}': TensorRT tensor '{name}' has type {type_name}, which Naiad cannot exchange "
-                f"(supported: {', '.join(sorted(_TRT_TYPES))})")
+                f"model '{model}': TensorRT tensor '{name}' has type {type_name}, which Naiad cannot "
+                f"exchange (supported: {', '.join(sorted(_TRT_TYPES))})")
         if engine.is_shape_inference_io(name):
-            raise InvalidArgument(f"model '{model}': TensorRT tensor '{name}' is a shape tensor; engines with "
-                                  "shape tensors are not supported")
+            raise InvalidArgument(f"model '{model}': TensorRT tensor '{name}' is a shape tensor; engines "
+                                  "with shape tensors are not supported")
         if engine.get_tensor_location(name) != trt.TensorLocation.DEVICE:
             raise InvalidArgument(f"model '{model}': TensorRT tensor '{name}' lives in host memory; only "
                                   "device-resident I/O is supported")
@@ -230,19 +233,19 @@ class TensorRTInstance(TensorInstance):
                         f"(engine {kind}s: {', '.join(engine_side) or 'none'})")
                 if t.data_type != e.config_type:
                     raise InvalidArgument(
-                        f"model '{ctx.name}': {kind} '{t.name}' is {data_type_name(t.data_type)} in the config "
-                        f"but {data_type_name(e.config_type)} in the TensorRT engine")
+                        f"model '{ctx.name}': {kind} '{t.name}' is {data_type_name(t.data_type)} in the "
+                        f"config but {data_type_name(e.config_type)} in the TensorRT engine")
         missing = [n for n in self.inputs if n not in {t.name for t in config.input}]
         if missing:
-            raise InvalidArgument(f"model '{ctx.name}': the TensorRT engine's inputs {missing} are not declared "
-                                  "in the config")
+            raise InvalidArgument(f"model '{ctx.name}': the TensorRT engine's inputs {missing} are not "
+                                  "declared in the config")
         if config.max_batch_size > 0:
             fixed = [t.name for t in (*self.inputs.values(), *self.outputs.values())
                      if not t.shape or t.shape[0] != -1]
             if fixed:
                 raise InvalidArgument(
-                    f"model '{ctx.name}': max_batch_size is {config.max_batch_size} but the TensorRT engine's "
-                    f"tensors {fixed} have no dynamic first (batch) dimension")
+                    f"model '{ctx.name}': max_batch_size is {config.max_batch_size} but the TensorRT "
+                    f"engine's tensors {fixed} have no dynamic first (batch) dimension")
             limit = _engine_max_batch([*self.inputs.values(), *self.outputs.values()])
             if config.max_batch_size > limit:
                 raise InvalidArgument(
@@ -290,11 +293,12 @@ class TensorRTInstance(TensorInstance):
             if fits(p):
                 return p
         ranges = "; ".join(
-            f"profile {p}: " + ", ".join(f"{n} {t.profiles[p][0]}..{t.profiles[p][2]}" for n, t in self.inputs.items())
+            f"profile {p}: "
+            + ", ".join(f"{n} {t.profiles[p][0]}..{t.profiles[p][2]}" for n, t in self.inputs.items())
             for p in range(self.nprofiles))
         got = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
-        raise InvalidArgument(f"model '{self.ctx.name}': input shapes ({got}) fit none of the TensorRT engine's "
-                              f"optimisation profiles ({ranges})")
+        raise InvalidArgument(f"model '{self.ctx.name}': input shapes ({got}) fit none of the TensorRT "
+                              f"engine's optimisation profiles ({ranges})")
 
     def warmup_thread_init(self) -> None:
         gpu.set_device(self.device_id)
@@ -305,11 +309,11 @@ class TensorRTInstance(TensorInstance):
         rt, context = self.rt, self.context
         gpu.set_device(self.device_id)
         arrays = {}
-        for name, t in self.inputs.items():
+        for name in self.inputs:
             arr = inputs.get(name)
             if arr is None:
                 raise InvalidArgument(f"model '{self.ctx.name}': input '{name}' is missing")
-            arrays[name] = np.ascontiguousarray(arr, dtype=t.dtype)
+            arrays[name] = np.asarray(arr)
         shapes = {name: tuple(int(d) for d in a.shape) for name, a in arrays.items()}
         profile = self._select_profile(shapes)
         if profile != self.profile:
@@ -319,13 +323,15 @@ class TensorRTInstance(TensorInstance):
         h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         for name, arr in arrays.items():
             if not context.set_input_shape(name, shapes[name]):
-                raise InvalidArgument(f"model '{self.ctx.name}': TensorRT rejected shape {list(shapes[name])} "
-                                      f"for input '{name}'")
-            nbytes = arr.nbytes
+                raise InvalidArgument(f"model '{self.ctx.name}': TensorRT rejected shape "
+                                      f"{list(shapes[name])} for input '{name}'")
+            dtype = self.inputs[name].dtype
+            nbytes = arr.size * dtype.itemsize
             dptr = self._device(name, nbytes)
             if nbytes:
                 hptr, view = self._host(name, nbytes)
-                view[:nbytes] = arr.reshape(-1).view(np.uint8)
+                # one copy (and cast, if the client sent another type) into the pinned staging buffer
+                np.copyto(view[:nbytes].view(dtype).reshape(arr.shape), arr, casting="same_kind")
                 gpu.check(rt.cudaMemcpyAsync(dptr, hptr, nbytes, h2d, self.stream), "cudaMemcpyAsync (input)")
             context.set_tensor_address(name, dptr)
         out_shapes = {}
@@ -351,7 +357,8 @@ class TensorRTInstance(TensorInstance):
             if nbytes:
                 hptr, view = self._host(name, nbytes)
                 dptr = self._device_buffers[name][0]
-                gpu.check(rt.cudaMemcpyAsync(hptr, dptr, nbytes, d2h, self.stream), "cudaMemcpyAsync (output)")
+                gpu.check(rt.cudaMemcpyAsync(hptr, dptr, nbytes, d2h, self.stream),
+                          "cudaMemcpyAsync (output)")
                 staged[name] = (view, count, t.dtype)
             else:
                 staged[name] = (None, 0, t.dtype)

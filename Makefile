@@ -36,6 +36,8 @@ test-deps:
 	   prometheus >/dev/null) ; } || echo "prometheus not installed: its tests will skip"
 	@bash tools/triton/setup.sh >/dev/null || echo "real Triton unavailable: comparison tests will skip"
 
+# GPU tier (needs a CUDA device; skips cleanly without one). Use a separate environment with the GPU extras:
+#   make test-gpu VENV=.venv-gpu EXTRAS=gpu,torch,tensorrt,test
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 

@@ -35,7 +35,10 @@ A failed request leaves the state as it was.
 
 Idle sequences: a sequence with nothing queued or running that gets no request for
 `max_sequence_idle_microseconds` (default 1 s) is released: its slot frees and later non-START requests
-for it fail as for an unknown sequence.
+for it fail as for an unknown sequence. (Triton measures idleness from the last request's arrival.)
+
+Cancellation: a request whose client went away before it ran cancels its sequence, as in Triton: the
+requests queued behind it fail with CANCELLED, the sequence becomes unknown and its slot frees.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import data_type_name
-from ..errors import InvalidArgument, Unavailable, as_naiad_error
+from ..errors import Cancelled, InvalidArgument, Unavailable, as_naiad_error
 from ..inference import SEQUENCE_END, SEQUENCE_START, InferenceRequest, InferenceResponse, RequestedOutput
 from ..tensors import config_to_wire, deserialize_bytes, numpy_dtype
 from .pool import InstancePool
@@ -183,8 +186,8 @@ class SequenceScheduler:
         self.idle_s = (sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US) / 1e6
         self.control_shape = (1, 1) if self.batched else (1,)
         self.controls = _parse_controls(config)
-        if model_dir is None:
-            model_dir = getattr(self.pool.instances[0].ctx, "model_dir", None) if self.pool.instances else None
+        if model_dir is None and self.pool.instances:
+            model_dir = getattr(self.pool.instances[0].ctx, "model_dir", None)
         self.states = _parse_states(config, model_dir)
         self.ragged = {i.name for i in config.input if i.allow_ragged_batch}
         self.config_outputs = [o.name for o in config.output]
@@ -223,7 +226,8 @@ class SequenceScheduler:
             self._place(seq)
         elif start:
             log.warning("sequence %s for model '%s' has a conflict. The previous sequence did not end before "
-                        "this sequence start. Previous sequence will be terminated early.", _display(key), name)
+                        "this sequence start. Previous sequence will be terminated early.",
+                        _display(key), name)
         entry = _Entry(request, asyncio.get_running_loop().create_future(), seq)
         trace = getattr(request, "trace", None)
         if trace is not None:
@@ -310,9 +314,8 @@ class SequenceScheduler:
         for seq in w.slots:
             if seq is None:
                 continue
-            while seq.queue and seq.queue[0].future.done():  # its client went away
-                seq.queue.popleft()
-                self.queued -= 1
+            if seq.queue and seq.queue[0].future.done():  # its client went away
+                self._cancel(seq)
             if seq.queue:
                 ready.append(seq)
             elif seq.closed:
@@ -320,6 +323,22 @@ class SequenceScheduler:
             else:
                 self._arm(seq)
         return ready
+
+    def _cancel(self, seq: _Seq) -> None:
+        """A cancelled request cancels its sequence (Triton): the requests queued behind it fail, the
+        sequence becomes unknown, its slot frees once nothing of it runs."""
+        log.info("sequence %s of model '%s': a request was cancelled, cancelling the sequence",
+                 _display(seq.key), self.config.name)
+        seq.closed = True
+        if self.active.get(seq.key) is seq:
+            del self.active[seq.key]
+        while seq.queue:
+            entry = seq.queue.popleft()
+            self.queued -= 1
+            self._restore(entry)
+            if not entry.future.done():
+                entry.future.set_exception(Cancelled(
+                    f"sequence {_display(seq.key)} of model '{self.config.name}' was cancelled"))
 
     def _wait_s(self, ready: list[_Seq]) -> float:
         """How long to hold the batch back for more sequences (0: run now)."""
@@ -406,7 +425,8 @@ class SequenceScheduler:
     def _shape_key(self, request: InferenceRequest):
         if not self.batched:
             return None
-        return tuple(sorted((n, a.shape[1:] if n not in self.ragged else None) for n, a in request.inputs.items()))
+        return tuple(sorted((n, a.shape[1:] if n not in self.ragged else None)
+                            for n, a in request.inputs.items()))
 
     def _prepare(self, entry: _Entry) -> None:
         """Add control and state inputs; make sure the state outputs get computed and returned to us."""
@@ -446,10 +466,23 @@ class SequenceScheduler:
             entry.request.outputs = entry.wanted
 
     async def _execute(self, w: _Worker, batch: list[_Entry]) -> None:
-        dispatch_ns = time.monotonic_ns()
         self.running += 1
+        limiter = getattr(self.pool, "limiter", None)  # --rate-limit: the instance's resources, held per run
         try:
-            results = await self.pool.run(w.inst, [e.request for e in batch], dispatch_ns)
+            if limiter is not None:
+                await limiter.acquire(w.inst)
+            try:
+                results = await self.pool.run(w.inst, [e.request for e in batch], time.monotonic_ns())
+            finally:
+                if limiter is not None:
+                    limiter.release(w.inst)
+        except Exception as exc:  # noqa: BLE001 - pool.run never raises; the limiter should not either
+            for entry in batch:
+                entry.seq.busy = False
+                self._restore(entry)
+                if not entry.future.done():
+                    entry.future.set_exception(as_naiad_error(exc))
+            raise
         finally:
             self.running -= 1
         for entry, res in zip(batch, results):
@@ -481,8 +514,8 @@ class SequenceScheduler:
                 if out is not None:
                     new[st.input_name] = out.data
             seq.states = new
-        hidden = {st.output_name for st in self.states
-                  if st.output_name not in self.config_outputs or (requested and st.output_name not in requested)}
+        hidden = {st.output_name for st in self.states if st.output_name not in self.config_outputs
+                  or (requested and st.output_name not in requested)}
         if hidden:
             res.outputs = [o for o in res.outputs if o.name not in hidden]
 
@@ -555,15 +588,16 @@ def _parse_controls(config: mc.ModelConfig) -> list[_Control]:
                 )
             if len(found) > 1:
                 raise InvalidArgument(
-                    "sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' and "
-                    f"'bool_false_true' for {kind} for {name}"
+                    "sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' "
+                    f"and 'bool_false_true' for {kind} for {name}"
                 )
             field, values = found[0]
             if len(values) != 2:
                 raise InvalidArgument(
                     f"sequence batching control '{field}' must have exactly 2 entries for {kind} for {name}"
                 )
-            datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32", "bool_false_true": "BOOL"}[field]
+            datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32",
+                        "bool_false_true": "BOOL"}[field]
             out.append(_Control(ci.name, c.kind, datatype, values[0], values[1]))
     return out
 
@@ -590,7 +624,8 @@ def _parse_states(config: mc.ModelConfig, model_dir) -> list[_State]:
     seen: set[str] = set()
     for st in config.sequence_batching.state:
         if not st.input_name or not st.output_name:
-            raise InvalidArgument(f"model '{name}': a sequence batching state needs input_name and output_name")
+            raise InvalidArgument(
+                f"model '{name}': a sequence batching state needs input_name and output_name")
         if st.input_name in seen:
             raise InvalidArgument(f"State input name '{st.input_name}' specified more than once.")
         seen.add(st.input_name)

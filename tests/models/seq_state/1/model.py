@@ -1,4 +1,4 @@
-"""Implicit-state accumulator: OUTPUT = OUTPUT_STATE = INPUT + INPUT_STATE (the state is kept by the server)."""
+"""Implicit-state accumulator: OUTPUT = OUTPUT_STATE = INPUT + INPUT_STATE; the server keeps the state."""
 
 import triton_python_backend_utils as pb_utils
 

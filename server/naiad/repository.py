@@ -291,6 +291,7 @@ class ModelRepository:
                         instances.append(module.create_instance(ctx, group, device, len(instances)))
             pool = InstancePool(instances, stats, vconfig.max_batch_size > 0, self.server.rate_limiter)
             pool.initialize()
+            mv = ModelVersion(ctx, pool, stats)
         except BaseException:
             for inst in instances:
                 try:
@@ -298,8 +299,11 @@ class ModelRepository:
                 except Exception:  # noqa: BLE001
                     pass
             raise
-        mv = ModelVersion(ctx, pool, stats)
-        self.server.warmup(mv)
+        try:
+            self.server.warmup(mv)
+        except BaseException:
+            mv.pool.close()
+            raise
         return mv
 
     async def unload(self, name: str, unload_dependents: bool = False) -> None:

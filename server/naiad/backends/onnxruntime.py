@@ -57,8 +57,12 @@ def auto_complete(config: ModelConfig, model_file: Path) -> None:
             if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
                 config.dynamic_batching.SetInParent()
     skip = 1 if config.max_batch_size > 0 else 0
+    # Sequence-batcher control and state tensors are fed by the server, never declared as model I/O.
+    seq = config.sequence_batching
+    managed = {c.name for c in seq.control_input} | {s.input_name for s in seq.state} | \
+        {s.output_name for s in seq.state}
     for kind, tensors, declared in (("input", ins, config.input), ("output", outs, config.output)):
-        known = {t.name for t in declared}
+        known = {t.name for t in declared} | managed
         for t in tensors:
             if t.name in known:
                 continue

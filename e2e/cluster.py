@@ -360,6 +360,10 @@ class KwokCluster:
             # there is none in a private network namespace, and loopback is not
             # a valid endpoint for the "kubernetes" Service.  Use the node IP.
             extra += ["--extra-args", f"kube-apiserver=advertise-address={self.gpu_nodes[0].node_ip}"]
+        if not any("enable-aggregator-routing" in a for a in extra):
+            # no kube-proxy: aggregated APIs (e.g. prometheus-adapter, see
+            # monitoring.py) must be reached at endpoint IPs, not ClusterIPs
+            extra += ["--extra-args", "kube-apiserver=enable-aggregator-routing=true"]
         try:
             proc = self.kwokctl(
                 "create", "cluster", "--runtime", "binary", "--config", str(cfg),

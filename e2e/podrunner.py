@@ -928,9 +928,9 @@ class PodRunner:
                         seen.add(pod["metadata"]["uid"])
                         self._handle("ADDED", pod)
                     with self._lock:
-                        stale = [u for u in self._workers if u not in seen]
-                    for u in stale:
-                        self._handle("DELETED", {"metadata": {"uid": u}, "spec": {"nodeName": self._workers[u].pod["spec"]["nodeName"]}})
+                        stale = [(u, w.pod["spec"].get("nodeName")) for u, w in self._workers.items() if u not in seen]
+                    for u, node in stale:  # deleted while we were not watching
+                        self._handle("DELETED", {"metadata": {"uid": u}, "spec": {"nodeName": node}})
                     self._synced.set()
                 path = self._pods_path() + f"&watch=1&allowWatchBookmarks=true&resourceVersion={rv}&timeoutSeconds=5"
                 with self._api.request("GET", path, timeout=30) as resp:

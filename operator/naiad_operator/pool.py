@@ -452,6 +452,11 @@ class _Pass:
             shortfall=plan.shortfall if plan is not None else 0,
             loading=loading and bool(planned),
             failure=failure,
+            retrying={
+                pod: message
+                for pod, message in avoid.items()
+                if pod not in self.failures.get(intent.name, {})
+            },
             eligible_pods=eligible,
         )
 

@@ -45,6 +45,7 @@ RESERVED_FLAGS = (
     "--allow-http",
     "--allow-grpc",
     "--allow-metrics",
+    "--strict-readiness",
 )
 
 PROBE_DEFAULTS = {
@@ -177,11 +178,16 @@ def repository_claim(server: str, spec: Spec) -> str | None:
 
 def server_args(spec: Spec) -> list[str]:
     """`naiad serve` arguments: explicit model control (the operator loads models live), fixed ports, then the
-    user's extra flags."""
+    user's extra flags.
+
+    Strict readiness is off: with it, one model that failed to load (or, on some servers, one that was unloaded)
+    takes the whole pod, and every other model on it, out of service. Per-model availability is what the model
+    labels and the models-ready readiness gate express instead."""
     return [
         "serve",
         f"--model-repository={repository_path(spec)}",
         "--model-control-mode=explicit",
+        "--strict-readiness=false",
         f"--http-port={HTTP_PORT}",
         f"--grpc-port={GRPC_PORT}",
         f"--metrics-port={METRICS_PORT}",

@@ -157,6 +157,8 @@ class ModelObservation:
     shortfall: int = 0
     loading: bool = False  # loads still in flight (status written before they finish)
     failure: dict[str, str] | None = None  # {"time", "pod", "message"} of the latest failed load in this pass
+    # Pods where an earlier load of this revision failed and the retry waits out its back-off: pod -> error.
+    retrying: dict[str, str] = field(default_factory=dict)
     eligible_pods: int = 0
 
 
@@ -175,7 +177,7 @@ def model_phase(
         return "PartiallyAvailable"
     if observed.loading:
         return "Loading"
-    if observed.failure is not None:
+    if observed.failure is not None or observed.retrying:
         return "Failed"
     return "Pending"
 
@@ -227,6 +229,9 @@ def model_conditions(
         loaded = condition(
             "Loaded", False, "LoadFailed", f"{observed.failure.get('pod')}: {observed.failure.get('message')}"
         )
+    elif observed.retrying:
+        pod, message = min(observed.retrying.items())
+        loaded = condition("Loaded", False, "LoadFailed", f"{pod}: {message} (retrying after a back-off)")
     else:
         loaded = condition(
             "Loaded",

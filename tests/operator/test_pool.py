@@ -314,6 +314,23 @@ async def test_failed_load_backs_off_and_moves_to_another_pod(world):
 
 
 @on_session_loop
+async def test_a_model_failing_everywhere_stays_failed_until_a_retry_succeeds(world):
+    kube, servers, ctx, clock = world
+    kube.add(model("resnet", {"serverRef": {"name": "gpu"}, "replicas": 1}))
+    servers.failing |= {(f"10.0.0.{i}", "resnet") for i in range(3)}
+    for _ in range(4):  # every pod fails once, then every pod waits out its back-off
+        await reconcile_pool(ctx, NS, "gpu")
+        status = status_of(kube, "InferenceModel", "resnet")
+        assert status["phase"] == "Failed"
+        assert {c["type"]: c["reason"] for c in status["conditions"]}["Loaded"] == "LoadFailed"
+    assert len([c for c in servers.calls if c[0] == "load"]) == 3
+    servers.failing.clear()
+    clock[0] += 1000  # the back-off passes
+    await reconcile_pool(ctx, NS, "gpu")
+    assert status_of(kube, "InferenceModel", "resnet")["phase"] == "Available"
+
+
+@on_session_loop
 async def test_unreachable_and_unready_pods_are_left_alone(world):
     kube, servers, ctx, _ = world
     servers.down.add("10.0.0.0")

@@ -112,6 +112,7 @@ def test_container_image_command_and_explicit_model_control():
         "serve",
         "--model-repository=/models",
         "--model-control-mode=explicit",
+        "--strict-readiness=false",
         "--http-port=8000",
         "--grpc-port=8001",
         "--metrics-port=8002",
@@ -331,6 +332,7 @@ def test_render_pool_lists_children_and_the_ones_to_remove():
 @pytest.mark.parametrize(
     "arg",
     [
+        "--strict-readiness=true",
         "--model-control-mode=poll",
         "--http-port=9000",
         "--model-repository=/x",
@@ -354,4 +356,4 @@ def test_spec_problems():
 
 
 def test_server_args_keep_user_flags_last():
-    assert server_args({"args": ["--strict-readiness=false"]})[-1] == "--strict-readiness=false"
+    assert server_args({"args": ["--log-verbose=1"]})[-1] == "--log-verbose=1"

@@ -33,6 +33,7 @@ def test_phases():
     assert phase(observed=observed(loading=True)) == "Loading"
     assert phase(observed=observed(failure={"pod": "p", "message": "bad", "time": NOW})) == "Failed"
     assert phase(observed=observed()) == "Pending"
+    assert phase(observed=observed(retrying={"p": "bad"})) == "Failed"  # waiting out a back-off, still failed
     assert phase(observed=observed(), pool_found=False) == "Pending"
     assert phase(observed=observed(available=2), suspended=True) == "Suspended"
     assert phase(observed=observed(available=2), problems=["bad"]) == "Failed"

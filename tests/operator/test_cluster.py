@@ -1,0 +1,461 @@
+"""The operator against a real Kubernetes control plane (kube-apiserver, controller-manager, scheduler, etcd from
+the pinned release; kwok for nodes; e2e/podrunner.py runs the server pods as local `naiad serve` processes).
+
+Covers: CRDs accepted by the API server (structural schemas, CEL rules), children created with owner references,
+models loaded live into pods and routed through per-model Services, config changes reloaded without pod
+restarts, self-healing after a server restart, scale-up, suspension, deletion with unload, dedicated pools,
+rejected specs, and the operator's own restart.
+
+Slow (a cluster start); skipped without the e2e binaries (see e2e/README.md) or the server's dependencies.
+Run: pytest tests/operator/test_cluster.py -m slow
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NS = "naiad-it"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+cluster_mod = pytest.importorskip("e2e.cluster")
+podrunner_mod = pytest.importorskip("e2e.podrunner")
+
+
+def _server_importable() -> bool:
+    probe = subprocess.run(
+        [sys.executable, "-c", "import naiad.cli"], env=_env(), capture_output=True, check=False
+    )
+    return probe.returncode == 0
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT / "operator"), str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path.rstrip(os.pathsep), **extra}
+
+
+def wait(fn, timeout=120.0, interval=0.5, what="condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except (cluster_mod.ClusterError, OSError, KeyError, IndexError, ValueError) as error:
+            last = error
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Harness:
+    def __init__(self, cluster, runner, repo: Path, workdir: Path):
+        self.cluster = cluster
+        self.runner = runner
+        self.repo = repo
+        self.workdir = workdir
+        self.operator: subprocess.Popen | None = None
+        self.operator_log = workdir / "operator.log"
+        self.health_port = free_port()
+
+    def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return self.cluster.kubectl(*args, check=check)
+
+    def get(self, kind: str, name: str | None = None, selector: str | None = None) -> dict:
+        args = ["-n", NS, "get", kind] + ([name] if name else []) + (["-l", selector] if selector else [])
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    def exists(self, kind: str, name: str) -> bool:
+        return self.kubectl("-n", NS, "get", kind, name, check=False).returncode == 0
+
+    def apply(self, doc: dict) -> None:
+        doc = {**doc, "metadata": {**doc["metadata"], "namespace": NS}}
+        self.cluster.apply(doc)
+
+    def start_operator(self) -> None:
+        with open(self.operator_log, "a") as log:  # the child keeps its own copy of the descriptor
+            self.operator = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "naiad_operator",
+                    "--namespace",
+                    NS,
+                    f"--liveness=http://127.0.0.1:{self.health_port}/healthz",
+                    "--verbose",
+                ],
+                env=_env(
+                    KUBECONFIG=self.cluster.kubeconfig,
+                    NAIAD_RESYNC_SECONDS="2",
+                    NAIAD_LOAD_RETRY_SECONDS="2",
+                    NAIAD_SERVER_IMAGE="naiad-server:it",
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+            )
+
+    def stop_operator(self) -> None:
+        if self.operator and self.operator.poll() is None:
+            self.operator.send_signal(signal.SIGINT)
+            try:
+                self.operator.wait(30)
+            except subprocess.TimeoutExpired:
+                self.operator.kill()
+                self.operator.wait()
+
+    def model_status(self, name: str) -> dict:
+        return self.get("inferencemodel", name).get("status") or {}
+
+    def index(self, ip: str) -> dict[str, str]:
+        request = urllib.request.Request(
+            f"http://{ip}:8000/v2/repository/index",
+            data=b"{}",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return {e["name"]: e.get("state", "") for e in json.loads(response.read())}
+
+    def endpoints(self, service: str) -> set[str]:
+        slices = self.get("endpointslices", selector=f"kubernetes.io/service-name={service}")["items"]
+        return {
+            a
+            for s in slices
+            for e in s.get("endpoints") or []
+            if (e.get("conditions") or {}).get("ready")
+            for a in e["addresses"]
+        }
+
+    def infer(self, ip: str) -> list[float]:
+        body = {
+            "inputs": [
+                {"name": "INPUT0", "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+                {"name": "INPUT1", "shape": [4], "datatype": "FP32", "data": [1, 1, 1, 1]},
+            ]
+        }
+        request = urllib.request.Request(
+            f"http://{ip}:8000/v2/models/add_sub/infer",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            outputs = {o["name"]: o["data"] for o in json.loads(response.read())["outputs"]}
+        return outputs["OUTPUT0"]
+
+    def diagnostics(self) -> str:
+        objects = self.kubectl(
+            "-n", NS, "get", "inferenceservers,inferencemodels,pods", "-o", "yaml", check=False
+        )
+        parts = [f"--- objects ---\n{objects.stdout[-12000:]}"]
+        parts += [
+            f"--- operator log ---\n{self.operator_log.read_text()[-6000:] if self.operator_log.exists() else ''}"
+        ]
+        for proc in self.runner.processes():
+            parts.append(f"--- {proc.pod} ---\n{self.runner.logs(proc.namespace, proc.pod)[-2000:]}")
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    try:
+        bin_dir = cluster_mod.build_binaries(quiet=True)
+    except (cluster_mod.GoMissing, cluster_mod.ClusterError) as error:
+        pytest.skip(f"no e2e cluster binaries: {error}")
+    if not _server_importable():
+        pytest.skip("the naiad server's dependencies are not installed in this interpreter")
+    workdir = tmp_path_factory.mktemp("naiad-it")
+    repo = workdir / "models"
+    shutil.copytree(ROOT / "tests" / "models" / "add_sub", repo / "add_sub")
+    launcher = workdir / "naiad"
+    launcher.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -c 'import sys; from naiad.cli import main; "
+        f'sys.exit(main())\' "$@"\n'
+    )
+    launcher.chmod(0o755)
+    # Own work directories (not the shared e2e/.work), so other suites' cleanup cannot touch this cluster.
+    cluster = cluster_mod.KwokCluster(bin_dir=bin_dir, workdir=workdir / "cluster")
+    runner = podrunner_mod.PodRunner(
+        cluster.kubeconfig,
+        cluster.runner_node_names,
+        workdir=workdir / "pods",
+        executables={"naiad": str(launcher)},
+        extra_args=podrunner_mod.bind_to_pod_ip,
+        extra_env={"PYTHONPATH": _env()["PYTHONPATH"]},
+        max_probe_period=1.0,
+        grace_cap=5.0,
+    )
+    h = Harness(cluster, runner, repo, workdir)
+    try:
+        cluster.create()
+        for crd in sorted((ROOT / "crds").glob("*.yaml")):
+            cluster.kubectl("apply", "--server-side", "-f", str(crd))
+        cluster.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "crd/inferenceservers.naiad.dev",
+            "crd/inferencemodels.naiad.dev",
+            "--timeout=60s",
+        )
+        cluster.kubectl("create", "namespace", NS)
+        runner.start()
+        h.start_operator()
+        yield h
+    except BaseException:
+        print(h.diagnostics())
+        raise
+    finally:
+        h.stop_operator()
+        runner.stop()
+        cluster.delete()
+
+
+@pytest.fixture
+def report(harness, request):
+    """The harness; prints the operator's and the pods' logs when the test fails."""
+    failed_before = request.session.testsfailed
+    yield harness
+    if request.session.testsfailed > failed_before:
+        print(harness.diagnostics())
+
+
+def pool(name="pool", replicas=2, **spec):
+    return {
+        "apiVersion": "naiad.dev/v1alpha1",
+        "kind": "InferenceServer",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "resources": {"limits": {"nvidia.com/gpu": 1}},
+            "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": ""}],
+            **spec,
+        },
+    }
+
+
+def model(name, **spec):
+    return {
+        "apiVersion": "naiad.dev/v1alpha1",
+        "kind": "InferenceModel",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def test_crd_validation_rejects_bad_specs(harness):
+    for doc in (
+        model("bad-replicas", serverRef={"name": "pool"}, replicas=-1),
+        model("both", serverRef={"name": "pool"}, server={}),
+        model("x" * 48, serverRef={"name": "pool"}),
+        pool("bad-policy", imagePullPolicy="Sometimes"),
+        pool("bad-range", minReplicas=3, maxReplicas=2),
+    ):
+        result = harness.cluster.kubectl("-n", NS, "apply", "-f", "-", input=json.dumps(doc), check=False)
+        assert result.returncode != 0, doc["metadata"]["name"]
+        assert "Invalid" in result.stderr or "invalid" in result.stderr, result.stderr
+
+
+def test_pool_children_are_created_and_owned(report):
+    h = report
+    h.apply(
+        pool(modelRepository={"path": str(h.repo)}, capacity={"maxModels": 4}, minReplicas=1, maxReplicas=4)
+    )
+    uid = wait(lambda: h.get("inferenceserver", "pool")["metadata"]["uid"], what="pool uid")
+    deployment = wait(lambda: h.get("deployment", "pool"), what="Deployment")
+    assert deployment["metadata"]["ownerReferences"][0]["uid"] == uid
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--model-control-mode=explicit" in args and f"--model-repository={h.repo}" in args
+    for kind, name in (("service", "pool"), ("service", "pool-headless"), ("hpa", "pool")):
+        obj = wait(lambda kind=kind, name=name: h.get(kind, name), what=f"{kind} {name}")
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+    hpa = h.get("hpa", "pool")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "InferenceServer"
+    # pods start (scheduled by the real scheduler onto the GPU node) and the pool reports them
+    wait(
+        lambda: (h.get("inferenceserver", "pool").get("status") or {}).get("readyReplicas") == 2,
+        180,
+        what="2 ready pods",
+    )
+    status = h.get("inferenceserver", "pool")["status"]
+    assert status["selector"] == "naiad.dev/server=pool"
+    conditions = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conditions["WorkloadReady"] == "True"
+    # the scale subresource works for kubectl (and the HPA)
+    scale = json.loads(
+        h.kubectl(
+            "-n", NS, "get", "--raw", f"/apis/naiad.dev/v1alpha1/namespaces/{NS}/inferenceservers/pool/scale"
+        ).stdout
+    )
+    assert scale["spec"]["replicas"] == 2 and scale["status"]["selector"] == "naiad.dev/server=pool"
+
+
+def pods_holding(h, name: str) -> list[dict]:
+    return h.get("pods", selector=f"naiad.dev/server=pool,naiad.dev/model-{name}=loaded")["items"]
+
+
+def test_model_is_loaded_live_and_routed(report):
+    h = report
+    h.apply(model("add-sub", serverRef={"name": "pool"}, modelName="add_sub", replicas=1))
+    status = wait(
+        lambda: (s := h.model_status("add-sub")).get("phase") == "Available" and s,
+        120,
+        what="model Available",
+    )
+    assert status["availableReplicas"] == 1 and status["server"] == "pool"
+    assert status["endpoint"]["http"] == f"http://add-sub.{NS}.svc:8000/v2/models/add_sub"
+    (holder,) = pods_holding(h, "add-sub")
+    ip = holder["status"]["podIP"]
+    assert h.index(ip)["add_sub"] == "READY"
+    assert h.infer(ip) == [2.0, 3.0, 4.0, 5.0]
+    gate = {c["type"]: c["status"] for c in holder["status"]["conditions"]}["naiad.dev/models-ready"]
+    assert gate == "True"
+    # the model's Service reaches only the pod that holds it
+    assert wait(lambda: h.endpoints("add-sub") == {ip}, 60, what="model Service endpoints")
+    assert len(h.endpoints("pool")) == 2
+    # kubectl get im shows the printer columns
+    table = h.kubectl("-n", NS, "get", "im", "add-sub").stdout
+    assert "Available" in table and "add_sub" in table and "pool" in table
+    events = h.kubectl("-n", NS, "get", "events", "--field-selector", "involvedObject.name=add-sub").stdout
+    assert "Loaded" in events
+
+
+def test_config_change_reloads_without_restarting_pods(report):
+    h = report
+    pods_before = {
+        p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"]
+        for p in h.get("pods", selector="naiad.dev/server=pool")["items"]
+    }
+    revision = h.model_status("add-sub")["revision"]
+    h.kubectl(
+        "-n",
+        NS,
+        "patch",
+        "im",
+        "add-sub",
+        "--type=merge",
+        "-p",
+        json.dumps(
+            {
+                "spec": {
+                    "config": {
+                        "name": "add_sub",
+                        "backend": "python",
+                        "input": [
+                            {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]},
+                            {"name": "INPUT1", "data_type": "TYPE_FP32", "dims": [4]},
+                        ],
+                        "output": [
+                            {"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]},
+                            {"name": "OUTPUT1", "data_type": "TYPE_FP32", "dims": [4]},
+                        ],
+                        "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+                    }
+                }
+            }
+        ),
+    )
+    wait(
+        lambda: (
+            (s := h.model_status("add-sub")).get("revision") != revision and s.get("phase") == "Available"
+        ),
+        120,
+        what="new revision Available",
+    )
+    pods_after = {
+        p["metadata"]["uid"]: p["status"]["containerStatuses"][0]["restartCount"]
+        for p in h.get("pods", selector="naiad.dev/server=pool")["items"]
+    }
+    assert pods_after == pods_before  # same pods, no restarts
+
+
+def test_scale_up_then_self_heal_after_a_server_restart(report):
+    h = report
+    h.kubectl("-n", NS, "scale", "im", "add-sub", "--replicas=2")
+    wait(lambda: h.model_status("add-sub").get("availableReplicas") == 2, 120, what="2 replicas")
+    victim = pods_holding(h, "add-sub")[0]
+    name, ip = victim["metadata"]["name"], victim["status"]["podIP"]
+    proc = h.runner.get(NS, name)
+    os.kill(proc.pid, signal.SIGKILL)  # the container dies; the runner restarts it like a kubelet would
+    wait(lambda: h.runner.get(NS, name).restart_count >= 1, 60, what="container restart")
+    wait(lambda: h.index(ip).get("add_sub") == "READY", 120, what="model reloaded after the restart")
+    wait(lambda: h.model_status("add-sub").get("availableReplicas") == 2, 60, what="2 replicas again")
+    assert h.infer(ip) == [2.0, 3.0, 4.0, 5.0]
+
+
+def test_suspend_and_delete_unload_everywhere(report):
+    h = report
+    ips = [p["status"]["podIP"] for p in h.get("pods", selector="naiad.dev/server=pool")["items"]]
+    h.kubectl("-n", NS, "patch", "im", "add-sub", "--type=merge", "-p", '{"spec": {"suspended": true}}')
+    wait(lambda: h.model_status("add-sub").get("phase") == "Suspended", 60, what="Suspended")
+    wait(lambda: all(h.index(ip).get("add_sub") != "READY" for ip in ips), 60, what="unloaded")
+    assert pods_holding(h, "add-sub") == []
+    h.kubectl("-n", NS, "patch", "im", "add-sub", "--type=merge", "-p", '{"spec": {"suspended": false}}')
+    wait(lambda: h.model_status("add-sub").get("phase") == "Available", 120, what="Available again")
+    h.kubectl("-n", NS, "delete", "im", "add-sub", "--timeout=90s")
+    assert all(h.index(ip).get("add_sub") != "READY" for ip in ips)
+    assert pods_holding(h, "add-sub") == []
+    assert wait(lambda: not h.exists("service", "add-sub"), 60, what="model Service garbage-collected")
+
+
+def test_invalid_model_is_reported_not_retried(report):
+    h = report
+    h.apply(model("ghost", serverRef={"name": "pool"}, modelName="does_not_exist"))
+    status = wait(lambda: (s := h.model_status("ghost")).get("phase") == "Failed" and s, 120, what="Failed")
+    assert status["lastFailure"]["message"]
+    h.apply(model("orphan", serverRef={"name": "missing-pool"}))
+    wait(lambda: h.model_status("orphan").get("phase") == "Pending", 60, what="Pending without a pool")
+    h.kubectl("-n", NS, "delete", "im", "ghost", "orphan", "--timeout=90s")
+
+
+def test_operator_restart_converges(report):
+    h = report
+    h.stop_operator()
+    h.apply(model("late", serverRef={"name": "pool"}, modelName="add_sub", replicas=1))
+    time.sleep(2)
+    assert not h.model_status("late")
+    h.start_operator()
+    wait(lambda: h.model_status("late").get("phase") == "Available", 120, what="Available after restart")
+    with urllib.request.urlopen(f"http://127.0.0.1:{h.health_port}/healthz", timeout=5) as response:
+        assert response.status == 200
+    h.kubectl("-n", NS, "delete", "im", "late", "--timeout=90s")
+
+
+def test_dedicated_pool_from_one_resource(report):
+    h = report
+    h.apply(
+        model(
+            "solo",
+            modelName="add_sub",
+            replicas=1,
+            storage={"uri": f"file://{h.repo}"},
+            server={
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+                "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": ""}],
+            },
+        )
+    )
+    server = wait(lambda: h.get("inferenceserver", "solo-server"), 60, what="dedicated InferenceServer")
+    assert server["metadata"]["ownerReferences"][0]["kind"] == "InferenceModel"
+    assert server["spec"]["modelRepository"] == {"path": str(h.repo)}
+    wait(lambda: h.model_status("solo").get("phase") == "Available", 180, what="dedicated model Available")
+    h.kubectl("-n", NS, "delete", "im", "solo", "--timeout=90s")
+    wait(lambda: not h.exists("inferenceserver", "solo-server"), 90, what="dedicated pool garbage-collected")

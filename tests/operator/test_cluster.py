@@ -1,7 +1,9 @@
 """The operator against a real Kubernetes control plane (kube-apiserver, controller-manager, scheduler, etcd from
 the pinned release; kwok for nodes; e2e/podrunner.py runs the server pods as local `naiad serve` processes).
 
-Covers: CRDs accepted by the API server (structural schemas, CEL rules), children created with owner references,
+The chart is installed with helm and the operator runs with its ServiceAccount's token, so the chart's RBAC is
+what every test exercises. Covers: CRDs accepted by the API server (structural schemas, CEL rules), children
+created with owner references,
 models loaded live into pods and routed through per-model Services, config changes reloaded without pod
 restarts, self-healing after a server restart, scale-up, suspension, deletion with unload, dedicated pools,
 rejected specs, and the operator's own restart.
@@ -24,9 +26,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "naiad-it"
+OPERATOR_NS = "naiad-system"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 cluster_mod = pytest.importorskip("e2e.cluster")
@@ -90,7 +94,32 @@ class Harness:
         doc = {**doc, "metadata": {**doc["metadata"], "namespace": NS}}
         self.cluster.apply(doc)
 
+    def operator_kubeconfig(self) -> str:
+        """A kubeconfig with the token of the ServiceAccount the chart created: the operator runs with exactly
+        the chart's RBAC, so a missing permission fails these tests."""
+        path = self.workdir / "operator-kubeconfig.yaml"
+        token = self.kubectl("-n", OPERATOR_NS, "create", "token", "naiad", "--duration=2h").stdout.strip()
+        admin = yaml.safe_load(Path(self.cluster.kubeconfig).read_text())
+        context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+        cluster = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "operator",
+                    "clusters": [cluster],
+                    "users": [{"name": "operator", "user": {"token": token}}],
+                    "contexts": [
+                        {"name": "operator", "context": {"cluster": cluster["name"], "user": "operator"}}
+                    ],
+                }
+            )
+        )
+        return str(path)
+
     def start_operator(self) -> None:
+        kubeconfig = self.operator_kubeconfig()
         with open(self.operator_log, "a") as log:  # the child keeps its own copy of the descriptor
             self.operator = subprocess.Popen(
                 [
@@ -103,7 +132,7 @@ class Harness:
                     "--verbose",
                 ],
                 env=_env(
-                    KUBECONFIG=self.cluster.kubeconfig,
+                    KUBECONFIG=kubeconfig,
                     NAIAD_RESYNC_SECONDS="2",
                     NAIAD_LOAD_RETRY_SECONDS="2",
                     NAIAD_SERVER_IMAGE="naiad-server:it",
@@ -207,8 +236,18 @@ def harness(tmp_path_factory):
     h = Harness(cluster, runner, repo, workdir)
     try:
         cluster.create()
-        for crd in sorted((ROOT / "crds").glob("*.yaml")):
-            cluster.kubectl("apply", "--server-side", "-f", str(crd))
+        # The chart installs the CRDs, the ServiceAccount and its RBAC. Its operator pod must not be scheduled
+        # (there is no image to run here): the operator runs as a local process with the chart's credentials.
+        cluster.helm(
+            "install",
+            "naiad",
+            str(ROOT / "helm" / "naiad"),
+            "--namespace",
+            OPERATOR_NS,
+            "--create-namespace",
+            "--set-string",
+            "nodeSelector.naiad\\.dev/unschedulable=true",
+        )
         cluster.kubectl(
             "wait",
             "--for=condition=Established",
@@ -259,6 +298,40 @@ def model(name, **spec):
         "metadata": {"name": name},
         "spec": spec,
     }
+
+
+def test_chart_installs_with_helm(harness):
+    release = json.loads(harness.cluster.helm("list", "-n", OPERATOR_NS, "-o", "json").stdout)
+    assert [(r["name"], r["status"]) for r in release] == [("naiad", "deployed")]
+    deployment = json.loads(
+        harness.kubectl("-n", OPERATOR_NS, "get", "deployment", "naiad", "-o", "json").stdout
+    )
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    for name in ("naiad", "naiad-edit", "naiad-view"):
+        harness.kubectl("get", "clusterrole", name)
+    # the operator's identity may do what it needs and nothing it should not
+    can = harness.kubectl(
+        "auth",
+        "can-i",
+        "patch",
+        "pods/status",
+        "-n",
+        NS,
+        f"--as=system:serviceaccount:{OPERATOR_NS}:naiad",
+        check=False,
+    )
+    assert can.stdout.strip() == "yes"
+    cannot = harness.kubectl(
+        "auth",
+        "can-i",
+        "get",
+        "secrets",
+        "-n",
+        NS,
+        f"--as=system:serviceaccount:{OPERATOR_NS}:naiad",
+        check=False,
+    )
+    assert cannot.stdout.strip() == "no"
 
 
 def test_crd_validation_rejects_bad_specs(harness):

@@ -19,28 +19,40 @@ loses about {id_loss}% to the hop. A user asks for several instances to run seve
 which only processes deliver for python code; a single instance gains nothing from a process and
 would only pay the hop, so it stays in-process.
 
-Wire protocol: one `socket.socketpair()` per instance. A frame is a header (`<QI`: pickle length,
-buffer count), the out-of-band buffer lengths (`<Q` each), the pickle (protocol 5), then the raw
-buffers, sent with one `sendmsg` (scatter/gather, no user-space copy) and received with `readinto`
-into writable `bytearray`s that the unpickled numpy arrays use directly: a tensor crosses the
-socket once and is copied by the kernel only. Messages are tuples:
+Transport: two `socket.socketpair()`s per instance. The *exec* channel carries only execute and
+finalize calls and their replies, strictly one at a time and used by the instance thread directly,
+so an execution costs one wake-up each way and no thread hand-off. The *side* channel carries
+everything that may happen at any time (BLS calls, decoupled responses, cancellation, logs) and is
+read by a reader thread on each side, so BLS calls are served while an execution is in flight and
+decoupled responses flow after `execute` returned.
 
-    parent -> worker
-        ("execute", call, [request fields], [stream key | None])   run a batch
-        ("finalize", call)                                          call finalize and exit
-        ("bls_reply", bls, response | None, error | None)           result (or end of stream) of a BLS call
-        ("bls_stream", bls, response)                               one response of a decoupled BLS call
-        ("cancel", key)                                             a decoupled request was cancelled
-    worker -> parent
-        ("reply", call, value, error)          startup (call 0: pid), execute ((responses, t0, t1)), finalize
-        ("response", key, response)            a decoupled response, from any model thread, at any time
-        ("bls", bls, request fields, decoupled) a BLS request; the parent runs it on the server loop
-        ("log", logger name, level, message)   a log record of the model
+A frame is a header (`<QI`: pickle length, buffer count), the out-of-band buffer lengths (`<Q`
+each), the pickle (protocol 5), then the raw buffers, sent with one `sendmsg` (scatter/gather, no
+user-space copy) and received with `readinto` into writable `bytearray`s that the unpickled numpy
+arrays use directly: a tensor is copied by the kernel only. Messages are tuples:
 
-A reader thread on each side dispatches messages as they arrive, so BLS calls are served while an
-execution is in flight and decoupled responses flow after `execute` returned. A worker that dies
-fails the in-flight execution, ends open decoupled streams with an error, and makes the instance
-answer every later request with the same error (Triton would restart the stub; Naiad does not).
+    exec channel
+        parent -> worker  ("execute", [request fields], [stream key | None])   run a batch
+                          ("finalize",)                                        call finalize, then exit
+        worker -> parent  ("reply", value, error)    the first one: the worker's pid, or why initialize
+                                                     failed; then (responses, t_start, t_end, side_sent)
+                                                     for an execute, None for finalize
+    side channel
+        parent -> worker  ("bls_reply", bls, response | None, error | None)   a BLS result / end of stream
+                          ("bls_stream", bls, response)                       a response of a decoupled BLS
+                          ("cancel", key)                                     a decoupled request was cancelled
+        worker -> parent  ("response", key, response)                 a decoupled response (any thread, any time)
+                          ("bls", bls, request fields, decoupled)     a BLS request, run on the server loop
+                          ("log", logger name, level, message)        a log record of the model
+
+`side_sent` (side messages the worker had sent when the execution ended) lets a decoupled model's
+execute return only after the responses it sent during the execution were delivered, as in-process.
+
+A worker that dies fails the in-flight execution, ends open decoupled streams with an error, and
+makes the instance answer every later request with that error (Triton restarts its stub; Naiad asks
+for a reload). Workers are started with multiprocessing's "spawn" context (never fork a server that
+has gRPC and asyncio threads), so a program embedding `naiad.server.Server` needs the usual
+`if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
@@ -51,7 +63,6 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.util  # noqa: F401 - imported before our atexit hook so that ours runs first
-import os
 import pickle
 import signal
 import socket
@@ -59,13 +70,12 @@ import struct
 import threading
 import time
 import weakref
-from concurrent.futures import Future
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import ModelConfig
-from ..errors import Internal, InvalidArgument, NaiadError, Unavailable, as_naiad_error
+from ..errors import Internal, InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest, InferenceResponse
 from .base import ModelContext, ModelInstance, Timing
 
@@ -73,7 +83,6 @@ log = logging.getLogger("naiad.python")
 
 ISOLATION_PARAMETER = "EXECUTION_ISOLATION"
 ISOLATION_MODES = ("process", "thread")
-STARTUP_CALL = 0  # the call id of the worker's first reply: its pid, or why initialize failed
 
 
 def instance_count(config: ModelConfig) -> int:
@@ -109,6 +118,7 @@ class Channel:
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.sent = 0  # messages sent so far
         self._rfile = sock.makefile("rb", buffering=1 << 16)
         self._send_lock = threading.Lock()
 
@@ -121,11 +131,12 @@ class Channel:
         parts = [memoryview(head), memoryview(payload), *raws]
         with self._send_lock:
             _sendmsg_all(self.sock, parts)
+            self.sent += 1
 
     def recv(self) -> Any:
-        """The next message; EOFError when the peer closed the socket."""
-        head = self._read_exact(_HEADER.size)
-        size, count = _HEADER.unpack(head)
+        """The next message; EOFError when the peer closed. The frame is read whole before unpickling, so a
+        message that does not unpickle raises without desynchronising the stream."""
+        size, count = _HEADER.unpack(self._read_exact(_HEADER.size))
         lengths = [_LENGTH.unpack(self._read_exact(_LENGTH.size))[0] for _ in range(count)]
         payload = self._read_exact(size)
         buffers = []
@@ -153,12 +164,11 @@ class Channel:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._rfile.close()
         self.sock.close()
 
 
 def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
-    views = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in parts if p.nbytes]
+    views = [p if p.format == "B" and p.ndim == 1 else p.cast("B") for p in parts if p.nbytes]
     while views:
         sent = sock.sendmsg(views[:_MAX_PARTS])
         while sent:
@@ -175,7 +185,7 @@ _REQUEST_FIELDS = ("model_name", "inputs", "datatypes", "model_version", "id", "
 
 
 def request_fields(request: InferenceRequest) -> dict:
-    """What of a request crosses the process boundary (not its callback or arrival time)."""
+    """What of a request crosses the process boundary (not its callback, arrival time or trace)."""
     return {f: getattr(request, f) for f in _REQUEST_FIELDS}
 
 
@@ -184,7 +194,7 @@ def request_from_fields(fields: dict, callback=None) -> InferenceRequest:
 
 
 def transferable_error(exc: BaseException) -> NaiadError:
-    """An error that pickles and keeps the text the model saw: NaiadErrors as they are, others as Internal."""
+    """An error that pickles and keeps the text the model sees: NaiadErrors as they are, others as Internal."""
     return exc if isinstance(exc, NaiadError) else Internal(str(exc))
 
 
@@ -195,11 +205,10 @@ _live: "weakref.WeakSet[ProcessInstance]" = weakref.WeakSet()
 
 @atexit.register
 def _close_channels_at_exit() -> None:
-    """Workers are non-daemonic (models may start processes); closing their sockets makes them exit, so
-    multiprocessing's own exit hook, which joins them, does not wait forever."""
+    """Workers are non-daemonic (models may start processes of their own); closing their sockets makes them
+    exit, so that multiprocessing's exit hook, which joins them, does not wait forever."""
     for inst in list(_live):
-        if inst._channel is not None:
-            inst._channel.close()
+        inst._close_channels()
 
 
 class ProcessInstance(ModelInstance):
@@ -210,25 +219,36 @@ class ProcessInstance(ModelInstance):
         self.decoupled = ctx.config.model_transaction_policy.decoupled
         self.pid: int | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._channel: Channel | None = None
+        self._exec: Channel | None = None  # the instance thread's
+        self._side: Channel | None = None  # the reader thread's (and anyone's, to send)
         self._reader: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._calls = itertools.count(1)
+        self._lock = threading.Condition()
         self._keys = itertools.count(1)
-        self._pending: dict[int, Future] = {}
-        self._call_keys: dict[int, list[int]] = {}
-        self._streams: dict[int, InferenceRequest] = {}
+        self._streams: dict[int, InferenceRequest] = {}  # open decoupled requests by key
+        self._in_flight: set[int] = set()  # keys of the execution in progress
         self._cancel_sent: set[int] = set()
+        self._side_seen = 0  # side messages the reader has handled
         self._dead: NaiadError | None = None
-        self._exit_expected = False  # set on unload, and when initialize failed
+        self._exit_expected = False  # after finalize, or when initialize failed
+        # Start and close exclude each other: after a failed load the repository may close instances that
+        # are still starting on their own threads.
+        self._life = threading.Lock()
+        self._closed = False
+        self._gone_lock = threading.Lock()
 
     # ---- lifecycle ----
     def warmup_thread_init(self) -> None:
         """Start the worker (on the instance thread, so instances start in parallel) and wait for initialize."""
-        if self._process is not None:
-            return
+        with self._life:
+            if self._closed:
+                raise Unavailable(f"model '{self.ctx.name}' instance '{self.name}' is unloaded")
+            if self._process is None:
+                self._start()
+
+    def _start(self) -> None:
         from . import python_worker
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        exec_parent, exec_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        side_parent, side_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spec = {
             "name": self.ctx.name,
             "version": self.ctx.version,
@@ -240,50 +260,64 @@ class ProcessInstance(ModelInstance):
             "index": self.index,
             "log_level": logging.getLogger().getEffectiveLevel(),
         }
-        started: Future = Future()
-        self._pending[STARTUP_CALL] = started
         context = multiprocessing.get_context("spawn")
-        self._process = context.Process(target=python_worker.main, args=(child_sock, spec),
-                                        name=f"naiad-python-{self.ctx.name}-{self.name}")
+        process = context.Process(target=python_worker.main, args=(exec_child, side_child, spec),
+                                  name=f"naiad-python-{self.ctx.name}-{self.name}")
         try:
-            self._process.start()
+            process.start()
+        except BaseException:
+            exec_parent.close()
+            side_parent.close()
+            raise
         finally:
-            child_sock.close()
-        self._channel = Channel(parent_sock)
+            exec_child.close()
+            side_child.close()
+        self._process = process
+        self._exec, self._side = Channel(exec_parent), Channel(side_parent)
         _live.add(self)
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
+        self._reader = threading.Thread(target=self._read_side, daemon=True,
                                         name=f"naiad-{self.ctx.name}-{self.name}-reader")
         self._reader.start()
-        self.pid = started.result()
+        self.pid = self._call(None)
 
     def close(self) -> None:
         """Call `finalize` in the worker and reap it; a finalize error is raised, as PythonInstance does."""
-        if self._process is None:
-            return
+        with self._life:
+            if self._closed:
+                return
+            self._closed = True
+            if self._process is not None:
+                self._finalize()
+
+    def _finalize(self) -> None:
         try:
-            self._exit_expected = True
-            try:
-                call, future = self._register({})
-                self._send(("finalize", call))
-                future.result()
-            except NaiadError as exc:
-                if exc is not self._dead:  # the worker being gone already is not an error at unload
-                    raise
+            if self._dead is None:
+                self._exit_expected = True
+                try:
+                    self._call(("finalize",))
+                except NaiadError as exc:
+                    if exc is not self._dead:  # a worker that is gone already is no error at unload
+                        raise
         finally:
             self._reap()
 
     def _reap(self) -> None:
+        self._exit_expected = True
         self._process.join(10)
         if self._process.is_alive():
             log.warning("python worker of model '%s' instance '%s' did not exit after finalize; killing it",
                         self.ctx.name, self.name)
             self._process.kill()
             self._process.join(5)
-        if self._channel is not None:
-            self._channel.close()
+        self._close_channels()
         if self._reader is not None:
             self._reader.join(5)
         _live.discard(self)
+
+    def _close_channels(self) -> None:
+        for channel in (self._exec, self._side):
+            if channel is not None:
+                channel.close()
 
     # ---- execution ----
     def execute(self, requests: list[InferenceRequest], timing: Timing) -> list[InferenceResponse | None]:
@@ -291,18 +325,25 @@ class ProcessInstance(ModelInstance):
         keys: list[int | None] = [
             next(self._keys) if self.decoupled and r.response_callback is not None else None for r in requests
         ]
-        call, future = self._register({k: r for k, r in zip(keys, requests) if k is not None})
+        streams = {k: r for k, r in zip(keys, requests) if k is not None}
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            self._streams.update(streams)
+            self._in_flight = set(streams)
         try:
-            self._send(("execute", call, [request_fields(r) for r in requests], keys))
-            responses, started_ns, done_ns = future.result()
+            responses, started_ns, done_ns, side_sent = self._call(
+                ("execute", [request_fields(r) for r in requests], keys))
+            if self.decoupled:
+                self._wait_side(side_sent)
         except BaseException:
             with self._lock:
-                self._pending.pop(call, None)
-                for key in self._call_keys.pop(call, []):
+                for key in streams:
                     self._streams.pop(key, None)
             raise
-        with self._lock:
-            self._call_keys.pop(call, None)
+        finally:
+            with self._lock:
+                self._in_flight = set()
         end = time.monotonic_ns()
         # CLOCK_MONOTONIC is system-wide: the worker's stamps split the round trip as Triton's stats do.
         timing.input_ns += max(0, started_ns - t0)
@@ -310,70 +351,57 @@ class ProcessInstance(ModelInstance):
         timing.output_ns += max(0, end - done_ns)
         return responses
 
-    def _register(self, streams: dict[int, InferenceRequest]) -> tuple[int, Future]:
-        """A call id and the future of its reply; raises at once if the worker is gone (nothing waits forever).
+    def _call(self, message: tuple | None) -> Any:
+        """One exchange on the exec channel; None only waits for the worker's greeting (pid or init error)."""
+        try:
+            if message is not None:
+                try:
+                    self._exec.send(message)
+                except PICKLE_ERRORS as exc:
+                    raise Internal(f"model '{self.ctx.name}': cannot send the request(s) to the python worker "
+                                   f"of instance '{self.name}': {exc}") from None
+            try:
+                reply = self._exec.recv()
+            except (EOFError, OSError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a reply that does not unpickle; the stream is intact
+                raise Internal(f"model '{self.ctx.name}': cannot decode the reply of the python worker of "
+                               f"instance '{self.name}': {type(exc).__name__}: {exc}") from None
+        except (EOFError, OSError):
+            raise self._worker_gone() from None
+        _, value, error = reply
+        if error is not None:
+            if message is None:
+                self._exit_expected = True
+            raise error
+        return value
 
-        `streams` are the call's decoupled requests by key: their responses may arrive before the reply."""
-        future: Future = Future()
+    def _wait_side(self, side_sent: int) -> None:
+        """Wait until the reader handled what the worker sent on the side channel during the execution."""
         with self._lock:
-            if self._dead is not None:
-                raise self._dead
-            call = next(self._calls)
-            self._pending[call] = future
-            if streams:
-                self._call_keys[call] = list(streams)
-                self._streams.update(streams)
-        return call, future
-
-    def _send(self, message: tuple) -> None:
-        try:
-            self._channel.send(message)
-        except PICKLE_ERRORS as exc:
-            raise Internal(f"model '{self.ctx.name}': cannot send a message to the python worker of "
-                           f"instance '{self.name}': {exc}") from None
-        except OSError:
-            self._reader.join(5)  # the reader records why the worker went away
-            raise self._dead or Internal(f"model '{self.ctx.name}': the python worker of instance "
-                                         f"'{self.name}' is not reachable") from None
-
-    def _send_quietly(self, message: tuple) -> None:
-        """Send from the server loop (BLS results); a worker that has gone away no longer needs them."""
-        try:
-            self._channel.send(message)
-        except OSError:
-            pass
-        except PICKLE_ERRORS as exc:  # e.g. a BLS response with objects that do not pickle
-            if message[0] == "bls_reply":
-                self._send_quietly(("bls_reply", message[1], None, Internal(f"cannot send the BLS response "
-                                                                             f"to the python worker: {exc}")))
+            while self._side_seen < side_sent and self._dead is None:
+                self._lock.wait()
 
     # ---- the reader thread ----
-    def _read_loop(self) -> None:
+    def _read_side(self) -> None:
         reason = None
         try:
             while True:
-                self._dispatch(self._channel.recv())
+                message = self._side.recv()
+                self._dispatch(message)
+                with self._lock:
+                    self._side_seen += 1
+                    self._lock.notify_all()
         except (EOFError, OSError):
             pass
         except Exception as exc:  # noqa: BLE001 - an undecodable message ends the worker: nothing may hang
             reason = f"undecodable message from the worker: {type(exc).__name__}: {exc}"
             self._process.kill()
-        self._on_worker_exit(reason)
+        self._worker_gone(reason)
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "reply":
-            _, call, value, error = message
-            with self._lock:
-                future = self._pending.pop(call, None)
-            if call == STARTUP_CALL and error is not None:
-                self._exit_expected = True
-            if future is not None:
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(value)
-        elif kind == "response":
+        if kind == "response":
             self._deliver(message[1], message[2])
         elif kind == "bls":
             self._start_bls(*message[1:])
@@ -403,17 +431,29 @@ class ProcessInstance(ModelInstance):
                 first = key not in self._cancel_sent
                 self._cancel_sent.add(key)
             if first:
-                self._send_quietly(("cancel", key))
+                self._send_side(("cancel", key))
+
+    def _send_side(self, message: tuple) -> None:
+        """Send from the reader or the server loop; a worker that has gone away no longer needs it."""
+        try:
+            self._side.send(message)
+        except OSError:
+            pass
+        except PICKLE_ERRORS as exc:  # e.g. a BLS response holding objects that do not pickle
+            if message[0] in ("bls_reply", "bls_stream"):
+                self._send_side(("bls_reply", message[1], None,
+                                 Internal(f"cannot send the BLS response to the python worker: {exc}")))
 
     def _start_bls(self, bls: int, fields: dict, decoupled: bool) -> None:
-        """Run a BLS request of the worker on the server loop; the result goes back as messages."""
+        """Run a BLS request of the worker on the server loop; the result goes back as side messages."""
         server, loop = self.ctx.server, self.ctx.loop
         if server is None or loop is None:
-            self._send_quietly(("bls_reply", bls, None, Internal("BLS requests need a running Naiad server")))
+            self._send_side(("bls_reply", bls, None, Internal("BLS requests need a running Naiad server")))
             return
         native = request_from_fields(fields)
         if decoupled:
-            native.response_callback = lambda resp: self._send_quietly(("bls_stream", bls, resp))
+            # as in-process: the model's iterator sees what the server hands to the request's callback
+            native.response_callback = lambda resp: self._send_side(("bls_stream", bls, resp))
 
             async def run_stream() -> None:
                 async for _ in server.infer_stream(native):
@@ -427,44 +467,48 @@ class ProcessInstance(ModelInstance):
             try:
                 result = f.result()
             except BaseException as exc:  # noqa: BLE001 - BLS errors go back to the model
-                self._send_quietly(("bls_reply", bls, None, transferable_error(exc)))
+                self._send_side(("bls_reply", bls, None, transferable_error(exc)))
                 return
-            self._send_quietly(("bls_reply", bls, None if decoupled else result, None))
+            self._send_side(("bls_reply", bls, None if decoupled else result, None))
 
         future.add_done_callback(done)
 
-    def _on_worker_exit(self, reason: str | None) -> None:
-        """Fail whatever waits on the worker; later requests get the same error."""
-        if self._exit_expected and reason is None:
-            error: NaiadError = Unavailable(f"model '{self.ctx.name}' instance '{self.name}' was unloaded")
-        else:
-            self._process.join(2)
-            code = self._process.exitcode
-            if reason is None:
-                reason = f"exit code {code}"
-                if code is not None and code < 0:
-                    try:
-                        reason = f"killed by {signal.Signals(-code).name}"
-                    except ValueError:
-                        pass
-            error = Internal(f"Failed to process the request(s) for model '{self.name}', message: the python "
-                             f"worker process (pid {self._process.pid}) of model '{self.ctx.name}' exited "
-                             f"unexpectedly ({reason}); reload the model to restart it")
+    # ---- the worker going away ----
+    def _worker_gone(self, reason: str | None = None) -> NaiadError:
+        """Record why the worker is gone (once: the instance and reader threads both notice), end open
+        streams, and return the error for requests."""
+        with self._gone_lock:
+            if self._dead is not None:
+                return self._dead
+            error = self._exit_error(reason)
+            with self._lock:
+                self._dead = error
+                ended = [r for k, r in self._streams.items() if k not in self._in_flight]
+                self._streams.clear()
+                self._lock.notify_all()
+        if isinstance(error, Internal):
             log.error("%s", error)
-        with self._lock:
-            self._dead = error
-            pending, self._pending = self._pending, {}
-            in_flight = {k for keys in self._call_keys.values() for k in keys}
-            streams = [(k, r) for k, r in self._streams.items() if k not in in_flight]
-            for k, _ in streams:
-                del self._streams[k]
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
-        for _, native in streams:
+        for native in ended:
             try:
                 native.response_callback(InferenceResponse(
                     model_name=native.model_name, model_version=str(native.model_version), id=native.id,
                     error=error, final=True))
             except Exception:  # noqa: BLE001
                 log.exception("ending a stream of model '%s' failed", self.ctx.name)
+        return error
+
+    def _exit_error(self, reason: str | None) -> NaiadError:
+        if self._exit_expected and reason is None:
+            return Unavailable(f"model '{self.ctx.name}' instance '{self.name}' is unloaded")
+        self._process.join(2)
+        code = self._process.exitcode
+        if reason is None:
+            reason = "it closed its connection" if code is None else f"exit code {code}"
+            if code is not None and code < 0:
+                try:
+                    reason = f"killed by {signal.Signals(-code).name}"
+                except ValueError:
+                    pass
+        return Internal(f"Failed to process the request(s) for model '{self.name}', message: the python "
+                        f"worker process (pid {self._process.pid}) of model '{self.ctx.name}' exited "
+                        f"unexpectedly ({reason}); reload the model to restart it")

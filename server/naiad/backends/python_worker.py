@@ -12,9 +12,9 @@ import asyncio
 import itertools
 import logging
 import os
-import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from functools import partial
@@ -27,7 +27,7 @@ from ..errors import Internal, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse
 from .base import ModelContext, Timing
 from .python import PythonInstance
-from .python_process import PICKLE_ERRORS, STARTUP_CALL, Channel, request_fields, request_from_fields
+from .python_process import PICKLE_ERRORS, Channel, request_fields, request_from_fields
 
 
 class RemoteServer:
@@ -128,36 +128,38 @@ class _ForwardLogs(logging.Handler):
 
 
 class Worker:
-    """Runs one PythonInstance: the main thread executes, a reader thread receives."""
+    """Runs one PythonInstance: the main thread serves the exec channel, a reader thread the side channel."""
 
-    def __init__(self, channel: Channel, spec: dict):
-        self.channel = channel
+    def __init__(self, exec_channel: Channel, side: Channel, spec: dict):
+        self.exec = exec_channel
+        self.side = side
         self.spec = spec
-        self.server = RemoteServer(channel)
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.server = RemoteServer(side)
         self.requests: dict[int, InferenceRequest] = {}  # open decoupled requests by key
-        self.finalizing = False
         self.bls_loop = asyncio.new_event_loop()
 
     def run(self) -> None:
+        """Serve until finalize or until the server goes away; then leave at once (see `_exit`)."""
         threading.Thread(target=self.bls_loop.run_forever, daemon=True, name="naiad-bls-loop").start()
-        threading.Thread(target=self._read_loop, daemon=True, name="naiad-worker-reader").start()
+        threading.Thread(target=self._read_side, daemon=True, name="naiad-worker-side").start()
         instance = self._start()
         if instance is None:
-            return
+            _exit()
         while True:
-            message = self.commands.get()
+            try:
+                message = self.exec.recv()
+            except (EOFError, OSError):
+                _exit()  # the server went away: nobody is left to answer
             if message[0] == "execute":
                 self._execute(instance, *message[1:])
-            else:  # finalize
-                self.finalizing = True
-                try:
-                    instance.close()
-                except BaseException as exc:  # noqa: BLE001 - reported to the parent, as in thread mode
-                    self._reply(message[1], None, as_naiad_error(exc))
-                else:
-                    self._reply(message[1], None, None)
-                return
+                continue
+            try:  # finalize
+                instance.close()
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent, as in thread mode
+                self._reply(None, as_naiad_error(exc))
+            else:
+                self._reply(None, None)
+            _exit()
 
     def _start(self) -> PythonInstance | None:
         spec = self.spec
@@ -170,13 +172,12 @@ class Worker:
             instance = PythonInstance(ctx, group, spec["device_id"], spec["index"])
             instance.warmup_thread_init()
         except BaseException as exc:  # noqa: BLE001 - the parent fails the load with this error
-            self.finalizing = True
-            self._reply(STARTUP_CALL, None, as_naiad_error(exc))
+            self._reply(None, as_naiad_error(exc))
             return None
-        self._reply(STARTUP_CALL, os.getpid(), None)
+        self._reply(os.getpid(), None)
         return instance
 
-    def _execute(self, instance: PythonInstance, call: int, fields: list[dict], keys: list[int | None]) -> None:
+    def _execute(self, instance: PythonInstance, fields: list[dict], keys: list[int | None]) -> None:
         requests = []
         for f, key in zip(fields, keys):
             callback = None if key is None else partial(self._send_response, key)
@@ -188,49 +189,60 @@ class Worker:
         try:
             responses = instance.execute(requests, Timing())
         except BaseException as exc:  # noqa: BLE001 - the pool reports it for every request, as in thread mode
-            self._reply(call, None, as_naiad_error(exc))
+            for key in keys:
+                self.requests.pop(key, None)
+            self._reply(None, as_naiad_error(exc))
             return
-        self._reply(call, (responses, started, time.monotonic_ns()), None)
+        self._reply((responses, started, time.monotonic_ns(), self.side.sent), None)
 
     def _send_response(self, key: int, response: InferenceResponse) -> None:
         """A decoupled response (any model thread): to the parent, which calls the request's callback."""
         if response.final:
             self.requests.pop(key, None)
-        self.channel.send(("response", key, response))
+        self.side.send(("response", key, response))
 
-    def _reply(self, call: int, value, error) -> None:
+    def _reply(self, value, error) -> None:
         try:
-            self.channel.send(("reply", call, value, error))
+            self.exec.send(("reply", value, error))
         except PICKLE_ERRORS as exc:  # e.g. an output tensor of objects that do not pickle
-            self.channel.send(("reply", call, None, Internal(
+            self.exec.send(("reply", None, Internal(
                 f"model '{self.spec['name']}': cannot send the result to the server: {type(exc).__name__}: {exc}")))
 
-    def _read_loop(self) -> None:
-        try:
-            while True:
-                message = self.channel.recv()
-                kind = message[0]
-                if kind in ("execute", "finalize"):
-                    self.commands.put(message)
-                elif kind == "bls_reply":
-                    self.server.reply(*message[1:])
-                elif kind == "bls_stream":
-                    self.server.stream(*message[1:])
-                elif kind == "cancel":
-                    request = self.requests.get(message[1])
-                    if request is not None:
-                        request.cancelled = True
-        except (EOFError, OSError):
-            pass
-        if not self.finalizing:
-            os._exit(0)  # the server went away: nobody is left to answer
+    def _read_side(self) -> None:
+        while True:
+            try:
+                message = self.side.recv()
+            except (EOFError, OSError):
+                # The parent closes the channels only once this process has exited (or to end it), so this is
+                # the server going away, perhaps while the model waits on a BLS call that will never return.
+                _exit()
+            kind = message[0]
+            if kind == "bls_reply":
+                self.server.reply(*message[1:])
+            elif kind == "bls_stream":
+                self.server.stream(*message[1:])
+            elif kind == "cancel":
+                request = self.requests.get(message[1])
+                if request is not None:
+                    request.cancelled = True
 
 
-def main(sock: socket.socket, spec: dict) -> None:
+def _exit() -> None:
+    """Leave without waiting for threads a model may have left running (Triton's stub does the same)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(exec_sock: socket.socket, side_sock: socket.socket, spec: dict) -> None:
     """Entry point of the spawned process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server unloads us
-    channel = Channel(sock)
+    # Ctrl-C, `timeout` and systemd signal the whole process group, but the server drains in-flight requests
+    # before it unloads models: the worker ends with finalize, or when the server's sockets close.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    side = Channel(side_sock)
     root = logging.getLogger()
-    root.handlers[:] = [_ForwardLogs(channel)]
+    root.handlers[:] = [_ForwardLogs(side)]
     root.setLevel(spec["log_level"])
-    Worker(channel, spec).run()
+    Worker(Channel(exec_sock), side, spec).run()

@@ -25,14 +25,15 @@ _MAX_KEPT = 100_000
 class Tracer:
     def __init__(self, settings: dict | None = None):
         self.global_settings = dict(DEFAULTS)
-        if settings:
-            self.global_settings.update(self._validated(settings))
         self.model_settings: dict[str, dict] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._seen: dict[str, int] = {}
         self._traced: dict[str, int] = {}
         self._entries: dict[str, list] = {}
+        self._active = False  # any setting asks for TIMESTAMPS: requests skip the tracer entirely otherwise
+        if settings:
+            self.update(settings)
 
     # ---- settings ----
     def _validated(self, changes: dict) -> dict:
@@ -81,12 +82,16 @@ class Tracer:
                 else:
                     target[key] = value
             self._traced.clear()
+            self._active = any("TIMESTAMPS" in s.get("trace_level", ())
+                               for s in [self.global_settings, *self.model_settings.values()])
         self.flush()
         return self.get(model)
 
     # ---- tracing ----
     def start(self, model: str) -> list | None:
-        """A timestamps list for this request when it is sampled, else None. Cheap when tracing is off."""
+        """A timestamps list for this request when it is sampled, else None. Free when tracing is off."""
+        if not self._active:
+            return None
         s = self.get(model)
         if "TIMESTAMPS" not in s["trace_level"] or not s["trace_file"]:
             return None

@@ -51,8 +51,50 @@ class Timing:
     output_ns: int = 0
 
 
+class InlinePolicy:
+    """Decides whether a fast, synchronous instance may execute on the event loop instead of its own thread.
+
+    Why: a thread hop costs two GIL hand-offs per execution; with the server on one core that ping-pong was
+    62% of the time of a 16-value python identity request (py-spy, bench/README.md). A model qualifies after
+    `QUALIFY` executions whose moving average stays under `LIMIT_NS`, and goes back to its thread as soon as
+    one inline execution takes longer than `EVICT_NS`, so a slow model can never stall the event loop for
+    more than one execution.
+    """
+
+    QUALIFY = 32
+    LIMIT_NS = 150_000
+    EVICT_NS = 2_000_000
+
+    __slots__ = ("allowed", "inline", "_avg", "_count")
+
+    def __init__(self, allowed: bool):
+        self.allowed = allowed
+        self.inline = False
+        self._avg = 0.0
+        self._count = 0
+
+    def observe(self, ns: int) -> None:
+        if not self.allowed:
+            return
+        if self.inline:
+            if ns > self.EVICT_NS:
+                self.inline = False
+                self._count = 0
+                self._avg = float(ns)
+            return
+        self._avg = ns if self._count == 0 else 0.8 * self._avg + 0.2 * ns
+        self._count += 1
+        if self._count >= self.QUALIFY and self._avg < self.LIMIT_NS:
+            self.inline = True
+
+    def forbid(self) -> None:
+        self.allowed = False
+        self.inline = False
+
+
 class ModelInstance(abc.ABC):
-    """One instance of a model (an `instance_group` member). `execute` runs on the instance's own thread."""
+    """One instance of a model (an `instance_group` member). `execute` runs on the instance's own thread,
+    or on the event loop when its `inline` policy allows it (see InlinePolicy)."""
 
     def __init__(self, ctx: ModelContext, group: "ModelInstanceGroup", device_id: int, index: int):
         self.ctx = ctx
@@ -60,6 +102,7 @@ class ModelInstance(abc.ABC):
         self.device_id = device_id
         self.index = index
         self.name = f"{group.name}_{index}"
+        self.inline = InlinePolicy(False)
 
     @abc.abstractmethod
     def execute(self, requests: list[InferenceRequest], timing: Timing) -> list[InferenceResponse]:

@@ -17,7 +17,7 @@ from ..config import ModelConfig
 from ..errors import Internal, InvalidArgument, NaiadError
 from ..inference import InferenceResponse
 from . import python_utils as pb_utils
-from .base import ModelContext, ModelInstance
+from .base import InlinePolicy, ModelContext, ModelInstance
 
 # Models do `import triton_python_backend_utils as pb_utils`.
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
@@ -56,6 +56,15 @@ def load_module(model_file: Path, model_name: str):
     return module
 
 
+def _uses_bls(module) -> bool:
+    """Whether model.py builds BLS requests (then it must never execute on the event loop)."""
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return True
+    return "InferenceRequest(" in source or ".exec(" in source or "async_exec" in source
+
+
 def auto_complete(config: ModelConfig, model_file: Path) -> None:
     """Run `TritonPythonModel.auto_complete_config` when the model defines it."""
     module = load_module(model_file, config.name)
@@ -85,6 +94,11 @@ class PythonInstance(ModelInstance):
         self.bf16_outputs = {o.name for o in ctx.config.output if o.data_type == mc.TYPE_BF16}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._initialized = False
+        # Inline execution on the event loop is for plain synchronous models only: BLS needs the loop to be
+        # free, async execute needs its own loop, decoupled models may block until they have sent everything.
+        self.inline = InlinePolicy(
+            not self.decoupled and not inspect.iscoroutinefunction(self.model.execute)
+            and not _uses_bls(module))
 
     def _initialize(self) -> None:
         kind = "GPU" if self.group.kind == mc.ModelInstanceGroup.KIND_GPU else "CPU"

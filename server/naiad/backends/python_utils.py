@@ -203,6 +203,12 @@ def _target():
     loop = getattr(_context, "loop", None) or _default.get("loop")
     if server is None:
         raise TritonModelException("BLS requests need a running Naiad server")
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        raise TritonModelException("BLS exec() cannot run on the server's event loop thread")
     return server, loop
 
 

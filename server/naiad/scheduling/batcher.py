@@ -75,6 +75,7 @@ class Scheduler:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
+        self._direct = 0  # executions started by the fast path, not yet finished
         self._closed = False
 
     # ---- submission ----
@@ -82,6 +83,10 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         if self._closed:
             raise Unavailable(f"model '{self.config.name}' is unloading")
+        if not self.dynamic and not self.queued:
+            inst = self.pool.try_acquire()
+            if inst is not None:
+                return await self._run_now(inst, request)
         if self._task is None:
             self._wakeup = asyncio.Event()
             self._task = loop.create_task(self._dispatch_loop())
@@ -143,6 +148,34 @@ class Scheduler:
             self.pool.stats.record_request(False, time.monotonic_ns() - req.arrival_ns, 0, 0, 0, 0,
                                            reason="REJECTED")
             entry.future.set_exception(Unavailable("Request timeout expired"))
+
+    async def _run_now(self, inst, request: InferenceRequest) -> InferenceResponse | None:
+        """Default scheduler, free instance, empty queue: no dispatcher round trip."""
+        if request.trace is not None:
+            request.trace.append(("QUEUE_START", time.monotonic_ns()))
+        self.pool.stats.pending += 1
+        self._direct += 1
+        if inst.inline.inline:  # no await inside: nothing can interrupt it
+            try:
+                results = await self.pool.run(inst, [request], time.monotonic_ns())
+            finally:
+                self._done_now(inst)
+        else:
+            # shielded: a client that goes away must not free an instance that is still executing
+            task = asyncio.ensure_future(self.pool.run(inst, [request], time.monotonic_ns()))
+            task.add_done_callback(lambda _: self._done_now(inst))
+            results = await asyncio.shield(task)
+        res = results[0]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def _done_now(self, inst) -> None:
+        self._direct -= 1
+        self.pool.stats.pending -= 1
+        self.pool.release(inst)
+        if self.queued and self._wakeup is not None:
+            self._wakeup.set()
 
     # ---- dispatch ----
     def _oldest(self) -> _Entry | None:
@@ -260,7 +293,7 @@ class Scheduler:
     async def close(self, timeout: float | None = None) -> None:
         """Stop accepting; let queued and running work finish (up to `timeout`)."""
         deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while (self.queued or self._running) and time.monotonic() < deadline:
+        while (self.queued or self._running or self._direct) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         self._closed = True
         for q in self.queues[1:]:

@@ -411,6 +411,33 @@ def test_model_is_loaded_live_and_routed(report):
     assert "Loaded" in events
 
 
+def test_kubectl_get_shows_pools_and_models(report):
+    h = report
+    models = h.kubectl("-n", NS, "get", "im", "-o", "wide").stdout
+    pools = h.kubectl("-n", NS, "get", "isrv").stdout
+    print(f"\n$ kubectl get im -o wide\n{models}\n$ kubectl get isrv\n{pools}")
+    assert models.split("\n")[0].split() == [
+        "NAME",
+        "MODEL",
+        "SERVER",
+        "PHASE",
+        "AVAILABLE",
+        "DESIRED",
+        "ENDPOINT",
+        "AGE",
+    ]
+    assert pools.split("\n")[0].split() == ["NAME", "REPLICAS", "READY", "MODELS", "STATUS", "AGE"]
+    row = dict(zip(models.split("\n")[0].split(), models.split("\n")[1].split()))
+    assert row["PHASE"] == "Available" and row["AVAILABLE"] == "1" and row["DESIRED"] == "1"
+    assert h.kubectl("get", "naiad", "-n", NS).returncode == 0  # the category lists both kinds
+    # No metrics adapter here: the pool serves, but says its autoscaler cannot read the queue-time metric.
+    conditions = {c["type"]: c for c in h.get("inferenceserver", "pool")["status"]["conditions"]}
+    assert conditions["WorkloadReady"]["status"] == "True"
+    if conditions["AutoscalerReady"]["status"] != "True":
+        assert conditions["Ready"]["reason"] == conditions["AutoscalerReady"]["reason"]
+        print(conditions["AutoscalerReady"])
+
+
 def test_config_change_reloads_without_restarting_pods(report):
     h = report
     pods_before = {

@@ -1,0 +1,176 @@
+"""The kopf handlers' own logic, called as plain functions with the in-memory clients: what they apply, what
+they refuse to touch, when a deletion waits, and which pod events start a pass."""
+
+from __future__ import annotations
+
+import kopf
+import pytest
+from naiad_operator import handlers
+from naiad_operator.config import OperatorConfig
+from naiad_operator.pool import LoadBackoff, PoolReport
+from operator_fakes import API, NS, FakeKube
+
+on_session_loop = pytest.mark.asyncio(loop_scope="session")
+
+
+class Pools:
+    """Records pass requests; `run` answers with a prepared report."""
+
+    def __init__(self, report=None):
+        self.requested: list[tuple[str, str]] = []
+        self.report = report or PoolReport(found=True)
+
+    def request(self, namespace, pool):
+        self.requested.append((namespace, pool))
+
+    async def run(self, namespace, pool):
+        self.requested.append((namespace, pool))
+        return self.report
+
+
+def memo(kube, pools=None):
+    m = kopf.Memo()
+    m.kube = kube
+    m.config = OperatorConfig(server_image="img:1")
+    m.pools = pools or Pools()
+    m.backoff = LoadBackoff(30)
+    m.pod_fingerprints = {}
+    return m
+
+
+def body(kind, name, spec, uid=None):
+    return {
+        "apiVersion": API,
+        "kind": kind,
+        "metadata": {"name": name, "namespace": NS, "uid": uid or f"uid-{name}"},
+        "spec": spec,
+    }
+
+
+@on_session_loop
+async def test_ensure_pool_applies_children_and_removes_only_its_own_hpa():
+    kube = FakeKube()
+    kube.apis.add("monitoring.coreos.com/v1")
+    pool = body("InferenceServer", "gpu", {"replicas": 2, "maxReplicas": 4})
+    assert await handlers.ensure_pool(memo(kube), pool, events=False) == []
+    assert [o["kind"] for o in kube.applied] == [
+        "Deployment",
+        "Service",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "ServiceMonitor",
+    ]
+    assert kube.applied[0]["spec"]["template"]["spec"]["containers"][0]["image"] == "img:1"
+    # autoscaling turned off: the operator's HPA goes, someone else's HPA with the same name would stay
+    pool["spec"] = {"replicas": 2}
+    await handlers.ensure_pool(memo(kube), pool, events=False)
+    assert ("HorizontalPodAutoscaler", "gpu") in kube.deleted
+    kube.deleted.clear()
+    kube.add(
+        {
+            "apiVersion": "autoscaling/v2",
+            "kind": "HorizontalPodAutoscaler",
+            "metadata": {"name": "gpu", "ownerReferences": [{"uid": "someone-else"}]},
+        }
+    )
+    await handlers.ensure_pool(memo(kube), pool, events=False)
+    assert kube.deleted == []
+
+
+@on_session_loop
+async def test_ensure_pool_reports_invalid_specs_without_applying():
+    kube = FakeKube()
+    pool = body("InferenceServer", "gpu", {"args": ["--model-control-mode=poll"]})
+    problems = await handlers.ensure_pool(memo(kube), pool, events=True)
+    assert problems and "--model-control-mode" in problems[0]
+    assert kube.applied == []
+
+
+@on_session_loop
+async def test_ensure_model_creates_a_dedicated_pool_and_services():
+    kube = FakeKube()
+    model = body(
+        "InferenceModel",
+        "resnet",
+        {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "server": {"image": "x"}},
+    )
+    assert await handlers.ensure_model(memo(kube), model, events=False) == "resnet-server"
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in kube.applied]
+    assert kinds == [
+        ("InferenceServer", "resnet-server"),
+        ("Service", "resnet"),
+        ("Service", "resnet-headless"),
+        ("HorizontalPodAutoscaler", "resnet"),
+    ]
+
+
+@on_session_loop
+async def test_ensure_model_never_takes_over_a_foreign_pool():
+    kube = FakeKube()
+    kube.add(body("InferenceServer", "resnet-server", {"replicas": 1}, uid="other"))
+    model = body("InferenceModel", "resnet", {})
+    await handlers.ensure_model(memo(kube), model, events=False)
+    assert "InferenceServer" not in [o["kind"] for o in kube.applied]
+    assert kube.obj(API, "InferenceServer", "resnet-server")["spec"] == {"replicas": 1}
+
+
+@on_session_loop
+async def test_ensure_model_with_an_invalid_spec_applies_nothing():
+    kube = FakeKube()
+    model = body("InferenceModel", "resnet", {"serverRef": {"name": "gpu"}, "storage": {"uri": "s3://x"}})
+    assert await handlers.ensure_model(memo(kube), model, events=True) == "gpu"
+    assert kube.applied == []
+
+
+@on_session_loop
+async def test_model_delete_waits_for_unreachable_holders_then_gives_up():
+    pools = Pools(PoolReport(found=True, holders={"bert": ["gpu-1"]}))
+    m = memo(FakeKube(), pools)
+    model = body("InferenceModel", "bert", {"serverRef": {"name": "gpu"}})
+    with pytest.raises(kopf.TemporaryError, match="gpu-1"):
+        await handlers.model_deleted(
+            body=model, spec=model["spec"], name="bert", namespace=NS, memo=m, retry=0
+        )
+    await handlers.model_deleted(
+        body=model, spec=model["spec"], name="bert", namespace=NS, memo=m, retry=handlers.DELETE_RETRIES
+    )
+    assert pools.requested == [(NS, "gpu"), (NS, "gpu")]
+    # a dedicated pool is garbage-collected with the model: no pass needed
+    dedicated = body("InferenceModel", "solo", {})
+    await handlers.model_deleted(body=dedicated, spec={}, name="solo", namespace=NS, memo=m, retry=0)
+    assert len(pools.requested) == 2
+
+
+@on_session_loop
+async def test_model_moving_to_another_pool_gives_both_pools_a_pass():
+    pools = Pools()
+    m = memo(FakeKube(), pools)
+    model = body("InferenceModel", "bert", {"serverRef": {"name": "new"}})
+    await handlers.model_changed(
+        body=model, name="bert", namespace=NS, memo=m, old={"spec": {"serverRef": {"name": "old"}}}
+    )
+    assert pools.requested == [(NS, "new"), (NS, "old")]
+
+
+@on_session_loop
+async def test_pod_events_start_a_pass_only_when_placement_would_see_a_change():
+    pools = Pools()
+    m = memo(FakeKube(), pools)
+    pod = {
+        "metadata": {"uid": "u1", "name": "p", "labels": {"naiad.dev/server": "gpu"}},
+        "status": {
+            "podIP": "10.0.0.1",
+            "containerStatuses": [{"name": "server", "ready": False, "restartCount": 0}],
+        },
+    }
+    await handlers.pod_event(event={"type": "ADDED"}, body=pod, namespace=NS, memo=m)
+    pod["metadata"]["labels"]["naiad.dev/model-x"] = "loaded"  # the operator's own label write
+    await handlers.pod_event(event={"type": "MODIFIED"}, body=pod, namespace=NS, memo=m)
+    assert len(pools.requested) == 1
+    pod["status"]["containerStatuses"][0]["ready"] = True
+    await handlers.pod_event(event={"type": "MODIFIED"}, body=pod, namespace=NS, memo=m)
+    pod["status"]["containerStatuses"][0]["restartCount"] = 1
+    await handlers.pod_event(event={"type": "MODIFIED"}, body=pod, namespace=NS, memo=m)
+    await handlers.pod_event(event={"type": "DELETED"}, body=pod, namespace=NS, memo=m)
+    assert pools.requested == [(NS, "gpu")] * 4
+    assert m.pod_fingerprints == {}

@@ -1,0 +1,67 @@
+"""Operator settings from the environment, the command line, and resource quantities."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from naiad_operator.__main__ import parse_args
+from naiad_operator.config import OperatorConfig
+from naiad_operator.quantity import parse_quantity, quantity_bytes
+
+
+def test_config_defaults_and_environment():
+    assert OperatorConfig.from_env({}) == OperatorConfig()
+    config = OperatorConfig.from_env(
+        {
+            "NAIAD_SERVER_IMAGE": "registry/naiad:2",
+            "NAIAD_RESYNC_SECONDS": "5",
+            "NAIAD_LOAD_TIMEOUT_SECONDS": "1200",
+            "NAIAD_QUEUE_METRIC": "q",
+            "NAIAD_SERVICE_MONITORS": "false",
+        }
+    )
+    assert config.server_image == "registry/naiad:2" and config.resync_seconds == 5.0
+    assert config.load_timeout_seconds == 1200.0 and config.queue_metric_name == "q"
+    assert config.service_monitors == "false"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"NAIAD_RESYNC_SECONDS": "soon"}, {"NAIAD_RESYNC_SECONDS": "0"}, {"NAIAD_SERVICE_MONITORS": "maybe"}],
+)
+def test_config_rejects_bad_values(env):
+    with pytest.raises(ValueError):
+        OperatorConfig.from_env(env)
+
+
+def test_command_line():
+    args = parse_args(["-n", "ml", "--namespace", "team-*", "--liveness", "", "-v"])
+    assert args.namespaces == ["ml", "team-*"] and args.liveness == "" and args.verbose
+    assert parse_args([]).liveness == "http://0.0.0.0:8080/healthz"
+    with pytest.raises(SystemExit):
+        parse_args(["-n", "ml", "--all-namespaces"])
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("16Gi", Decimal(16 * 2**30)),
+        ("500M", Decimal(500 * 10**6)),
+        ("1.5e3", Decimal(1500)),
+        ("250m", Decimal("0.25")),
+        (1024, Decimal(1024)),
+        ("2", Decimal(2)),
+    ],
+)
+def test_quantities(text, value):
+    assert parse_quantity(text) == value
+
+
+def test_quantity_bytes_and_errors():
+    assert quantity_bytes(None) == 0
+    assert quantity_bytes("1Ki") == 1024
+    assert quantity_bytes("0.5Ki") == 512
+    for bad in ("lots", "1GB", "", "1.2.3"):
+        with pytest.raises(ValueError):
+            parse_quantity(bad)

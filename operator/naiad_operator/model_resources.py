@@ -39,6 +39,7 @@ from .resources import (
     render_hpa,
     repository_claim,
     repository_path,
+    server_spec_problems,
 )
 
 # Fields of a dedicated pool that the InferenceModel decides (its replicas drive the pool; its HPA scales it).
@@ -187,6 +188,9 @@ def pool_problems(intent: ModelIntent, pool: Mapping[str, Any]) -> list[str]:
             problems.append(
                 f"InferenceServer {intent.pool} exists and was not created for this model; set serverRef to use it"
             )
+        else:
+            # The template is the model's spec: its mistakes are the model's to report.
+            problems += [f"server: {p}" for p in server_spec_problems(intent.pool, pool_spec)]
     backends = (pool_spec.get("capabilities") or {}).get("backends") or []
     if intent.backend and backends and intent.backend not in backends:
         problems.append(

@@ -50,6 +50,10 @@ class LoadBackoff:
         self._failures: dict[tuple[str, str, str, str], tuple[int, float, str]] = {}
 
     def failed(self, namespace: str, pod: str, model: str, revision: str, message: str) -> None:
+        # Forget failures whose back-off ended long ago (old revisions, pods that are gone).
+        stale = self._clock() - 3600
+        for old in [k for k, (_, until, _) in self._failures.items() if until < stale]:
+            del self._failures[old]
         key = (namespace, pod, model, revision)
         count = self._failures.get(key, (0, 0.0, ""))[0] + 1
         delay = self._base * min(2 ** (count - 1), 16)

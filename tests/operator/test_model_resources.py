@@ -191,6 +191,8 @@ def test_pool_problems():
     dedicated = model_intent("m", {})
     assert pool_problems(dedicated, {"metadata": {"labels": {DEDICATED_FOR_LABEL: "m"}}, "spec": {}}) == []
     assert pool_problems(dedicated, {"metadata": {"labels": {}}, "spec": {}})
+    bad_template = {"metadata": {"labels": {DEDICATED_FOR_LABEL: "m"}}, "spec": {"args": ["--http-port=1"]}}
+    assert pool_problems(dedicated, bad_template)[0].startswith("server: args: --http-port")
 
 
 def test_endpoint():

@@ -313,3 +313,21 @@ async def test_suspend_unloads_and_resume_reloads(world):
     kube.obj(API, "InferenceModel", "resnet")["spec"]["suspended"] = False
     await reconcile_pool(ctx, NS, "gpu")
     assert status_of(kube, "InferenceModel", "resnet")["phase"] == "Available"
+
+
+def test_backoff_doubles_and_forgets_old_failures():
+    clock = [0.0]
+    backoff = LoadBackoff(10.0, clock=lambda: clock[0])
+    backoff.failed(NS, "p", "m", "r", "boom")
+    assert backoff.avoid(NS, "m", "r") == {"p": "boom"}
+    clock[0] = 11
+    assert backoff.avoid(NS, "m", "r") == {}
+    backoff.failed(NS, "p", "m", "r", "boom again")  # second failure: 20 s
+    clock[0] = 30
+    assert backoff.avoid(NS, "m", "r") == {"p": "boom again"}
+    backoff.succeeded(NS, "p", "m", "r")
+    assert backoff.avoid(NS, "m", "r") == {}
+    backoff.failed(NS, "p", "m", "old", "x")
+    clock[0] = 10_000
+    backoff.failed(NS, "q", "m", "new", "y")
+    assert ("ml", "p", "m", "old") not in backoff._failures

@@ -43,9 +43,8 @@ _COUNTERS = [
 _HISTOGRAMS = {
     "request": ("nv_inference_request_duration_seconds", "Inference request latency in seconds"),
     "queue": ("nv_inference_queue_duration_seconds", "Inference queue time in seconds"),
-    "compute_input": ("nv_inference_compute_input_duration_seconds", "Compute input time in seconds"),
-    "compute_infer": ("nv_inference_compute_infer_duration_seconds", "Compute inference time in seconds"),
-    "compute_output": ("nv_inference_compute_output_duration_seconds", "Compute output time in seconds"),
+    "compute_infer": ("nv_inference_compute_infer_duration_seconds",
+                      "Compute time (input, inference, output) in seconds"),
 }
 _FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
@@ -201,6 +200,7 @@ class Metrics:
         self._triton_counters = [n.encode() for n, _, _ in _COUNTERS] + [b"nv_inference_request_failure"]
         self.histograms = {}
         self.summaries = {}
+        self._children: dict[tuple, list] = {}
         if settings["histogram_latencies"]:
             for kind, (name, doc) in _HISTOGRAMS.items():
                 self.histograms[kind] = Histogram(name, doc, ["model", "version"], registry=self.registry,
@@ -216,12 +216,17 @@ class Metrics:
         self._thread.start()
 
     def observe(self, kind: str, model: str, version: str, seconds: float) -> None:
-        h = self.histograms.get(kind)
-        if h is not None:
-            h.labels(model, version).observe(seconds)
-        s = self.summaries.get(kind)
-        if s is not None:
-            s.labels(model, version).observe(seconds)
+        """Called for every finished request; labelled children are looked up once and cached."""
+        key = (kind, model, version)
+        children = self._children.get(key)
+        if children is None:
+            children = []
+            for family in (self.histograms.get(kind), self.summaries.get(kind)):
+                if family is not None:
+                    children.append(family.labels(model, version))
+            self._children[key] = children
+        for child in children:
+            child.observe(seconds)
 
     def _sample_loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -95,9 +95,7 @@ class ModelStats:
             self._observe("request", total_ns)
             if ok:
                 self._observe("queue", queue_ns)
-                self._observe("compute_input", input_ns)
-                self._observe("compute_infer", infer_ns)
-                self._observe("compute_output", output_ns)
+                self._observe("compute_infer", input_ns + infer_ns + output_ns)
 
     def record_cache(self, hit: bool, ns: int) -> None:
         with self.lock:

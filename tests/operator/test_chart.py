@@ -10,9 +10,10 @@ import json
 import re
 from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
+
+jsonschema = pytest.importorskip("jsonschema")  # in the test extra
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "naiad"

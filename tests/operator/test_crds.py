@@ -9,9 +9,10 @@ import importlib.util
 import re
 from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
+
+jsonschema = pytest.importorskip("jsonschema")  # in the test extra
 from naiad_operator.config import OperatorConfig
 from naiad_operator.model_resources import model_intent, render_dedicated_server
 from naiad_operator.resources import Owner

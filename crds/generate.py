@@ -511,7 +511,9 @@ def inference_model_crd() -> dict[str, Any]:
             ),
             "minReplicas": integer("Autoscaler lower bound.", minimum=1),
             "maxReplicas": integer("Autoscaler upper bound.", minimum=1),
-            "autoscaling": autoscaling_schema("model"),
+            "autoscaling": autoscaling_schema(
+                "model (with a dedicated pool only: on a shared pool, autoscale the InferenceServer)"
+            ),
             "suspended": boolean("Unload the model everywhere and keep it unloaded.", default=False),
         },
         **{

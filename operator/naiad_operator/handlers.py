@@ -17,7 +17,14 @@ from .config import OperatorConfig
 from .control import ModelControlClient
 from .events import post as post_event
 from .kube import KubeClient, KubeError
-from .model_resources import model_intent, render_dedicated_server, render_model_hpa, render_model_services
+from .model_resources import (
+    SHARED_POOL_AUTOSCALING,
+    model_autoscaling_ignored,
+    model_intent,
+    render_dedicated_server,
+    render_model_hpa,
+    render_model_services,
+)
 from .naming import (
     API_VERSION,
     GROUP,
@@ -203,6 +210,8 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
             objects.append(render_dedicated_server(owner, spec, intent))
         # else: someone else's InferenceServer has the name; the pass reports it in status.
     objects += render_model_services(owner, intent)
+    if model_autoscaling_ignored(spec, intent) and events:
+        post_event(body, "Warning", "AutoscalingIgnored", SHARED_POOL_AUTOSCALING)
     hpa = render_model_hpa(owner, spec, intent, config)
     if hpa is not None:
         objects.append(hpa)

@@ -320,9 +320,21 @@ def render_model_services(owner: Owner, intent: ModelIntent) -> list[Body]:
     return [service, headless]
 
 
+SHARED_POOL_AUTOSCALING = (
+    "autoscaling is ignored for a model on a shared pool: Kubernetes refuses to run two autoscalers over the "
+    "same pods (AmbiguousSelector), and a pool's pods are shared by its models and its own autoscaler. "
+    "Autoscale the InferenceServer instead, or give the model a dedicated pool (no serverRef)"
+)
+
+
+def model_autoscaling_ignored(spec: Spec, intent: ModelIntent) -> bool:
+    return not intent.dedicated and autoscaling_active(spec)
+
+
 def render_model_hpa(owner: Owner, spec: Spec, intent: ModelIntent, config: OperatorConfig) -> Body | None:
-    """HPA on the InferenceModel's scale subresource; its default metric is the queue time of this model only."""
-    if intent.suspended or not autoscaling_active(spec):
+    """HPA on the InferenceModel's scale subresource, for a model with a dedicated pool (whose pods only this
+    HPA selects); its default metric is the queue time of this model only."""
+    if intent.suspended or not intent.dedicated or not autoscaling_active(spec):
         return None
     return render_hpa(
         owner, MODEL_KIND, intent.name, spec, config, model_labels(intent), model=intent.model_name

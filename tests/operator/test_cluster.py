@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -194,9 +195,10 @@ class Harness:
 
     def diagnostics(self) -> str:
         objects = self.kubectl(
-            "-n", NS, "get", "inferenceservers,inferencemodels,pods", "-o", "yaml", check=False
+            "-n", NS, "get", "inferenceservers,inferencemodels,hpa", "-o", "yaml", check=False
         )
-        parts = [f"--- objects ---\n{objects.stdout[-12000:]}"]
+        pods = self.kubectl("-n", NS, "get", "pods", "-o", "wide", "--show-labels", check=False)
+        parts = [f"--- objects ---\n{objects.stdout[-20000:]}\n--- pods ---\n{pods.stdout}"]
         parts += [
             f"--- operator log ---\n{self.operator_log.read_text()[-6000:] if self.operator_log.exists() else ''}"
         ]
@@ -573,3 +575,103 @@ def test_dedicated_pool_from_one_resource(report):
     wait(lambda: h.model_status("solo").get("phase") == "Available", 180, what="dedicated model Available")
     h.kubectl("-n", NS, "delete", "im", "solo", "--timeout=90s")
     wait(lambda: not h.exists("inferenceserver", "solo-server"), 90, what="dedicated pool garbage-collected")
+
+
+def adapter_rules(h: Harness) -> dict:
+    """The prometheus-adapter rule exactly as the chart renders it."""
+    rendered = h.cluster.helm(
+        "template", "naiad", str(ROOT / "helm" / "naiad"), "--set", "prometheusAdapter.rules.enabled=true"
+    ).stdout
+    config_map = next(d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "ConfigMap")
+    return yaml.safe_load(config_map["data"]["config.yaml"])
+
+
+def test_autoscaling_on_queue_time_through_prometheus_adapter(report):
+    """Prometheus scrapes the pods, prometheus-adapter serves the chart's rule, and the real HPA controller scales
+    a shared pool (on its pods' queue time) and a model with a dedicated pool (on that model's queue time only)
+    through their scale subresources; the operator follows with pods and placements."""
+    h = report
+    monitoring = pytest.importorskip("e2e.monitoring")
+    if not monitoring.find_prometheus():
+        pytest.skip("prometheus binary missing (apt-get install prometheus)")
+    fast = {"targetQueueTimeMicroseconds": 1, "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}}
+    h.apply(
+        pool(
+            "auto",
+            replicas=1,
+            minReplicas=1,
+            maxReplicas=3,
+            modelRepository={"path": str(h.repo)},
+            autoscaling=fast,
+        )
+    )
+    h.apply(model("busy", serverRef={"name": "auto"}, modelName="add_sub", replicas=1))
+    h.apply(
+        model(
+            "scaled",
+            modelName="add_sub",
+            replicas=1,
+            minReplicas=1,
+            maxReplicas=2,
+            autoscaling=fast,
+            storage={"uri": f"file://{h.repo}"},
+            server={
+                "resources": {"limits": {"nvidia.com/gpu": 1}},
+                "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": ""}],
+            },
+        )
+    )
+    for name in ("busy", "scaled"):
+        wait(
+            lambda name=name: h.model_status(name).get("phase") == "Available", 180, what=f"{name} Available"
+        )
+    stop = threading.Event()
+
+    def load() -> None:  # concurrent requests, so some wait in the scheduler queue
+        while not stop.is_set():
+            for selector in ("naiad.dev/model-busy=loaded", "naiad.dev/model-scaled=loaded"):
+                for p in h.get("pods", selector=selector)["items"]:
+                    try:
+                        h.infer(p["status"]["podIP"])
+                    except OSError:
+                        pass
+
+    workers = [threading.Thread(target=load, daemon=True) for _ in range(12)]
+    prometheus = monitoring.Prometheus(kubeconfig=h.cluster.kubeconfig, workdir=h.workdir / "prometheus")
+    adapter = monitoring.PrometheusAdapter(
+        h.cluster, "", rules=adapter_rules(h), workdir=h.workdir / "adapter"
+    )
+    try:
+        prometheus.start()
+        adapter.prometheus_url = prometheus.url
+        adapter.start()
+        for worker in workers:
+            worker.start()
+        metric = "naiad_queue_time_per_request_us"
+        wait(lambda: adapter.pod_metric(NS, metric), 120, what=f"custom metric {metric}")
+        # the dedicated model's HPA scales the model (and so its pool) to 2 pods holding it
+        wait(
+            lambda: h.get("inferencemodel", "scaled")["spec"]["replicas"] == 2, 240, what="model scaled to 2"
+        )
+        wait(lambda: h.model_status("scaled").get("availableReplicas") == 2, 180, what="model on 2 pods")
+        # the shared pool's HPA scales the pool to 3 pods
+        wait(lambda: h.get("inferenceserver", "auto")["spec"]["replicas"] == 3, 240, what="pool scaled to 3")
+        wait(
+            lambda: (h.get("inferenceserver", "auto").get("status") or {}).get("readyReplicas") == 3,
+            180,
+            what="3 ready pool pods",
+        )
+        conditions = {c["type"]: c for c in h.get("inferenceserver", "auto")["status"]["conditions"]}
+        assert conditions["AutoscalerReady"]["status"] == "True", conditions["AutoscalerReady"]
+    except BaseException:
+        adapter_log = adapter.log_path.read_text()[-3000:] if adapter.log_path.exists() else ""
+        print(h.diagnostics(), f"--- adapter ---\n{adapter_log}")
+        raise
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=15)
+        adapter.stop()
+        prometheus.stop()
+        h.kubectl("-n", NS, "delete", "im", "busy", "scaled", "--timeout=90s", check=False)
+        h.kubectl("-n", NS, "delete", "inferenceserver", "auto", "--timeout=90s", check=False)

@@ -10,6 +10,7 @@ from naiad_operator.model_resources import (
     Repository,
     endpoint,
     load_config,
+    model_autoscaling_ignored,
     model_intent,
     model_selector,
     parse_storage_uri,
@@ -142,9 +143,8 @@ def test_model_services_select_pods_that_hold_the_model():
     assert service["metadata"]["ownerReferences"][0]["uid"] == "uid-m"
 
 
-def test_model_hpa_scales_the_model_on_its_own_queue_time():
+def test_model_hpa_scales_a_dedicated_model_on_its_own_queue_time():
     spec = {
-        "serverRef": {"name": "gpu"},
         "minReplicas": 1,
         "maxReplicas": 4,
         "autoscaling": {"targetQueueTimeMicroseconds": 800},
@@ -163,7 +163,16 @@ def test_model_hpa_scales_the_model_on_its_own_queue_time():
     assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "800"
     suspended = {**spec, "suspended": True}
     assert render_model_hpa(OWNER, suspended, model_intent("resnet", suspended), CONFIG) is None
-    assert render_model_hpa(OWNER, {"serverRef": {"name": "gpu"}}, model_intent("resnet", {}), CONFIG) is None
+    assert render_model_hpa(OWNER, {}, model_intent("resnet", {}), CONFIG) is None
+
+
+def test_models_on_shared_pools_get_no_hpa():
+    # Two HPAs over the same pods disable each other (AmbiguousSelector), and a shared pool's pods are shared.
+    spec = {"serverRef": {"name": "gpu"}, "minReplicas": 1, "maxReplicas": 4}
+    intent = model_intent("resnet", spec)
+    assert render_model_hpa(OWNER, spec, intent, CONFIG) is None
+    assert model_autoscaling_ignored(spec, intent)
+    assert not model_autoscaling_ignored({"maxReplicas": 4}, model_intent("resnet", {"maxReplicas": 4}))
 
 
 def test_pool_problems():

@@ -1,5 +1,5 @@
 """Make the operator package importable from a plain checkout (no install needed for these unit tests), and the
-e2e harness (the `e2e` package at the repository root) for tests/operator/test_cluster.py."""
+e2e harness (the `e2e` package at the repository root) for tests/operator/test_operator_cluster.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The Helm chart's files that can be checked without helm: values against values.schema.json, generated copies
 (CRDs, dashboard) in sync, and a dashboard whose queries use only the metrics Naiad exports. `helm lint` and
-`helm template` (tests/operator/test_helm.py) cover the templates when a helm binary is available."""
+`helm template` (tests/operator/test_helm_chart.py) cover the templates when a helm binary is available."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ rejected specs, and the operator's own restart.
 
 Slow (a cluster start, about a minute); skipped without the e2e binaries (see find_binaries) or the server's
 dependencies.
-Run: pytest tests/operator/test_cluster.py -m slow
+Run: pytest tests/operator/test_operator_cluster.py -m slow
 """
 
 from __future__ import annotations

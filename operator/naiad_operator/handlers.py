@@ -242,11 +242,12 @@ async def model_changed(
 
 @kopf.timer(GROUP, VERSION, MODEL_PLURAL, interval=RESYNC * 2, initial_delay=RESYNC / 2)
 async def model_resync(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    """Re-apply the model's objects and make sure its pool gets a pass (also when the pool does not exist yet,
-    which the pass reports as Pending)."""
+    """Re-apply the model's objects. Placement is the pool timer's job; without a pool there is no pool timer,
+    so the pass runs from here and reports the model Pending."""
     try:
         pool = await ensure_model(memo, dict(body), events=False)
-        await memo.pools.run(namespace, pool)
+        if await memo.kube.get(API_VERSION, SERVER_KIND, namespace, pool) is None:
+            await memo.pools.run(namespace, pool)
     except KubeError as error:
         raise _retry_or_raise(error, f"resync of InferenceModel {name}") from error
 

@@ -174,3 +174,15 @@ async def test_pod_events_start_a_pass_only_when_placement_would_see_a_change():
     await handlers.pod_event(event={"type": "DELETED"}, body=pod, namespace=NS, memo=m)
     assert pools.requested == [(NS, "gpu")] * 4
     assert m.pod_fingerprints == {}
+
+
+@on_session_loop
+async def test_model_resync_runs_a_pass_only_without_a_pool():
+    kube, pools = FakeKube(), Pools()
+    m = memo(kube, pools)
+    model = body("InferenceModel", "bert", {"serverRef": {"name": "gpu"}})
+    await handlers.model_resync(body=model, name="bert", namespace=NS, memo=m)
+    assert pools.requested == [(NS, "gpu")]
+    kube.add(body("InferenceServer", "gpu", {}))
+    await handlers.model_resync(body=model, name="bert", namespace=NS, memo=m)
+    assert pools.requested == [(NS, "gpu")]  # the pool's own timer places it

@@ -25,8 +25,9 @@ def target(expr: str, legend: str, ref: str = "A") -> dict[str, Any]:
     return {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "refId": ref, "range": True}
 
 
-def timeseries(title: str, targets: list[dict[str, Any]], unit: str, description: str = "",
-               stack: bool = False) -> dict[str, Any]:
+def timeseries(
+    title: str, targets: list[dict[str, Any]], unit: str, description: str = "", stack: bool = False
+) -> dict[str, Any]:
     return {
         "type": "timeseries",
         "title": title,
@@ -36,13 +37,19 @@ def timeseries(title: str, targets: list[dict[str, Any]], unit: str, description
         "fieldConfig": {
             "defaults": {
                 "unit": unit,
-                "custom": {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10 if stack else 0,
-                           "stacking": {"mode": "normal" if stack else "none", "group": "A"}},
+                "custom": {
+                    "drawStyle": "line",
+                    "lineWidth": 1,
+                    "fillOpacity": 10 if stack else 0,
+                    "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+                },
             },
             "overrides": [],
         },
-        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max"]},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
+        "options": {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
     }
 
 
@@ -57,71 +64,154 @@ def quantile(q: float, histogram: str, by: str) -> str:
 def panels() -> list[dict[str, Any]]:
     per_model = [
         row("Requests per model"),
-        timeseries("Request rate", [
-            target(f"sum by (model) (rate(nv_inference_request_success{{{SEL}}}[{RATE}]))", "{{model}}"),
-        ], "reqps", "Successful inference requests per second."),
-        timeseries("Failures", [
-            target(f"sum by (model) (rate(nv_inference_request_failure{{{SEL}}}[{RATE}]))", "{{model}}"),
-        ], "reqps", "Failed inference requests per second."),
-        timeseries("Success ratio", [
-            target(
-                f"sum by (model) (rate(nv_inference_request_success{{{SEL}}}[{RATE}])) / ("
-                f"sum by (model) (rate(nv_inference_request_success{{{SEL}}}[{RATE}])) + "
-                f"sum by (model) (rate(nv_inference_request_failure{{{SEL}}}[{RATE}])))",
-                "{{model}}",
-            ),
-        ], "percentunit"),
-        timeseries("Request latency p50 / p99", [
-            target(quantile(0.5, "nv_inference_request_duration_seconds", "model"), "p50 {{model}}", "A"),
-            target(quantile(0.99, "nv_inference_request_duration_seconds", "model"), "p99 {{model}}", "B"),
-        ], "s", "End-to-end server latency from the request-duration histogram."),
-        timeseries("Compute latency p50 / p99", [
-            target(quantile(0.5, "nv_inference_compute_infer_duration_seconds", "model"), "p50 {{model}}", "A"),
-            target(quantile(0.99, "nv_inference_compute_infer_duration_seconds", "model"), "p99 {{model}}", "B"),
-        ], "s", "Time spent executing the model."),
-        timeseries("Queue time", [
-            target(
-                f"sum by (model) (rate(nv_inference_queue_duration_us{{{SEL}}}[{RATE}])) / "
-                f"clamp_min(sum by (model) (rate(nv_inference_request_success{{{SEL}}}[{RATE}])), 0.001)",
-                "avg {{model}}", "A",
-            ),
-            target(f"1e6 * {quantile(0.99, 'nv_inference_queue_duration_seconds', 'model')}", "p99 {{model}}", "B"),
-        ], "µs", "Average queue time per request (the default autoscaling metric) and its p99."),
-        timeseries("Average batch size", [
-            target(
-                f"sum by (model) (rate(nv_inference_count{{{SEL}}}[{RATE}])) / "
-                f"clamp_min(sum by (model) (rate(nv_inference_exec_count{{{SEL}}}[{RATE}])), 0.001)",
-                "{{model}}",
-            ),
-        ], "short", "Inferences per model execution: how well the dynamic batcher fills batches."),
-        timeseries("Pending requests", [
-            target(f"sum by (model) (nv_inference_pending_request_count{{{SEL}}})", "{{model}}"),
-        ], "short", "Requests waiting in the scheduler queue."),
+        timeseries(
+            "Request rate",
+            [
+                target(f"sum by (model) (rate(nv_inference_request_success{{{SEL}}}[{RATE}]))", "{{model}}"),
+            ],
+            "reqps",
+            "Successful inference requests per second.",
+        ),
+        timeseries(
+            "Failures",
+            [
+                target(f"sum by (model) (rate(nv_inference_request_failure{{{SEL}}}[{RATE}]))", "{{model}}"),
+            ],
+            "reqps",
+            "Failed inference requests per second.",
+        ),
+        timeseries(
+            "Success ratio",
+            [
+                target(
+                    f"sum by (model) (rate(nv_inference_request_success{{{SEL}}}[{RATE}])) / ("
+                    f"sum by (model) (rate(nv_inference_request_success{{{SEL}}}[{RATE}])) + "
+                    f"sum by (model) (rate(nv_inference_request_failure{{{SEL}}}[{RATE}])))",
+                    "{{model}}",
+                ),
+            ],
+            "percentunit",
+        ),
+        timeseries(
+            "Request latency p50 / p99",
+            [
+                target(quantile(0.5, "nv_inference_request_duration_seconds", "model"), "p50 {{model}}", "A"),
+                target(
+                    quantile(0.99, "nv_inference_request_duration_seconds", "model"), "p99 {{model}}", "B"
+                ),
+            ],
+            "s",
+            "End-to-end server latency from the request-duration histogram.",
+        ),
+        timeseries(
+            "Compute latency p50 / p99",
+            [
+                target(
+                    quantile(0.5, "nv_inference_compute_infer_duration_seconds", "model"),
+                    "p50 {{model}}",
+                    "A",
+                ),
+                target(
+                    quantile(0.99, "nv_inference_compute_infer_duration_seconds", "model"),
+                    "p99 {{model}}",
+                    "B",
+                ),
+            ],
+            "s",
+            "Time spent executing the model.",
+        ),
+        timeseries(
+            "Queue time",
+            [
+                target(
+                    f"sum by (model) (rate(nv_inference_queue_duration_us{{{SEL}}}[{RATE}])) / "
+                    f"clamp_min(sum by (model) (rate(nv_inference_request_success{{{SEL}}}[{RATE}])), 0.001)",
+                    "avg {{model}}",
+                    "A",
+                ),
+                target(
+                    f"1e6 * {quantile(0.99, 'nv_inference_queue_duration_seconds', 'model')}",
+                    "p99 {{model}}",
+                    "B",
+                ),
+            ],
+            "µs",
+            "Average queue time per request (the default autoscaling metric) and its p99.",
+        ),
+        timeseries(
+            "Average batch size",
+            [
+                target(
+                    f"sum by (model) (rate(nv_inference_count{{{SEL}}}[{RATE}])) / "
+                    f"clamp_min(sum by (model) (rate(nv_inference_exec_count{{{SEL}}}[{RATE}])), 0.001)",
+                    "{{model}}",
+                ),
+            ],
+            "short",
+            "Inferences per model execution: how well the dynamic batcher fills batches.",
+        ),
+        timeseries(
+            "Pending requests",
+            [
+                target(f"sum by (model) (nv_inference_pending_request_count{{{SEL}}})", "{{model}}"),
+            ],
+            "short",
+            "Requests waiting in the scheduler queue.",
+        ),
     ]
     per_pod = [
         row("Pods"),
-        timeseries("Request rate per pod", [
-            target(f"sum by (pod) (rate(nv_inference_request_success{{{SEL}}}[{RATE}]))", "{{pod}}"),
-        ], "reqps", "How evenly the Services spread traffic.", stack=True),
-        timeseries("Queue time per pod", [
-            target(
-                f"sum by (pod) (rate(nv_inference_queue_duration_us{{{SEL}}}[{RATE}])) / "
-                f"clamp_min(sum by (pod) (rate(nv_inference_request_success{{{SEL}}}[{RATE}])), 0.001)",
-                "{{pod}}",
-            ),
-        ], "µs", "What the autoscaler sees for each pod."),
-        timeseries("GPU utilisation", [
-            target(f"avg by (pod, gpu_uuid) (nv_gpu_utilization{{{POD_SEL}}})", "{{pod}} {{gpu_uuid}}"),
-        ], "percentunit"),
-        timeseries("GPU memory used", [
-            target(f"sum by (pod, gpu_uuid) (nv_gpu_memory_used_bytes{{{POD_SEL}}})", "{{pod}} {{gpu_uuid}}"),
-        ], "bytes"),
-        timeseries("CPU utilisation", [
-            target(f"avg by (pod) (nv_cpu_utilization{{{POD_SEL}}})", "{{pod}}"),
-        ], "percentunit"),
-        timeseries("CPU memory used", [
-            target(f"sum by (pod) (nv_cpu_memory_used_bytes{{{POD_SEL}}})", "{{pod}}"),
-        ], "bytes"),
+        timeseries(
+            "Request rate per pod",
+            [
+                target(f"sum by (pod) (rate(nv_inference_request_success{{{SEL}}}[{RATE}]))", "{{pod}}"),
+            ],
+            "reqps",
+            "How evenly the Services spread traffic.",
+            stack=True,
+        ),
+        timeseries(
+            "Queue time per pod",
+            [
+                target(
+                    f"sum by (pod) (rate(nv_inference_queue_duration_us{{{SEL}}}[{RATE}])) / "
+                    f"clamp_min(sum by (pod) (rate(nv_inference_request_success{{{SEL}}}[{RATE}])), 0.001)",
+                    "{{pod}}",
+                ),
+            ],
+            "µs",
+            "What the autoscaler sees for each pod.",
+        ),
+        timeseries(
+            "GPU utilisation",
+            [
+                target(f"avg by (pod, gpu_uuid) (nv_gpu_utilization{{{POD_SEL}}})", "{{pod}} {{gpu_uuid}}"),
+            ],
+            "percentunit",
+        ),
+        timeseries(
+            "GPU memory used",
+            [
+                target(
+                    f"sum by (pod, gpu_uuid) (nv_gpu_memory_used_bytes{{{POD_SEL}}})", "{{pod}} {{gpu_uuid}}"
+                ),
+            ],
+            "bytes",
+        ),
+        timeseries(
+            "CPU utilisation",
+            [
+                target(f"avg by (pod) (nv_cpu_utilization{{{POD_SEL}}})", "{{pod}}"),
+            ],
+            "percentunit",
+        ),
+        timeseries(
+            "CPU memory used",
+            [
+                target(f"sum by (pod) (nv_cpu_memory_used_bytes{{{POD_SEL}}})", "{{pod}}"),
+            ],
+            "bytes",
+        ),
     ]
     laid_out = []
     y = 0
@@ -168,13 +258,23 @@ def dashboard() -> dict[str, Any]:
         "time": {"from": "now-1h", "to": "now"},
         "templating": {
             "list": [
-                {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-                 "current": {}, "hide": 0},
+                {
+                    "name": "datasource",
+                    "label": "Data source",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                    "hide": 0,
+                },
                 variable("namespace", "label_values(nv_inference_request_success, namespace)", "Namespace"),
-                variable("model", 'label_values(nv_inference_request_success{namespace=~"$namespace"}, model)',
-                         "Model"),
-                variable("pod", 'label_values(nv_inference_request_success{namespace=~"$namespace"}, pod)',
-                         "Pod"),
+                variable(
+                    "model",
+                    'label_values(nv_inference_request_success{namespace=~"$namespace"}, model)',
+                    "Model",
+                ),
+                variable(
+                    "pod", 'label_values(nv_inference_request_success{namespace=~"$namespace"}, pod)', "Pod"
+                ),
             ]
         },
         "panels": panels(),

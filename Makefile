@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-deps test-gpu e2e-build examples bench e2e lint clean
+.PHONY: venv serve test test-deps test-gpu e2e-build examples bench e2e lint clean crds dashboards helm-lint images
 
 venv: $(VENV)/.installed
 
@@ -42,6 +42,20 @@ e2e-build:
 
 e2e: venv test-deps
 	@bin=$$($(MAKE) -s e2e-build | tail -n 1); NAIAD_E2E_BIN="$$bin" $(PY) -m pytest -q $(PYTEST_ARGS) e2e tests/operator
+
+crds: venv
+	$(PY) crds/generate.py
+
+dashboards: venv
+	$(PY) dashboards/generate.py
+
+helm-lint:
+	@bin=$$($(MAKE) -s e2e-build | tail -n 1); "$$bin/helm" lint --strict helm/naiad
+
+# Needs a Docker engine (none on the development machines): VARIANT=cuda for the GPU server image.
+images:
+	docker build -f Dockerfile.server --build-arg VARIANT=$${VARIANT:-cpu} -t naiad-server .
+	docker build -f Dockerfile.operator -t naiad-operator .
 
 bench: venv
 	bash bench/setup.sh

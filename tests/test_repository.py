@@ -186,3 +186,11 @@ def test_sigterm_drains_in_flight_then_exits_zero(model_repo):
     t.join(15)
     assert result.get("out") == [1.5]
     assert proc.proc.wait(15) == 0
+
+
+def test_unloaded_model_keeps_server_ready(explicit):
+    """Triton does not count an explicitly unloaded model against (strict) readiness."""
+    client = httpclient.InferenceServerClient(explicit.http)
+    client.load_model("identity_fp32")
+    client.unload_model("identity_fp32")
+    assert client.is_server_ready()

@@ -121,7 +121,8 @@ class Server:
             return False
         if not self.options.strict_readiness:
             return True
-        return not any(rec.reason and not rec.versions for rec in self.repository.records.values())
+        return not any(rec.reason and rec.reason != "unloaded" and not rec.versions
+                       for rec in self.repository.records.values())
 
     def metadata(self) -> dict:
         return {"name": self.name, "version": __version__, "extensions": list(self.extensions)}

@@ -27,7 +27,8 @@ from ..errors import Internal, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse
 from .base import ModelContext, Timing
 from .python import PythonInstance
-from .python_process import PICKLE_ERRORS, Channel, request_fields, request_from_fields
+from .python_process import (PICKLE_ERRORS, Channel, decode_request, decode_response, encode_request,
+                             encode_response)
 
 
 class RemoteServer:
@@ -47,7 +48,7 @@ class RemoteServer:
         future = loop.create_future()
         bls = self._open(loop, future, None)
         try:
-            self._channel.send(("bls", bls, request_fields(request), False))
+            self._channel.send(("bls", bls, encode_request(request), False))
             return await future
         finally:
             self._close(bls)
@@ -58,7 +59,7 @@ class RemoteServer:
         responses: asyncio.Queue = asyncio.Queue()
         bls = self._open(loop, None, responses)
         try:
-            self._channel.send(("bls", bls, request_fields(request), True))
+            self._channel.send(("bls", bls, encode_request(request), True))
             while True:
                 kind, value = await responses.get()
                 if kind == "response":
@@ -82,8 +83,9 @@ class RemoteServer:
         with self._lock:
             self._calls.pop(bls, None)
 
-    def reply(self, bls: int, response: InferenceResponse | None, error: Exception | None) -> None:
+    def reply(self, bls: int, response: tuple | None, error: Exception | None) -> None:
         """The parent's answer (reader thread): the result of `infer`, or the end of `infer_stream`."""
+        response = decode_response(response)
         with self._lock:
             entry = self._calls.get(bls)
         if entry is None:
@@ -94,7 +96,8 @@ class RemoteServer:
         else:
             loop.call_soon_threadsafe(responses.put_nowait, ("error", error) if error else ("end", None))
 
-    def stream(self, bls: int, response: InferenceResponse) -> None:
+    def stream(self, bls: int, response: tuple) -> None:
+        response = decode_response(response)
         with self._lock:
             entry = self._calls.get(bls)
         if entry is not None and entry[2] is not None:
@@ -177,11 +180,11 @@ class Worker:
         self._reply(os.getpid(), None)
         return instance
 
-    def _execute(self, instance: PythonInstance, fields: list[dict], keys: list[int | None]) -> None:
+    def _execute(self, instance: PythonInstance, fields: list[tuple], keys: list[int | None]) -> None:
         requests = []
         for f, key in zip(fields, keys):
             callback = None if key is None else partial(self._send_response, key)
-            request = request_from_fields(f, callback)
+            request = decode_request(f, callback)
             if key is not None:
                 self.requests[key] = request
             requests.append(request)
@@ -193,13 +196,13 @@ class Worker:
                 self.requests.pop(key, None)
             self._reply(None, as_naiad_error(exc))
             return
-        self._reply((responses, started, time.monotonic_ns(), self.side.sent), None)
+        self._reply(([encode_response(r) for r in responses], started, time.monotonic_ns(), self.side.sent), None)
 
     def _send_response(self, key: int, response: InferenceResponse) -> None:
         """A decoupled response (any model thread): to the parent, which calls the request's callback."""
         if response.final:
             self.requests.pop(key, None)
-        self.side.send(("response", key, response))
+        self.side.send(("response", key, encode_response(response)))
 
     def _reply(self, value, error) -> None:
         try:

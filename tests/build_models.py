@@ -11,6 +11,9 @@ HERE = Path(__file__).resolve().parent
 # Models that share tests/models/batch_probe.py as their model.py.
 BATCH_PROBES = ("batched", "preferred", "queue_limited", "queue_timeout", "prioritized", "cached", "warm")
 
+# Rate-limiter test models: the `slow` model's code under their own configs.
+SLOW_COPIES = ("limited_a", "limited_b")
+
 MLP_CONFIG = """
 name: "mlp_onnx"
 platform: "onnxruntime_onnx"
@@ -73,6 +76,9 @@ def build(out: Path) -> Path:
     for name in BATCH_PROBES:
         (out / name / "1").mkdir(parents=True, exist_ok=True)
         shutil.copy(HERE / "models" / "batch_probe.py", out / name / "1" / "model.py")
+    for name in SLOW_COPIES:
+        (out / name / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copy(HERE / "models" / "slow" / "1" / "model.py", out / name / "1" / "model.py")
     model = mlp()
     export_onnx(model, out / "mlp_onnx" / "1" / "model.onnx", 16)
     (out / "mlp_onnx" / "config.pbtxt").write_text(MLP_CONFIG)

@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 
-from helpers import NaiadProcess  # noqa: E402
+from helpers import NaiadProcess
 
 MODELS = Path(__file__).resolve().parent / "models"
 
@@ -52,7 +52,8 @@ class TritonPythonModel:
             return [pb_utils.InferenceResponse(error=pb_utils.TritonError("bad request"))]
         if kind == 5:
             return []
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([kind], np.int32))]) for _ in requests]
+        out = pb_utils.Tensor("OUT", np.array([kind], np.int32))
+        return [pb_utils.InferenceResponse([out]) for _ in requests]
 '''
 RAISER_CONFIG = '''
 backend: "python"
@@ -81,7 +82,8 @@ class TritonPythonModel:
 
     def _send(self, sender, n):
         if n < 0:
-            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([os.getpid()], np.int32))]))
+            pid = pb_utils.Tensor("OUT", np.array([os.getpid()], np.int32))
+            sender.send(pb_utils.InferenceResponse([pid]))
             time.sleep(60)
         for i in range(n):
             sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i], np.int32))]))
@@ -157,16 +159,17 @@ ISOLATION = 'parameters {{ key: "EXECUTION_ISOLATION" value: {{ string_value: "{
 
 
 def _config(text: str, name: str, isolation: str | None = None, count: int | None = None) -> str:
-    text = re.sub(r'^name: ".*"\n', "", text.lstrip(), flags=re.M)
+    text = re.sub(r'^name: ".*"\n', "", text.lstrip(), flags=re.MULTILINE)
     if count is not None:
-        text = re.sub(r"^instance_group .*\n", "", text, flags=re.M)
+        text = re.sub(r"^instance_group .*\n", "", text, flags=re.MULTILINE)
         text += f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n"
     if isolation is not None:
         text += ISOLATION.format(isolation)
     return f'name: "{name}"\n' + text
 
 
-def copy_model(repo: Path, source: str, name: str, isolation: str | None = None, count: int | None = None) -> None:
+def copy_model(repo: Path, source: str, name: str, isolation: str | None = None,
+               count: int | None = None) -> None:
     shutil.copytree(MODELS / source, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
     config = repo / name / "config.pbtxt"
     config.write_text(_config(config.read_text(), name, isolation, count))
@@ -246,9 +249,9 @@ def _error(client, model: str, inputs) -> InferenceServerException:
 # ---- the choice ----
 
 def test_default_rule_and_parameter():
-    from tritonclient.grpc import model_config_pb2 as mc
     from naiad.backends.python_process import execution_isolation
     from naiad.errors import InvalidArgument
+    from tritonclient.grpc import model_config_pb2 as mc
 
     def config(count: int, value: str | None = None) -> mc.ModelConfig:
         c = mc.ModelConfig(name="m", backend="python")
@@ -278,7 +281,7 @@ def test_modes_run_where_they_should(server, client):
 @pytest.mark.parametrize("model", ["identity_fp32_thread", "identity_fp32_process"])
 def test_identity_small_and_large(client, model):
     for data in (np.arange(4, dtype=np.float32).reshape(1, 4),
-                 np.random.default_rng(0).random((2, 1_000_000), dtype=np.float32)):  # 8 MB through the socket
+                 np.random.default_rng(0).random((2, 1_000_000), dtype=np.float32)):  # 8 MB: out of band
         got = client.infer(model, [_fp32("INPUT0", data)]).as_numpy("OUTPUT0")
         np.testing.assert_array_equal(got, data)
 
@@ -363,7 +366,8 @@ def test_bls_sync_and_async_from_a_worker(client):
 def test_bls_error_text_is_the_same(client):
     texts = {}
     for mode in ("thread", "process"):
-        texts[mode] = _error(client, f"bls_missing_{mode}", [_fp32("INPUT0", np.zeros(4, np.float32))]).message()
+        inputs = [_fp32("INPUT0", np.zeros(4, np.float32))]
+        texts[mode] = _error(client, f"bls_missing_{mode}", inputs).message()
     assert "BLS failed:" in texts["process"] and "no_such_model" in texts["process"]
     assert texts["process"] == texts["thread"]
 
@@ -423,7 +427,7 @@ def test_decoupled_responses_after_execute_returned(server):
     for mode in ("thread", "process"):
         results = _stream(server, f"repeat_{mode}", 4)
         assert not [r for r in results if isinstance(r, Exception)]
-        outputs[mode] = [r.as_numpy("OUT").tolist() if r.as_numpy("OUT") is not None else None for r in results]
+        outputs[mode] = [None if r.as_numpy("OUT") is None else r.as_numpy("OUT").tolist() for r in results]
     assert outputs["process"] == outputs["thread"] == [[0], [1], [2], [3], None]
 
 
@@ -462,7 +466,8 @@ def test_killed_worker_fails_in_flight_request_and_later_ones(server, client):
     result: dict = {}
 
     def long_call():
-        own = httpclient.InferenceServerClient(server.http, network_timeout=60)  # gevent: one client per thread
+        # tritonclient.http runs on gevent: one client per thread
+        own = httpclient.InferenceServerClient(server.http, network_timeout=60)
         try:
             own.infer("victim", [_int("ITERATIONS", 500_000_000, "INT64")])
         except InferenceServerException as exc:
@@ -569,4 +574,4 @@ def test_two_process_instances_use_two_cores(client):
               f"processes: {[round(t, 3) for t in plain_singles]}, {[round(t, 3) for t in plain_pairs]}")
     if ratio >= 1.6 and machine >= 1.5:
         pytest.skip(f"two plain processes took {machine:.2f}x one: the machine is too busy to tell; {detail}")
-    assert ratio < 1.6, f"2 concurrent requests took {ratio:.2f}x one request ({machine:.2f}x plain); {detail}"
+    assert ratio < 1.6, f"2 concurrent requests took {ratio:.2f}x one ({machine:.2f}x plain); {detail}"

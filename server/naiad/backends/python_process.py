@@ -6,18 +6,24 @@ instance in a stub process; `ProcessInstance` does the same, paying one process 
 
 Choice (`execution_isolation`): the model parameter `EXECUTION_ISOLATION` ("process" or "thread")
 forces the mode. Otherwise a model with more than one instance (over all instance groups) runs in
-process mode and a model with a single instance runs in-process, because of these figures
-(`bench/python_instances.py`, in-process Server API, concurrency 8, 2-core machine shared with other
-work, requests/s, median of 3 runs of 3 s):
+process mode and a model with a single instance runs in-process. The figures behind the rule
+(`bench/python_instances.py`: in-process Server API, 8 concurrent clients, 2-core machine, requests/s,
+best (median) of 12 one-second rounds; the bench ran in its own session at autogroup nice -20
+because concurrent builds otherwise left it one core: two plain processes took 1.1x one):
 
-    model                       count=1 thread   count=2 thread   count=2 process
-    cpu_burn (200k iterations)       {burn_1t}            {burn_2t}            {burn_2p}
-    identity (16 FP32)             {id_1t}          {id_2t}          {id_2p}
+    model                            count=1 thread     count=2 thread    count=2 process
+    cpu_burn (200k loop steps)          58.5 (54.3)        60.0 (53.1)       116.9 (89.9)
+    identity_fp32 (1x16 FP32)         26836 (23939)      26946 (23874)        3241 (2851)
 
-A CPU-bound model gains ~{burn_gain}x from two processes, while threads give nothing; a trivial model
-loses about {id_loss}% to the hop. A user asks for several instances to run several executions at once,
-which only processes deliver for python code; a single instance gains nothing from a process and
-would only pay the hop, so it stays in-process.
+and over HTTP (wrk, 8 connections, binary tensors, same machine): identity_fp32 4000-4700 req/s
+with count=1 thread, 3550-4200 with count=2 thread, 1500-1950 with count=2 process.
+
+Threads give a CPU-bound model nothing (the GIL); two processes double it. The hop costs about
+150 us of CPU per execution (pickling, two socket wake-ups), which is most of the time of a trivial
+model: 8x on the bare Server API, 2.3x behind HTTP. Several instances are how a Triton user asks for
+several executions at once, which for python code only processes deliver; so count > 1 means
+processes, and a model whose executions are cheap can say `EXECUTION_ISOLATION: thread`. A single
+instance gains nothing from a process and would only pay the hop, so it stays in-process.
 
 Transport: two `socket.socketpair()`s per instance. The *exec* channel carries only execute and
 finalize calls and their replies, strictly one at a time and used by the instance thread directly,
@@ -30,9 +36,9 @@ A frame is a header (`<QI`: pickle length, buffer count), the out-of-band buffer
 each), the pickle (protocol 5), then the raw buffers, sent with one `sendmsg` (scatter/gather, no
 user-space copy) and received with `readinto` into writable `bytearray`s that the unpickled numpy
 arrays use directly: a tensor of 64 KiB or more is copied by the kernel only (smaller ones travel
-inside the pickle, which is cheaper). Requests and responses travel as plain tuples (`encode_*`), tensors
-as (dtype, shape, buffer) (`pack_array`): both pickle several times faster than the dataclasses and
-numpy's own reduction. Messages are tuples:
+inside the pickle, which is cheaper). Requests and responses travel as plain tuples (`encode_*`),
+tensors as (dtype, shape, buffer) (`pack_array`): both pickle several times faster than dataclasses
+and numpy's own reduction. Messages are tuples:
 
     exec channel
         parent -> worker  ("execute", [request fields], [stream key | None])   run a batch
@@ -41,12 +47,12 @@ numpy's own reduction. Messages are tuples:
                                                      failed; then (responses, t_start, t_end, side_sent)
                                                      for an execute, None for finalize
     side channel
-        parent -> worker  ("bls_reply", bls, response | None, error | None)   a BLS result / end of stream
-                          ("bls_stream", bls, response)                       a response of a decoupled BLS
-                          ("cancel", key)                                     a decoupled request was cancelled
-        worker -> parent  ("response", key, response)                 a decoupled response (any thread, any time)
-                          ("bls", bls, request fields, decoupled)     a BLS request, run on the server loop
-                          ("log", logger name, level, message)        a log record of the model
+        parent -> worker  ("bls_reply", bls, response | None, error | None)   BLS result / end of stream
+                          ("bls_stream", bls, response)                       a decoupled BLS response
+                          ("cancel", key)                                     a decoupled request cancelled
+        worker -> parent  ("response", key, response)               a decoupled response (any thread or time)
+                          ("bls", bls, request fields, decoupled)   a BLS request, run on the server loop
+                          ("log", logger name, level, message)      a log record of the model
 
 `side_sent` (side messages the worker had sent when the execution ended) lets a decoupled model's
 execute return only after the responses it sent during the execution were delivered, as in-process.
@@ -65,7 +71,7 @@ import atexit
 import itertools
 import logging
 import multiprocessing
-import multiprocessing.util  # noqa: F401 - imported before our atexit hook so that ours runs first
+import multiprocessing.util
 import pickle
 import signal
 import socket
@@ -114,7 +120,7 @@ def execution_isolation(config: ModelConfig) -> str:
 _HEADER = struct.Struct("<QI")
 _LENGTH = struct.Struct("<Q")
 _MAX_PARTS = 512  # stay well below IOV_MAX per sendmsg
-_IN_BAND_MAX = 64 * 1024  # smaller buffers are copied into the pickle: cheaper than a part and a read of their own
+_IN_BAND_MAX = 64 * 1024  # smaller buffers go inside the pickle: cheaper than parts and reads of their own
 PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)  # what pickle.dumps raises for odd objects
 
 
@@ -233,17 +239,18 @@ def decode_request(fields: tuple, callback=None) -> InferenceRequest:
     (model_name, inputs, datatypes, model_version, request_id, outputs, parameters, priority, timeout_us,
      correlation_id, flags) = fields
     return InferenceRequest(model_name=model_name, inputs={n: unpack_array(a) for n, a in inputs.items()},
-                            datatypes=datatypes, model_version=model_version,
-                            id=request_id, outputs=[RequestedOutput(n) for n in outputs], parameters=parameters,
-                            priority=priority, timeout_us=timeout_us, correlation_id=correlation_id, flags=flags,
-                            response_callback=callback)
+                            datatypes=datatypes, model_version=model_version, id=request_id,
+                            outputs=[RequestedOutput(n) for n in outputs], parameters=parameters,
+                            priority=priority, timeout_us=timeout_us, correlation_id=correlation_id,
+                            flags=flags, response_callback=callback)
 
 
 def encode_response(response: InferenceResponse | None) -> tuple | None:
     if response is None:
         return None
-    return (response.model_name, response.model_version, [(o.name, o.datatype, pack_array(o.data)) for o in response.outputs],
-            response.id, response.parameters, response.error, response.final)
+    outputs = [(o.name, o.datatype, pack_array(o.data)) for o in response.outputs]
+    return (response.model_name, response.model_version, outputs, response.id, response.parameters,
+            response.error, response.final)
 
 
 def decode_response(fields: tuple | None) -> InferenceResponse | None:
@@ -251,18 +258,18 @@ def decode_response(fields: tuple | None) -> InferenceResponse | None:
         return None
     model_name, model_version, outputs, response_id, parameters, error, final = fields
     return InferenceResponse(model_name=model_name, model_version=model_version,
-                             outputs=[OutputTensor(n, t, unpack_array(a)) for n, t, a in outputs], id=response_id, parameters=parameters,
-                             error=error, final=final)
+                             outputs=[OutputTensor(n, t, unpack_array(a)) for n, t, a in outputs],
+                             id=response_id, parameters=parameters, error=error, final=final)
 
 
 def transferable_error(exc: BaseException) -> NaiadError:
-    """An error that pickles and keeps the text the model sees: NaiadErrors as they are, others as Internal."""
+    """An error that pickles and keeps the text the model sees: NaiadErrors as they are, others Internal."""
     return exc if isinstance(exc, NaiadError) else Internal(str(exc))
 
 
 # ---- the parent side ----
 
-_live: "weakref.WeakSet[ProcessInstance]" = weakref.WeakSet()
+_live: weakref.WeakSet[ProcessInstance] = weakref.WeakSet()
 
 
 @atexit.register
@@ -300,7 +307,7 @@ class ProcessInstance(ModelInstance):
 
     # ---- lifecycle ----
     def warmup_thread_init(self) -> None:
-        """Start the worker (on the instance thread, so instances start in parallel) and wait for initialize."""
+        """Start the worker (on the instance thread: instances start in parallel); wait for initialize."""
         with self._life:
             if self._closed:
                 raise Unavailable(f"model '{self.ctx.name}' instance '{self.name}' is unloaded")
@@ -421,8 +428,8 @@ class ProcessInstance(ModelInstance):
                 try:
                     self._exec.send(message)
                 except PICKLE_ERRORS as exc:
-                    raise Internal(f"model '{self.ctx.name}': cannot send the request(s) to the python worker "
-                                   f"of instance '{self.name}': {exc}") from None
+                    raise Internal(f"model '{self.ctx.name}': cannot send the request(s) to the python "
+                                   f"worker of instance '{self.name}': {exc}") from None
             try:
                 reply = self._exec.recv()
             except (EOFError, OSError):
@@ -472,8 +479,8 @@ class ProcessInstance(ModelInstance):
             _, name, level, text = message
             logger = logging.getLogger(name)
             if logger.isEnabledFor(level):
-                logger.handle(logging.makeLogRecord({"name": name, "levelno": level, "msg": text, "args": None,
-                                                     "levelname": logging.getLevelName(level)}))
+                logger.handle(logging.makeLogRecord({"name": name, "levelno": level, "msg": text,
+                                                     "args": None, "levelname": logging.getLevelName(level)}))
 
     def _deliver(self, key: int, response: InferenceResponse) -> None:
         """A decoupled response: hand it to the request's callback; tell the worker once it is cancelled."""
@@ -487,7 +494,7 @@ class ProcessInstance(ModelInstance):
             return
         try:
             native.response_callback(response)
-        except Exception:  # noqa: BLE001 - a frontend's callback must not stop the reader
+        except Exception:
             log.exception("delivering a response of model '%s' failed", self.ctx.name)
         if native.cancelled and not response.final:
             with self._lock:
@@ -516,7 +523,7 @@ class ProcessInstance(ModelInstance):
         native = decode_request(fields)
         if decoupled:
             # as in-process: the model's iterator sees what the server hands to the request's callback
-            native.response_callback = lambda resp: self._send_side(("bls_stream", bls, encode_response(resp)))
+            native.response_callback = lambda r: self._send_side(("bls_stream", bls, encode_response(r)))
 
             async def run_stream() -> None:
                 async for _ in server.infer_stream(native):
@@ -556,7 +563,7 @@ class ProcessInstance(ModelInstance):
                 native.response_callback(InferenceResponse(
                     model_name=native.model_name, model_version=str(native.model_version), id=native.id,
                     error=error, final=True))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("ending a stream of model '%s' failed", self.ctx.name)
         return error
 

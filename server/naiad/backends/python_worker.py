@@ -17,9 +17,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
-from typing import AsyncIterator
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -27,8 +27,14 @@ from ..errors import Internal, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse
 from .base import ModelContext, Timing
 from .python import PythonInstance
-from .python_process import (PICKLE_ERRORS, Channel, decode_request, decode_response, encode_request,
-                             encode_response)
+from .python_process import (
+    PICKLE_ERRORS,
+    Channel,
+    decode_request,
+    decode_response,
+    encode_request,
+    encode_response,
+)
 
 
 class RemoteServer:
@@ -40,7 +46,9 @@ class RemoteServer:
     def __init__(self, channel: Channel):
         self._channel = channel
         self._ids = itertools.count(1)
-        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future | None, asyncio.Queue | None]] = {}
+        # bls id -> (its loop, the future of `infer` or the queue of `infer_stream`)
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future | None,
+                                     asyncio.Queue | None]] = {}
         self._lock = threading.Lock()
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
@@ -191,12 +199,13 @@ class Worker:
         started = time.monotonic_ns()
         try:
             responses = instance.execute(requests, Timing())
-        except BaseException as exc:  # noqa: BLE001 - the pool reports it for every request, as in thread mode
+        except BaseException as exc:  # noqa: BLE001 - reported for every request, as in thread mode
             for key in keys:
                 self.requests.pop(key, None)
             self._reply(None, as_naiad_error(exc))
             return
-        self._reply(([encode_response(r) for r in responses], started, time.monotonic_ns(), self.side.sent), None)
+        encoded = [encode_response(r) for r in responses]
+        self._reply((encoded, started, time.monotonic_ns(), self.side.sent), None)
 
     def _send_response(self, key: int, response: InferenceResponse) -> None:
         """A decoupled response (any model thread): to the parent, which calls the request's callback."""
@@ -208,8 +217,8 @@ class Worker:
         try:
             self.exec.send(("reply", value, error))
         except PICKLE_ERRORS as exc:  # e.g. an output tensor of objects that do not pickle
-            self.exec.send(("reply", None, Internal(
-                f"model '{self.spec['name']}': cannot send the result to the server: {type(exc).__name__}: {exc}")))
+            self.exec.send(("reply", None, Internal(f"model '{self.spec['name']}': cannot send the result to "
+                                                    f"the server: {type(exc).__name__}: {exc}")))
 
     def _read_side(self) -> None:
         while True:

@@ -14,6 +14,7 @@
 #   GO                go binary (default: `go` on PATH, else /usr/local/go/bin/go)
 #   NAIAD_E2E_GO_P    value for `go build -p` (default: number of CPUs)
 #   NAIAD_E2E_FORCE=1 rebuild even if the cache is complete
+#   NAIAD_E2E_SERIAL=1 build the Kubernetes and tool modules one after the other
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -93,43 +94,56 @@ gobuild() {  # gobuild <module dir> <extra ldflags> <go build args...>
   (cd "$here/$dir" && "$GO" build -p "$P" -trimpath -ldflags="-s -w $ld" "$@")
 }
 
+# Two independent streams run concurrently: the Kubernetes module and the
+# tool modules share no compiled packages (different dependency versions), and
+# one `go build` alone leaves a core idle during its long serial link steps.
+build_kubernetes() {
+  local t=$SECONDS kver=""
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    kver+=" -X $pkg.gitMajor=$k8s_major -X $pkg.gitMinor=$k8s_minor -X $pkg.gitVersion=$k8s_version"
+    kver+=" -X $pkg.gitTreeState=archive -X $pkg.buildDate=$k8s_date"
+  done
+  log "building kubernetes $k8s_version (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl) + etcdctl $etcd_version"
+  # one go build for all five: shared compilation, parallel links
+  gobuild . "$kver" -o "$tmp/" \
+    k8s.io/kubernetes/cmd/kube-apiserver \
+    k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kubectl \
+    go.etcd.io/etcd/etcdctl/v3
+  log "building etcd $etcd_version"
+  gobuild . "" -o "$tmp/etcd" go.etcd.io/etcd/server/v3
+  log "kubernetes + etcd done in $((SECONDS - t))s"
+}
+
+build_tools() {
+  local t=$SECONDS
+  log "building kwok/kwokctl $kwok_version"
+  local kwokld="-X sigs.k8s.io/kwok/pkg/consts.Version=${kwok_version#v} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=${k8s_version#v}"
+  gobuild tools/kwok "$kwokld" -o "$tmp/" sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl
+  log "kwok done in $((SECONDS - t))s; building helm $helm_version"
+  local hv=helm.sh/helm/v3/internal/version
+  local helmld="-X $hv.version=$helm_version -X $hv.gitTreeState=clean"
+  helmld+=" -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$helm_client_minor"
+  helmld+=" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$helm_client_minor"
+  gobuild tools/helm "$helmld" -o "$tmp/helm" helm.sh/helm/v3/cmd/helm
+  log "helm done at +$((SECONDS - t))s; building prometheus-adapter $adapter_version"
+  gobuild tools/prometheus-adapter "" -o "$tmp/prometheus-adapter" sigs.k8s.io/prometheus-adapter/cmd/adapter
+  log "tools done in $((SECONDS - t))s"
+}
+
 t0=$SECONDS
-# --- Kubernetes control plane + kubectl + etcdctl (one go build: shared compile, parallel links)
-kver=""
-for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  kver+=" -X $pkg.gitMajor=$k8s_major -X $pkg.gitMinor=$k8s_minor -X $pkg.gitVersion=$k8s_version"
-  kver+=" -X $pkg.gitTreeState=archive -X $pkg.buildDate=$k8s_date"
-done
-log "building kubernetes $k8s_version (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl) and etcdctl $etcd_version with -p $P"
-gobuild . "$kver" -o "$tmp/" \
-  k8s.io/kubernetes/cmd/kube-apiserver \
-  k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler \
-  k8s.io/kubernetes/cmd/kubectl \
-  go.etcd.io/etcd/etcdctl/v3
-log "building etcd $etcd_version"
-gobuild . "" -o "$tmp/etcd" go.etcd.io/etcd/server/v3
-t1=$SECONDS
-
-# --- kwok + kwokctl
-log "building kwok/kwokctl $kwok_version"
-kwokld="-X sigs.k8s.io/kwok/pkg/consts.Version=${kwok_version#v} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=${k8s_version#v}"
-gobuild tools/kwok "$kwokld" -o "$tmp/" sigs.k8s.io/kwok/cmd/kwok sigs.k8s.io/kwok/cmd/kwokctl
-t2=$SECONDS
-
-# --- helm
-log "building helm $helm_version"
-hv=helm.sh/helm/v3/internal/version
-helmld="-X $hv.version=$helm_version -X $hv.gitTreeState=clean"
-helmld+=" -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=$helm_client_minor"
-helmld+=" -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$helm_client_minor"
-gobuild tools/helm "$helmld" -o "$tmp/helm" helm.sh/helm/v3/cmd/helm
-t3=$SECONDS
-
-# --- prometheus-adapter
-log "building prometheus-adapter $adapter_version"
-gobuild tools/prometheus-adapter "" -o "$tmp/prometheus-adapter" sigs.k8s.io/prometheus-adapter/cmd/adapter
-t4=$SECONDS
+if [[ "${NAIAD_E2E_SERIAL:-0}" == 1 ]]; then
+  build_kubernetes
+  build_tools
+else
+  build_kubernetes & k_pid=$!
+  build_tools & t_pid=$!
+  rc=0
+  wait "$k_pid" || { rc=$?; log "kubernetes build failed ($rc)"; }
+  wait "$t_pid" || { rc=$?; log "tools build failed ($rc)"; }
+  [[ $rc == 0 ]] || exit "$rc"
+fi
 
 cat >"$tmp/../versions.env.tmp" <<EOF
 KUBERNETES_VERSION=$k8s_version
@@ -144,5 +158,5 @@ mv "$tmp" "$bin"
 mv "$dest/versions.env.tmp" "$dest/versions.env"
 trap - EXIT
 touch "$dest/.complete"
-log "done in $((t4 - t0))s (kubernetes+etcd $((t1 - t0))s, kwok $((t2 - t1))s, helm $((t3 - t2))s, adapter $((t4 - t3))s)"
+log "all binaries built in $((SECONDS - t0))s: $bin"
 echo "$bin"

@@ -23,6 +23,7 @@ Results: bench/results/<timestamp>.jsonl (one JSON object per line: "meta", "run
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import datetime as dt
@@ -265,7 +266,7 @@ def port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-class Server:
+class Server(abc.ABC):
     name = ""
 
     def __init__(self, log_dir: Path):
@@ -273,9 +274,9 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.version = ""
 
-    # subclasses
+    @abc.abstractmethod
     def command(self) -> tuple[list[str], dict]:
-        raise NotImplementedError
+        """The server's command line and environment (each server kind defines it)."""
 
     def models(self, scenarios) -> list[str]:
         return sorted({s.model for s in scenarios if supports(self.name, s) is None})

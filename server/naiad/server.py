@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from . import __version__
 from .cache import ResponseCache, request_key
 from .classification import classify
-from .errors import InvalidArgument, NaiadError, NotFound, Unavailable
+from .errors import InvalidArgument, NaiadError, Unavailable
 from .inference import InferenceRequest, InferenceResponse, OutputTensor
 from .logsettings import LogSettings
 from .repository import ModelRepository

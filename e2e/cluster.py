@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import yaml
 
@@ -213,6 +213,7 @@ class KwokCluster:
     ) -> None:
         self.name = name or f"naiad-e2e-{uuid.uuid4().hex[:6]}"
         self.bin_dir = Path(bin_dir) if bin_dir is not None else build_binaries()
+        self._own_workdir = workdir is None
         if workdir is None:
             WORK_ROOT.mkdir(parents=True, exist_ok=True)
             workdir = tempfile.mkdtemp(prefix=f"{self.name}-", dir=WORK_ROOT)
@@ -436,6 +437,8 @@ class KwokCluster:
     def delete(self) -> None:
         """Stop all components and remove the work dir (unless keep_workdir)."""
         if not self.created:
+            if self._own_workdir and not self.keep_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
             return
         self.created = False
         if self._atexit is not None:

@@ -318,7 +318,6 @@ class _PodWorker(threading.Thread):
                 p.write_bytes(data[key])
 
     def _env_for(self, c: dict) -> dict[str, str]:
-        pod = self.pod
         env: dict[str, str] = {}  # the container's own env, for $(VAR) expansion
         for ef in c.get("envFrom") or []:
             prefix = ef.get("prefix", "")

@@ -1,0 +1,138 @@
+"""Pod runner features beyond the smoke test: volumes (hostPath, PVC bound by
+the real PV controller, configMap, emptyDir), env + $(VAR) expansion, Job-style
+completion, restarts and exec readiness probes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from e2e.cluster import GPU_NODE_LABEL, KwokCluster
+from e2e.podrunner import PodRunner
+
+NS = "runner"
+
+
+def _wait(fn, timeout=60, interval=0.3, what="condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
+
+
+def _pod(c: KwokCluster, name: str) -> dict:
+    p = c.kubectl("get", "pod", name, "-n", NS, "-o", "json", check=False)
+    return json.loads(p.stdout) if p.returncode == 0 else {}
+
+
+def _spec(name: str, script: str, **extra) -> dict:
+    container = {"name": "main", "image": "ignored", "command": ["python3", "-c", script]}
+    container.update(extra.pop("container", {}))
+    spec = {"nodeSelector": {GPU_NODE_LABEL: "true"}, "terminationGracePeriodSeconds": 1,
+            "containers": [container]}
+    spec.update(extra)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+def test_volumes_env_and_completion(kwok_cluster: KwokCluster, tmp_path: Path):
+    c = kwok_cluster
+    host_dir, pvc_dir = tmp_path / "host", tmp_path / "pvc"
+    host_dir.mkdir()
+    (host_dir / "input.txt").write_text("from the host")
+    # paths reach the process as argv elements / env values, which the runner
+    # rewrites (not inside the -c source text)
+    script = (
+        "import os, sys, json\n"
+        "e = os.environ\n"
+        "out = {'argv': sys.argv[1:4], 'greeting': e['GREETING'], 'pod': e['MY_POD'],\n"
+        "       'host': open(e['HOST_FILE']).read(), 'cm': open(sys.argv[4]).read(), 'level': e.get('LEVEL')}\n"
+        "open(os.path.join(e['SCRATCH'], 'tmp.txt'), 'w').write('x')\n"
+        "json.dump(out, open(sys.argv[5].split('=', 1)[1], 'w'))\n"
+    )
+    c.apply([
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg", "namespace": NS},
+         "data": {"app.conf": "mode=fast", "LEVEL": "debug"}},
+        # a static PV + claim: the real PV controller binds them before the
+        # scheduler will place the pod
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "results-pv"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
+                  "hostPath": {"path": "/srv/results"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "results", "namespace": NS},
+         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+        _spec("job", script, restartPolicy="Never", container={
+            "args": ["--name=$(MY_POD)", "$$(NOT_EXPANDED)", "$(UNDEFINED)", "/etc/cfg/app.conf",
+                     "--out=/results/out.json"],
+            "env": [{"name": "MY_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                    {"name": "GREETING", "value": "hello $(MY_POD)"},
+                    {"name": "HOST_FILE", "value": "/host/input.txt"},
+                    {"name": "SCRATCH", "value": "/scratch"}],
+            "envFrom": [{"configMapRef": {"name": "cfg"}}],
+            "volumeMounts": [{"name": "host", "mountPath": "/host"}, {"name": "cfg", "mountPath": "/etc/cfg"},
+                             {"name": "results", "mountPath": "/results"},
+                             {"name": "scratch", "mountPath": "/scratch"}]},
+            volumes=[{"name": "host", "hostPath": {"path": "/data/input"}},
+                     {"name": "cfg", "configMap": {"name": "cfg"}},
+                     {"name": "results", "persistentVolumeClaim": {"claimName": "results"}},
+                     {"name": "scratch", "emptyDir": {}}]),
+    ])
+    runner = PodRunner(c.kubeconfig, c.runner_node_names, executables={"python3": sys.executable},
+                       volumes={"/data/input": host_dir, "results": pvc_dir}, workdir=tmp_path / "runner")
+    with runner:
+        try:
+            pod = _wait(lambda: _pod(c, "job").get("status", {}).get("phase") in ("Succeeded", "Failed")
+                        and _pod(c, "job"), what="pod job to finish")
+            assert pod["status"]["phase"] == "Succeeded", runner.logs(NS, "job")
+            st = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+            assert st["exitCode"] == 0 and st["reason"] == "Completed"
+            out = json.loads((pvc_dir / "out.json").read_text())
+            assert out == {"argv": ["--name=job", "$(NOT_EXPANDED)", "$(UNDEFINED)"], "greeting": "hello job",
+                           "pod": "job", "host": "from the host", "cm": "mode=fast", "level": "debug"}
+        finally:
+            c.kubectl("delete", "namespace", NS, "--wait=false", check=False)
+            c.kubectl("delete", "pv", "results-pv", "--wait=false", check=False)
+
+
+def test_restart_and_exec_probe(kwok_cluster: KwokCluster, pod_runner: PodRunner):
+    c = kwok_cluster
+    ns2 = NS + "-restart"
+    # first run: leave a marker in the emptyDir and crash; second run: stay up.
+    # Ready only once the exec probe finds the file the second run writes.
+    script = (
+        "import os, sys, time\n"
+        "w = os.environ['WORK']\n"
+        "if not os.path.exists(os.path.join(w, 'marker')):\n"
+        "    open(os.path.join(w, 'marker'), 'w').close(); sys.exit(3)\n"
+        "time.sleep(1.5); open(os.path.join(w, 'ready'), 'w').close()\n"
+        "time.sleep(3600)\n"
+    )
+    pod = _spec("crashy", script, container={
+        "env": [{"name": "WORK", "value": "/work"}],
+        "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+        "readinessProbe": {"exec": {"command": ["test", "-f", "/work/ready"]}, "periodSeconds": 1}},
+        volumes=[{"name": "work", "emptyDir": {}}])
+    pod["metadata"]["namespace"] = ns2
+    c.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns2}}, pod])
+    try:
+        def ready():
+            p = json.loads(c.kubectl("get", "pod", "crashy", "-n", ns2, "-o", "json").stdout)
+            conds = {x["type"]: x["status"] for x in p["status"].get("conditions", [])}
+            return p if conds.get("Ready") == "True" else None
+
+        p = _wait(ready, timeout=60, what="crashy Ready after one restart")
+        cs = p["status"]["containerStatuses"][0]
+        assert cs["restartCount"] == 1
+        assert cs["lastState"]["terminated"]["exitCode"] == 3
+        assert "running" in cs["state"]
+        info = pod_runner.get(ns2, "crashy")
+        assert info is not None and info.running and info.ready and info.restart_count == 1
+    finally:
+        c.kubectl("delete", "namespace", ns2, "--wait=false", check=False)
+    _wait(lambda: not pod_runner.running(ns2), timeout=30, what="crashy stopped")

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import tensors
 from .errors import AlreadyExists, Internal, InvalidArgument, NotFound, Unavailable
-from .frontends.shm import SharedMemoryManager
+from .frontends.shm import SharedMemoryManager, _int_param
 
 log = logging.getLogger("naiad.gpu")
 
@@ -181,15 +181,6 @@ class CudaRegion:
 
     def status(self) -> dict:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
-
-
-def _int_param(params: dict, key: str, default: int | None = None) -> int:
-    value = params.get(key, default)
-    if value is None:
-        raise InvalidArgument(f"shared memory parameter '{key}' is required")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"shared memory parameter '{key}' must be a non-negative integer")
-    return value
 
 
 class CudaSharedMemoryManager:

@@ -128,7 +128,7 @@ class Server:
         return {"name": self.name, "version": __version__, "extensions": list(self.extensions)}
 
     def model(self, name: str, version: str | int = "") -> "ModelVersion":  # noqa: F821
-        return self.repository.get(name, _parse_version(version))
+        return self.repository.get(name, parse_version(version))
 
     def model_metadata(self, name: str, version: str | int = "") -> dict:
         mv = self.model(name, version)
@@ -136,13 +136,13 @@ class Server:
         return mv.metadata([str(v) for v in sorted(rec.versions)])
 
     def model_ready(self, name: str, version: str | int = "") -> bool:
-        return self.repository.is_ready(name, _parse_version(version))
+        return self.repository.is_ready(name, parse_version(version))
 
     def model_statistics(self, name: str = "", version: str | int = "") -> list[dict]:
         if not name:
             return [mv.stats.as_dict() for rec in sorted(self.repository.records.values(), key=lambda r: r.name)
                     for _, mv in sorted(rec.versions.items())]
-        v = _parse_version(version)
+        v = parse_version(version)
         rec = self.repository.records.get(name)
         if rec is None or not rec.versions:
             raise InvalidArgument(f"requested model '{name}' is not available")
@@ -302,7 +302,8 @@ def _labels(mv, output_name: str) -> list[str]:
     return []
 
 
-def _parse_version(version: str | int) -> int:
+def parse_version(version: str | int) -> int:
+    """A request's model version: '' or -1 is the latest, otherwise a non-negative integer."""
     if isinstance(version, int):
         return version
     if version in ("", None):

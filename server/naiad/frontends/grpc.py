@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from .. import tensors
 from ..errors import InvalidArgument, NaiadError, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
-from ..server import Server
+from ..server import Server, parse_version
 from .common import request_options
 
 log = logging.getLogger("naiad.grpc")
@@ -82,15 +82,8 @@ def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
         oparams = {k: param_value(v) for k, v in o.parameters.items()}
         outputs.append(RequestedOutput(o.name, binary=True, classification=int(oparams.get("classification", 0)),
                                        parameters=oparams))
-    version = req.model_version
-    if version:
-        try:
-            v = int(version)
-        except ValueError:
-            raise InvalidArgument(f"failed to parse model version '{version}': must be an integer") from None
-    else:
-        v = -1
-    request = InferenceRequest(model_name=req.model_name, inputs=inputs, datatypes=datatypes, model_version=v,
+    request = InferenceRequest(model_name=req.model_name, inputs=inputs, datatypes=datatypes,
+                               model_version=parse_version(req.model_version),
                                id=req.id, outputs=outputs, parameters=params)
     request_options(request, params)
     return request

@@ -79,7 +79,8 @@ class App:
             self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}")
         if a.allow_grpc:
             from .frontends.grpc import GrpcFrontend
-            self._grpc = GrpcFrontend(self.server, shm=shm, restricted=parse_restricted(a.grpc_restricted_protocol))
+            self._grpc = GrpcFrontend(self.server, shm=shm, restricted=parse_restricted(a.grpc_restricted_protocol),
+                                      implementation=a.grpc_implementation)
             await self._grpc.start(a.grpc_address, a.grpc_port)
             self.endpoints.append(f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port}")
         if self.metrics is not None:

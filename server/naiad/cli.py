@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-address", default=None, help="default: the HTTP address")
     s.add_argument("--allow-http", type=_bool, default=True)
     s.add_argument("--allow-grpc", type=_bool, default=True)
+    s.add_argument("--grpc-implementation", choices=["naiad", "grpcio"], default="naiad",
+                   help="naiad: Naiad's own HTTP/2 gRPC server (fast, cleartext h2c); grpcio: grpc.aio")
     s.add_argument("--allow-metrics", type=_bool, default=True)
     s.add_argument("--allow-gpu-metrics", type=_bool, default=True)
     s.add_argument("--allow-cpu-metrics", type=_bool, default=True)

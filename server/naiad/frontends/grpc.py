@@ -326,6 +326,51 @@ _GROUPS = {
 }
 
 
+def api_group(method: str) -> str | None:
+    """The restricted-protocol group of a GRPCInferenceService method name."""
+    return "shared-memory" if "SharedMemory" in method else _GROUPS.get(method)
+
+
+def _denial(rules: dict[str, tuple[str, str]], group: str | None, metadata) -> str | None:
+    rule = rules.get(group)
+    if rule is None:
+        return None
+    key, value = rule
+    if any(k == key and v == value for k, v in metadata):
+        return None
+    return f"This API is restricted, expecting header '{key}'"
+
+
+class _Health:
+    """grpc.health.v1.Health for the HTTP/2 frontend: Check, and Watch as a stream of status changes."""
+
+    def __init__(self):
+        from grpc_health.v1 import health_pb2
+        self.pb = health_pb2
+        self.status: dict[str, int] = {}
+        self.changed = asyncio.Event()
+
+    def set(self, service: str, status: int) -> None:
+        self.status[service] = status
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def Check(self, request, context):
+        status = self.status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        return self.pb.HealthCheckResponse(status=status)
+
+    async def Watch(self, request, context):
+        last = None
+        while True:
+            status = self.status.get(request.service, self.pb.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                last = status
+                yield self.pb.HealthCheckResponse(status=status)
+            await self.changed.wait()
+
+
 class _Restrict(grpc.aio.ServerInterceptor):
     """--grpc-restricted-protocol: calls of a restricted group need the configured metadata key/value."""
 
@@ -334,14 +379,9 @@ class _Restrict(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         method = details.method.rsplit("/", 1)[-1]
-        group = "shared-memory" if "SharedMemory" in method else _GROUPS.get(method)
-        rule = self.rules.get(group)
-        if rule is None:
+        message = _denial(self.rules, api_group(method), details.invocation_metadata or ())
+        if message is None:
             return await continuation(details)
-        key, value = rule
-        if any(k == key and v == value for k, v in (details.invocation_metadata or ())):
-            return await continuation(details)
-        message = f"This API is restricted, expecting header '{key}'"
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
@@ -355,15 +395,61 @@ class _Restrict(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+_SERVING_NAMES = ("", "inference.GRPCInferenceService")
+
+
 class GrpcFrontend:
-    def __init__(self, server: Server, shm=None, restricted: dict | None = None):
+    """`implementation`: "naiad" (our HTTP/2 server, h2grpc.py) or "grpcio" (grpc.aio)."""
+
+    def __init__(self, server: Server, shm=None, restricted: dict | None = None, implementation: str = "naiad"):
         self.server = server
         self.servicer = _Servicer(server, shm, server.log_settings, server.tracer)
         self.restricted = restricted or {}
-        self._grpc: grpc.aio.Server | None = None
+        self.implementation = implementation
+        self._grpc = None
         self._health = None
 
     async def start(self, host: str, port: int) -> None:
+        if self.implementation == "grpcio":
+            await self._start_grpcio(host, port)
+        else:
+            await self._start_h2(host, port)
+
+    async def _start_h2(self, host: str, port: int) -> None:
+        from . import h2grpc
+        methods = h2grpc.service_methods(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.servicer,
+                                         api_group)
+        try:
+            from grpc_health.v1 import health_pb2
+            self._health = _Health()
+            methods.update(h2grpc.service_methods(health_pb2.DESCRIPTOR.services_by_name["Health"], self._health))
+        except ImportError:
+            log.warning("grpcio-health-checking is not installed: grpc.health.v1 is not served")
+        authorize = None
+        if self.restricted:
+            rules = self.restricted
+
+            def authorize(method, metadata):
+                return _denial(rules, method.group, ((k.decode("latin-1"), v.decode("latin-1"))
+                                                     for k, v in metadata))
+        self._grpc = h2grpc.H2GrpcServer(methods, authorize)
+        try:
+            await self._grpc.start(host, port)
+        except OSError as exc:
+            raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
+        await self._set_health("SERVING")
+
+    async def _set_health(self, status: str) -> None:
+        if self._health is None:
+            return
+        from grpc_health.v1 import health_pb2
+        value = health_pb2.HealthCheckResponse.ServingStatus.Value(status)
+        for svc in _SERVING_NAMES:
+            result = self._health.set(svc, value)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def _start_grpcio(self, host: str, port: int) -> None:
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -373,22 +459,18 @@ class GrpcFrontend:
         self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, self._grpc)
         try:
-            from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+            from grpc_health.v1 import health, health_pb2_grpc
             self._health = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-            for svc in ("", "inference.GRPCInferenceService"):
-                await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         except ImportError:
             log.warning("grpcio-health-checking is not installed: grpc.health.v1 is not served")
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if self._grpc.add_insecure_port(addr) == 0:
             raise OSError(f"cannot bind gRPC to {addr}")
         await self._grpc.start()
+        await self._set_health("SERVING")
 
     async def stop(self, grace: float) -> None:
-        if self._health is not None:
-            from grpc_health.v1 import health_pb2
-            for svc in ("", "inference.GRPCInferenceService"):
-                await self._health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_health("NOT_SERVING")
         if self._grpc is not None:
             await self._grpc.stop(grace)

@@ -209,6 +209,7 @@ class _Connection(asyncio.Protocol):
         self.headers_sid = 0            # a header block continues in CONTINUATION frames
         self.headers_flags = 0
         self.headers_block = bytearray()
+        self.header_cache: dict[bytes, list] = {}
         self.send_window = 65535
         self.peer_initial_window = 65535
         self.peer_max_frame = 16384
@@ -369,7 +370,7 @@ class _Connection(asyncio.Protocol):
     def _header_block_done(self) -> None:
         sid, flags = self.headers_sid, self.headers_flags
         self.headers_sid = 0
-        headers = self.decoder.decode(bytes(self.headers_block), raw=True)  # always: it updates the table
+        headers = self._decode_headers(bytes(self.headers_block))
         st = self.streams.get(sid)
         if st is not None:  # trailers from the client end its half of the stream
             if flags & END_STREAM:
@@ -405,6 +406,25 @@ class _Connection(asyncio.Protocol):
             self._start_call(st, path)
         if end:
             self._remote_end(st)
+
+    def _decode_headers(self, block: bytes) -> list:
+        """HPACK-decode a header block. Clients repeat the same block of indexed fields call after call; while
+        decoding it leaves the dynamic table as it was, the result is reused (the cache empties whenever a
+        block changes the table, since indexed fields then may mean other headers)."""
+        headers = self.header_cache.get(block)
+        if headers is not None:
+            return headers
+        table = self.decoder.header_table
+        entries = table.dynamic_entries
+        first, count, size = entries[0] if entries else None, len(entries), table.maxsize
+        headers = self.decoder.decode(block, raw=True)
+        if (entries[0] if entries else None) is first and len(entries) == count and table.maxsize == size:
+            if len(self.header_cache) >= 64:
+                self.header_cache.clear()
+            self.header_cache[block] = headers
+        else:
+            self.header_cache.clear()
+        return headers
 
     def _data(self, flags: int, sid: int, payload: memoryview) -> None:
         n = len(payload)
@@ -512,8 +532,7 @@ class _Connection(asyncio.Protocol):
                 response = await method.call(request, st)
                 if response is None:
                     raise Abort(grpc.StatusCode.INTERNAL, "the method returned no response")
-                self._send_message(st, response.SerializeToString())
-                self._finish(st, _OK_TRAILERS)
+                self._reply(st, response.SerializeToString())
         except Abort as exc:
             self._finish_error(st, exc.code, exc.details)
         except asyncio.CancelledError:
@@ -525,6 +544,27 @@ class _Connection(asyncio.Protocol):
             self._finish_error(st, grpc.StatusCode.UNKNOWN, f"Unexpected error: {exc}")
 
     # ---- sending ----
+    def _reply(self, st: Stream, msg: bytes) -> None:
+        """A unary call's whole response (headers, message, trailers) in one write when the windows allow."""
+        total = len(msg) + 5
+        if st.pending or st.headers_sent or st.done or self.closed or total > self.peer_max_frame \
+                or total > st.send_window or total > self.send_window:
+            self._send_message(st, msg)
+            self._finish(st, _OK_TRAILERS)
+            return
+        st.send_window -= total
+        self.send_window -= total
+        st.headers_sent = True
+        sid = st.sid
+        out = [_FRAME.pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
+               _FRAME.pack(total << 8 | DATA, 0, sid), _MSG_PREFIX.pack(0, total - 5), msg,
+               _FRAME.pack(len(_OK_TRAILERS) << 8 | HEADERS, END_STREAM | END_HEADERS, sid), _OK_TRAILERS]
+        self._closed_local(st, out)
+        if total < 16384:
+            self.transport.write(b"".join(out))
+        else:
+            self.transport.writelines(out)
+
     def _send_message(self, st: Stream, msg: bytes) -> None:
         if self.closed or st.done:
             return

@@ -1,0 +1,207 @@
+"""Naiad's own HTTP/2 gRPC server (naiad/frontends/h2grpc.py) against real gRPC clients and raw frames:
+flow control with large messages, compression, cancellation, many concurrent streams, unknown methods,
+health Watch, protocol errors; and the grpc.aio implementation still selectable."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+
+import grpc
+import hpack
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
+
+from helpers import NaiadProcess
+
+
+def _identity(client, data: np.ndarray, **kw) -> np.ndarray:
+    inp = grpcclient.InferInput("INPUT0", list(data.shape), "FP32")
+    inp.set_data_from_numpy(data)
+    return client.infer("identity_fp32", [inp], **kw).as_numpy("OUTPUT0")
+
+
+def test_large_messages_cross_flow_control_windows(grpc_client):
+    """16 MiB each way: more than our per-stream receive window and the client's initial send window."""
+    data = np.random.default_rng(0).random((1, 4 * 1024 * 1024), dtype=np.float32)
+    np.testing.assert_array_equal(_identity(grpc_client, data), data)
+    small = np.arange(16, dtype=np.float32).reshape(1, 16)
+    np.testing.assert_array_equal(_identity(grpc_client, small), small)  # the connection is still fine
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests(grpc_client, algorithm):
+    data = np.linspace(0, 1, 4096, dtype=np.float32).reshape(1, -1)
+    np.testing.assert_array_equal(_identity(grpc_client, data, compression_algorithm=algorithm), data)
+
+
+def test_many_concurrent_calls_on_one_channel(naiad):
+    async def main():
+        client = grpcaio.InferenceServerClient(naiad.grpc)
+        try:
+            async def one(i):
+                data = np.full((1, 8), i, dtype=np.float32)
+                inp = grpcaio.InferInput("INPUT0", [1, 8], "FP32")
+                inp.set_data_from_numpy(data)
+                res = await client.infer("identity_fp32", [inp], request_id=str(i))
+                assert res.get_response().id == str(i)
+                np.testing.assert_array_equal(res.as_numpy("OUTPUT0"), data)
+            await asyncio.gather(*(one(i) for i in range(300)))
+        finally:
+            await client.close()
+    asyncio.run(main())
+
+
+def test_client_deadline_cancels_and_the_server_goes_on(naiad, grpc_client):
+    inp = grpcclient.InferInput("SECONDS", [1], "FP32")
+    inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    with pytest.raises(InferenceServerException, match="Deadline"):
+        grpc_client.infer("slow", [inp], client_timeout=0.2)
+    small = np.ones((1, 4), dtype=np.float32)
+    np.testing.assert_array_equal(_identity(grpc_client, small), small)
+
+
+def test_unknown_method_is_unimplemented(naiad):
+    with grpc.insecure_channel(naiad.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod",
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=pb.ServerLiveResponse.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            call(pb.ServerLiveRequest())
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # a message that is not a ModelInferRequest: INTERNAL, and the channel keeps working
+        raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as err:
+            raw(b"\xff\xff\xff\xff")
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive",
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=pb.ServerLiveResponse.FromString)
+        assert live(pb.ServerLiveRequest()).live
+
+
+def test_health_check_and_watch(naiad):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(naiad.grpc) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        assert stub.Check(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService")).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        unknown = stub.Watch(health_pb2.HealthCheckRequest(service="nope"))
+        assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        unknown.cancel()
+
+
+def test_decoupled_stream_many_responses(grpc_client):
+    got = []
+    grpc_client.start_stream(callback=lambda result, error: got.append((result, error)))
+    try:
+        a = grpcclient.InferInput("IN", [1], "INT32")
+        a.set_data_from_numpy(np.array([7], dtype=np.int32))
+        b = grpcclient.InferInput("COUNT", [1], "INT32")
+        b.set_data_from_numpy(np.array([200], dtype=np.int32))
+        grpc_client.async_stream_infer("repeat", [a, b], request_id="r")
+        deadline = time.time() + 20
+        while len(got) < 200 and time.time() < deadline:
+            time.sleep(0.02)
+    finally:
+        grpc_client.stop_stream()
+    assert [e for _, e in got if e is not None] == []
+    assert sorted(int(r.as_numpy("IDX")[0]) for r, _ in got) == list(range(200))
+
+
+# ---- raw HTTP/2 ----
+
+def _frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">IBI", len(payload) << 8 | ftype, flags, sid) + payload
+
+
+def _read_frames(sock, until_type: int, timeout: float = 5.0):
+    sock.settimeout(timeout)
+    buf = b""
+    frames = []
+    while True:
+        while len(buf) >= 9:
+            lt, flags, sid = struct.unpack(">IBI", buf[:9])
+            n = lt >> 8
+            if len(buf) < 9 + n:
+                break
+            frames.append((lt & 0xFF, flags, sid, buf[9:9 + n]))
+            buf = buf[9 + n:]
+            if frames[-1][0] == until_type:
+                return frames
+        chunk = sock.recv(65536)
+        if not chunk:
+            return frames
+        buf += chunk
+
+
+def _connect(naiad):
+    host, port = naiad.grpc.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0))
+    return sock
+
+
+def test_raw_ping_and_trailers_only_error(naiad):
+    enc = hpack.Encoder()
+    with _connect(naiad) as sock:
+        sock.sendall(_frame(6, 0, 0, b"12345678"))
+        frames = _read_frames(sock, 6)
+        assert (6, 1, 0, b"12345678") in frames  # PING ACK with our payload
+        headers = enc.encode([(":method", "POST"), (":scheme", "http"), (":path", "/inference.Nope/X"),
+                              (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+        sock.sendall(_frame(1, 0x4 | 0x1, 1, headers))
+        frames = _read_frames(sock, 1)
+        block = dict(hpack.Decoder().decode(frames[-1][3]))
+        assert frames[-1][1] & 0x1 and block[":status"] == "200" and block["grpc-status"] == "12"
+        # a plain HTTP request on a gRPC path: 415 (content type), then 405 (method)
+        sock.sendall(_frame(1, 0x5, 3, enc.encode([(":method", "POST"), (":scheme", "http"), (":path", "/a"),
+                                                   (":authority", "x"), ("content-type", "text/plain")])))
+        assert dict(hpack.Decoder().decode(_read_frames(sock, 1)[-1][3]))[":status"] == "415"
+
+
+def test_raw_protocol_errors_close_only_that_connection(naiad, grpc_client):
+    with _connect(naiad) as sock:
+        sock.sendall(_frame(0, 0, 99, b"data on a stream that was never opened"))
+        frames = _read_frames(sock, 7)
+        assert frames and frames[-1][0] == 7 and struct.unpack(">II", frames[-1][3][:8])[1] == 1  # GOAWAY
+    host, port = naiad.grpc.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(5)
+        data = sock.recv(4096)
+        while True:  # GOAWAY, then the server closes
+            more = sock.recv(4096)
+            if not more:
+                break
+            data += more
+        assert b"preface" in data
+    assert grpc_client.is_server_live()
+
+
+def test_grpcio_implementation_still_serves(model_repo):
+    with NaiadProcess(model_repo, "--grpc-implementation", "grpcio", "--model-control-mode", "explicit",
+                      "--load-model", "identity_fp32", "--load-model", "repeat") as proc:
+        client = grpcclient.InferenceServerClient(proc.grpc)
+        try:
+            data = np.arange(6, dtype=np.float32).reshape(1, 6)
+            np.testing.assert_array_equal(_identity(client, data), data)
+            assert test_decoupled_stream_many_responses(client) is None
+        finally:
+            client.close()
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(proc.grpc) as channel:
+            assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == \
+                health_pb2.HealthCheckResponse.SERVING

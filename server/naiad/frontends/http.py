@@ -27,9 +27,19 @@ def _json(data, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def error_response(exc: BaseException) -> web.Response:
+def error_payload(exc: BaseException) -> tuple[int, bytes]:
+    """(HTTP status, JSON body) of an error, for the aiohttp app and the fast path alike."""
     err = as_naiad_error(exc)
-    return _json({"error": err.message}, status=err.http_status)
+    return err.http_status, orjson.dumps({"error": err.message})
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status, body = error_payload(exc)
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+def restricted_message(key: str) -> str:
+    return f"This API is restricted, expecting header '{key}'"
 
 
 @web.middleware
@@ -270,7 +280,7 @@ class HttpFrontend:
         if rule is not None:
             key, value = rule
             if request.headers.get(key) != value:
-                return _json({"error": f"This API is restricted, expecting header '{key}'"}, status=403)
+                return _json({"error": restricted_message(key)}, status=403)
         return await handler(request)
 
     # health & metadata
@@ -406,17 +416,22 @@ class HttpFrontend:
         return InferenceRequest(model_name=model, inputs={spec.name: arr}, datatypes={spec.name: spec.datatype},
                                 model_version=v)
 
+    async def run_infer(self, model: str, version: str, body: bytes, header_length: str | None) -> tuple[list, dict]:
+        """One infer request from its route and body to the response's (body chunks, headers).
+
+        The one implementation behind the aiohttp route and the fast HTTP/1.1 path (http_fast)."""
+        if header_length == "0" or (header_length is None and not body):
+            req, default_binary = self._raw_binary_request(model, version, body), True
+        else:
+            req, default_binary = decode_infer_request(model, version, body, header_length, self.shm)
+        response = await self.server.infer(req)
+        return encode_infer_response(response, req, default_binary, self.shm)
+
     async def infer(self, request: web.Request):
         m = request.match_info
         body = await request.read()
-        header_length = request.headers.get(HEADER_LENGTH)
-        if header_length == "0" or (header_length is None and not body):
-            req, default_binary = self._raw_binary_request(m["model"], m.get("version", ""), body), True
-        else:
-            req, default_binary = decode_infer_request(
-                m["model"], m.get("version", ""), body, header_length, self.shm)
-        response = await self.server.infer(req)
-        chunks, headers = encode_infer_response(response, req, default_binary, self.shm)
+        chunks, headers = await self.run_infer(m["model"], m.get("version", ""), body,
+                                               request.headers.get(HEADER_LENGTH))
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         resp = web.Response(body=body, headers=headers)
         accept = request.headers.get("Accept-Encoding", "")

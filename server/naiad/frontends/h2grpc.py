@@ -588,7 +588,8 @@ class _Connection(asyncio.Protocol):
             self.transport.writelines(out)
         if st.pending is None:
             st.pending = collections.deque()
-        st.pending.append(memoryview(prefix + msg))
+        st.pending.append(memoryview(prefix))
+        st.pending.append(memoryview(msg))
         self._flush(st)
 
     def _flush(self, st: Stream) -> None:

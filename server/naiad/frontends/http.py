@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -16,6 +17,7 @@ from ..server import Server
 from .. import tensors
 from . import generate
 from .common import request_options
+from .http_fast import FastHttpServer
 
 log = logging.getLogger("naiad.http")
 
@@ -237,6 +239,7 @@ class HttpFrontend:
         self.server = server
         self.shm = shm
         self.restricted = restricted or {}
+        self.max_input_size = max_input_size
         middlewares = [_errors]
         if self.restricted:
             middlewares.append(self._restrict)
@@ -484,9 +487,41 @@ class HttpFrontend:
         await stream.write_eof()
         return stream
 
-    async def start(self, host: str, port: int) -> web.AppRunner:
+    async def start(self, host: str, port: int) -> "HttpListener":
+        """Listen with the fast HTTP/1.1 protocol (http_fast); it hands the aiohttp app every connection
+        that sends anything but a plain infer request. `cleanup()` on the result stops both."""
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
-        await site.start()
-        return runner
+        fast = FastHttpServer(self, runner.server, self.max_input_size, self.restricted)
+        loop = asyncio.get_running_loop()
+        try:
+            listener = await loop.create_server(fast, host, port, reuse_address=True, backlog=1024)
+        except BaseException:
+            await runner.cleanup()
+            raise
+        fast.start_sweeping(loop)
+        return HttpListener(runner, fast, listener)
+
+
+class HttpListener:
+    """The running HTTP endpoint: the listening socket, its fast connections and the aiohttp app behind them."""
+
+    def __init__(self, runner: web.AppRunner, fast: FastHttpServer, listener: asyncio.AbstractServer):
+        self.runner = runner
+        self.fast = fast
+        self.listener = listener
+
+    @property
+    def server(self):
+        return self.runner.server
+
+    async def cleanup(self, timeout: float = 10.0) -> None:
+        """Stop listening, let in-flight fast requests write their responses (idle connections close at
+        once), then shut the aiohttp app down as AppRunner.cleanup always did."""
+        self.listener.close()
+        await self.fast.shutdown(timeout)
+        await self.runner.cleanup()
+        try:
+            await asyncio.wait_for(self.listener.wait_closed(), 1.0)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,437 @@
+"""A minimal HTTP/1.1 protocol for the one hot route, `POST /v2/models/{model}[/versions/{version}]/infer`.
+
+Everything else a connection sends (other routes and methods, HTTP/1.0, `Expect`, chunked or encoded
+request bodies, a response compression request, Upgrade, oversized bodies, odd URLs) is handed to the
+aiohttp app for the rest of that connection's life: the aiohttp `Server` makes a `RequestHandler`
+protocol, the transport is switched over to it and it is fed every raw byte from the start of the
+request that triggered the handoff. Both paths answer an infer request through the same function,
+`HttpFrontend.run_infer`, so results and errors are identical.
+
+Requests on one connection are answered in order: one runs at a time, the ones pipelined behind it
+wait in a queue (reading pauses when the queue is long), and a handoff, an error reply or a close
+waits until every earlier response is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from http import HTTPStatus
+
+import httptools
+import orjson
+
+from ..errors import NaiadError
+
+log = logging.getLogger("naiad.http")
+
+MAX_QUEUE = 16                 # parsed requests waiting on one connection before reading pauses
+MAX_HEAD = 64 * 1024           # header bytes before the fast path lets aiohttp judge the request
+MAX_HANDOFF_BUFFER = 1 << 20   # raw bytes buffered for a pending handoff before reading pauses
+ROUTE_CACHE_SIZE = 1024
+KEEPALIVE_TIMEOUT = 75.0       # aiohttp's default: idle keep-alive connections are closed after it
+
+# header names (lowercase) the fast path looks at; anything in _HANDOFF_HEADERS sends the request to aiohttp
+_CONTENT_LENGTH = b"content-length"
+_HEADER_LENGTH = b"inference-header-content-length"
+_ACCEPT_ENCODING = b"accept-encoding"
+_HANDOFF_HEADERS = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"))
+
+# what happens once the queue of fast requests is empty
+_HANDOFF = 1       # switch the connection to aiohttp, feeding it the buffered raw bytes
+_CLOSE = 2         # close the connection (Connection: close, shutdown, EOF)
+_BAD_REQUEST = 3   # answer 400 (malformed HTTP) and close
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
+
+
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, _reason(status))
+    return line
+
+
+_JSON = b"Content-Type: application/json\r\n"
+_OK_JSON = _status_line(200) + _JSON
+_OK_BINARY = _status_line(200) + b"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: "
+_BINARY_HEADERS = ("Inference-Header-Content-Length", "Content-Type")
+
+
+def response_bytes(status: int, chunks: list, headers: dict | None, keep_alive: bool) -> bytes | list:
+    """The whole response, as one bytes for transport.write or, for a large body, a list for writelines."""
+    length = 0
+    for c in chunks:
+        length += len(c)
+    content_type = headers.get("Content-Type") if headers else None
+    if content_type is None or (content_type == "application/json" and len(headers) == 1):
+        head = (_OK_JSON if status == 200 else _status_line(status) + _JSON) + b"Content-Length: %d\r\n" % length
+    elif status == 200 and content_type == "application/octet-stream" and len(headers) == 2 \
+            and _BINARY_HEADERS[0] in headers:
+        head = _OK_BINARY + b"%s\r\nContent-Length: %d\r\n" % (headers[_BINARY_HEADERS[0]].encode(), length)
+    else:
+        head = _status_line(status) + b"".join(
+            b"%s: %s\r\n" % (k.encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()
+        ) + b"Content-Length: %d\r\n" % length
+    head += b"\r\n" if keep_alive else b"Connection: close\r\n\r\n"
+    if length < 65536:
+        return head + chunks[0] if len(chunks) == 1 else head + b"".join(chunks)
+    return [head, *chunks]
+
+
+def parse_route(url: bytes) -> tuple[str, str] | None:
+    """(model, version) for an infer URL the fast path serves as aiohttp's router would; None: hand off."""
+    if not url.isascii() or b"%" in url or b"#" in url:
+        return None
+    path = url.split(b"?", 1)[0]
+    parts = path.split(b"/")
+    if len(parts) == 5:
+        _, v2, models, model, infer = parts
+        version = b""
+    elif len(parts) == 7:
+        _, v2, models, model, versions, version, infer = parts
+        if versions != b"versions" or not version or version in (b".", b".."):
+            return None
+    else:
+        return None
+    if v2 != b"v2" or models != b"models" or infer != b"infer" or parts[0] != b"" \
+            or not model or model in (b".", b".."):
+        return None
+    if b"{" in model or b"}" in model or b"{" in version or b"}" in version:
+        return None
+    return model.decode(), version.decode()
+
+
+class FastHttpServer:
+    """The protocol factory for the HTTP listener, and what its connections share."""
+
+    def __init__(self, frontend, aiohttp_server, max_input_size: int, restricted: dict | None = None):
+        self.frontend = frontend
+        self.aiohttp_server = aiohttp_server   # aiohttp's protocol factory (web_server.Server)
+        self.max_input_size = max_input_size
+        rule = (restricted or {}).get("inference")
+        self.restrict_key = rule[0].lower().encode("latin-1") if rule else None
+        self.restrict_value = rule[1] if rule else None
+        from . import http   # (http imports this module)
+        self.error_payload = http.error_payload
+        self.restricted_body = orjson.dumps({"error": http.restricted_message(rule[0])}) if rule else None
+        self.routes: dict[bytes, tuple[str, str] | None] = {}
+        self.connections: set[FastHttpProtocol] = set()
+        self.closing = False
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def __call__(self) -> "FastHttpProtocol":
+        return FastHttpProtocol(self)
+
+    def route(self, url: bytes) -> tuple[str, str] | None:
+        try:
+            return self.routes[url]
+        except KeyError:
+            pass
+        if len(self.routes) >= ROUTE_CACHE_SIZE:
+            self.routes.clear()
+        route = self.routes[url] = parse_route(url)
+        return route
+
+    def start_sweeping(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close keep-alive connections idle for KEEPALIVE_TIMEOUT, as aiohttp does for its own."""
+        self._sweeper = loop.call_later(KEEPALIVE_TIMEOUT / 5, self._sweep, loop)
+
+    def _sweep(self, loop) -> None:
+        deadline = loop.time() - KEEPALIVE_TIMEOUT
+        for conn in list(self.connections):
+            if conn.task is None and not conn.queue and conn.last_active < deadline:
+                conn.close()
+        self.start_sweeping(loop)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Close idle connections now; busy ones after their queued responses (or after `timeout`)."""
+        self.closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        tasks = []
+        for conn in list(self.connections):
+            conn.stop()
+            if conn.task is not None:
+                tasks.append(conn.task)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        for conn in list(self.connections):
+            conn.close()
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop httptools mid-buffer (it surfaces as HttpParserCallbackError)."""
+
+
+class FastHttpProtocol(asyncio.Protocol):
+    __slots__ = ("srv", "loop", "transport", "parser", "raw", "url", "content_length", "header_length",
+                 "handoff", "restricted_value", "head_end", "route", "queue", "task", "final", "lost",
+                 "eof", "reading_paused", "writing_paused", "last_active", "in_head", "error")
+
+    def __init__(self, srv: FastHttpServer):
+        self.srv = srv
+        self.loop = asyncio.get_running_loop()
+        self.transport = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.raw = b""                  # raw bytes from the start of the message being parsed
+        self.queue: deque = deque()     # complete requests not yet answered
+        self.task: asyncio.Task | None = None
+        self.final = None               # _HANDOFF, _CLOSE or _BAD_REQUEST once parsing has stopped
+        self.lost = False
+        self.eof = False
+        self.reading_paused = False
+        self.writing_paused = False
+        self.in_head = False
+        self.error = "malformed HTTP request"   # the 400 message once final is _BAD_REQUEST
+        self._reset()
+
+    def _reset(self) -> None:
+        self.url = b""
+        self.content_length = 0
+        self.header_length = None
+        self.handoff = False
+        self.restricted_value = None
+        self.head_end = -1
+        self.route = None
+
+    # ---- asyncio.Protocol ----
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.last_active = self.loop.time()
+        if self.srv.closing:
+            transport.close()
+            return
+        self.srv.connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        self.queue.clear()
+        self.raw = b""
+        self.srv.connections.discard(self)
+        # an in-flight request runs to completion (aiohttp does not cancel handlers either); its write is skipped
+
+    def eof_received(self):
+        self.eof = True
+        if self.task is not None or self.queue:
+            return True   # answer what was received (and hand off what aiohttp should answer), then close
+        return None       # nothing pending: let the transport close
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = self.loop.time()
+        if self.final is not None:
+            # parsing stopped: only a pending handoff still wants the bytes, to pass them on to aiohttp
+            if self.final == _HANDOFF:
+                raw = self.raw
+                if type(raw) is not bytearray:
+                    raw = self.raw = bytearray(raw)
+                raw += data
+                if len(raw) > MAX_HANDOFF_BUFFER:
+                    self._pause_reading()
+            return
+        raw = self.raw
+        if raw:
+            if type(raw) is not bytearray:
+                raw = bytearray(raw)
+            raw += data
+            self.raw = raw
+        else:
+            self.raw = data
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if self.final is None:   # not one of ours: a bug in a callback
+                log.error("HTTP fast path: parser callback failed: %r", exc.__context__ or exc)
+                self.final = _BAD_REQUEST
+        except httptools.HttpParserUpgrade:
+            # the headers asking for an upgrade send the request to aiohttp before this can happen
+            self.final = _HANDOFF
+        except httptools.HttpParserError as exc:
+            if self.final is None:
+                self.final = _BAD_REQUEST
+                self.error = str(exc) or type(exc).__name__
+        if self.final is None and self.in_head and len(self.raw) > MAX_HEAD:
+            self.final = _HANDOFF     # aiohttp applies its own header size limits and answers them
+        if self.task is None:
+            if self.queue:
+                self.task = self.loop.create_task(self._run())
+            elif self.final is not None:
+                self._finish()
+        elif len(self.queue) >= MAX_QUEUE:
+            self._pause_reading()
+
+    # ---- httptools callbacks ----
+    def on_message_begin(self) -> None:
+        self.in_head = True
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == _CONTENT_LENGTH:
+            try:
+                self.content_length = int(value)
+            except ValueError:   # llhttp checks it; whatever it let through, aiohttp may judge
+                self.handoff = True
+        elif name == _HEADER_LENGTH:
+            if self.header_length is None:
+                self.header_length = value.decode("utf-8", "surrogateescape")
+        elif name == _ACCEPT_ENCODING:
+            if b"gzip" in value or b"deflate" in value:
+                self.handoff = True   # aiohttp compresses the response
+        elif name in _HANDOFF_HEADERS:
+            self.handoff = True
+        elif name == self.srv.restrict_key and self.restricted_value is None:
+            self.restricted_value = value.decode("utf-8", "surrogateescape")
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        parser = self.parser
+        route = None
+        if not self.handoff and parser.get_method() == b"POST" and parser.get_http_version() == "1.1" \
+                and self.content_length <= self.srv.max_input_size:
+            route = self.srv.route(self.url)
+        if route is None:
+            self.final = _HANDOFF
+            raise _Stop
+        self.route = route
+        raw = self.raw
+        if raw[0] in (10, 13):   # empty lines before a request line are allowed and skipped (RFC 9112 2.2)
+            raw = self.raw = raw.lstrip(b"\r\n")
+        self.head_end = raw.find(b"\r\n\r\n") + 4   # llhttp (strict by default) requires CRLF line ends
+
+    def on_message_complete(self) -> None:
+        raw = self.raw
+        start = self.head_end
+        end = start + self.content_length
+        if start < 4 or end > len(raw):   # cannot happen with strict llhttp; never answer from a wrong offset
+            log.error("HTTP fast path: message bounds %d..%d outside the %d buffered bytes", start, end, len(raw))
+            self.final = _BAD_REQUEST
+            self.error = "internal HTTP framing error"
+            raise _Stop
+        body = raw[start:end]
+        if type(body) is not bytes:
+            body = bytes(body)
+        self.raw = raw[end:] if end < len(raw) else b""
+        keep_alive = self.parser.should_keep_alive()
+        srv = self.srv
+        denied = srv.restrict_key is not None and self.restricted_value != srv.restrict_value
+        self.queue.append((self.route, body, self.header_length, keep_alive, denied))
+        self._reset()
+        if not keep_alive:
+            self.final = _CLOSE
+            raise _Stop
+
+    # ---- answering ----
+    async def _run(self) -> None:
+        queue = self.queue
+        srv = self.srv
+        frontend = srv.frontend
+        try:
+            while queue and not self.lost:
+                (model, version), body, header_length, keep_alive, denied = queue.popleft()
+                if self.reading_paused and len(queue) < MAX_QUEUE // 2 and self.final is None:
+                    self.reading_paused = False
+                    self.transport.resume_reading()
+                headers = None
+                if denied:
+                    status, chunks = 403, [srv.restricted_body]
+                else:
+                    try:
+                        chunks, headers = await frontend.run_infer(model, version, body, header_length)
+                        status = 200
+                    except Exception as exc:  # noqa: BLE001 - mapped exactly as the aiohttp app's _errors does
+                        if not isinstance(exc, NaiadError):
+                            log.exception("unhandled error on POST %s", _path(model, version))
+                        status, payload = srv.error_payload(exc)
+                        chunks = [payload]
+                if self.lost or self.transport.is_closing():
+                    break
+                if not queue and (srv.closing or self.eof or self.final == _CLOSE):
+                    keep_alive = False
+                out = response_bytes(status, chunks, headers, keep_alive)
+                if type(out) is bytes:
+                    self.transport.write(out)
+                else:
+                    self.transport.writelines(out)
+                if not keep_alive:
+                    self.final = _CLOSE
+                    queue.clear()
+        finally:
+            self.task = None
+        if not self.lost:
+            self.last_active = self.loop.time()
+            if self.final is not None or self.eof:
+                self._finish()
+            elif self.reading_paused:
+                self.reading_paused = False
+                self.transport.resume_reading()
+
+    def _finish(self) -> None:
+        """The queue is empty and parsing has stopped: hand off, answer 400 or close."""
+        final = self.final
+        if self.lost:
+            return
+        if final == _HANDOFF and not self.srv.closing:
+            self._handoff()
+        elif final == _BAD_REQUEST:
+            body = orjson.dumps({"error": f"Bad Request: {self.error}"})
+            if not self.transport.is_closing():
+                self.transport.write(response_bytes(400, [body], None, False))
+            self.close()
+        else:
+            self.close()
+
+    def _handoff(self) -> None:
+        transport = self.transport
+        self.srv.connections.discard(self)
+        raw, self.raw = self.raw, b""
+        proto = self.srv.aiohttp_server()
+        proto.connection_made(transport)
+        transport.set_protocol(proto)
+        if self.writing_paused:
+            proto.pause_writing()
+        if self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+        if raw:
+            proto.data_received(bytes(raw))
+        if self.eof:
+            proto.close()   # the client is done sending: aiohttp answers what it has, then closes
+
+    def _pause_reading(self) -> None:
+        if not self.reading_paused and not self.lost:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def stop(self) -> None:
+        """Server shutdown: idle -> close now; busy -> no more parsing, close after the queued responses."""
+        if self.task is None and not self.queue:
+            self.close()
+        else:
+            self.final = _CLOSE
+
+    def close(self) -> None:
+        self.srv.connections.discard(self)
+        if self.transport is not None and not self.lost:
+            self.transport.close()
+
+
+def _path(model: str, version: str) -> str:
+    return f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"

@@ -210,6 +210,17 @@ def test_request_split_byte_by_byte(naiad, conn):
         assert status == 200 and "server" not in headers and outputs(body) == expected
 
 
+def test_large_body_over_many_reads(naiad, conn):
+    values = [float(i % 1000) for i in range(60000)]
+    data = infer_request(values) + infer_request((1, 2))
+    for i in range(0, len(data), 50000):   # several reads; a large response goes out in several writes
+        conn.send(data[i:i + 50000])
+        time.sleep(0.002)
+    status, headers, body = conn.response()
+    assert status == 200 and "server" not in headers and outputs(body) == values
+    assert outputs(conn.response()[2]) == [1, 2]
+
+
 @pytest.mark.parametrize("garbage", [b"\x16\x03\x01\x02\x00" + b"\0" * 64 + b"\r\n\r\n",
                                      b"POST /v2/models/x/infer HTTP/1.1\r\nContent-Length: 12x\r\n\r\n",
                                      b"FOO BAR\r\n\r\n"])

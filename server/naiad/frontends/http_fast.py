@@ -217,6 +217,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.lost = True
         self.queue.clear()
         self.raw = b""
+        self.parser = None   # it holds our bound methods: break the cycle
         self.srv.connections.discard(self)
         # an in-flight request runs to completion (aiohttp does not cancel handlers either); its write is skipped
 
@@ -325,9 +326,11 @@ class FastHttpProtocol(asyncio.Protocol):
             self.final = _BAD_REQUEST
             self.error = "internal HTTP framing error"
             raise _Stop
-        body = raw[start:end]
-        if type(body) is not bytes:
-            body = bytes(body)
+        if type(raw) is bytes:
+            body = raw[start:end]
+        else:   # a request that came in several reads: copy its body out once
+            with memoryview(raw) as view:
+                body = bytes(view[start:end])
         self.raw = raw[end:] if end < len(raw) else b""
         keep_alive = self.parser.should_keep_alive()
         srv = self.srv
@@ -402,6 +405,7 @@ class FastHttpProtocol(asyncio.Protocol):
         transport = self.transport
         self.srv.connections.discard(self)
         raw, self.raw = self.raw, b""
+        self.parser = None
         proto = self.srv.aiohttp_server()
         proto.connection_made(transport)
         transport.set_protocol(proto)

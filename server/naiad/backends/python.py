@@ -8,6 +8,7 @@ import inspect
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -127,14 +128,13 @@ class PythonInstance(ModelInstance):
 
     def _call(self, fn, *args):
         result = fn(*args)
-        if inspect.isawaitable(result):
+        if result.__class__ is not list and inspect.isawaitable(result):
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             result = self._loop.run_until_complete(result)
         return result
 
     def execute(self, requests, timing):
-        import time
         t0 = time.monotonic_ns()
         pb_requests = [
             pb_utils.InferenceRequest._incoming(r, [o.name for o in r.outputs] or self.all_outputs)

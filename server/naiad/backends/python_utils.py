@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from .. import tensors as _t
-from ..errors import NaiadError as _NaiadError
+from ..errors import Internal as _Internal, NaiadError as _NaiadError
+from ..inference import InferenceResponse as _NativeResponse, OutputTensor as _OutputTensor
 
 _log = logging.getLogger("naiad.python_model")
 
@@ -418,8 +419,7 @@ def _from_native_result(fut) -> InferenceResponse:
 
 
 def _to_native(request: InferenceRequest, response: InferenceResponse | None, final: bool):
-    from ..errors import Internal
-    from ..inference import InferenceResponse as Native, OutputTensor
+    Native, OutputTensor, Internal = _NativeResponse, _OutputTensor, _Internal
     native = request._native
     if response is None:
         return Native(model_name=native.model_name, model_version=str(native.model_version),

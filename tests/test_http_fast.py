@@ -312,3 +312,16 @@ def test_restricted_inference_api(limited):
         assert json.loads(body) == {"error": "This API is restricted, expecting header 'x-key'"}
     finally:
         c.close()
+
+
+def test_fast_path_can_be_switched_off(model_repo, monkeypatch):
+    monkeypatch.setenv("NAIAD_HTTP_FAST", "0")
+    with NaiadProcess(model_repo, "--model-control-mode", "explicit", "--load-model", MODEL) as proc:
+        c = Conn(proc)
+        try:
+            c.send(infer_request((1, 2)) + infer_request((3,)))
+            for expected in ([1, 2], [3]):
+                status, headers, body = c.response()
+                assert status == 200 and "server" in headers and outputs(body) == expected
+        finally:
+            c.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import numpy as np
 import orjson
@@ -487,11 +488,16 @@ class HttpFrontend:
         await stream.write_eof()
         return stream
 
-    async def start(self, host: str, port: int) -> "HttpListener":
+    async def start(self, host: str, port: int) -> "HttpListener | web.AppRunner":
         """Listen with the fast HTTP/1.1 protocol (http_fast); it hands the aiohttp app every connection
-        that sends anything but a plain infer request. `cleanup()` on the result stops both."""
+        that sends anything but a plain infer request. `cleanup()` on the result stops both.
+        NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before."""
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
+        if os.environ.get("NAIAD_HTTP_FAST", "1") == "0":   # escape hatch (and A/B benchmarks): aiohttp only
+            site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+            await site.start()
+            return runner
         fast = FastHttpServer(self, runner.server, self.max_input_size, self.restricted)
         loop = asyncio.get_running_loop()
         try:

@@ -10,6 +10,7 @@ import gzip
 import json
 import socket
 import time
+import zlib
 
 import pytest
 
@@ -140,13 +141,13 @@ def test_versioned_route_and_errors_match_aiohttp(naiad, conn):
     conn.send(infer_request((1, 2), path=f"/v2/models/{MODEL}/versions/1/infer"))
     status, headers, body = conn.response()
     assert status == 200 and "server" not in headers and outputs(body) == [1, 2]
-    # the same failing requests through the fast path and (Accept-Encoding: gzip) through aiohttp
+    # the same failing requests through the fast path and (a Content-Encoding header) through aiohttp
     for path, raw_body in ((f"/v2/models/{MODEL}/versions/x/infer", body_for((1,))),
                            ("/v2/models/no_such_model/infer", body_for((1,))),
                            (ROUTE, b"{not json"),
                            (ROUTE, b'{"inputs": 3}')):
         answers = []
-        for extra in (b"", b"Accept-Encoding: gzip\r\n"):
+        for extra in (b"", b"Content-Encoding: identity\r\n"):
             conn.send(b"POST %s HTTP/1.1\r\nHost: t\r\n%sContent-Length: %d\r\n\r\n%s"
                       % (path.encode(), extra, len(raw_body), raw_body))
             status, headers, body = conn.response()
@@ -183,11 +184,21 @@ def test_http10_goes_to_aiohttp(naiad, conn):
     assert status == 200 and "server" in headers and outputs(body) == [3, 4]
 
 
-def test_gzip_accept_encoding(naiad, conn):
-    conn.send(infer_request((1, 2, 3, 4), headers={"Accept-Encoding": "gzip"}))
-    status, headers, body = conn.response()
-    assert status == 200 and headers.get("content-encoding") == "gzip"
-    assert outputs(gzip.decompress(body)) == [1, 2, 3, 4]
+@pytest.mark.parametrize("accept, coding", [("gzip", "gzip"), ("gzip, deflate", "gzip"), ("deflate", "deflate"),
+                                           ("br", None)])
+def test_compressed_responses_match_aiohttp(naiad, conn, accept, coding):
+    """python `requests` sends Accept-Encoding: gzip, deflate: the fast path compresses as aiohttp does."""
+    answers = []
+    for extra in ({}, {"Content-Encoding": "identity"}):   # fast path, then aiohttp
+        conn.send(infer_request((1, 2, 3, 4), headers={"Accept-Encoding": accept, **extra}))
+        status, headers, body = conn.response()
+        assert status == 200 and headers.get("content-encoding") == coding
+        if coding == "gzip":
+            body = gzip.decompress(body)
+        elif coding == "deflate":
+            body = zlib.decompress(body)
+        answers.append(("server" in headers, outputs(body)))
+    assert answers == [(False, [1, 2, 3, 4]), (True, [1, 2, 3, 4])]
 
 
 def test_chunked_request_body(naiad, conn):
@@ -306,7 +317,7 @@ def test_restricted_inference_api(limited):
         status, _, body = c.response()
         assert status == 200 and outputs(body) == [3, 4]
         assert c.response()[0] == 403
-        c.send(infer_request((1, 2), headers={"Accept-Encoding": "gzip"}))   # aiohttp answers the same way
+        c.send(infer_request((1, 2), headers={"Content-Encoding": "identity"}))   # aiohttp answers the same way
         status, headers, body = c.response()
         assert status == 403 and "server" in headers
         assert json.loads(body) == {"error": "This API is restricted, expecting header 'x-key'"}

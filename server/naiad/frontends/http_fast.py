@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import zlib
 from collections import deque
 from http import HTTPStatus
 
@@ -86,6 +87,17 @@ def response_bytes(status: int, chunks: list, headers: dict | None, keep_alive: 
     if length < 65536:
         return head + chunks[0] if len(chunks) == 1 else head + b"".join(chunks)
     return [head, *chunks]
+
+
+async def _compress(loop, chunks: list, headers: dict, coding: str) -> tuple[list, dict]:
+    """The body compressed as the aiohttp path does it (zlib default level; deflate is the zlib format);
+    a large body is compressed off the event loop."""
+    def run() -> bytes:
+        c = zlib.compressobj(wbits=31 if coding == "gzip" else zlib.MAX_WBITS)
+        return b"".join([*(c.compress(x) for x in chunks), c.flush()])
+    size = sum(len(x) for x in chunks)
+    data = run() if size < 65536 else await loop.run_in_executor(None, run)
+    return [data], {**headers, "Content-Encoding": coding}
 
 
 def parse_route(url: bytes) -> tuple[str, str] | None:
@@ -175,7 +187,7 @@ class _Stop(Exception):
 
 class FastHttpProtocol(asyncio.Protocol):
     __slots__ = ("srv", "loop", "transport", "parser", "raw", "url", "content_length", "header_length",
-                 "handoff", "restricted_value", "head_end", "route", "queue", "task", "final", "lost",
+                 "handoff", "restricted_value", "head_end", "route", "queue", "task", "final", "lost", "coding",
                  "eof", "reading_paused", "writing_paused", "last_active", "in_head", "error")
 
     def __init__(self, srv: FastHttpServer):
@@ -199,6 +211,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.url = b""
         self.content_length = 0
         self.header_length = None
+        self.coding = None
         self.handoff = False
         self.restricted_value = None
         self.head_end = -1
@@ -294,8 +307,8 @@ class FastHttpProtocol(asyncio.Protocol):
             if self.header_length is None:
                 self.header_length = value.decode("utf-8", "surrogateescape")
         elif name == _ACCEPT_ENCODING:
-            if b"gzip" in value or b"deflate" in value:
-                self.handoff = True   # aiohttp compresses the response
+            # the aiohttp handler's rule: gzip if accepted, else deflate (python `requests` sends both)
+            self.coding = "gzip" if b"gzip" in value else ("deflate" if b"deflate" in value else None)
         elif name in _HANDOFF_HEADERS:
             self.handoff = True
         elif name == self.srv.restrict_key and self.restricted_value is None:
@@ -335,7 +348,7 @@ class FastHttpProtocol(asyncio.Protocol):
         keep_alive = self.parser.should_keep_alive()
         srv = self.srv
         denied = srv.restrict_key is not None and self.restricted_value != srv.restrict_value
-        self.queue.append((self.route, body, self.header_length, keep_alive, denied))
+        self.queue.append((self.route, body, self.header_length, keep_alive, denied, self.coding))
         self._reset()
         if not keep_alive:
             self.final = _CLOSE
@@ -348,7 +361,7 @@ class FastHttpProtocol(asyncio.Protocol):
         frontend = srv.frontend
         try:
             while queue and not self.lost:
-                (model, version), body, header_length, keep_alive, denied = queue.popleft()
+                (model, version), body, header_length, keep_alive, denied, coding = queue.popleft()
                 if self.reading_paused and len(queue) < MAX_QUEUE // 2 and self.final is None:
                     self.reading_paused = False
                     self.transport.resume_reading()
@@ -359,6 +372,8 @@ class FastHttpProtocol(asyncio.Protocol):
                     try:
                         chunks, headers = await frontend.run_infer(model, version, body, header_length)
                         status = 200
+                        if coding is not None:
+                            chunks, headers = await _compress(self.loop, chunks, headers, coding)
                     except Exception as exc:  # noqa: BLE001 - mapped exactly as the aiohttp app's _errors does
                         if not isinstance(exc, NaiadError):
                             log.exception("unhandled error on POST %s", _path(model, version))

@@ -1,7 +1,7 @@
 """A minimal HTTP/1.1 protocol for the one hot route, `POST /v2/models/{model}[/versions/{version}]/infer`.
 
 Everything else a connection sends (other routes and methods, HTTP/1.0, `Expect`, chunked or encoded
-request bodies, a response compression request, Upgrade, oversized bodies, odd URLs) is handed to the
+request bodies, Upgrade, oversized bodies, odd URLs) is handed to the
 aiohttp app for the rest of that connection's life: the aiohttp `Server` makes a `RequestHandler`
 protocol, the transport is switched over to it and it is fed every raw byte from the start of the
 request that triggered the handoff. Both paths answer an infer request through the same function,

@@ -51,14 +51,17 @@ def build_model(hidden=HIDDEN, seed: int = 0):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repo", default=str(Path(__file__).resolve().parent / "repo"))
+    p.add_argument("--hidden", default=",".join(map(str, HIDDEN)),
+                   help="hidden layer widths, comma-separated (default %(default)s)")
     args = p.parse_args()
-    data = build_model().SerializeToString()
+    hidden = tuple(int(w) for w in args.hidden.split(","))
+    data = build_model(hidden).SerializeToString()
     for name in ("mlp", "mlp_batched"):
         dst = Path(args.repo) / name / "1" / "model.onnx"
         dst.parent.mkdir(parents=True, exist_ok=True)
         if not dst.exists() or dst.read_bytes() != data:
             dst.write_bytes(data)
-    print(f"export_mlp: {len(data)} bytes -> {args.repo}/mlp{{,_batched}}/1/model.onnx")
+    print(f"export_mlp: hidden {hidden}, {len(data)} bytes -> {args.repo}/mlp{{,_batched}}/1/model.onnx")
 
 
 if __name__ == "__main__":

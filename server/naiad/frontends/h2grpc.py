@@ -93,7 +93,7 @@ def _status_block(code: int, message: str) -> bytes:
     return block
 
 
-_OK_TRAILERS = frame(HEADERS, END_STREAM | END_HEADERS, 0, _status_block(0, ""))[9:]
+_OK_TRAILERS = _status_block(0, "")
 
 
 def _code(status) -> int:
@@ -215,7 +215,7 @@ class _Connection(asyncio.Protocol):
         self.peer_max_frame = 16384
         self.recv_unacked = 0
         self.blocked: dict[int, Stream] = {}
-        self.goaway_sent = False
+        self.draining = False
         self.closed = False
 
     # ---- asyncio.Protocol ----
@@ -311,7 +311,7 @@ class _Connection(asyncio.Protocol):
             if st is not None:
                 self._drop(st)
         elif ftype == GOAWAY:
-            self.goaway_sent = True  # the client is leaving: finish what runs, take nothing new
+            self.draining = True  # the client is leaving: finish what runs, take nothing new
             self._maybe_close()
         elif ftype == PUSH_PROMISE:
             raise _ConnectionError(PROTOCOL_ERROR, "clients cannot push")
@@ -380,7 +380,7 @@ class _Connection(asyncio.Protocol):
             return  # a stream that is already over (reset or finished): ignore
         self.last_sid = sid
         st = Stream(self, sid, self.peer_initial_window)
-        if self.goaway_sent:
+        if self.draining:
             self.transport.write(frame(RST_STREAM, 0, sid, struct.pack(">I", REFUSED_STREAM)))
             return
         self.streams[sid] = st
@@ -523,9 +523,7 @@ class _Connection(asyncio.Protocol):
         method = st.method
         try:
             if method.server_streaming:
-                async for response in method.call(request, st):
-                    if st.done:
-                        return
+                async for response in method.call(request, st):  # a reset stream cancels this task
                     self._send_message(st, response.SerializeToString())
                 self._finish(st, _OK_TRAILERS)
             else:
@@ -688,16 +686,16 @@ class _Connection(asyncio.Protocol):
     def _goaway(self, code: int, message: str = "") -> None:
         if self.closed:
             return
-        self.goaway_sent = True
+        self.draining = True
         self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code) + message.encode()[:256]))
 
     def _maybe_close(self) -> None:
-        if self.goaway_sent and not self.streams and not self.closed and self.transport is not None:
+        if self.draining and not self.streams and not self.closed and self.transport is not None:
             self.transport.close()
 
     def shutdown(self) -> None:
         """Graceful: no new streams; the connection closes when its calls are done."""
-        if not self.closed and not self.goaway_sent:
+        if not self.closed and not self.draining:
             self._goaway(NO_ERROR)
         self._maybe_close()
 

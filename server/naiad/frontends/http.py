@@ -18,7 +18,7 @@ from ..server import Server
 from .. import tensors
 from . import generate
 from .common import request_options
-from .http_fast import FastHttpServer
+from .http_fast import FastHttpServer, compress_response, response_coding
 
 log = logging.getLogger("naiad.http")
 
@@ -436,14 +436,10 @@ class HttpFrontend:
         body = await request.read()
         chunks, headers = await self.run_infer(m["model"], m.get("version", ""), body,
                                                request.headers.get(HEADER_LENGTH))
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        resp = web.Response(body=body, headers=headers)
-        accept = request.headers.get("Accept-Encoding", "")
-        if "gzip" in accept:
-            resp.enable_compression(web.ContentCoding.gzip)
-        elif "deflate" in accept:
-            resp.enable_compression(web.ContentCoding.deflate)
-        return resp
+        coding = response_coding(request.headers.get("Accept-Encoding", ""))
+        if coding is not None:
+            chunks, headers = await compress_response(asyncio.get_running_loop(), chunks, headers, coding)
+        return web.Response(body=chunks[0] if len(chunks) == 1 else b"".join(chunks), headers=headers)
 
     # generate extension
     async def _generate_request(self, request):

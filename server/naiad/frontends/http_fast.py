@@ -89,9 +89,15 @@ def response_bytes(status: int, chunks: list, headers: dict | None, keep_alive: 
     return [head, *chunks]
 
 
-async def _compress(loop, chunks: list, headers: dict, coding: str) -> tuple[list, dict]:
-    """The body compressed as the aiohttp path does it (zlib default level; deflate is the zlib format);
-    a large body is compressed off the event loop."""
+def response_coding(accept: str) -> str | None:
+    """The Content-Encoding an infer response gets for an Accept-Encoding value: gzip if accepted, else
+    deflate (python `requests` sends both), else none."""
+    return "gzip" if "gzip" in accept else ("deflate" if "deflate" in accept else None)
+
+
+async def compress_response(loop, chunks: list, headers: dict, coding: str) -> tuple[list, dict]:
+    """An infer response body compressed (zlib default level; deflate is the zlib format), for both HTTP
+    paths; a large body is compressed off the event loop."""
     def run() -> bytes:
         c = zlib.compressobj(wbits=31 if coding == "gzip" else zlib.MAX_WBITS)
         return b"".join([*(c.compress(x) for x in chunks), c.flush()])
@@ -307,8 +313,7 @@ class FastHttpProtocol(asyncio.Protocol):
             if self.header_length is None:
                 self.header_length = value.decode("utf-8", "surrogateescape")
         elif name == _ACCEPT_ENCODING:
-            # the aiohttp handler's rule: gzip if accepted, else deflate (python `requests` sends both)
-            self.coding = "gzip" if b"gzip" in value else ("deflate" if b"deflate" in value else None)
+            self.coding = response_coding(value.decode("latin-1"))
         elif name in _HANDOFF_HEADERS:
             self.handoff = True
         elif name == self.srv.restrict_key and self.restricted_value is None:
@@ -373,7 +378,7 @@ class FastHttpProtocol(asyncio.Protocol):
                         chunks, headers = await frontend.run_infer(model, version, body, header_length)
                         status = 200
                         if coding is not None:
-                            chunks, headers = await _compress(self.loop, chunks, headers, coding)
+                            chunks, headers = await compress_response(self.loop, chunks, headers, coding)
                     except Exception as exc:  # noqa: BLE001 - mapped exactly as the aiohttp app's _errors does
                         if not isinstance(exc, NaiadError):
                             log.exception("unhandled error on POST %s", _path(model, version))

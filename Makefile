@@ -28,7 +28,7 @@ serve: venv examples
 # Every tier this machine can run: server, Triton side by side, Prometheus, operator and the e2e cluster.
 # The Kubernetes binaries are built once from the Go module proxy into ~/.cache/naiad-e2e (cold: ~17 min on
 # 2 cores; warm: instant); without Go the cluster tiers skip with a reason.
-test: venv test-deps
+test: venv test-deps lint
 	@status=0; \
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests --ignore=tests/operator/test_operator_cluster.py || status=$$?; \
 	$(MAKE) -s e2e-tests || status=$$?; \
@@ -82,8 +82,10 @@ test-deps:
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 
+# Lint and format check; both fail on a finding (rule set chosen in pyproject.toml).
 lint: venv
-	$(PY) -m ruff check server operator tests || true
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(VENV) $(REPO) .pytest_cache

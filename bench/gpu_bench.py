@@ -236,6 +236,7 @@ def main() -> int:
     batches = [int(b) for b in a.batches.split(",")]
 
     import onnxruntime as ort
+
     from naiad import gpu
     if not a.cpu_smoke:
         if gpu.device_count() == 0:
@@ -267,7 +268,7 @@ def main() -> int:
             build_plan(onnx_path, repo / "resnet50_plan" / "1" / "model.plan")
             (repo / "resnet50_plan" / "config.pbtxt").write_text(
                 CONFIG.format(name="resnet50_plan", platform="tensorrt_plan", kind="KIND_GPU"))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             trt_reason = f"building the plan failed: {exc}"
 
     rng = np.random.default_rng(0)
@@ -293,10 +294,11 @@ def main() -> int:
 
     # TensorRT through Naiad's backend, in-process (no server)
     if trt_reason is None:
+        from tritonclient.grpc import model_config_pb2 as mc
+
         from naiad.backends import tensorrt as trt_backend
         from naiad.backends.base import ModelContext
         from naiad.config import normalize, parse_text
-        from tritonclient.grpc import model_config_pb2 as mc
         config = parse_text((repo / "resnet50_plan" / "config.pbtxt").read_text())
         config.backend = "tensorrt"
         normalize(config, gpu.device_count())

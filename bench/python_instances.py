@@ -47,6 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "server"))
 
 import numpy as np
+
 from naiad.inference import InferenceRequest
 from naiad.server import Server, ServerOptions
 

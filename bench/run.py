@@ -296,7 +296,7 @@ class Server(abc.ABC):
             m = re.match(r'^([A-Za-z_:][\w:]*)\{([^}]*)\}\s+(\S+)', line)
             if not m or m.group(1) not in names:
                 continue
-            if re.search(r'(?:^|,)model="%s"' % re.escape(model), m.group(2)):
+            if re.search(rf'(?:^|,)model="{re.escape(model)}"', m.group(2)):
                 total += float(m.group(3))
                 seen = True
         return total if seen else None
@@ -337,7 +337,7 @@ class Server(abc.ABC):
                 self.stop()
                 raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}")
             time.sleep(0.3)
-        status, body = http_get(f"http://127.0.0.1:{HTTP_PORT}/v2")
+        _status, body = http_get(f"http://127.0.0.1:{HTTP_PORT}/v2")
         with contextlib.suppress(Exception):
             self.version = json.loads(body).get("version", "")
 
@@ -699,7 +699,7 @@ def run_round(ctx: Ctx, rnd: int, servers: list[str]) -> None:
             for sc in scs:
                 try:
                     rec = measure_scenario(ctx, server, sc, rnd)
-                except Exception as exc:  # noqa: BLE001 - record and go on with the next scenario
+                except Exception as exc:
                     rec = {"type": "run", "round": rnd, "server": name, "scenario": sc.name, "model": sc.model,
                            "protocol": sc.proto, "concurrency": sc.conc, "values": sc.numel,
                            "valid": False, "invalid_reason": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -28,9 +28,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 
@@ -461,7 +461,7 @@ class KwokCluster:
         except Exception as e:  # pragma: no cover - best effort at interpreter exit
             print(f"naiad e2e: failed to delete cluster {self.name}: {e}", file=sys.stderr)
 
-    def __enter__(self) -> "KwokCluster":
+    def __enter__(self) -> KwokCluster:
         self.create()
         return self
 

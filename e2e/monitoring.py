@@ -34,8 +34,8 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import yaml
 
@@ -161,7 +161,7 @@ class Prometheus:
         return {"global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
                 "scrape_configs": scrape}
 
-    def start(self, timeout: float = 60) -> "Prometheus":
+    def start(self, timeout: float = 60) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(self.config(), sort_keys=False))
@@ -243,7 +243,7 @@ class Prometheus:
         if self._own_workdir and os.environ.get("NAIAD_E2E_KEEP") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "Prometheus":
+    def __enter__(self) -> Prometheus:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -332,7 +332,7 @@ class PrometheusAdapter:
                       "insecureSkipTLSVerify": True, "groupPriorityMinimum": 100, "versionPriority": 100}},
         ]
 
-    def start(self, timeout: float = 120) -> "PrometheusAdapter":
+    def start(self, timeout: float = 120) -> PrometheusAdapter:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "certs").mkdir(exist_ok=True)
         cfg = self.workdir / "config.yaml"
@@ -398,7 +398,7 @@ class PrometheusAdapter:
         if self._own_workdir and os.environ.get("NAIAD_E2E_KEEP") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "PrometheusAdapter":
+    def __enter__(self) -> PrometheusAdapter:
         return self.start()
 
     def __exit__(self, *exc) -> None:

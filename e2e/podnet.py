@@ -41,7 +41,7 @@ import os
 import socket
 import struct
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 DEFAULT_MODE = "auto"
 
@@ -113,7 +113,7 @@ def _route(cidr: str, add: bool) -> None:
         s.bind((0, 0))
         s.send(msg)
         data = s.recv(65536)
-    ln, typ = struct.unpack_from("IH", data, 0)
+    _ln, typ = struct.unpack_from("IH", data, 0)
     if typ == NLMSG_ERROR:
         err = -struct.unpack_from("i", data, 16)[0]
         if err == 0 or (add and err == errno.EEXIST):

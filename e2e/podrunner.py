@@ -70,10 +70,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
 
 log = logging.getLogger("naiad.e2e.podrunner")
 
@@ -136,7 +136,8 @@ class _Api:
     kubeconfigs all work)."""
 
     def __init__(self, kubeconfig: str) -> None:
-        from kubernetes import client as kclient, config as kconfig
+        from kubernetes import client as kclient
+        from kubernetes import config as kconfig
 
         cfg = kclient.Configuration()
         kconfig.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
@@ -253,7 +254,7 @@ class _Container:
 class _PodWorker(threading.Thread):
     """Runs and supervises the processes of one pod."""
 
-    def __init__(self, runner: "PodRunner", pod: dict) -> None:
+    def __init__(self, runner: PodRunner, pod: dict) -> None:
         meta = pod["metadata"]
         super().__init__(name=f"podrunner-{meta['namespace']}/{meta['name']}", daemon=True)
         self.runner = runner
@@ -787,7 +788,7 @@ class PodRunner:
         self._cond = threading.Condition()
 
     # ------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 30) -> "PodRunner":
+    def start(self, timeout: float = 30) -> PodRunner:
         """Start watching; returns once the initial pod list has been handled."""
         if self._thread is not None:
             return self
@@ -816,7 +817,7 @@ class PodRunner:
         if self._own_workdir and not self.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "PodRunner":
+    def __enter__(self) -> PodRunner:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -149,7 +149,7 @@ def _run_deployment_checks(c: KwokCluster, runner: PodRunner):
         assert p.argv[-3:] == ["--bind", p.pod_ip, "8000"]
         assert _pid_alive(p.pid)
     for ip in ips:
-        assert _wait(lambda: _try_get(ip), timeout=30, what=f"HTTP 200 from {ip}:8000") == 200
+        assert _wait(lambda ip=ip: _try_get(ip), timeout=30, what=f"HTTP 200 from {ip}:8000") == 200
 
     # Ready comes from the runner's readiness probe; the real endpointslice
     # controller then publishes both pod IPs as ready endpoints.

@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
 
-from build_models import build  # noqa: E402
-from helpers import NaiadProcess  # noqa: E402
+from build_models import build
+from helpers import NaiadProcess
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ class NaiadProcess:
     def url(self) -> str:
         return f"http://{self.http}"
 
-    def start(self) -> "NaiadProcess":
+    def start(self) -> NaiadProcess:
         cmd = [sys.executable, "-m", "naiad.cli", "serve"]
         for r in self.repos:
             cmd += ["--model-repository", r]

@@ -11,9 +11,8 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from tritonclient.utils import InferenceServerException
-
 from helpers import NaiadProcess
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.fixture()
@@ -71,7 +70,7 @@ def test_bad_shared_memory_registrations(naiad, regions):
         ("offset past the end", "/naiad_small", 60, 16, "exceeds the size"),
         ("size overflow", "/naiad_small", 0, 2**63 - 1, "exceeds the size"),
     ]
-    for what, key, offset, size, message in cases:
+    for _what, key, offset, size, message in cases:
         with pytest.raises(InferenceServerException, match=message):
             client.register_system_shared_memory("bad", key, size, offset=offset)
     client.register_system_shared_memory("ok", "/naiad_small", 64)

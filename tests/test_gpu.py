@@ -26,12 +26,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from build_models import export_onnx, mlp
 from helpers import NaiadProcess, free_ports
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
+
 from naiad import backends, gpu
 from naiad.backends.base import ModelContext
 from naiad.config import normalize, parse_text
 from naiad.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
-from tritonclient.grpc import model_config_pb2 as mc
-from tritonclient.utils import InferenceServerException
 
 GPU_REASON = gm.cuda_device_reason()
 
@@ -616,11 +617,12 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
     in CUDA regions (stand-in runtime), status and unregister."""
     import aiohttp
     import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
     from naiad.frontends.grpc import GrpcFrontend
     from naiad.frontends.http import HttpFrontend
     from naiad.server import Server, ServerOptions
-    from tritonclient.grpc import service_pb2 as pb
-    from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
     repo = tmp_path / "repo"
     export_onnx(mlp(16, 8), repo / "mlp_cpu" / "1" / "model.onnx", 16)
@@ -917,7 +919,7 @@ def _cuda_shm_roundtrip(server, model, proto, make_region, read_region):
 def test_cuda_shared_memory_roundtrip_tritonclient(gpu_server, gpu_repo, proto):
     try:
         import tritonclient.utils.cuda_shared_memory as cudashm
-    except Exception as exc:  # noqa: BLE001 - e.g. an old tritonclient with cuda-python 13
+    except Exception as exc:
         pytest.skip(f"tritonclient.utils.cuda_shared_memory does not import: {exc}".splitlines()[0])
     _, built = gpu_repo
     model = "mlp_gpu" if not built["mlp_gpu"] else "mlp_cpu"

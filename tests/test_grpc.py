@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
+from test_http import ALL_TYPES, sample
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
-
-from test_http import ALL_TYPES, sample
 
 
 def test_health_metadata_config(grpc_client):

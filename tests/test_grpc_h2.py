@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
+from helpers import NaiadProcess
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
-
-from helpers import NaiadProcess
 
 
 def _identity(client, data: np.ndarray, **kw) -> np.ndarray:

@@ -13,7 +13,6 @@ import time
 import zlib
 
 import pytest
-
 from helpers import NaiadProcess
 
 MODEL = "identity_fp32"
@@ -300,7 +299,7 @@ def test_content_length_over_limit_gets_413(limited):
         body = body_for([1.0] * 400)
         assert len(body) > 2000
         c.send(infer_request([1.0] * 400, headers={"X-Key": "secret"}))
-        status, headers, body = c.response()
+        status, _headers, body = c.response()
         assert status == 413 and "error" in json.loads(body)
     finally:
         c.close()

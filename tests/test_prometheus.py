@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
-
 from helpers import NaiadProcess, free_ports
 
 PROMETHEUS = shutil.which("prometheus")

@@ -249,9 +249,10 @@ def _error(client, model: str, inputs) -> InferenceServerException:
 # ---- the choice ----
 
 def test_default_rule_and_parameter():
+    from tritonclient.grpc import model_config_pb2 as mc
+
     from naiad.backends.python_process import execution_isolation
     from naiad.errors import InvalidArgument
-    from tritonclient.grpc import model_config_pb2 as mc
 
     def config(count: int, value: str | None = None) -> mc.ModelConfig:
         c = mc.ModelConfig(name="m", backend="python")

@@ -14,9 +14,8 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 from helpers import NaiadProcess
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.fixture()
@@ -66,7 +65,7 @@ def test_broken_model_load_fails_alone(explicit):
         client.load_model("does_not_exist")
     # the loaded model is unaffected
     assert client.infer("add_sub", add_sub_inputs(httpclient)).as_numpy("OUTPUT0").tolist() == [1, 2, 3, 4]
-    entry = [m for m in client.get_model_repository_index() if m["name"] == "broken_init"][0]
+    entry = next(m for m in client.get_model_repository_index() if m["name"] == "broken_init")
     assert entry["state"] == "UNAVAILABLE" and "broken on purpose" in entry["reason"]
 
 

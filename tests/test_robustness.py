@@ -68,7 +68,7 @@ def test_malformed_grpc_requests(naiad):
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         for _ in range(40):
             req = service_pb2.ModelInferRequest(model_name=rng.choice(["identity_fp32", "add_sub", "", "x" * 300]))
-            for i in range(rng.randrange(3)):
+            for _i in range(rng.randrange(3)):
                 t = req.inputs.add(name=rng.choice(["INPUT0", "INPUT1", ""]),
                                    datatype=rng.choice(["FP32", "BYTES", "INT8", "??"]),
                                    shape=[rng.choice([-3, 0, 1, 4, 2**40]) for _ in range(rng.randrange(3))])

@@ -8,9 +8,8 @@ import time
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 from helpers import NaiadProcess
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,7 @@ def concurrently(fn, n: int):
     def run(i):
         try:
             results[i] = fn(i)
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
+        except Exception as exc:
             errors[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
@@ -182,7 +181,7 @@ def test_rate_limiter_serialises_executions_across_models(model_repo):
             r = requests.post(f"{proc.url}/v2/models/limited_{'ab'[i % 2]}/infer", json=body, timeout=30)
             assert r.status_code == 200, r.text
         start = time.monotonic()
-        results, errors = concurrently(call, 4)
+        _results, errors = concurrently(call, 4)
         assert errors == [None] * 4
         return time.monotonic() - start
 

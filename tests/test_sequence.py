@@ -20,9 +20,8 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 from helpers import NaiadProcess
+from tritonclient.utils import InferenceServerException
 
 MODELS = Path(__file__).resolve().parent / "models"
 
@@ -302,7 +301,7 @@ def test_concurrent_sequences_are_batched(server, model):
 
     with ThreadPoolExecutor(len(plans)) as pool:
         futures = [pool.submit(go, sid, values, n) for n, (sid, values) in enumerate(plans)]
-        for (sid, values), fut in zip(plans, futures):
+        for (_sid, values), fut in zip(plans, futures):
             assert fut.result(timeout=60) == list(np.cumsum(values))
     stats = stats_of(server, model)
     sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}
@@ -332,13 +331,13 @@ def test_implicit_state_concurrent_and_from_file(server):
     with ThreadPoolExecutor(len(plans)) as pool:
         futures = [pool.submit(run_sequence, server, "seq_state_file", sid, values, n)
                    for n, (sid, values) in enumerate(plans)]
-        for (sid, values), fut in zip(plans, futures):
+        for (_sid, values), fut in zip(plans, futures):
             assert fut.result(timeout=60) == list(100 + np.cumsum(values))
 
 
 def test_invalid_control_fails_to_load(server):
     index = requests.post(f"{server.url}/v2/repository/index", timeout=10).json()
-    entry = [m for m in index if m["name"] == "seq_bad_control"][0]
+    entry = next(m for m in index if m["name"] == "seq_bad_control")
     assert entry.get("state") == "UNAVAILABLE"
     assert ("sequence batching control 'int32_false_true' must have exactly 2 entries for "
             "CONTROL_SEQUENCE_START for seq_bad_control") in entry.get("reason", "")

@@ -20,8 +20,9 @@ import json
 import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,8 +30,8 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import NaiadProcess, free_ports  # noqa: E402
-from triton_reference import TRITON_MODELS, triton_available, tritonserver  # noqa: E402
+from helpers import NaiadProcess, free_ports
+from triton_reference import TRITON_MODELS, triton_available, tritonserver
 
 pytestmark = [
     pytest.mark.triton,

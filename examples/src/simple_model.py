@@ -1,12 +1,11 @@
 """The tutorial's SimpleModel (seed 002): an embedding feeding one Linear and a stack of four."""
 
-import torch
 import torch.nn as nn
 
 
 class SimpleModel(nn.Module):
     def __init__(self):
-        super(SimpleModel, self).__init__()
+        super().__init__()
         self.embedding = nn.Embedding(100, 8)
         self.fc = nn.Linear(8, 4)
         self.fc_list = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])

@@ -41,7 +41,7 @@ class PassRunner(Generic[T]):
             except asyncio.CancelledError:
                 future.cancel()
                 raise
-            except Exception as error:  # noqa: BLE001 - handed to every waiter, who decides
+            except Exception as error:
                 future.set_exception(error)
             else:
                 future.set_result(result)

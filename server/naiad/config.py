@@ -107,7 +107,7 @@ def detect_backend(config: ModelConfig, model_dir: Path, versions: list[int]) ->
             vdir = model_dir / str(v)
             names = [config.default_model_filename] if config.default_model_filename else []
             for fname, backend in _DETECT:
-                if (vdir / fname).exists() or fname in names and (vdir / fname).exists():
+                if (vdir / fname).exists() or (fname in names and (vdir / fname).exists()):
                     config.backend = backend
                     break
             if config.backend:

@@ -66,7 +66,7 @@ def _nvml():
 def _shutdown(nvml) -> None:
     try:
         nvml.nvmlShutdown()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log.debug("nvmlShutdown: %s", exc)
 
 
@@ -75,12 +75,12 @@ def device_count() -> int:
     NVML is missing or fails, never an exception."""
     try:
         nvml = _nvml()
-    except Exception as exc:  # noqa: BLE001 - no package, no driver, no device: no GPU
+    except Exception as exc:
         log.debug("NVML unavailable, assuming no GPU: %s", exc)
         return 0
     try:
         return _visible_devices(int(nvml.nvmlDeviceGetCount()))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log.debug("NVML device count failed, assuming no GPU: %s", exc)
         return 0
     finally:
@@ -91,7 +91,7 @@ def devices() -> list[dict]:
     """NVML's view of the physical devices: index, uuid, name and total memory; [] without NVML."""
     try:
         nvml = _nvml()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return []
     out = []
     try:
@@ -104,7 +104,7 @@ def devices() -> list[dict]:
                 "name": name.decode() if isinstance(name, bytes) else name,
                 "memory_total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(h).total),
             })
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log.debug("NVML query failed: %s", exc)
     finally:
         _shutdown(nvml)
@@ -140,7 +140,7 @@ def check(result, what: str):
         try:
             _, text = rt.cudaGetErrorString(err)
             text = text.decode() if isinstance(text, bytes) else str(text)
-        except Exception:  # noqa: BLE001
+        except Exception:
             text = str(err)
         raise Internal(f"{what} failed: {text} ({getattr(err, 'name', err)})")
     if not values:
@@ -156,7 +156,7 @@ def cuda_unavailable_reason() -> str | None:
         return exc.message
     try:
         n = check(rt.cudaGetDeviceCount(), "cudaGetDeviceCount")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return f"CUDA shared memory is not supported by this server: the CUDA runtime reports {exc}"
     if not n:
         return NO_DEVICE
@@ -275,7 +275,7 @@ class CudaSharedMemoryManager:
                 rt = cudart()
                 set_device(region.device_id)
                 check(rt.cudaIpcCloseMemHandle(region.pointer), "cudaIpcCloseMemHandle")
-            except Exception as exc:  # noqa: BLE001 - the region is forgotten either way
+            except Exception as exc:
                 log.warning("closing CUDA shared memory region '%s': %s", region.name, exc)
 
     def close(self) -> None:
@@ -444,7 +444,7 @@ def _allocation_size(pointer: int) -> int | None:
         if err != driver.CUresult.CUDA_SUCCESS:
             return None
         return int(size) - (pointer - int(base))
-    except Exception:  # noqa: BLE001 - a best-effort bound check
+    except Exception:
         return None
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class InferenceRequest:
     flags: int = 0
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     # Set by the server for decoupled models: called with each response from any thread.
-    response_callback: Callable[["InferenceResponse"], None] | None = None
+    response_callback: Callable[[InferenceResponse], None] | None = None
     cancelled: bool = False
     # (name, monotonic ns) pairs when the trace extension sampled this request
     trace: list | None = None

@@ -14,8 +14,8 @@ import psutil
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Summary, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger("naiad.metrics")
 
@@ -135,7 +135,7 @@ class _LatencyHistogram:
     takes a lock per bucket counter (~2-3 us); three per request showed in the profiles, so observations are
     counted here (C bisect, one lock) and exposed at scrape time as a HistogramMetricFamily."""
 
-    __slots__ = ("lock", "counts", "sum")
+    __slots__ = ("counts", "lock", "sum")
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -192,7 +192,7 @@ class _SystemCollector:
                     h = pynvml.nvmlDeviceGetHandleByIndex(i)
                     uuid = pynvml.nvmlDeviceGetUUID(h)
                     self.gpus.append((h, uuid.decode() if isinstance(uuid, bytes) else uuid))
-            except Exception as exc:  # noqa: BLE001 - no driver or no package: no GPU metrics
+            except Exception as exc:
                 log.debug("GPU metrics unavailable: %s", exc)
                 self.nvml = None
                 self.gpus = []
@@ -229,7 +229,7 @@ class _SystemCollector:
                     used.add_metric([uuid], m.used)
                     power.add_metric([uuid], n.nvmlDeviceGetPowerUsage(h) / 1000.0)
                     limit.add_metric([uuid], n.nvmlDeviceGetPowerManagementLimit(h) / 1000.0)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     log.debug("NVML query failed: %s", exc)
             yield from (util, total, used, power, limit)
 

@@ -287,7 +287,7 @@ class ModelRepository:
             for group in vconfig.instance_group:
                 devices = list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
                 for device in devices:
-                    for i in range(group.count):
+                    for _i in range(group.count):
                         instances.append(module.create_instance(ctx, group, device, len(instances)))
             pool = InstancePool(instances, stats, vconfig.max_batch_size > 0, self.server.rate_limiter)
             pool.initialize()
@@ -296,7 +296,7 @@ class ModelRepository:
             for inst in instances:
                 try:
                     inst.close()
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
             raise
         try:

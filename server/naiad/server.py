@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from . import __version__
 from .cache import ResponseCache, request_key
@@ -92,7 +92,7 @@ class Server:
             await asyncio.sleep(self.options.repository_poll_secs)
             try:
                 await self.repository.poll()
-            except Exception:  # noqa: BLE001 - a bad poll must not stop polling
+            except Exception:
                 log.exception("repository poll failed")
 
     async def stop(self, timeout: float | None = None) -> None:
@@ -127,7 +127,7 @@ class Server:
     def metadata(self) -> dict:
         return {"name": self.name, "version": __version__, "extensions": list(self.extensions)}
 
-    def model(self, name: str, version: str | int = "") -> "ModelVersion":  # noqa: F821
+    def model(self, name: str, version: str | int = "") -> ModelVersion:  # noqa: F821
         return self.repository.get(name, parse_version(version))
 
     def model_metadata(self, name: str, version: str | int = "") -> dict:

@@ -70,7 +70,7 @@ def run_warmup(mv) -> None:
                                        response_callback=_discard)
                 try:
                     mv.pool.execute_on(inst, inst.execute, [req], Timing()).result()
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     err = as_naiad_error(exc)
                     raise InvalidArgument(
                         f"model '{mv.name}' warmup sample '{sample.name}' failed: {err.message}") from None
@@ -91,7 +91,7 @@ def _warm_ensemble(mv, samples) -> None:
                                    model_version=mv.version, id=f"warmup:{sample.name}")
             try:
                 asyncio.run_coroutine_threadsafe(mv.runner(req), loop).result()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 err = as_naiad_error(exc)
                 raise InvalidArgument(
                     f"ensemble '{mv.name}' warmup sample '{sample.name}' failed: {err.message}") from None

@@ -132,7 +132,7 @@ def walk(node: dict, path: str = ""):
 @pytest.mark.parametrize("kind", ["InferenceServer", "InferenceModel"])
 def test_defaults_and_enums_are_valid_against_their_own_schema(kind):
     checked = 0
-    for path, node in walk(schema_of(kind)):
+    for _path, node in walk(schema_of(kind)):
         if "default" in node:
             jsonschema.validate(node["default"], node)
             checked += 1

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import kopf
 import pytest
+from operator_fakes import API, NS, FakeKube
+
 from naiad_operator import handlers
 from naiad_operator.config import OperatorConfig
 from naiad_operator.pool import LoadBackoff, PoolReport
-from operator_fakes import API, NS, FakeKube
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 

@@ -8,6 +8,7 @@ import json
 import kopf
 import pytest
 from aiohttp import web
+
 from naiad_operator.kube import KubeClient, KubeError, resource_path
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")

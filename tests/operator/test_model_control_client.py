@@ -8,6 +8,7 @@ import json
 import aiohttp
 import pytest
 from aiohttp import web
+
 from naiad_operator.control import (
     IndexEntry,
     ModelControlClient,

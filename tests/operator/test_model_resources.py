@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from naiad_operator.config import OperatorConfig
 from naiad_operator.model_resources import (
     Repository,

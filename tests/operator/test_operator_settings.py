@@ -5,6 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
+
 from naiad_operator.__main__ import parse_args
 from naiad_operator.config import OperatorConfig
 from naiad_operator.quantity import parse_quantity, quantity_bytes

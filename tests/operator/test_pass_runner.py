@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from naiad_operator.runner import PassRunner
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")

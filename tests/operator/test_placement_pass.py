@@ -7,10 +7,11 @@ import copy
 import json
 
 import pytest
+from operator_fakes import API, NS, FakeKube, FakeServers
+
 from naiad_operator.config import OperatorConfig
 from naiad_operator.naming import DEDICATED_FOR_LABEL, MODELS_READY_CONDITION, PLACEMENTS_ANNOTATION
 from naiad_operator.pool import LoadBackoff, PoolContext, reconcile_pool
-from operator_fakes import API, NS, FakeKube, FakeServers
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from naiad_operator.config import OperatorConfig
 from naiad_operator.naming import MODELS_READY_CONDITION, SERVER_LABEL, SERVICE_ROLE_LABEL
 from naiad_operator.resources import (

@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import ModelConfig, data_type_name
 from ..errors import InvalidArgument
 from ..inference import InferenceRequest, InferenceResponse, OutputTensor
-from ..config import data_type_name
 from ..tensors import config_to_wire, datatype_of
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ class InlinePolicy:
     LIMIT_NS = 150_000
     EVICT_NS = 2_000_000
 
-    __slots__ = ("allowed", "inline", "_avg", "_count")
+    __slots__ = ("_avg", "_count", "allowed", "inline")
 
     def __init__(self, allowed: bool):
         self.allowed = allowed
@@ -96,7 +95,7 @@ class ModelInstance(abc.ABC):
     """One instance of a model (an `instance_group` member). `execute` runs on the instance's own thread,
     or on the event loop when its `inline` policy allows it (see InlinePolicy)."""
 
-    def __init__(self, ctx: ModelContext, group: "ModelInstanceGroup", device_id: int, index: int):
+    def __init__(self, ctx: ModelContext, group: ModelInstanceGroup, device_id: int, index: int):
         self.ctx = ctx
         self.group = group
         self.device_id = device_id

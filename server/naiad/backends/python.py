@@ -162,7 +162,7 @@ class PythonInstance(ModelInstance):
             raise Internal(f"model '{self.ctx.name}': execute returned {got} responses for "
                            f"{len(requests)} requests")
         responses: list[InferenceResponse] = []
-        for pb_req, native, resp in zip(pb_requests, requests, result):
+        for pb_req, _native, resp in zip(pb_requests, requests, result):
             if not isinstance(resp, pb_utils.InferenceResponse):
                 raise Internal(f"model '{self.ctx.name}': execute must return InferenceResponse objects, "
                                f"got {type(resp).__name__}")

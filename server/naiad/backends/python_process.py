@@ -434,7 +434,7 @@ class ProcessInstance(ModelInstance):
                 reply = self._exec.recv()
             except (EOFError, OSError):
                 raise
-            except Exception as exc:  # noqa: BLE001 - a reply that does not unpickle; the stream is intact
+            except Exception as exc:
                 raise Internal(f"model '{self.ctx.name}': cannot decode the reply of the python worker of "
                                f"instance '{self.name}': {type(exc).__name__}: {exc}") from None
         except (EOFError, OSError):
@@ -464,7 +464,7 @@ class ProcessInstance(ModelInstance):
                     self._lock.notify_all()
         except (EOFError, OSError):
             pass
-        except Exception as exc:  # noqa: BLE001 - an undecodable message ends the worker: nothing may hang
+        except Exception as exc:
             reason = f"undecodable message from the worker: {type(exc).__name__}: {exc}"
             self._process.kill()
         self._worker_gone(reason)
@@ -536,7 +536,7 @@ class ProcessInstance(ModelInstance):
         def done(f) -> None:
             try:
                 result = f.result()
-            except BaseException as exc:  # noqa: BLE001 - BLS errors go back to the model
+            except BaseException as exc:
                 self._send_side(("bls_reply", bls, None, transferable_error(exc)))
                 return
             self._send_side(("bls_reply", bls, None if decoupled else encode_response(result), None))

@@ -14,8 +14,10 @@ from typing import Any
 import numpy as np
 
 from .. import tensors as _t
-from ..errors import Internal as _Internal, NaiadError as _NaiadError
-from ..inference import InferenceResponse as _NativeResponse, OutputTensor as _OutputTensor
+from ..errors import Internal as _Internal
+from ..errors import NaiadError as _NaiadError
+from ..inference import InferenceResponse as _NativeResponse
+from ..inference import OutputTensor as _OutputTensor
 
 _log = logging.getLogger("naiad.python_model")
 
@@ -140,7 +142,7 @@ class TritonModelException(Exception):
 class Tensor:
     """A named tensor held as a numpy array (zero-copy views where the request allows)."""
 
-    __slots__ = ("_name", "_array", "_datatype")
+    __slots__ = ("_array", "_datatype", "_name")
 
     def __init__(self, name: str, tensor, datatype: str | None = None):
         if not isinstance(tensor, np.ndarray):
@@ -170,7 +172,7 @@ class Tensor:
         return self._array.__dlpack__()
 
     @staticmethod
-    def from_dlpack(name: str, dlpack_tensor) -> "Tensor":
+    def from_dlpack(name: str, dlpack_tensor) -> Tensor:
         if hasattr(dlpack_tensor, "__dlpack__"):
             return Tensor(name, np.from_dlpack(dlpack_tensor))
         try:  # a raw PyCapsule, as torch.utils.dlpack.to_dlpack returns
@@ -241,7 +243,7 @@ class InferenceResponse:
 class InferenceResponseSender:
     """Sends responses of a decoupled model's request, from any thread."""
 
-    def __init__(self, request: "InferenceRequest"):
+    def __init__(self, request: InferenceRequest):
         self._request = request
         self._closed = False
         self._lock = threading.Lock()
@@ -285,7 +287,7 @@ class InferenceRequest:
         self._sender = None
 
     @classmethod
-    def _incoming(cls, native, requested: list[str]) -> "InferenceRequest":
+    def _incoming(cls, native, requested: list[str]) -> InferenceRequest:
         r = cls.__new__(cls)
         r._model_name = native.model_name
         r._inputs = [Tensor(n, a, native.datatypes.get(n)) for n, a in native.inputs.items()]
@@ -334,7 +336,8 @@ class InferenceRequest:
 
     # ---- BLS ----
     def _native_request(self):
-        from ..inference import InferenceRequest as Native, RequestedOutput
+        from ..inference import InferenceRequest as Native
+        from ..inference import RequestedOutput
         inputs, datatypes = {}, {}
         for t in self._inputs:
             inputs[t.name()] = t.as_numpy()
@@ -369,7 +372,7 @@ class _ResponseIterator:
 
     def __init__(self, server, loop, native):
         import queue
-        self._queue: "queue.Queue" = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()
         self._done = False
 
         def on_response(resp):
@@ -381,7 +384,7 @@ class _ResponseIterator:
             try:
                 async for _ in server.infer_stream(native):
                     pass
-            except Exception as exc:  # noqa: BLE001 - reported to the model as an error response
+            except Exception as exc:
                 self._queue.put(exc)
             self._queue.put(None)
 
@@ -413,7 +416,7 @@ def _from_native_response(resp) -> InferenceResponse:
 def _from_native_result(fut) -> InferenceResponse:
     try:
         resp = fut.result()
-    except Exception as exc:  # noqa: BLE001 - BLS errors come back in the response, as in Triton
+    except Exception as exc:
         return InferenceResponse(error=TritonError(str(exc)))
     return _from_native_response(resp)
 
@@ -537,7 +540,7 @@ class ModelConfig:
                 return
         entries.append(dict(spec))
 
-    def add_input(self, input: dict) -> None:  # noqa: A002 - Triton's parameter name
+    def add_input(self, input: dict) -> None:
         self._add("input", input)
 
     def add_output(self, output: dict) -> None:
@@ -546,6 +549,6 @@ class ModelConfig:
     def set_model_transaction_policy(self, transaction_policy_dict: dict) -> None:
         self._config["model_transaction_policy"] = dict(transaction_policy_dict)
 
-    def add_input_tensor(self, input: dict) -> None:  # noqa: A002
+    def add_input_tensor(self, input: dict) -> None:
         self.add_input(input)
 

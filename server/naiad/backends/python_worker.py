@@ -134,7 +134,7 @@ class _ForwardLogs(logging.Handler):
             if record.exc_info:
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
             self._channel.send(("log", record.name, record.levelno, text))
-        except Exception:  # noqa: BLE001 - logging must never break the model
+        except Exception:
             self.handleError(record)
 
 
@@ -166,7 +166,7 @@ class Worker:
                 continue
             try:  # finalize
                 instance.close()
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent, as in thread mode
+            except BaseException as exc:
                 self._reply(None, as_naiad_error(exc))
             else:
                 self._reply(None, None)
@@ -182,7 +182,7 @@ class Worker:
         try:
             instance = PythonInstance(ctx, group, spec["device_id"], spec["index"])
             instance.warmup_thread_init()
-        except BaseException as exc:  # noqa: BLE001 - the parent fails the load with this error
+        except BaseException as exc:
             self._reply(None, as_naiad_error(exc))
             return None
         self._reply(os.getpid(), None)
@@ -199,7 +199,7 @@ class Worker:
         started = time.monotonic_ns()
         try:
             responses = instance.execute(requests, Timing())
-        except BaseException as exc:  # noqa: BLE001 - reported for every request, as in thread mode
+        except BaseException as exc:
             for key in keys:
                 self.requests.pop(key, None)
             self._reply(None, as_naiad_error(exc))

@@ -386,7 +386,7 @@ class TensorRTInstance(TensorInstance):
                 self.rt.cudaFreeHost(ptr)
             if self.stream is not None:
                 self.rt.cudaStreamDestroy(self.stream)
-        except Exception as exc:  # noqa: BLE001 - releasing is best effort
+        except Exception as exc:
             log.warning("releasing TensorRT instance %s of '%s': %s", self.name, self.ctx.name, exc)
         self._device_buffers, self._host_buffers = {}, {}
         self.stream = None

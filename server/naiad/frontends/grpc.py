@@ -208,7 +208,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
             return encode_response(resp, req, self.shm)
         except NaiadError as exc:
             return await self._fail(context, exc)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("ModelInfer failed")
             return await self._fail(context, exc)
 
@@ -240,7 +240,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
                     out = encode_response(resp, req, self.shm)
                     out.parameters["triton_final_response"].bool_param = resp.final
                     queue.put_nowait(pb.ModelStreamInferResponse(infer_response=out))
-            except Exception as exc:  # noqa: BLE001 - reported on the stream
+            except Exception as exc:
                 err = as_naiad_error(exc)
                 queue.put_nowait(pb.ModelStreamInferResponse(
                     error_message=err.message,

@@ -23,8 +23,9 @@ import logging
 import struct
 import urllib.parse
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import hpack
@@ -130,10 +131,27 @@ class Method:
 class Stream:
     """One call. Also the `context` handed to servicer methods (the subset of grpc.aio's they use)."""
 
-    __slots__ = ("conn", "sid", "method", "metadata", "encoding", "body", "received", "unacked", "send_window",
-                 "pending", "trailers", "headers_sent", "remote_closed", "done", "task", "queue", "inbuf")
+    __slots__ = (
+        "body",
+        "conn",
+        "done",
+        "encoding",
+        "headers_sent",
+        "inbuf",
+        "metadata",
+        "method",
+        "pending",
+        "queue",
+        "received",
+        "remote_closed",
+        "send_window",
+        "sid",
+        "task",
+        "trailers",
+        "unacked",
+    )
 
-    def __init__(self, conn: "_Connection", sid: int, send_window: int):
+    def __init__(self, conn: _Connection, sid: int, send_window: int):
         self.conn = conn
         self.sid = sid
         self.method: Method | None = None
@@ -195,7 +213,7 @@ def _split_messages(buf: bytearray, encoding: bytes) -> list:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, server: "H2GrpcServer"):
+    def __init__(self, server: H2GrpcServer):
         self.server = server
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
@@ -501,7 +519,7 @@ class _Connection(asyncio.Protocol):
             except Abort as exc:
                 self._finish_error(st, exc.code, exc.details)
                 return
-            except Exception as exc:  # noqa: BLE001 - a message that does not parse
+            except Exception as exc:
                 self._finish_error(st, grpc.StatusCode.INTERNAL, f"failed to parse the request: {exc}")
                 return
             st.task = self.loop.create_task(self._run(st, request))
@@ -516,7 +534,7 @@ class _Connection(asyncio.Protocol):
                 return
             try:
                 yield request_type.FromString(msg)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise Abort(grpc.StatusCode.INTERNAL, f"failed to parse a request message: {exc}") from None
 
     async def _run(self, st: Stream, request) -> None:
@@ -537,7 +555,7 @@ class _Connection(asyncio.Protocol):
             if not st.done:
                 self._finish_error(st, grpc.StatusCode.CANCELLED, "the call was cancelled")
             raise
-        except Exception as exc:  # noqa: BLE001 - the call fails, the connection lives on
+        except Exception as exc:
             log.exception("gRPC call %s failed", st.sid)
             self._finish_error(st, grpc.StatusCode.UNKNOWN, f"Unexpected error: {exc}")
 

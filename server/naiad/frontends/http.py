@@ -11,11 +11,11 @@ import orjson
 from aiohttp import web
 
 from .. import config as cfg
+from .. import tensors
 from ..errors import InvalidArgument, NaiadError, NotFound, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..repository import decode_file_overrides
 from ..server import Server
-from .. import tensors
 from . import generate
 from .common import request_options
 from .http_fast import FastHttpServer, compress_response, response_coding
@@ -55,7 +55,7 @@ async def _errors(request: web.Request, handler):
         raise
     except NaiadError as exc:
         return error_response(exc)
-    except Exception as exc:  # noqa: BLE001 - never let a handler bug drop the connection
+    except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(exc)
 
@@ -484,7 +484,7 @@ class HttpFrontend:
         await stream.write_eof()
         return stream
 
-    async def start(self, host: str, port: int) -> "HttpListener | web.AppRunner":
+    async def start(self, host: str, port: int) -> HttpListener | web.AppRunner:
         """Listen with the fast HTTP/1.1 protocol (http_fast); it hands the aiohttp app every connection
         that sends anything but a plain infer request. `cleanup()` on the result stops both.
         NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before."""

@@ -139,7 +139,7 @@ class FastHttpServer:
         rule = (restricted or {}).get("inference")
         self.restrict_key = rule[0].lower().encode("latin-1") if rule else None
         self.restrict_value = rule[1] if rule else None
-        from . import http   # (http imports this module)
+        from . import http  # (http imports this module)
         self.error_payload = http.error_payload
         self.restricted_body = orjson.dumps({"error": http.restricted_message(rule[0])}) if rule else None
         self.routes: dict[bytes, tuple[str, str] | None] = {}
@@ -147,7 +147,7 @@ class FastHttpServer:
         self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
 
-    def __call__(self) -> "FastHttpProtocol":
+    def __call__(self) -> FastHttpProtocol:
         return FastHttpProtocol(self)
 
     def route(self, url: bytes) -> tuple[str, str] | None:
@@ -192,9 +192,31 @@ class _Stop(Exception):
 
 
 class FastHttpProtocol(asyncio.Protocol):
-    __slots__ = ("srv", "loop", "transport", "parser", "raw", "url", "content_length", "header_length",
-                 "handoff", "restricted_value", "head_end", "route", "queue", "task", "final", "lost", "coding",
-                 "eof", "reading_paused", "writing_paused", "last_active", "in_head", "error")
+    __slots__ = (
+        "coding",
+        "content_length",
+        "eof",
+        "error",
+        "final",
+        "handoff",
+        "head_end",
+        "header_length",
+        "in_head",
+        "last_active",
+        "loop",
+        "lost",
+        "parser",
+        "queue",
+        "raw",
+        "reading_paused",
+        "restricted_value",
+        "route",
+        "srv",
+        "task",
+        "transport",
+        "url",
+        "writing_paused",
+    )
 
     def __init__(self, srv: FastHttpServer):
         self.srv = srv
@@ -379,7 +401,7 @@ class FastHttpProtocol(asyncio.Protocol):
                         status = 200
                         if coding is not None:
                             chunks, headers = await compress_response(self.loop, chunks, headers, coding)
-                    except Exception as exc:  # noqa: BLE001 - mapped exactly as the aiohttp app's _errors does
+                    except Exception as exc:
                         if not isinstance(exc, NaiadError):
                             log.exception("unhandled error on POST %s", _path(model, version))
                         status, payload = srv.error_payload(exc)

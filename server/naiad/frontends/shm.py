@@ -153,7 +153,7 @@ class SharedMemoryManager:
         """Copy an output into its region; returns the response parameters describing it."""
         self._check_enabled()
         data = tensors.to_bytes(out.data, out.datatype)
-        region, start, size = self._span(params, len(data))
+        region, start, _size = self._span(params, len(data))
         region.buffer[start:start + len(data)] = data
         result = {"shared_memory_region": region.name, "shared_memory_byte_size": len(data)}
         if params.get("shared_memory_offset"):

@@ -27,7 +27,7 @@ class QueuePolicy:
     delay_on_timeout: bool = False
 
     @classmethod
-    def from_config(cls, p) -> "QueuePolicy":
+    def from_config(cls, p) -> QueuePolicy:
         return cls(
             max_queue_size=p.max_queue_size,
             default_timeout_us=p.default_timeout_microseconds,
@@ -37,7 +37,7 @@ class QueuePolicy:
 
 
 class _Entry:
-    __slots__ = ("request", "future", "deadline_ns", "timer", "level", "size", "shape_key")
+    __slots__ = ("deadline_ns", "future", "level", "request", "shape_key", "size", "timer")
 
     def __init__(self, request, future, level, size, shape_key):
         self.request = request

@@ -102,7 +102,7 @@ class InstancePool:
             else:
                 results = await loop.run_in_executor(self.executors[id(inst)], call)
             outcome: list = list(results)
-        except BaseException as exc:  # noqa: BLE001 - every request of the batch gets the error
+        except BaseException as exc:
             err = as_naiad_error(exc)
             outcome = [err] * len(requests)
         done = time.monotonic_ns()
@@ -131,6 +131,6 @@ class InstancePool:
             ex = self.executors[id(inst)]
             try:
                 ex.submit(inst.close).result()
-            except Exception:  # noqa: BLE001 - a failing finalize must not block unloading
+            except Exception:
                 pass
             ex.shutdown(wait=False)

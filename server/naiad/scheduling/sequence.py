@@ -106,7 +106,7 @@ class _State:
 class _Seq:
     """One sequence: its slot, its queue of not-yet-dispatched requests and its implicit state."""
 
-    __slots__ = ("key", "worker", "slot", "queue", "states", "busy", "closed", "timer")
+    __slots__ = ("busy", "closed", "key", "queue", "slot", "states", "timer", "worker")
 
     def __init__(self, key):
         self.key = key
@@ -120,7 +120,7 @@ class _Seq:
 
 
 class _Entry:
-    __slots__ = ("request", "future", "seq", "wanted")
+    __slots__ = ("future", "request", "seq", "wanted")
 
     def __init__(self, request, future, seq):
         self.request = request
@@ -375,7 +375,7 @@ class SequenceScheduler:
                     await self._execute(w, batch)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the dispatcher must survive a bad request
+            except Exception:
                 log.exception("sequence batcher of model '%s' failed", self.config.name)
                 await asyncio.sleep(0.01)
 
@@ -390,7 +390,7 @@ class SequenceScheduler:
             entry = seq.queue[0]
             try:
                 self._prepare(entry)
-            except Exception as exc:  # noqa: BLE001 - fails this request only
+            except Exception as exc:
                 seq.queue.popleft()
                 self.queued -= 1
                 self._restore(entry)
@@ -476,7 +476,7 @@ class SequenceScheduler:
             finally:
                 if limiter is not None:
                     limiter.release(w.inst)
-        except Exception as exc:  # noqa: BLE001 - pool.run never raises; the limiter should not either
+        except Exception as exc:
             for entry in batch:
                 entry.seq.busy = False
                 self._restore(entry)
@@ -491,7 +491,7 @@ class SequenceScheduler:
             if self.states and isinstance(res, InferenceResponse):
                 try:
                     self._take_states(entry, res)
-                except Exception as exc:  # noqa: BLE001 - fails this request only
+                except Exception as exc:
                     res = as_naiad_error(exc)
             self._restore(entry)
             if not entry.future.done():

@@ -1,5 +1,6 @@
 # model.py
 import json
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -52,7 +53,6 @@ class TritonPythonModel:
         """
 
         output0_dtype = self.output0_dtype
-        output1_dtype = self.output1_dtype
 
         responses = []
 

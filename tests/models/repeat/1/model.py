@@ -18,7 +18,7 @@ class TritonPythonModel:
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
 
-            def send(i):
+            def send(i, sender=sender, value=value):
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value),
                                                         pb_utils.Tensor("IDX", np.array([i], np.int32))]))
 

@@ -44,11 +44,14 @@ PROFILE = (1, 8, 32)
 
 # ---- the network ----
 
+
 def resnet50():
     import torch
     from torch import nn
+
     try:
         import torchvision
+
         return torchvision.models.resnet50(weights=None).eval()
     except ImportError:
         pass
@@ -58,12 +61,20 @@ def resnet50():
             super().__init__()
             cout = width * 4
             self.body = nn.Sequential(
-                nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-                nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width),
+                nn.Conv2d(cin, width, 1, bias=False),
+                nn.BatchNorm2d(width),
                 nn.ReLU(inplace=True),
-                nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout))
-            self.down = None if stride == 1 and cin == cout else nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                nn.Conv2d(width, width, 3, stride, 1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(inplace=True),
+                nn.Conv2d(width, cout, 1, bias=False),
+                nn.BatchNorm2d(cout),
+            )
+            self.down = (
+                None
+                if stride == 1 and cin == cout
+                else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            )
             self.relu = nn.ReLU(inplace=True)
 
         def forward(self, x):
@@ -76,24 +87,39 @@ def resnet50():
             cin = width * 4
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
         nn.MaxPool2d(3, 2, 1),
-        *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000)).eval()
+        *layers,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2048, 1000),
+    ).eval()
 
 
 def export_onnx(path: Path) -> Path:
     import torch
+
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.onnx.export(resnet50(), (torch.zeros(1, *SHAPE),), str(path), input_names=[INPUT],
-                      output_names=[OUTPUT], dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}},
-                      opset_version=17, dynamo=False)
+    torch.onnx.export(
+        resnet50(),
+        (torch.zeros(1, *SHAPE),),
+        str(path),
+        input_names=[INPUT],
+        output_names=[OUTPUT],
+        dynamic_axes={INPUT: {0: "batch"}, OUTPUT: {0: "batch"}},
+        opset_version=17,
+        dynamo=False,
+    )
     return path
 
 
 def build_plan(onnx_path: Path, plan_path: Path) -> Path:
     import tensorrt as trt
+
     if plan_path.exists():
         return plan_path
     logger = trt.Logger(trt.Logger.WARNING)
@@ -118,6 +144,7 @@ def build_plan(onnx_path: Path, plan_path: Path) -> Path:
 
 # ---- timing ----
 
+
 def measure(fn, batch: int, iters: int, warmup: int, concurrency: int) -> dict:
     for _ in range(warmup):
         fn()
@@ -138,11 +165,15 @@ def measure(fn, batch: int, iters: int, warmup: int, concurrency: int) -> dict:
     wall = time.perf_counter() - start
     lat.sort()
     p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-    return {"p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * p99,
-            "images_per_s": batch * iters / wall}
+    return {
+        "p50_ms": 1000 * statistics.median(lat),
+        "p99_ms": 1000 * p99,
+        "images_per_s": batch * iters / wall,
+    }
 
 
 # ---- the server ----
+
 
 def free_port() -> int:
     s = socket.socket()
@@ -159,10 +190,30 @@ class Naiad:
         path = str(REPO / "server") + os.pathsep + os.environ.get("PYTHONPATH", "")
         env = dict(os.environ, PYTHONPATH=path)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "naiad.cli", "serve", "--model-repository", str(repo),
-             "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1", "--http-port", str(self.http_port),
-             "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port),
-             "--strict-readiness", "false"], stdout=fd, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "naiad.cli",
+                "serve",
+                "--model-repository",
+                str(repo),
+                "--http-address",
+                "127.0.0.1",
+                "--grpc-address",
+                "127.0.0.1",
+                "--http-port",
+                str(self.http_port),
+                "--grpc-port",
+                str(self.grpc_port),
+                "--metrics-port",
+                str(self.metrics_port),
+                "--strict-readiness",
+                "false",
+            ],
+            stdout=fd,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         os.close(fd)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -176,8 +227,9 @@ class Naiad:
         raise RuntimeError("naiad did not become ready")
 
     def ready(self, model: str) -> str:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.http_port}/v2/repository/index", data=b"{}",
-                                     method="POST")
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.http_port}/v2/repository/index", data=b"{}", method="POST"
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             for e in json.load(r):
                 if e["name"] == model:
@@ -195,9 +247,11 @@ class Naiad:
 def client_fn(naiad: Naiad, protocol: str, model: str, x: np.ndarray, concurrency: int):
     if protocol == "grpc":
         import tritonclient.grpc as mod
+
         addr = f"127.0.0.1:{naiad.grpc_port}"
     else:
         import tritonclient.http as mod
+
         addr = f"127.0.0.1:{naiad.http_port}"
     kwargs = {"concurrency": concurrency} if protocol == "http" else {}
     client = mod.InferenceServerClient(addr, **kwargs)
@@ -227,9 +281,11 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=HERE / ".work" / "gpu")
     ap.add_argument("--no-trt", action="store_true", help="skip the TensorRT rows")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    ap.add_argument("--cpu-smoke", action="store_true",
-                    help="check the script without a GPU: CPU EP and KIND_CPU, batches 1,2, 3 iterations, "
-                         "no TensorRT")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="check the script without a GPU: CPU EP and KIND_CPU, batches 1,2, 3 iterations, no TensorRT",
+    )
     a = ap.parse_args()
     if a.cpu_smoke:
         a.batches, a.iters, a.warmup, a.no_trt = "1,2", 3, 1, True
@@ -238,14 +294,19 @@ def main() -> int:
     import onnxruntime as ort
 
     from naiad import gpu
+
     if not a.cpu_smoke:
         if gpu.device_count() == 0:
-            print("gpu_bench: no CUDA device (NVML reports none); use --cpu-smoke to check the script",
-                  file=sys.stderr)
+            print(
+                "gpu_bench: no CUDA device (NVML reports none); use --cpu-smoke to check the script",
+                file=sys.stderr,
+            )
             return 2
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            print("gpu_bench: onnxruntime has no CUDA execution provider: pip install 'naiad[gpu]'",
-                  file=sys.stderr)
+            print(
+                "gpu_bench: onnxruntime has no CUDA execution provider: pip install 'naiad[gpu]'",
+                file=sys.stderr,
+            )
             return 2
     trt_reason = "--no-trt" if a.no_trt else None
     if trt_reason is None:
@@ -262,12 +323,14 @@ def main() -> int:
     if not target.exists():
         target.write_bytes(onnx_path.read_bytes())
     (repo / "resnet50_onnx" / "config.pbtxt").write_text(
-        CONFIG.format(name="resnet50_onnx", platform="onnxruntime_onnx", kind=kind))
+        CONFIG.format(name="resnet50_onnx", platform="onnxruntime_onnx", kind=kind)
+    )
     if trt_reason is None:
         try:
             build_plan(onnx_path, repo / "resnet50_plan" / "1" / "model.plan")
             (repo / "resnet50_plan" / "config.pbtxt").write_text(
-                CONFIG.format(name="resnet50_plan", platform="tensorrt_plan", kind="KIND_GPU"))
+                CONFIG.format(name="resnet50_plan", platform="tensorrt_plan", kind="KIND_GPU")
+            )
         except Exception as exc:
             trt_reason = f"building the plan failed: {exc}"
 
@@ -277,18 +340,28 @@ def main() -> int:
 
     def add(path: str, batch: int, result: dict):
         rows.append({"path": path, "batch": batch, **result})
-        print(f"  {path:<22} batch {batch:>2}: p50 {result['p50_ms']:8.2f} ms  "
-              f"{result['images_per_s']:9.1f} img/s", file=sys.stderr, flush=True)
+        print(
+            f"  {path:<22} batch {batch:>2}: p50 {result['p50_ms']:8.2f} ms  "
+            f"{result['images_per_s']:9.1f} img/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # raw onnxruntime
-    providers = ["CPUExecutionProvider"] if a.cpu_smoke else [("CUDAExecutionProvider", {"device_id": 0}),
-                                                              "CPUExecutionProvider"]
+    providers = (
+        ["CPUExecutionProvider"]
+        if a.cpu_smoke
+        else [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+    )
     raw_name = "ort-cpu raw" if a.cpu_smoke else "ort-cuda raw"
     sess = ort.InferenceSession(str(onnx_path), providers=providers)
     for b in batches:
         x = inputs[b]
-        add(raw_name, b, measure(lambda x=x: sess.run([OUTPUT], {INPUT: x}), b, a.iters, a.warmup,
-                                 a.concurrency))
+        add(
+            raw_name,
+            b,
+            measure(lambda x=x: sess.run([OUTPUT], {INPUT: x}), b, a.iters, a.warmup, a.concurrency),
+        )
     reference = {b: sess.run([OUTPUT], {INPUT: inputs[b]})[0] for b in batches}
     sess = None
 
@@ -299,6 +372,7 @@ def main() -> int:
         from naiad.backends import tensorrt as trt_backend
         from naiad.backends.base import ModelContext
         from naiad.config import normalize, parse_text
+
         config = parse_text((repo / "resnet50_plan" / "config.pbtxt").read_text())
         config.backend = "tensorrt"
         normalize(config, gpu.device_count())
@@ -311,8 +385,11 @@ def main() -> int:
             err = float(np.max(np.abs(got - reference[b])))
             print(f"  tensorrt vs onnxruntime, batch {b}: max abs diff {err:.2e}", file=sys.stderr)
             x = inputs[b]
-            add("tensorrt in-process", b, measure(lambda x=x: inst.run({INPUT: x}, [OUTPUT]), b, a.iters,
-                                                  a.warmup, 1))
+            add(
+                "tensorrt in-process",
+                b,
+                measure(lambda x=x: inst.run({INPUT: x}, [OUTPUT]), b, a.iters, a.warmup, 1),
+            )
         inst.close()
 
     # through Naiad
@@ -330,22 +407,28 @@ def main() -> int:
                 fn = client_fn(naiad, a.protocol, model, inputs[b], a.concurrency)
                 err = float(np.max(np.abs(fn() - reference[b])))
                 if err > 5e-2:
-                    print(f"gpu_bench: warning: {model} batch {b} differs from onnxruntime by {err:.3g}",
-                          file=sys.stderr)
+                    print(
+                        f"gpu_bench: warning: {model} batch {b} differs from onnxruntime by {err:.3g}",
+                        file=sys.stderr,
+                    )
                 add(f"{label} ({a.protocol})", b, measure(fn, b, a.iters, a.warmup, a.concurrency))
     finally:
         naiad.stop()
 
     base = {r["batch"]: r for r in rows if r["path"] == raw_name}
-    print(f"\nResNet-50 ({'CPU smoke run' if a.cpu_smoke else 'GPU'}), {a.iters} requests per row, "
-          f"concurrency {a.concurrency}, {a.protocol} for the Naiad rows"
-          + (f"; TensorRT rows skipped: {trt_reason}" if trt_reason else ""))
+    print(
+        f"\nResNet-50 ({'CPU smoke run' if a.cpu_smoke else 'GPU'}), {a.iters} requests per row, "
+        f"concurrency {a.concurrency}, {a.protocol} for the Naiad rows"
+        + (f"; TensorRT rows skipped: {trt_reason}" if trt_reason else "")
+    )
     print("\n| path | batch | p50 ms | p99 ms | images/s | p50 vs raw onnxruntime |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: (r["batch"], r["path"])):
         ratio = r["p50_ms"] / base[r["batch"]]["p50_ms"] if r["batch"] in base else float("nan")
-        print(f"| {r['path']} | {r['batch']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
-              f"| {r['images_per_s']:.1f} | {ratio:.2f}x |")
+        print(
+            f"| {r['path']} | {r['batch']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} "
+            f"| {r['images_per_s']:.1f} | {ratio:.2f}x |"
+        )
     if a.json:
         args = {k: str(v) for k, v in vars(a).items()}
         a.json.write_text(json.dumps({"devices": gpu.devices(), "args": args, "rows": rows}, indent=2))

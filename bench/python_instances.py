@@ -65,19 +65,23 @@ def build_repo(root: Path) -> None:
             path = root / name / "config.pbtxt"
             text = re.sub(r'^name: ".*"\n', "", path.read_text(), flags=re.MULTILINE)
             text = re.sub(r"^instance_group .*\n", "", text, flags=re.MULTILINE)
-            text += (f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n"
-                     f'parameters {{ key: "EXECUTION_ISOLATION" '
-                     f'value: {{ string_value: "{isolation}" }} }}\n')
+            text += (
+                f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n"
+                f'parameters {{ key: "EXECUTION_ISOLATION" '
+                f'value: {{ string_value: "{isolation}" }} }}\n'
+            )
             path.write_text(f'name: "{name}"\n' + text)
 
 
 def request(model: str, iterations: int) -> InferenceRequest:
     name = model.rsplit("_", 1)[0]
     if name == "cpu_burn":
-        return InferenceRequest(model, {"ITERATIONS": np.array([iterations], dtype=np.int64)},
-                                {"ITERATIONS": "INT64"})
-    return InferenceRequest(model, {"INPUT0": np.arange(16, dtype=np.float32).reshape(1, 16)},
-                            {"INPUT0": "FP32"})
+        return InferenceRequest(
+            model, {"ITERATIONS": np.array([iterations], dtype=np.int64)}, {"ITERATIONS": "INT64"}
+        )
+    return InferenceRequest(
+        model, {"INPUT0": np.arange(16, dtype=np.float32).reshape(1, 16)}, {"INPUT0": "FP32"}
+    )
 
 
 async def throughput(server: Server, model: str, seconds: float, concurrency: int, iterations: int) -> float:
@@ -107,10 +111,11 @@ async def run(args: argparse.Namespace) -> dict[str, list[float]]:
                 await throughput(server, name, 0.5, args.concurrency, args.iterations)
             figures: dict[str, list[float]] = {s: [] for s in scenarios}
             for r in range(args.rounds):
-                order = scenarios[r % len(scenarios):] + scenarios[:r % len(scenarios)]
+                order = scenarios[r % len(scenarios) :] + scenarios[: r % len(scenarios)]
                 for name in order:
-                    figures[name].append(await throughput(server, name, args.seconds, args.concurrency,
-                                                          args.iterations))
+                    figures[name].append(
+                        await throughput(server, name, args.seconds, args.concurrency, args.iterations)
+                    )
         finally:
             await server.stop()
     return figures
@@ -149,17 +154,23 @@ def main() -> None:
     before = machine_parallelism(args.iterations, 5)
     figures = asyncio.run(run(args))
     after = machine_parallelism(args.iterations, 5)
-    print(f"requests/s, in-process Server API, concurrency {args.concurrency}, best (median) of "
-          f"{args.rounds} x {args.seconds:g} s, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"requests/s, in-process Server API, concurrency {args.concurrency}, best (median) of "
+        f"{args.rounds} x {args.seconds:g} s, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     heads = ("count=1 thread", "count=2 thread", "count=2 process")
     print(f"{'model':<28}" + "".join(f"{h:>20}" for h in heads))
     for model in SOURCES:
         label = f"cpu_burn ({args.iterations} iter.)" if model == "cpu_burn" else "identity (16 FP32)"
-        cells = [f"{max(figures[f'{model}_{v}']):.1f} ({statistics.median(figures[f'{model}_{v}']):.1f})"
-                 for v in VARIANTS]
+        cells = [
+            f"{max(figures[f'{model}_{v}']):.1f} ({statistics.median(figures[f'{model}_{v}']):.1f})"
+            for v in VARIANTS
+        ]
         print(f"{label:<28}" + "".join(f"{c:>20}" for c in cells))
-    print(f"machine check: two plain processes running the cpu_burn loop took {before:.2f}x (before) and "
-          f"{after:.2f}x (after) the time of one (1.0: two free cores; 2.0: other work leaves one)")
+    print(
+        f"machine check: two plain processes running the cpu_burn loop took {before:.2f}x (before) and "
+        f"{after:.2f}x (after) the time of one (1.0: two free cores; 2.0: other work leaves one)"
+    )
     print("all rounds: " + ", ".join(f"{k} {[round(x, 1) for x in v]}" for k, v in figures.items()))
 
 

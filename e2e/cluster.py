@@ -47,8 +47,16 @@ KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 GPU_NODE_LABEL = "naiad.e2e/gpu-node"
 #: binaries build.sh produces (all are required by KwokCluster except helm/adapter)
 BINARIES = (
-    "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
-    "etcd", "etcdctl", "kwok", "kwokctl", "helm", "prometheus-adapter",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "etcd",
+    "etcdctl",
+    "kwok",
+    "kwokctl",
+    "helm",
+    "prometheus-adapter",
 )
 
 
@@ -74,8 +82,13 @@ def find_go() -> str | None:
     return None
 
 
-def build_binaries(*, force: bool = False, cache_dir: str | os.PathLike | None = None,
-                   quiet: bool = False, timeout: float = 90 * 60) -> Path:
+def build_binaries(
+    *,
+    force: bool = False,
+    cache_dir: str | os.PathLike | None = None,
+    quiet: bool = False,
+    timeout: float = 90 * 60,
+) -> Path:
     """Run e2e/cluster/build.sh (a no-op when cached) and return the bin dir.
 
     ``$NAIAD_E2E_BIN`` short-circuits the build: if set, it must point at a dir
@@ -90,15 +103,21 @@ def build_binaries(*, force: bool = False, cache_dir: str | os.PathLike | None =
         return p
     go = find_go()
     if go is None:
-        raise GoMissing("no Go toolchain (go on PATH or /usr/local/go/bin/go) to build the e2e cluster binaries")
+        raise GoMissing(
+            "no Go toolchain (go on PATH or /usr/local/go/bin/go) to build the e2e cluster binaries"
+        )
     env = dict(os.environ, GO=go)
     if force:
         env["NAIAD_E2E_FORCE"] = "1"
     if cache_dir is not None:
         env["NAIAD_E2E_CACHE"] = str(cache_dir)
     proc = subprocess.run(
-        ["bash", str(BUILD_SH)], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL if quiet else None, text=True, timeout=timeout,
+        ["bash", str(BUILD_SH)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL if quiet else None,
+        text=True,
+        timeout=timeout,
     )
     if proc.returncode != 0:
         raise ClusterError(f"build.sh failed with exit code {proc.returncode}")
@@ -131,6 +150,7 @@ class GpuNode:
     addresses in EndpointSlices.  The default is in 198.18.0.0/15 (RFC 2544
     test range) and KwokCluster.create() makes it local with e2e/podnet.py.
     """
+
     name: str = "gpu-node-0"
     pod_cidr: str = "198.18.0.0/24"
     gpus: int = 8
@@ -151,8 +171,11 @@ class GpuNode:
 
     def manifest(self) -> dict:
         alloc = {
-            "cpu": self.cpu, "memory": self.memory, "pods": str(self.pods),
-            "nvidia.com/gpu": str(self.gpus), "ephemeral-storage": "1Ti",
+            "cpu": self.cpu,
+            "memory": self.memory,
+            "pods": str(self.pods),
+            "nvidia.com/gpu": str(self.gpus),
+            "ephemeral-storage": "1Ti",
         }
         labels = {
             "kubernetes.io/hostname": self.name,
@@ -295,19 +318,36 @@ class KwokCluster:
         return [conf, *stages]
 
     # ---------------------------------------------------------------- commands
-    def kwokctl(self, *args: str, check: bool = True, timeout: float | None = None,
-                capture: bool = True) -> subprocess.CompletedProcess:
-        return self._run([self.bin("kwokctl"), "--name", self.name, *args], check=check,
-                         timeout=timeout, capture=capture)
+    def kwokctl(
+        self, *args: str, check: bool = True, timeout: float | None = None, capture: bool = True
+    ) -> subprocess.CompletedProcess:
+        return self._run(
+            [self.bin("kwokctl"), "--name", self.name, *args], check=check, timeout=timeout, capture=capture
+        )
 
-    def kubectl(self, *args: str, check: bool = True, timeout: float | None = 120,
-                input: str | None = None, capture: bool = True) -> subprocess.CompletedProcess:
+    def kubectl(
+        self,
+        *args: str,
+        check: bool = True,
+        timeout: float | None = 120,
+        input: str | None = None,
+        capture: bool = True,
+    ) -> subprocess.CompletedProcess:
         """Run the cluster's kubectl (text mode); returns CompletedProcess."""
-        return self._run([self.bin("kubectl"), "--kubeconfig", self.kubeconfig, *args],
-                         check=check, timeout=timeout, input=input, capture=capture)
+        return self._run(
+            [self.bin("kubectl"), "--kubeconfig", self.kubeconfig, *args],
+            check=check,
+            timeout=timeout,
+            input=input,
+            capture=capture,
+        )
 
-    def helm(self, *args: str, check: bool = True, timeout: float | None = 300) -> subprocess.CompletedProcess:
-        return self._run([self.bin("helm"), "--kubeconfig", self.kubeconfig, *args], check=check, timeout=timeout)
+    def helm(
+        self, *args: str, check: bool = True, timeout: float | None = 300
+    ) -> subprocess.CompletedProcess:
+        return self._run(
+            [self.bin("helm"), "--kubeconfig", self.kubeconfig, *args], check=check, timeout=timeout
+        )
 
     def apply(self, manifest: dict | list | str) -> subprocess.CompletedProcess:
         """``kubectl apply -f -`` for a dict, a list of dicts or YAML text."""
@@ -319,11 +359,24 @@ class KwokCluster:
             text = manifest
         return self.kubectl("apply", "-f", "-", input=text)
 
-    def _run(self, argv: list[str], *, check: bool, timeout: float | None, input: str | None = None,
-             capture: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(argv, env=self.env(), input=input, text=True, timeout=timeout,
-                              stdout=subprocess.PIPE if capture else None,
-                              stderr=subprocess.PIPE if capture else None)
+    def _run(
+        self,
+        argv: list[str],
+        *,
+        check: bool,
+        timeout: float | None,
+        input: str | None = None,
+        capture: bool = True,
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            argv,
+            env=self.env(),
+            input=input,
+            text=True,
+            timeout=timeout,
+            stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.PIPE if capture else None,
+        )
         if check and proc.returncode != 0:
             raise ClusterError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -339,15 +392,27 @@ class KwokCluster:
         """Create the cluster and GPU node(s); return the kubeconfig path."""
         if self.created:
             return self.kubeconfig
-        missing = [b for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler",
-                               "kubectl", "etcd", "etcdctl", "kwok", "kwokctl")
-                   if not os.access(self.bin(b), os.X_OK)]
+        missing = [
+            b
+            for b in (
+                "kube-apiserver",
+                "kube-controller-manager",
+                "kube-scheduler",
+                "kubectl",
+                "etcd",
+                "etcdctl",
+                "kwok",
+                "kwokctl",
+            )
+            if not os.access(self.bin(b), os.X_OK)
+        ]
         if missing:
             raise ClusterError(f"{self.bin_dir} lacks {missing}; run e2e/cluster/build.sh")
         # before any component starts: in "netns" mode this process (and so
         # everything it starts from now on) moves into a private network namespace
-        self.pod_network_mode = podnet.ensure_pod_network([n.pod_cidr for n in self.gpu_nodes],
-                                                          self.pod_network_mode)
+        self.pod_network_mode = podnet.ensure_pod_network(
+            [n.pod_cidr for n in self.gpu_nodes], self.pod_network_mode
+        )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.kwok_workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / "kwokctl.yaml"
@@ -367,16 +432,30 @@ class KwokCluster:
             extra += ["--extra-args", "kube-apiserver=enable-aggregator-routing=true"]
         try:
             proc = self.kwokctl(
-                "create", "cluster", "--runtime", "binary", "--config", str(cfg),
-                "--kubeconfig", self.kubeconfig, "--wait", f"{t}s", "--timeout", f"{t}s",
-                *extra, check=False, timeout=self.create_timeout + 60,
+                "create",
+                "cluster",
+                "--runtime",
+                "binary",
+                "--config",
+                str(cfg),
+                "--kubeconfig",
+                self.kubeconfig,
+                "--wait",
+                f"{t}s",
+                "--timeout",
+                f"{t}s",
+                *extra,
+                check=False,
+                timeout=self.create_timeout + 60,
             )
         except subprocess.TimeoutExpired as e:
             proc = subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", e.stderr or "")
         if proc.returncode != 0:
             logs = self.component_logs_tail()
             self.delete()
-            raise ClusterError(f"kwokctl create cluster failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}\n{logs}")
+            raise ClusterError(
+                f"kwokctl create cluster failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}\n{logs}"
+            )
         self._wait_api()
         for node in self.gpu_nodes:
             self.add_node(node)
@@ -418,7 +497,9 @@ class KwokCluster:
         deadline = time.monotonic() + timeout
         while self.kubectl("get", "serviceaccount", "default", "-n", "default", check=False).returncode != 0:
             if time.monotonic() > deadline:
-                raise ClusterError("ServiceAccount default/default never appeared (kube-controller-manager down?)")
+                raise ClusterError(
+                    "ServiceAccount default/default never appeared (kube-controller-manager down?)"
+                )
             time.sleep(0.5)
 
     def component_logs_tail(self, lines: int = 40) -> str:

@@ -54,12 +54,14 @@ def kwok_cluster(e2e_bin_dir):
 
 @pytest.fixture
 def pod_runner(kwok_cluster):
-    r = PodRunner(kwok_cluster.kubeconfig, kwok_cluster.runner_node_names,
-                  executables={"python3": sys.executable}, max_probe_period=1.0)
+    r = PodRunner(
+        kwok_cluster.kubeconfig,
+        kwok_cluster.runner_node_names,
+        executables={"python3": sys.executable},
+        max_probe_period=1.0,
+    )
     r.start()
     try:
         yield r
     finally:
         r.stop()
-
-

@@ -53,7 +53,9 @@ def find_prometheus() -> str | None:
     env = os.environ.get("NAIAD_E2E_PROMETHEUS")
     if env:
         return env if os.access(env, os.X_OK) else None
-    return shutil.which("prometheus") or ("/usr/bin/prometheus" if os.access("/usr/bin/prometheus", os.X_OK) else None)
+    return shutil.which("prometheus") or (
+        "/usr/bin/prometheus" if os.access("/usr/bin/prometheus", os.X_OK) else None
+    )
 
 
 def pod_targets(pods: Sequence[dict]) -> list[dict]:
@@ -72,14 +74,28 @@ def pod_targets(pods: Sequence[dict]) -> list[dict]:
             if ann.get("prometheus.io/port"):
                 ports = [int(ann["prometheus.io/port"])]
             else:
-                ports = [p["containerPort"] for c in spec.get("containers", []) for p in c.get("ports") or []][:1]
+                ports = [
+                    p["containerPort"] for c in spec.get("containers", []) for p in c.get("ports") or []
+                ][:1]
         else:
-            ports = [p["containerPort"] for c in spec.get("containers", []) for p in c.get("ports") or []
-                     if p.get("name") == "metrics"]
+            ports = [
+                p["containerPort"]
+                for c in spec.get("containers", [])
+                for p in c.get("ports") or []
+                if p.get("name") == "metrics"
+            ]
         for port in ports:
-            groups.append({"targets": [f"{st['podIP']}:{port}"],
-                           "labels": {"namespace": meta["namespace"], "pod": meta["name"],
-                                      "node": spec.get("nodeName", ""), "__metrics_path__": path}})
+            groups.append(
+                {
+                    "targets": [f"{st['podIP']}:{port}"],
+                    "labels": {
+                        "namespace": meta["namespace"],
+                        "pod": meta["name"],
+                        "node": spec.get("nodeName", ""),
+                        "__metrics_path__": path,
+                    },
+                }
+            )
     return groups
 
 
@@ -150,16 +166,28 @@ class Prometheus:
     def config(self) -> dict:
         scrape = []
         if self.static_targets:
-            scrape.append({"job_name": "static", "scrape_interval": self.scrape_interval,
-                           "scrape_timeout": self.scrape_interval,
-                           "static_configs": [{"targets": self.static_targets}]})
+            scrape.append(
+                {
+                    "job_name": "static",
+                    "scrape_interval": self.scrape_interval,
+                    "scrape_timeout": self.scrape_interval,
+                    "static_configs": [{"targets": self.static_targets}],
+                }
+            )
         if self.kubeconfig:
-            scrape.append({"job_name": "kubernetes-pods", "scrape_interval": self.scrape_interval,
-                           "scrape_timeout": self.scrape_interval,
-                           "file_sd_configs": [{"files": [str(self.sd_file)], "refresh_interval": "1s"}]})
+            scrape.append(
+                {
+                    "job_name": "kubernetes-pods",
+                    "scrape_interval": self.scrape_interval,
+                    "scrape_timeout": self.scrape_interval,
+                    "file_sd_configs": [{"files": [str(self.sd_file)], "refresh_interval": "1s"}],
+                }
+            )
         scrape += self.extra_scrape_configs
-        return {"global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-                "scrape_configs": scrape}
+        return {
+            "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
+            "scrape_configs": scrape,
+        }
 
     def start(self, timeout: float = 60) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -174,16 +202,25 @@ class Prometheus:
             self._stop.clear()
             self._thread = threading.Thread(target=self._discover_loop, name="prometheus-pod-sd", daemon=True)
             self._thread.start()
-        argv = [self.binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
-                f"--web.listen-address={self.host}:{self.port}", "--web.enable-lifecycle",
-                "--storage.tsdb.retention.time=1d", "--log.level=info"]
+        argv = [
+            self.binary,
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address={self.host}:{self.port}",
+            "--web.enable-lifecycle",
+            "--storage.tsdb.retention.time=1d",
+            "--log.level=info",
+        ]
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"prometheus exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
                     if r.status == 200:
@@ -316,20 +353,40 @@ class PrometheusAdapter:
     def manifests(self) -> list[dict]:
         return [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}},
-            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": self.name, "namespace": self.namespace},
-             "spec": {"ports": [{"name": "https", "port": 443, "targetPort": self.port}]}},
-            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-             "metadata": {"name": self.name, "namespace": self.namespace,
-                          "labels": {"kubernetes.io/service-name": self.name,
-                                     "endpointslice.kubernetes.io/managed-by": "naiad-e2e"}},
-             "addressType": "IPv4",
-             "endpoints": [{"addresses": [self.host], "conditions": {"ready": True}}],
-             "ports": [{"name": "https", "port": self.port, "protocol": "TCP"}]},
-            {"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
-             "metadata": {"name": self.apiservice_name},
-             "spec": {"service": {"name": self.name, "namespace": self.namespace, "port": 443},
-                      "group": self.API_GROUP, "version": self.API_VERSION,
-                      "insecureSkipTLSVerify": True, "groupPriorityMinimum": 100, "versionPriority": 100}},
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": self.name, "namespace": self.namespace},
+                "spec": {"ports": [{"name": "https", "port": 443, "targetPort": self.port}]},
+            },
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": self.name,
+                    "namespace": self.namespace,
+                    "labels": {
+                        "kubernetes.io/service-name": self.name,
+                        "endpointslice.kubernetes.io/managed-by": "naiad-e2e",
+                    },
+                },
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": [self.host], "conditions": {"ready": True}}],
+                "ports": [{"name": "https", "port": self.port, "protocol": "TCP"}],
+            },
+            {
+                "apiVersion": "apiregistration.k8s.io/v1",
+                "kind": "APIService",
+                "metadata": {"name": self.apiservice_name},
+                "spec": {
+                    "service": {"name": self.name, "namespace": self.namespace, "port": 443},
+                    "group": self.API_GROUP,
+                    "version": self.API_VERSION,
+                    "insecureSkipTLSVerify": True,
+                    "groupPriorityMinimum": 100,
+                    "versionPriority": 100,
+                },
+            },
         ]
 
     def start(self, timeout: float = 120) -> PrometheusAdapter:
@@ -340,53 +397,83 @@ class PrometheusAdapter:
         kc = self.cluster.kubeconfig
         argv = [
             self.cluster.bin("prometheus-adapter"),
-            f"--lister-kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-            f"--prometheus-url={self.prometheus_url}", f"--metrics-relist-interval={self.relist_interval}",
-            f"--config={cfg}", f"--secure-port={self.port}", f"--bind-address={self.host}",
-            f"--cert-dir={self.workdir / 'certs'}", "--v=2",
+            f"--lister-kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            f"--prometheus-url={self.prometheus_url}",
+            f"--metrics-relist-interval={self.relist_interval}",
+            f"--config={cfg}",
+            f"--secure-port={self.port}",
+            f"--bind-address={self.host}",
+            f"--cert-dir={self.workdir / 'certs'}",
+            "--v=2",
         ]
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self.cluster.apply(self.manifests())
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus-adapter exited {self.proc.returncode}:\n"
-                                   f"{self.log_path.read_text()[-3000:]}")
-            p = self.cluster.kubectl("get", "--raw", f"/apis/{self.API_GROUP}/{self.API_VERSION}", check=False)
+                raise RuntimeError(
+                    f"prometheus-adapter exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}"
+                )
+            p = self.cluster.kubectl(
+                "get", "--raw", f"/apis/{self.API_GROUP}/{self.API_VERSION}", check=False
+            )
             if p.returncode == 0:
                 return self
             if time.monotonic() > deadline:
-                st = self.cluster.kubectl("get", "apiservice", self.apiservice_name, "-o", "yaml", check=False)
-                raise TimeoutError(f"custom metrics API not available: {p.stderr}\n{st.stdout}\n"
-                                   f"{self.log_path.read_text()[-3000:]}")
+                st = self.cluster.kubectl(
+                    "get", "apiservice", self.apiservice_name, "-o", "yaml", check=False
+                )
+                raise TimeoutError(
+                    f"custom metrics API not available: {p.stderr}\n{st.stdout}\n"
+                    f"{self.log_path.read_text()[-3000:]}"
+                )
             time.sleep(0.5)
 
     def pod_metric(self, namespace: str, metric: str, pod: str = "*") -> list[dict]:
         """Values of a pods/<metric> custom metric, as the HPA controller reads them."""
-        p = self.cluster.kubectl("get", "--raw",
-                                 f"/apis/{self.API_GROUP}/{self.API_VERSION}/namespaces/{namespace}/pods/{pod}/{metric}",
-                                 check=False)
+        p = self.cluster.kubectl(
+            "get",
+            "--raw",
+            f"/apis/{self.API_GROUP}/{self.API_VERSION}/namespaces/{namespace}/pods/{pod}/{metric}",
+            check=False,
+        )
         if p.returncode != 0:
             return []
         return json.loads(p.stdout).get("items", [])
 
-    def wait_for_pod_metric(self, namespace: str, metric: str, timeout: float = 90, min_items: int = 1) -> list[dict]:
+    def wait_for_pod_metric(
+        self, namespace: str, metric: str, timeout: float = 90, min_items: int = 1
+    ) -> list[dict]:
         deadline = time.monotonic() + timeout
         while True:
             items = self.pod_metric(namespace, metric)
             if len(items) >= min_items:
                 return items
             if time.monotonic() > deadline:
-                raise TimeoutError(f"custom metric pods/{metric} in {namespace} not available after {timeout}s")
+                raise TimeoutError(
+                    f"custom metric pods/{metric} in {namespace} not available after {timeout}s"
+                )
             time.sleep(1)
 
     def stop(self) -> None:
         if self.cluster.created:
-            self.cluster.kubectl("delete", "apiservice", self.apiservice_name, "--ignore-not-found", check=False)
-            self.cluster.kubectl("delete", "service,endpointslice", self.name, "-n", self.namespace,
-                                 "--ignore-not-found", check=False)
+            self.cluster.kubectl(
+                "delete", "apiservice", self.apiservice_name, "--ignore-not-found", check=False
+            )
+            self.cluster.kubectl(
+                "delete",
+                "service,endpointslice",
+                self.name,
+                "-n",
+                self.namespace,
+                "--ignore-not-found",
+                check=False,
+            )
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -70,7 +70,11 @@ def bindable(ip: str) -> bool:
 
 def cidr_bindable(cidr: str) -> bool:
     net = ipaddress.ip_network(cidr, strict=False)
-    hosts = [net.network_address + 1, net.broadcast_address - 1] if net.num_addresses > 2 else [net.network_address]
+    hosts = (
+        [net.network_address + 1, net.broadcast_address - 1]
+        if net.num_addresses > 2
+        else [net.network_address]
+    )
     return all(bindable(str(h)) for h in hosts)
 
 
@@ -104,8 +108,18 @@ def _route(cidr: str, add: bool) -> None:
         ln = 4 + len(payload)
         return struct.pack("HH", ln, kind) + payload + b"\0" * ((4 - ln % 4) % 4)
 
-    body = struct.pack("BBBBBBBBI", socket.AF_INET, net.prefixlen, 0, 0, RT_TABLE_LOCAL, RTPROT_STATIC,
-                       RT_SCOPE_HOST, RTN_LOCAL, 0)
+    body = struct.pack(
+        "BBBBBBBBI",
+        socket.AF_INET,
+        net.prefixlen,
+        0,
+        0,
+        RT_TABLE_LOCAL,
+        RTPROT_STATIC,
+        RT_SCOPE_HOST,
+        RTN_LOCAL,
+        0,
+    )
     body += rta(RTA_DST, net.network_address.packed) + rta(RTA_OIF, struct.pack("I", lo))
     flags = NLM_F_REQUEST | NLM_F_ACK | ((NLM_F_CREATE | NLM_F_EXCL) if add else 0)
     msg = struct.pack("IHHII", 16 + len(body), RTM_NEWROUTE if add else RTM_DELROUTE, flags, 1, 0) + body
@@ -118,7 +132,9 @@ def _route(cidr: str, add: bool) -> None:
         err = -struct.unpack_from("i", data, 16)[0]
         if err == 0 or (add and err == errno.EEXIST):
             return
-        raise PodNetworkError(f"{'adding' if add else 'deleting'} route local {cidr} dev lo: {os.strerror(err)}")
+        raise PodNetworkError(
+            f"{'adding' if add else 'deleting'} route local {cidr} dev lo: {os.strerror(err)}"
+        )
 
 
 def _unshare_netns() -> None:
@@ -126,7 +142,8 @@ def _unshare_netns() -> None:
         raise PodNetworkError(
             "cannot move into a private network namespace: the process already has threads "
             f"({threading.active_count()} Python threads). Create the cluster before starting threads, "
-            "or run the tests under `unshare -rn` / set NAIAD_E2E_POD_NETWORK=host-route (see e2e/README.md)")
+            "or run the tests under `unshare -rn` / set NAIAD_E2E_POD_NETWORK=host-route (see e2e/README.md)"
+        )
     libc = ctypes.CDLL(None, use_errno=True)
     uid, gid = os.geteuid(), os.getegid()
     # root: a network namespace alone; otherwise (or if that is refused, e.g.
@@ -142,7 +159,8 @@ def _unshare_netns() -> None:
         raise PodNetworkError(
             f"unshare() of a network namespace failed: {os.strerror(err)}. Unprivileged user namespaces may be "
             "disabled; run as root, under `unshare -rn`, or with NAIAD_E2E_POD_NETWORK=host-route "
-            "(see e2e/README.md)")
+            "(see e2e/README.md)"
+        )
     if used & _CLONE_NEWUSER:
         with open("/proc/self/setgroups", "w") as f:
             f.write("deny")
@@ -173,7 +191,9 @@ def ensure_pod_network(cidrs: Iterable[str], mode: str | None = None) -> str:
             for c in cidrs:
                 _route(c, add=True)
             if not all(cidr_bindable(c) for c in cidrs):
-                raise PodNetworkError(f"pod CIDRs {cidrs} still not bindable in the private network namespace")
+                raise PodNetworkError(
+                    f"pod CIDRs {cidrs} still not bindable in the private network namespace"
+                )
             return "netns"
         # host-route
         for c in cidrs:

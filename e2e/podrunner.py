@@ -117,11 +117,11 @@ def expand(s: str, env: Mapping[str, str]) -> str:
             if nxt == "(":
                 j = s.find(")", i + 2)
                 if j != -1:
-                    name = s[i + 2:j]
+                    name = s[i + 2 : j]
                     if name in env:
                         out.append(env[name])
                     else:
-                        out.append(s[i:j + 1])
+                        out.append(s[i : j + 1])
                     i = j + 1
                     continue
         out.append(c)
@@ -142,7 +142,11 @@ class _Api:
         cfg = kclient.Configuration()
         kconfig.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
         self.host = cfg.host.rstrip("/")
-        ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.ssl_ca_cert else ssl.create_default_context()
+        ctx = (
+            ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+            if cfg.ssl_ca_cert
+            else ssl.create_default_context()
+        )
         if not cfg.verify_ssl:
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
@@ -161,8 +165,9 @@ class _Api:
                 self.headers["Authorization"] = auth
                 break
 
-    def request(self, method: str, path: str, body=None, content_type: str = "application/json",
-                timeout: float = 30):
+    def request(
+        self, method: str, path: str, body=None, content_type: str = "application/json", timeout: float = 30
+    ):
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.host + path, data=data, method=method, headers=dict(self.headers))
         if data is not None:
@@ -174,8 +179,12 @@ class _Api:
             return json.loads(r.read())
 
     def patch_status(self, ns: str, name: str, status: dict) -> None:
-        with self.request("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status", {"status": status},
-                          content_type="application/strategic-merge-patch+json"):
+        with self.request(
+            "PATCH",
+            f"/api/v1/namespaces/{ns}/pods/{name}/status",
+            {"status": status},
+            content_type="application/strategic-merge-patch+json",
+        ):
             pass
 
 
@@ -183,6 +192,7 @@ class _Api:
 @dataclass
 class ProcessInfo:
     """Snapshot of one running (or last run) container process."""
+
     namespace: str
     pod: str
     uid: str
@@ -303,12 +313,16 @@ class _PodWorker(threading.Thread):
         dest.mkdir(parents=True, exist_ok=True)
         if "configMap" in v:
             src = v["configMap"]
-            obj = self.runner._get(f"/api/v1/namespaces/{self.ns}/configmaps/{src['name']}", src.get("optional"))
+            obj = self.runner._get(
+                f"/api/v1/namespaces/{self.ns}/configmaps/{src['name']}", src.get("optional")
+            )
             data = {k: s.encode() for k, s in (obj or {}).get("data", {}).items()}
             data.update({k: base64.b64decode(s) for k, s in (obj or {}).get("binaryData", {}).items()})
         else:
             src = v["secret"]
-            obj = self.runner._get(f"/api/v1/namespaces/{self.ns}/secrets/{src['secretName']}", src.get("optional"))
+            obj = self.runner._get(
+                f"/api/v1/namespaces/{self.ns}/secrets/{src['secretName']}", src.get("optional")
+            )
             data = {k: base64.b64decode(s) for k, s in (obj or {}).get("data", {}).items()}
         items = src.get("items")
         pairs = [(it["key"], it["path"]) for it in items] if items else [(k, k) for k in data]
@@ -324,7 +338,9 @@ class _PodWorker(threading.Thread):
             prefix = ef.get("prefix", "")
             if "configMapRef" in ef:
                 r = ef["configMapRef"]
-                obj = self.runner._get(f"/api/v1/namespaces/{self.ns}/configmaps/{r['name']}", r.get("optional"))
+                obj = self.runner._get(
+                    f"/api/v1/namespaces/{self.ns}/configmaps/{r['name']}", r.get("optional")
+                )
                 for k, s in (obj or {}).get("data", {}).items():
                     env[prefix + k] = s
             elif "secretRef" in ef:
@@ -348,7 +364,9 @@ class _PodWorker(threading.Thread):
                 val = self._resource(c, vf["resourceFieldRef"])
             elif "configMapKeyRef" in vf:
                 r = vf["configMapKeyRef"]
-                obj = self.runner._get(f"/api/v1/namespaces/{self.ns}/configmaps/{r['name']}", r.get("optional"))
+                obj = self.runner._get(
+                    f"/api/v1/namespaces/{self.ns}/configmaps/{r['name']}", r.get("optional")
+                )
                 val = (obj or {}).get("data", {}).get(r["key"])
             elif "secretKeyRef" in vf:
                 r = vf["secretKeyRef"]
@@ -362,10 +380,13 @@ class _PodWorker(threading.Thread):
     def _field(self, path: str) -> str:
         meta, spec, st = self.pod["metadata"], self.pod["spec"], self.pod.get("status", {})
         simple = {
-            "metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"),
-            "metadata.uid": meta.get("uid"), "spec.nodeName": spec.get("nodeName"),
+            "metadata.name": meta.get("name"),
+            "metadata.namespace": meta.get("namespace"),
+            "metadata.uid": meta.get("uid"),
+            "spec.nodeName": spec.get("nodeName"),
             "spec.serviceAccountName": spec.get("serviceAccountName"),
-            "status.hostIP": st.get("hostIP"), "status.podIP": st.get("podIP"),
+            "status.hostIP": st.get("hostIP"),
+            "status.podIP": st.get("podIP"),
             "status.podIPs": ",".join(p["ip"] for p in st.get("podIPs") or []),
             "status.hostIPs": ",".join(p["ip"] for p in st.get("hostIPs") or []),
         }
@@ -402,11 +423,11 @@ class _PodWorker(threading.Thread):
         def remap(s: str) -> str:
             for mp, local in mounts:
                 if s == mp or s.startswith(mp + "/"):
-                    return str(local) + s[len(mp):]
+                    return str(local) + s[len(mp) :]
                 if s.startswith("--") and "=" in s:
                     flag, _, val = s.partition("=")
                     if val == mp or val.startswith(mp + "/"):
-                        return f"{flag}={local}{val[len(mp):]}"
+                        return f"{flag}={local}{val[len(mp) :]}"
             return s
 
         argv = [expand(a, env) for a in list(spec.get("command") or []) + list(spec.get("args") or [])]
@@ -435,15 +456,25 @@ class _PodWorker(threading.Thread):
     # ------------------------------------------------------------ processes
     def _start_proc(self, c: _Container) -> None:
         if not c.argv:
-            c.waiting_reason, c.waiting_message = "CreateContainerError", "no command/args: images are not run"
+            c.waiting_reason, c.waiting_message = (
+                "CreateContainerError",
+                "no command/args: images are not run",
+            )
             self.error = c.waiting_message
             return
         with open(c.log_path, "ab") as logf:
             logf.write(f"=== {_now()} start (restart {c.restart_count}): {c.argv}\n".encode())
             logf.flush()
             try:
-                c.proc = subprocess.Popen(c.argv, env=c.env, cwd=c.cwd, stdout=logf, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+                c.proc = subprocess.Popen(
+                    c.argv,
+                    env=c.env,
+                    cwd=c.cwd,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
             except OSError as e:
                 c.proc = None
                 c.waiting_reason, c.waiting_message = "RunContainerError", str(e)
@@ -482,8 +513,10 @@ class _PodWorker(threading.Thread):
 
     def _on_exit(self, c: _Container, code: int, start_failed: bool = False) -> None:
         c.last_terminated = {
-            "exitCode": code, "reason": "Completed" if code == 0 else "Error",
-            "startedAt": c.started_at or _now(), "finishedAt": _now(),
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": c.started_at or _now(),
+            "finishedAt": _now(),
         }
         c.exit_code = code
         c.ready = False
@@ -518,7 +551,9 @@ class _PodWorker(threading.Thread):
                 host = h.get("host") or self.pod_ip
                 path = h.get("path") or "/"
                 url = f"{scheme}://{host}:{port_of(h['port'])}{path if path.startswith('/') else '/' + path}"
-                req = urllib.request.Request(url, headers={x["name"]: x["value"] for x in h.get("httpHeaders") or []})
+                req = urllib.request.Request(
+                    url, headers={x["name"]: x["value"] for x in h.get("httpHeaders") or []}
+                )
                 req.add_header("User-Agent", "kube-probe/naiad-e2e")
                 ctx = ssl._create_unverified_context() if scheme == "https" else None
                 try:
@@ -533,8 +568,14 @@ class _PodWorker(threading.Thread):
                     return True
             if "exec" in spec:
                 argv = [self._remap(expand(a, c.env)) for a in spec["exec"].get("command") or []]
-                r = subprocess.run(argv, env=c.env, cwd=c.cwd, timeout=timeout, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
+                r = subprocess.run(
+                    argv,
+                    env=c.env,
+                    cwd=c.cwd,
+                    timeout=timeout,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
                 return r.returncode == 0
         except Exception:
             return False
@@ -580,8 +621,14 @@ class _PodWorker(threading.Thread):
     # ------------------------------------------------------------ status
     def _container_status(self, c: _Container) -> dict:
         image = c.spec.get("image", "")
-        st: dict = {"name": c.name, "image": image, "imageID": "", "restartCount": c.restart_count,
-                    "ready": c.ready if c.run else True, "started": c.started if c.run else True}
+        st: dict = {
+            "name": c.name,
+            "image": image,
+            "imageID": "",
+            "restartCount": c.restart_count,
+            "ready": c.ready if c.run else True,
+            "started": c.started if c.run else True,
+        }
         if not c.run:
             st["state"] = {"running": {"startedAt": self.pod.get("status", {}).get("startTime") or _now()}}
         elif c.proc is not None and c.proc.poll() is None:
@@ -604,7 +651,9 @@ class _PodWorker(threading.Thread):
         unready = [s["name"] for s in statuses if not s["ready"]]
         status: dict = {"containerStatuses": statuses}
         cond_ready = "True" if all_ready else "False"
-        key = json.dumps([self.phase, cond_ready, [{k: v for k, v in s.items()} for s in statuses]], sort_keys=True)
+        key = json.dumps(
+            [self.phase, cond_ready, [{k: v for k, v in s.items()} for s in statuses]], sort_keys=True
+        )
         if key == self._last_status and not force:
             return
         conds = []
@@ -613,8 +662,10 @@ class _PodWorker(threading.Thread):
             if all_ready:
                 cond.update(reason=None, message=None)
             else:
-                cond.update(reason="PodCompleted" if self.phase != "Running" else "ContainersNotReady",
-                            message=f"containers with unready status: [{' '.join(unready)}]")
+                cond.update(
+                    reason="PodCompleted" if self.phase != "Running" else "ContainersNotReady",
+                    message=f"containers with unready status: [{' '.join(unready)}]",
+                )
             prev = self._prev_condition(t)
             if prev is None or prev.get("status") != cond_ready:
                 cond["lastTransitionTime"] = _now()
@@ -715,12 +766,23 @@ class _PodWorker(threading.Thread):
                 continue
             p = c.proc
             running = p is not None and p.poll() is None
-            out.append(ProcessInfo(
-                namespace=self.ns, pod=self.name, uid=self.uid, container=c.name, pod_ip=self.pod_ip,
-                argv=list(c.argv), cwd=c.cwd, pid=p.pid if p is not None else None, running=running,
-                ready=c.ready, restart_count=c.restart_count, log_path=c.log_path or Path(os.devnull),
-                exit_code=c.exit_code,
-            ))
+            out.append(
+                ProcessInfo(
+                    namespace=self.ns,
+                    pod=self.name,
+                    uid=self.uid,
+                    container=c.name,
+                    pod_ip=self.pod_ip,
+                    argv=list(c.argv),
+                    cwd=c.cwd,
+                    pid=p.pid if p is not None else None,
+                    running=running,
+                    ready=c.ready,
+                    restart_count=c.restart_count,
+                    log_path=c.log_path or Path(os.devnull),
+                    exit_code=c.exit_code,
+                )
+            )
         return out
 
 
@@ -839,8 +901,9 @@ class PodRunner:
                 return p
         return None
 
-    def wait_for(self, predicate: Callable[[list[ProcessInfo]], bool], timeout: float = 60,
-                 what: str = "condition") -> list[ProcessInfo]:
+    def wait_for(
+        self, predicate: Callable[[list[ProcessInfo]], bool], timeout: float = 60, what: str = "condition"
+    ) -> list[ProcessInfo]:
         """Poll processes() until predicate(processes) is true; returns them."""
         deadline = time.monotonic() + timeout
         while True:
@@ -928,11 +991,18 @@ class PodRunner:
                         seen.add(pod["metadata"]["uid"])
                         self._handle("ADDED", pod)
                     with self._lock:
-                        stale = [(u, w.pod["spec"].get("nodeName")) for u, w in self._workers.items() if u not in seen]
+                        stale = [
+                            (u, w.pod["spec"].get("nodeName"))
+                            for u, w in self._workers.items()
+                            if u not in seen
+                        ]
                     for u, node in stale:  # deleted while we were not watching
                         self._handle("DELETED", {"metadata": {"uid": u}, "spec": {"nodeName": node}})
                     self._synced.set()
-                path = self._pods_path() + f"&watch=1&allowWatchBookmarks=true&resourceVersion={rv}&timeoutSeconds=5"
+                path = (
+                    self._pods_path()
+                    + f"&watch=1&allowWatchBookmarks=true&resourceVersion={rv}&timeoutSeconds=5"
+                )
                 with self._api.request("GET", path, timeout=30) as resp:
                     for line in resp:
                         if self._stop.is_set():

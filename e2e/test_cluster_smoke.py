@@ -79,7 +79,8 @@ def _manifests() -> list[dict]:
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
         {
-            "apiVersion": "apps/v1", "kind": "Deployment",
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
             "metadata": {"name": APP, "namespace": NS},
             "spec": {
                 "replicas": 2,
@@ -89,22 +90,33 @@ def _manifests() -> list[dict]:
                     "spec": {
                         "nodeSelector": {GPU_NODE_LABEL: "true"},
                         "terminationGracePeriodSeconds": 5,
-                        "containers": [{
-                            "name": "web",
-                            "image": "python:3.11-slim",  # ignored by the pod runner
-                            "command": ["python3", "-m", "http.server", "--bind", "$(POD_IP)", "8000"],
-                            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-                            "ports": [{"name": "http", "containerPort": 8000}],
-                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                            "readinessProbe": {"httpGet": {"path": "/", "port": "http"},
-                                               "periodSeconds": 1, "failureThreshold": 1},
-                        }],
+                        "containers": [
+                            {
+                                "name": "web",
+                                "image": "python:3.11-slim",  # ignored by the pod runner
+                                "command": ["python3", "-m", "http.server", "--bind", "$(POD_IP)", "8000"],
+                                "env": [
+                                    {
+                                        "name": "POD_IP",
+                                        "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                                    }
+                                ],
+                                "ports": [{"name": "http", "containerPort": 8000}],
+                                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                                "readinessProbe": {
+                                    "httpGet": {"path": "/", "port": "http"},
+                                    "periodSeconds": 1,
+                                    "failureThreshold": 1,
+                                },
+                            }
+                        ],
                     },
                 },
             },
         },
         {
-            "apiVersion": "v1", "kind": "Service",
+            "apiVersion": "v1",
+            "kind": "Service",
             "metadata": {"name": APP, "namespace": NS},
             "spec": {"selector": labels, "ports": [{"name": "http", "port": 80, "targetPort": "http"}]},
         },
@@ -136,13 +148,17 @@ def _run_deployment_checks(c: KwokCluster, runner: PodRunner):
         assert p["spec"]["nodeName"] == "gpu-node-0"
         assert ipaddress.ip_address(p["status"]["podIP"]) in cidr
     events = _json(c, "get", "events", "-n", NS, "--field-selector", "reason=Scheduled")["items"]
-    scheduled = {e["involvedObject"]["name"] for e in events
-                 if (e.get("reportingComponent") or e.get("source", {}).get("component")) == "default-scheduler"}
+    scheduled = {
+        e["involvedObject"]["name"]
+        for e in events
+        if (e.get("reportingComponent") or e.get("source", {}).get("component")) == "default-scheduler"
+    }
     assert {p["metadata"]["name"] for p in pods} <= scheduled, events
 
     # the runner started one real process per pod, bound to the pod IP
-    procs = runner.wait_for(lambda ps: len([p for p in ps if p.running and p.namespace == NS]) == 2,
-                            what="2 running processes")
+    procs = runner.wait_for(
+        lambda ps: len([p for p in ps if p.running and p.namespace == NS]) == 2, what="2 running processes"
+    )
     procs = [p for p in procs if p.namespace == NS]
     assert sorted(p.pod_ip for p in procs) == ips
     for p in procs:
@@ -155,16 +171,24 @@ def _run_deployment_checks(c: KwokCluster, runner: PodRunner):
     # controller then publishes both pod IPs as ready endpoints.
     def ready_pods():
         pods = _json(c, "get", "pods", "-n", NS, "-l", f"app={APP}")["items"]
-        rd = [p for p in pods if any(x["type"] == "Ready" and x["status"] == "True"
-                                     for x in p["status"].get("conditions", []))]
+        rd = [
+            p
+            for p in pods
+            if any(x["type"] == "Ready" and x["status"] == "True" for x in p["status"].get("conditions", []))
+        ]
         return rd if len(rd) == 2 else None
 
     _wait(ready_pods, what="2 Ready pods")
 
     def endpoint_ips():
         sl = _json(c, "get", "endpointslices", "-n", NS, "-l", f"kubernetes.io/service-name={APP}")["items"]
-        got = sorted(a for s in sl for e in (s.get("endpoints") or [])
-                     if (e.get("conditions") or {}).get("ready") for a in e["addresses"])
+        got = sorted(
+            a
+            for s in sl
+            for e in (s.get("endpoints") or [])
+            if (e.get("conditions") or {}).get("ready")
+            for a in e["addresses"]
+        )
         return got if got == ips else None
 
     _wait(endpoint_ips, what=f"EndpointSlice ready addresses == {ips}")
@@ -173,12 +197,24 @@ def _run_deployment_checks(c: KwokCluster, runner: PodRunner):
 
     # GPUs are accounted by the real scheduler against the node's allocatable:
     # with 2 of 8 in use, a pod asking for 7 must stay Pending.
-    c.apply({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "too-big", "namespace": NS},
-        "spec": {"nodeSelector": {GPU_NODE_LABEL: "true"}, "containers": [{
-            "name": "x", "image": "none", "command": ["sleep", "600"],
-            "resources": {"limits": {"nvidia.com/gpu": "7"}}}]},
-    })
+    c.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "too-big", "namespace": NS},
+            "spec": {
+                "nodeSelector": {GPU_NODE_LABEL: "true"},
+                "containers": [
+                    {
+                        "name": "x",
+                        "image": "none",
+                        "command": ["sleep", "600"],
+                        "resources": {"limits": {"nvidia.com/gpu": "7"}},
+                    }
+                ],
+            },
+        }
+    )
 
     def unschedulable():
         p = _json(c, "get", "pod", "too-big", "-n", NS)

@@ -60,24 +60,43 @@ def prometheus_bin():
 def test_prometheus_adapter_hpa(kwok_cluster: KwokCluster, pod_runner: PodRunner, prometheus_bin):
     c = kwok_cluster
     labels = {"app": APP}
-    c.apply([
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": APP, "namespace": NS},
-         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                  "template": {"metadata": {"labels": labels},
-                               "spec": {"nodeSelector": {GPU_NODE_LABEL: "true"},
-                                        "terminationGracePeriodSeconds": 2,
-                                        "containers": [{
-                                            "name": "exporter", "image": "none",
-                                            "command": ["python3", "-c", EXPORTER],
-                                            "env": [{"name": "POD_IP", "valueFrom": {
-                                                "fieldRef": {"fieldPath": "status.podIP"}}}],
-                                            "ports": [{"name": "metrics", "containerPort": 9100}],
-                                            "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                                            "readinessProbe": {"tcpSocket": {"port": "metrics"},
-                                                               "periodSeconds": 1},
-                                        }]}}}},
-    ])
+    c.apply(
+        [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": APP, "namespace": NS},
+                "spec": {
+                    "replicas": 1,
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {
+                            "nodeSelector": {GPU_NODE_LABEL: "true"},
+                            "terminationGracePeriodSeconds": 2,
+                            "containers": [
+                                {
+                                    "name": "exporter",
+                                    "image": "none",
+                                    "command": ["python3", "-c", EXPORTER],
+                                    "env": [
+                                        {
+                                            "name": "POD_IP",
+                                            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                                        }
+                                    ],
+                                    "ports": [{"name": "metrics", "containerPort": 9100}],
+                                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                                    "readinessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 1},
+                                }
+                            ],
+                        },
+                    },
+                },
+            },
+        ]
+    )
     try:
         with Prometheus(kubeconfig=c.kubeconfig, binary=prometheus_bin) as prom:
             res = prom.wait_for(f'demo_queue_depth{{namespace="{NS}"}}', timeout=90)
@@ -88,13 +107,27 @@ def test_prometheus_adapter_hpa(kwok_cluster: KwokCluster, pod_runner: PodRunner
                 assert items[0]["value"] == "10"
                 # the HPA controller (kube-controller-manager) reads the metric
                 # through the aggregated API: avg 10 per pod vs target 5 -> 2 replicas
-                c.apply({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-                         "metadata": {"name": APP, "namespace": NS},
-                         "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": APP},
-                                  "minReplicas": 1, "maxReplicas": 2,
-                                  "metrics": [{"type": "Pods", "pods": {
-                                      "metric": {"name": "demo_queue_depth"},
-                                      "target": {"type": "AverageValue", "averageValue": "5"}}}]}})
+                c.apply(
+                    {
+                        "apiVersion": "autoscaling/v2",
+                        "kind": "HorizontalPodAutoscaler",
+                        "metadata": {"name": APP, "namespace": NS},
+                        "spec": {
+                            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": APP},
+                            "minReplicas": 1,
+                            "maxReplicas": 2,
+                            "metrics": [
+                                {
+                                    "type": "Pods",
+                                    "pods": {
+                                        "metric": {"name": "demo_queue_depth"},
+                                        "target": {"type": "AverageValue", "averageValue": "5"},
+                                    },
+                                }
+                            ],
+                        },
+                    }
+                )
 
                 def scaled():
                     d = json.loads(c.kubectl("get", "deployment", APP, "-n", NS, "-o", "json").stdout)

@@ -34,8 +34,11 @@ def _pod(c: KwokCluster, name: str) -> dict:
 def _spec(name: str, script: str, **extra) -> dict:
     container = {"name": "main", "image": "ignored", "command": ["python3", "-c", script]}
     container.update(extra.pop("container", {}))
-    spec = {"nodeSelector": {GPU_NODE_LABEL: "true"}, "terminationGracePeriodSeconds": 1,
-            "containers": [container]}
+    spec = {
+        "nodeSelector": {GPU_NODE_LABEL: "true"},
+        "terminationGracePeriodSeconds": 1,
+        "containers": [container],
+    }
     spec.update(extra)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS}, "spec": spec}
 
@@ -55,46 +58,101 @@ def test_volumes_env_and_completion(kwok_cluster: KwokCluster, tmp_path: Path):
         "open(os.path.join(e['SCRATCH'], 'tmp.txt'), 'w').write('x')\n"
         "json.dump(out, open(sys.argv[5].split('=', 1)[1], 'w'))\n"
     )
-    c.apply([
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg", "namespace": NS},
-         "data": {"app.conf": "mode=fast", "LEVEL": "debug"}},
-        # a static PV + claim: the real PV controller binds them before the
-        # scheduler will place the pod
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "results-pv"},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
-                  "hostPath": {"path": "/srv/results"}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "results", "namespace": NS},
-         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "manual",
-                  "resources": {"requests": {"storage": "1Gi"}}}},
-        _spec("job", script, restartPolicy="Never", container={
-            "args": ["--name=$(MY_POD)", "$$(NOT_EXPANDED)", "$(UNDEFINED)", "/etc/cfg/app.conf",
-                     "--out=/results/out.json"],
-            "env": [{"name": "MY_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                    {"name": "GREETING", "value": "hello $(MY_POD)"},
-                    {"name": "HOST_FILE", "value": "/host/input.txt"},
-                    {"name": "SCRATCH", "value": "/scratch"}],
-            "envFrom": [{"configMapRef": {"name": "cfg"}}],
-            "volumeMounts": [{"name": "host", "mountPath": "/host"}, {"name": "cfg", "mountPath": "/etc/cfg"},
-                             {"name": "results", "mountPath": "/results"},
-                             {"name": "scratch", "mountPath": "/scratch"}]},
-            volumes=[{"name": "host", "hostPath": {"path": "/data/input"}},
-                     {"name": "cfg", "configMap": {"name": "cfg"}},
-                     {"name": "results", "persistentVolumeClaim": {"claimName": "results"}},
-                     {"name": "scratch", "emptyDir": {}}]),
-    ])
-    runner = PodRunner(c.kubeconfig, c.runner_node_names, executables={"python3": sys.executable},
-                       volumes={"/data/input": host_dir, "results": pvc_dir}, workdir=tmp_path / "runner")
+    c.apply(
+        [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "cfg", "namespace": NS},
+                "data": {"app.conf": "mode=fast", "LEVEL": "debug"},
+            },
+            # a static PV + claim: the real PV controller binds them before the
+            # scheduler will place the pod
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": "results-pv"},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "manual",
+                    "hostPath": {"path": "/srv/results"},
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "results", "namespace": NS},
+                "spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "manual",
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+            _spec(
+                "job",
+                script,
+                restartPolicy="Never",
+                container={
+                    "args": [
+                        "--name=$(MY_POD)",
+                        "$$(NOT_EXPANDED)",
+                        "$(UNDEFINED)",
+                        "/etc/cfg/app.conf",
+                        "--out=/results/out.json",
+                    ],
+                    "env": [
+                        {"name": "MY_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {"name": "GREETING", "value": "hello $(MY_POD)"},
+                        {"name": "HOST_FILE", "value": "/host/input.txt"},
+                        {"name": "SCRATCH", "value": "/scratch"},
+                    ],
+                    "envFrom": [{"configMapRef": {"name": "cfg"}}],
+                    "volumeMounts": [
+                        {"name": "host", "mountPath": "/host"},
+                        {"name": "cfg", "mountPath": "/etc/cfg"},
+                        {"name": "results", "mountPath": "/results"},
+                        {"name": "scratch", "mountPath": "/scratch"},
+                    ],
+                },
+                volumes=[
+                    {"name": "host", "hostPath": {"path": "/data/input"}},
+                    {"name": "cfg", "configMap": {"name": "cfg"}},
+                    {"name": "results", "persistentVolumeClaim": {"claimName": "results"}},
+                    {"name": "scratch", "emptyDir": {}},
+                ],
+            ),
+        ]
+    )
+    runner = PodRunner(
+        c.kubeconfig,
+        c.runner_node_names,
+        executables={"python3": sys.executable},
+        volumes={"/data/input": host_dir, "results": pvc_dir},
+        workdir=tmp_path / "runner",
+    )
     with runner:
         try:
-            pod = _wait(lambda: _pod(c, "job").get("status", {}).get("phase") in ("Succeeded", "Failed")
-                        and _pod(c, "job"), what="pod job to finish")
+            pod = _wait(
+                lambda: (
+                    _pod(c, "job").get("status", {}).get("phase") in ("Succeeded", "Failed")
+                    and _pod(c, "job")
+                ),
+                what="pod job to finish",
+            )
             assert pod["status"]["phase"] == "Succeeded", runner.logs(NS, "job")
             st = pod["status"]["containerStatuses"][0]["state"]["terminated"]
             assert st["exitCode"] == 0 and st["reason"] == "Completed"
             out = json.loads((pvc_dir / "out.json").read_text())
-            assert out == {"argv": ["--name=job", "$(NOT_EXPANDED)", "$(UNDEFINED)"], "greeting": "hello job",
-                           "pod": "job", "host": "from the host", "cm": "mode=fast", "level": "debug"}
+            assert out == {
+                "argv": ["--name=job", "$(NOT_EXPANDED)", "$(UNDEFINED)"],
+                "greeting": "hello job",
+                "pod": "job",
+                "host": "from the host",
+                "cm": "mode=fast",
+                "level": "debug",
+            }
         finally:
             c.kubectl("delete", "namespace", NS, "--wait=false", check=False)
             c.kubectl("delete", "pv", "results-pv", "--wait=false", check=False)
@@ -113,14 +171,20 @@ def test_restart_and_exec_probe(kwok_cluster: KwokCluster, pod_runner: PodRunner
         "time.sleep(1.5); open(os.path.join(w, 'ready'), 'w').close()\n"
         "time.sleep(3600)\n"
     )
-    pod = _spec("crashy", script, container={
-        "env": [{"name": "WORK", "value": "/work"}],
-        "volumeMounts": [{"name": "work", "mountPath": "/work"}],
-        "readinessProbe": {"exec": {"command": ["test", "-f", "/work/ready"]}, "periodSeconds": 1}},
-        volumes=[{"name": "work", "emptyDir": {}}])
+    pod = _spec(
+        "crashy",
+        script,
+        container={
+            "env": [{"name": "WORK", "value": "/work"}],
+            "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+            "readinessProbe": {"exec": {"command": ["test", "-f", "/work/ready"]}, "periodSeconds": 1},
+        },
+        volumes=[{"name": "work", "emptyDir": {}}],
+    )
     pod["metadata"]["namespace"] = ns2
     c.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns2}}, pod])
     try:
+
         def ready():
             p = json.loads(c.kubectl("get", "pod", "crashy", "-n", ns2, "-o", "json").stdout)
             conds = {x["type"]: x["status"] for x in p["status"].get("conditions", [])}

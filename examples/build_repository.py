@@ -32,11 +32,18 @@ def build(out: Path) -> None:
         for name in ("simple_onnx", "simple_onnx_batched"):
             (out / name / "1").mkdir(parents=True, exist_ok=True)
             torch.onnx.export(
-                model, (ipt,), str(out / name / "1" / "model.onnx"),
-                input_names=["input_ids"], output_names=["output1", "output2"],
-                dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "output1": {0: "batch", 1: "seq"},
-                              "output2": {0: "batch", 1: "seq"}},
-                opset_version=17, dynamo=False,
+                model,
+                (ipt,),
+                str(out / name / "1" / "model.onnx"),
+                input_names=["input_ids"],
+                output_names=["output1", "output2"],
+                dynamic_axes={
+                    "input_ids": {0: "batch", 1: "seq"},
+                    "output1": {0: "batch", 1: "seq"},
+                    "output2": {0: "batch", 1: "seq"},
+                },
+                opset_version=17,
+                dynamo=False,
             )
 
 

@@ -39,19 +39,30 @@ output [
 
 def mlp(in_features: int = 16, out_features: int = 8):
     import torch
+
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(in_features, 32), torch.nn.ReLU(),
-                               torch.nn.Linear(32, out_features)).eval()
+    return torch.nn.Sequential(
+        torch.nn.Linear(in_features, 32), torch.nn.ReLU(), torch.nn.Linear(32, out_features)
+    ).eval()
 
 
 def export_onnx(module, path: Path, in_features: int, dynamic_batch: bool = True) -> None:
     import torch
+
     path.parent.mkdir(parents=True, exist_ok=True)
     axes = {"input": {0: "batch"}, "output": {0: "batch"}} if dynamic_batch else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, (torch.zeros(1, in_features),), str(path), input_names=["input"],
-                          output_names=["output"], dynamic_axes=axes, opset_version=17, dynamo=False)
+        torch.onnx.export(
+            module,
+            (torch.zeros(1, in_features),),
+            str(path),
+            input_names=["input"],
+            output_names=["output"],
+            dynamic_axes=axes,
+            opset_version=17,
+            dynamo=False,
+        )
 
 
 class AddMul:
@@ -70,6 +81,7 @@ class AddMul:
 
 def build(out: Path) -> Path:
     import torch
+
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(HERE / "models", out, ignore=shutil.ignore_patterns("__pycache__", "batch_probe.py"))

@@ -31,6 +31,7 @@ def naiad(model_repo):
 @pytest.fixture(scope="session")
 def http_client(naiad):
     import tritonclient.http as httpclient
+
     client = httpclient.InferenceServerClient(naiad.http, concurrency=4)
     yield client
     client.close()
@@ -39,6 +40,7 @@ def http_client(naiad):
 @pytest.fixture(scope="session")
 def grpc_client(naiad):
     import tritonclient.grpc as grpcclient
+
     client = grpcclient.InferenceServerClient(naiad.grpc)
     yield client
     client.close()

@@ -70,9 +70,11 @@ instance_group [ { kind: KIND_GPU count: 1 } ]
 
 # ---- what this machine has ----
 
+
 def cuda_device_reason() -> str | None:
     """None when NVML sees a CUDA device, else a one-line reason."""
     from naiad import gpu
+
     if gpu.device_count() > 0:
         return None
     return "no CUDA device (NVML reports none, or nvidia-ml-py is missing)"
@@ -95,6 +97,7 @@ def tensorrt_reason() -> str | None:
         return "tensorrt is not installed (pip install 'naiad[tensorrt]')"
     try:
         from naiad import gpu
+
         gpu.cudart()
     except Exception as exc:
         return str(exc)
@@ -114,6 +117,7 @@ def torch_cuda_reason() -> str | None:
 def nvml_reason() -> str | None:
     try:
         import pynvml
+
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
     except Exception as exc:
@@ -123,10 +127,18 @@ def nvml_reason() -> str | None:
 
 # ---- models ----
 
-def build_trt_plan(onnx_path: Path, plan_path: Path, profile=PLAN_PROFILE, input_name: str = "input",
-                   features: int = FEATURES, workspace: int = 1 << 30) -> None:
+
+def build_trt_plan(
+    onnx_path: Path,
+    plan_path: Path,
+    profile=PLAN_PROFILE,
+    input_name: str = "input",
+    features: int = FEATURES,
+    workspace: int = 1 << 30,
+) -> None:
     """A TensorRT plan from an ONNX file whose input is [batch, features], batch dynamic within `profile`."""
     import tensorrt as trt
+
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network()  # explicit batch is the only mode in TensorRT >= 10
@@ -152,6 +164,7 @@ def reference_mlp(x: np.ndarray) -> np.ndarray:
     import tempfile
 
     import onnxruntime as ort
+
     global _REF
     if _REF is None:
         path = Path(tempfile.mkdtemp(prefix="naiad-mlp-")) / "model.onnx"
@@ -178,8 +191,10 @@ def build_gpu_repository(out: Path) -> dict[str, str]:
     onnx_model("mlp_cpu", "KIND_CPU")
     built["mlp_cpu"] = ""
     gpu_reason = cuda_device_reason()
-    for name, provider, extra in (("mlp_gpu", "CUDAExecutionProvider", ""),
-                                  ("mlp_trt_ep", "TensorrtExecutionProvider", TRT_EP_FP16)):
+    for name, provider, extra in (
+        ("mlp_gpu", "CUDAExecutionProvider", ""),
+        ("mlp_trt_ep", "TensorrtExecutionProvider", TRT_EP_FP16),
+    ):
         reason = gpu_reason or ort_provider_reason(provider)
         if reason is None:
             onnx_model(name, "KIND_GPU", extra)
@@ -203,11 +218,13 @@ def build_gpu_repository(out: Path) -> dict[str, str]:
 
 # ---- a client-side CUDA IPC region, with cuda-python only ----
 
+
 class DeviceRegion:
     """`byte_size` bytes of device memory exported with cudaIpcGetMemHandle, for the server to map."""
 
     def __init__(self, byte_size: int, device_id: int = 0):
         from naiad import gpu
+
         self.gpu, self.rt = gpu, gpu.cudart()
         self.byte_size, self.device_id = byte_size, device_id
         gpu.set_device(device_id)
@@ -223,14 +240,25 @@ class DeviceRegion:
     def write(self, array: np.ndarray, offset: int = 0) -> None:
         data = np.ascontiguousarray(array)
         self.gpu.set_device(self.device_id)
-        self.gpu.check(self.rt.cudaMemcpy(self.ptr + offset, data.ctypes.data, data.nbytes,
-                                          self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice), "cudaMemcpy")
+        self.gpu.check(
+            self.rt.cudaMemcpy(
+                self.ptr + offset,
+                data.ctypes.data,
+                data.nbytes,
+                self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+            ),
+            "cudaMemcpy",
+        )
 
     def read(self, dtype, shape, offset: int = 0) -> np.ndarray:
         out = np.empty(shape, dtype=dtype)
         self.gpu.set_device(self.device_id)
-        self.gpu.check(self.rt.cudaMemcpy(out.ctypes.data, self.ptr + offset, out.nbytes,
-                                          self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost), "cudaMemcpy")
+        self.gpu.check(
+            self.rt.cudaMemcpy(
+                out.ctypes.data, self.ptr + offset, out.nbytes, self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+            ),
+            "cudaMemcpy",
+        )
         return out
 
     def free(self) -> None:

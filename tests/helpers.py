@@ -58,13 +58,24 @@ class NaiadProcess:
         cmd = [sys.executable, "-m", "naiad.cli", "serve"]
         for r in self.repos:
             cmd += ["--model-repository", r]
-        cmd += ["--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
-                "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port),
-                "--metrics-port", str(self.metrics_port), *self.args]
+        cmd += [
+            "--http-address",
+            "127.0.0.1",
+            "--grpc-address",
+            "127.0.0.1",
+            "--http-port",
+            str(self.http_port),
+            "--grpc-port",
+            str(self.grpc_port),
+            "--metrics-port",
+            str(self.metrics_port),
+            *self.args,
+        ]
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT / "server") + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
         import tempfile
+
         self.log = tempfile.NamedTemporaryFile(prefix="naiad-", suffix=".log", delete=False)
         self.log_path = self.log.name
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)

@@ -74,9 +74,11 @@ def test_infer_on_decoupled_model_is_refused(naiad, http_client, grpc_client):
 
 
 def test_http_generate_stream_sse(naiad):
-    r = requests.post(f"{naiad.url}/v2/models/repeat/generate_stream", json={"IN": 5, "COUNT": 4}, stream=True)
+    r = requests.post(
+        f"{naiad.url}/v2/models/repeat/generate_stream", json={"IN": 5, "COUNT": 4}, stream=True
+    )
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-    events = [json.loads(line[len(b"data: "):]) for line in r.iter_lines() if line.startswith(b"data: ")]
+    events = [json.loads(line[len(b"data: ") :]) for line in r.iter_lines() if line.startswith(b"data: ")]
     assert [e["IDX"] for e in events] == [0, 1, 2, 3]
     assert all(e["OUT"] == 5 and e["model_name"] == "repeat" for e in events)
 
@@ -88,8 +90,9 @@ def test_http_generate_stream_error_event(naiad):
 
 
 def test_http_generate_single_response(naiad):
-    r = requests.post(f"{naiad.url}/v2/models/add_sub/generate",
-                      json={"INPUT0": [1, 2, 3, 4], "INPUT1": [1, 1, 1, 1]})
+    r = requests.post(
+        f"{naiad.url}/v2/models/add_sub/generate", json={"INPUT0": [1, 2, 3, 4], "INPUT1": [1, 1, 1, 1]}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["OUTPUT0"] == [2, 3, 4, 5] and r.json()["OUTPUT1"] == [0, 1, 2, 3]
     r = requests.post(f"{naiad.url}/v2/models/repeat/generate", json={"IN": 1, "COUNT": 3})

@@ -101,8 +101,14 @@ def test_unregister_while_request_uses_region(naiad, regions):
 
 def test_logging_extension(naiad):
     r = requests.get(f"{naiad.url}/v2/logging")
-    assert r.json() == {"log_file": "", "log_info": True, "log_warning": True, "log_error": True,
-                        "log_verbose_level": 0, "log_format": "default"}
+    assert r.json() == {
+        "log_file": "",
+        "log_info": True,
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "default",
+    }
     r = requests.post(f"{naiad.url}/v2/logging", json={"log_verbose_level": 1})
     assert r.status_code == 200 and r.json()["log_verbose_level"] == 1
     r = requests.post(f"{naiad.url}/v2/logging", json={"log_verbose_level": "x"})
@@ -116,12 +122,22 @@ def test_logging_extension(naiad):
 
 def test_trace_timestamps_written(model_repo, tmp_path):
     trace_file = tmp_path / "trace.json"
-    with NaiadProcess(model_repo, "--model-control-mode", "explicit", "--load-model", "identity_fp32") as proc:
+    with NaiadProcess(
+        model_repo, "--model-control-mode", "explicit", "--load-model", "identity_fp32"
+    ) as proc:
         r = requests.get(f"{proc.url}/v2/trace/setting")
-        assert r.json() == {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
-                            "log_frequency": "0", "trace_file": "", "trace_mode": "triton"}
-        r = requests.post(f"{proc.url}/v2/models/identity_fp32/trace/setting",
-                          json={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_file": str(trace_file)})
+        assert r.json() == {
+            "trace_level": ["OFF"],
+            "trace_rate": "1000",
+            "trace_count": "-1",
+            "log_frequency": "0",
+            "trace_file": "",
+            "trace_mode": "triton",
+        }
+        r = requests.post(
+            f"{proc.url}/v2/models/identity_fp32/trace/setting",
+            json={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_file": str(trace_file)},
+        )
         assert r.status_code == 200 and r.json()["trace_level"] == ["TIMESTAMPS"]
         assert requests.get(f"{proc.url}/v2/models/nope/trace/setting").status_code == 400
         client = httpclient.InferenceServerClient(proc.http)
@@ -141,9 +157,17 @@ def test_trace_timestamps_written(model_repo, tmp_path):
 
 
 def test_restricted_apis(model_repo):
-    with NaiadProcess(model_repo, "--model-control-mode", "explicit", "--load-model", "add_sub",
-                      "--http-restricted-api", "model-repository,shared-memory:admin-key=s3cret",
-                      "--grpc-restricted-protocol", "model-repository:admin-key=s3cret") as proc:
+    with NaiadProcess(
+        model_repo,
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "add_sub",
+        "--http-restricted-api",
+        "model-repository,shared-memory:admin-key=s3cret",
+        "--grpc-restricted-protocol",
+        "model-repository:admin-key=s3cret",
+    ) as proc:
         r = requests.post(f"{proc.url}/v2/repository/index")
         assert r.status_code == 403 and "admin-key" in r.json()["error"]
         r = requests.post(f"{proc.url}/v2/repository/index", headers={"admin-key": "s3cret"})
@@ -159,15 +183,23 @@ def test_restricted_apis(model_repo):
 
 def test_metrics_exposition(naiad, http_client):
     from prometheus_client.parser import text_string_to_metric_families
+
     inp = httpclient.InferInput("INPUT0", [2, 2], "FP32")
     inp.set_data_from_numpy(np.ones((2, 2), dtype=np.float32))
     http_client.infer("identity_fp32", [inp])
     text = requests.get(f"http://{naiad.metrics}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
-                 "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
-                 "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
-                 "nv_inference_compute_output_duration_us"):
+    for name in (
+        "nv_inference_request_success",
+        "nv_inference_request_failure",
+        "nv_inference_count",
+        "nv_inference_exec_count",
+        "nv_inference_request_duration_us",
+        "nv_inference_queue_duration_us",
+        "nv_inference_compute_input_duration_us",
+        "nv_inference_compute_infer_duration_us",
+        "nv_inference_compute_output_duration_us",
+    ):
         assert families[name].type == "counter", name
         assert "\n" + name + "{" in text, f"{name} must be exposed without a _total suffix, as Triton does"
     assert families["nv_inference_pending_request_count"].type == "gauge"
@@ -175,6 +207,9 @@ def test_metrics_exposition(naiad, http_client):
     assert families["nv_cpu_memory_total_bytes"].samples[0].value > 0
     hist = families["nv_inference_request_duration_seconds"]
     assert hist.type == "histogram"
-    success = [s for s in families["nv_inference_request_success"].samples
-               if s.labels == {"model": "identity_fp32", "version": "1"}]
+    success = [
+        s
+        for s in families["nv_inference_request_success"].samples
+        if s.labels == {"model": "identity_fp32", "version": "1"}
+    ]
     assert success and success[0].value >= 1

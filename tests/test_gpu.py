@@ -42,13 +42,15 @@ def gpu_test(fn):
     return pytest.mark.gpu(pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")(fn))
 
 
-no_gpu_only = pytest.mark.skipif(GPU_REASON is None,
-                                 reason="checks the no-GPU behaviour; a CUDA device is present")
+no_gpu_only = pytest.mark.skipif(
+    GPU_REASON is None, reason="checks the no-GPU behaviour; a CUDA device is present"
+)
 
 
 # =====================================================================================================
 # Stand-ins for cuda-python's runtime and for tensorrt (CPU tests)
 # =====================================================================================================
+
 
 class _Err(enum.Enum):
     cudaSuccess = 0
@@ -289,8 +291,16 @@ WEIGHTS = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
 
 def _fake_plan(path: Path, profiles=((1, 8, 16), (17, 24, 32))) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"features": 16, "classes": 8, "weights": WEIGHTS.tolist(),
-                                "profiles": [list(p) for p in profiles]}))
+    path.write_text(
+        json.dumps(
+            {
+                "features": 16,
+                "classes": 8,
+                "weights": WEIGHTS.tolist(),
+                "profiles": [list(p) for p in profiles],
+            }
+        )
+    )
     return path
 
 
@@ -314,18 +324,25 @@ def _plan_ctx(tmp_path: Path, config_text: str) -> ModelContext:
     config = parse_text(config_text)
     config.backend = config.backend or "tensorrt"
     config.default_model_filename = config.default_model_filename or "model.plan"
-    return ModelContext(name=config.name, version=1, config=config, model_dir=tmp_path / config.name,
-                        version_dir=tmp_path / config.name / "1")
+    return ModelContext(
+        name=config.name,
+        version=1,
+        config=config,
+        model_dir=tmp_path / config.name,
+        version_dir=tmp_path / config.name / "1",
+    )
 
 
 # =====================================================================================================
 # CPU-runnable checks
 # =====================================================================================================
 
+
 def test_normalize_refuses_kind_gpu_without_gpu():
     config = parse_text('name: "m" backend: "onnxruntime" instance_group [ { kind: KIND_GPU } ]')
-    with pytest.raises(InvalidArgument,
-                       match=r"model 'm': instance group 'm' is KIND_GPU but no GPU is available"):
+    with pytest.raises(
+        InvalidArgument, match=r"model 'm': instance group 'm' is KIND_GPU but no GPU is available"
+    ):
         normalize(config, gpu_count=0)
     auto = parse_text('name: "m" backend: "onnxruntime"')
     normalize(auto, gpu_count=0)
@@ -354,8 +371,16 @@ def test_device_count_respects_cuda_visible_devices(monkeypatch):
     fake.nvmlShutdown = lambda: None
     fake.nvmlDeviceGetCount = lambda: 4
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    for value, expected in ((None, 4), ("", 0), ("-1", 0), ("1", 1), ("0,2", 2), ("0,7,1", 1), ("3,3", 1),
-                            ("GPU-8a1c", 1)):
+    for value, expected in (
+        (None, 4),
+        ("", 0),
+        ("-1", 0),
+        ("1", 1),
+        ("0,2", 2),
+        ("0,7,1", 1),
+        ("3,3", 1),
+        ("GPU-8a1c", 1),
+    ):
         if value is None:
             monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         else:
@@ -376,8 +401,10 @@ def test_tensorrt_backend_reports_missing_tensorrt(monkeypatch, tmp_path):
     plan = tmp_path / "m" / "1" / "model.plan"
     plan.parent.mkdir(parents=True)
     plan.write_bytes(b"not a plan")
-    message = (r"the tensorrt backend needs the 'tensorrt' package \(TensorRT >= 10\): "
-               r"pip install 'naiad\[tensorrt\]'")
+    message = (
+        r"the tensorrt backend needs the 'tensorrt' package \(TensorRT >= 10\): "
+        r"pip install 'naiad\[tensorrt\]'"
+    )
     with pytest.raises(Unavailable, match=message):
         module.auto_complete(parse_text('name: "m" platform: "tensorrt_plan"'), plan)
     ctx = _plan_ctx(tmp_path, 'name: "m" platform: "tensorrt_plan" instance_group [ { kind: KIND_GPU } ]')
@@ -405,8 +432,9 @@ def test_tensorrt_backend_reports_missing_cuda_python_and_gpu(monkeypatch, tmp_p
 def test_tensorrt_backend_refuses_cpu_instances(fake_trt, tmp_path):
     _fake_plan(tmp_path / "m" / "1" / "model.plan")
     ctx = _plan_ctx(tmp_path, 'name: "m" platform: "tensorrt_plan" instance_group [ { kind: KIND_CPU } ]')
-    with pytest.raises(InvalidArgument,
-                       match="KIND_CPU, but the tensorrt backend only runs on GPU instances"):
+    with pytest.raises(
+        InvalidArgument, match="KIND_CPU, but the tensorrt backend only runs on GPU instances"
+    ):
         backends.get("tensorrt").create_instance(ctx, ctx.config.instance_group[0], 0, 0)
 
 
@@ -427,16 +455,18 @@ def test_tensorrt_auto_complete_from_engine(fake_trt, tmp_path):
     junk = tmp_path / "m" / "2" / "model.plan"
     junk.parent.mkdir()
     junk.write_bytes(b"junk")
-    with pytest.raises(InvalidArgument,
-                       match="failed to deserialize TensorRT plan .* \\(this is TensorRT 10.fake\\)"):
+    with pytest.raises(
+        InvalidArgument, match="failed to deserialize TensorRT plan .* \\(this is TensorRT 10.fake\\)"
+    ):
         module.auto_complete(parse_text('name: "m"'), junk)
 
 
 def test_tensorrt_instance_profiles_and_buffers(fake_trt, fake_cuda, tmp_path):
     module = backends.get("tensorrt")
     _fake_plan(tmp_path / "m" / "1" / "model.plan")
-    ctx = _plan_ctx(tmp_path,
-                    'name: "m" platform: "tensorrt_plan" instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]')
+    ctx = _plan_ctx(
+        tmp_path, 'name: "m" platform: "tensorrt_plan" instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]'
+    )
     module.auto_complete(ctx.config, ctx.version_dir / "model.plan")
     normalize(ctx.config, gpu_count=1)
     inst = module.create_instance(ctx, ctx.config.instance_group[0], 0, 0)
@@ -470,15 +500,19 @@ def test_tensorrt_instance_profiles_and_buffers(fake_trt, fake_cuda, tmp_path):
     assert inst.context.profile_switches == 1  # the current profile is kept while it fits
     run(2)
     assert inst.profile == 0
-    with pytest.raises(InvalidArgument, match=r"fit none of the TensorRT engine's optimisation profiles "
-                                              r"\(profile 0: input \[1, 16\]\.\.\[16, 16\]; profile 1"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"fit none of the TensorRT engine's optimisation profiles "
+        r"\(profile 0: input \[1, 16\]\.\.\[16, 16\]; profile 1",
+    ):
         inst.run({"input": np.zeros((40, 16), np.float32)}, ["output"])
     with pytest.raises(InvalidArgument, match="input 'input' is missing"):
         inst.run({}, ["output"])
     # fp64 from a client is converted to the engine's type
     x = rng.standard_normal((2, 16))
-    np.testing.assert_allclose(inst.run({"input": x}, ["output"])["output"], x.astype(np.float32) @ WEIGHTS,
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        inst.run({"input": x}, ["output"])["output"], x.astype(np.float32) @ WEIGHTS, rtol=1e-5, atol=1e-5
+    )
     assert fake_cuda.current == 0
     inst.close()
     inst.close()
@@ -492,16 +526,28 @@ def test_tensorrt_instance_validates_config_against_engine(fake_trt, tmp_path):
     _fake_plan(tmp_path / "m" / "1" / "model.plan")
     base = 'name: "m" platform: "tensorrt_plan" instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ] '
     cases = [
-        ('max_batch_size: 64 input [ { name: "input" data_type: TYPE_FP32 dims: [ 16 ] } ]',
-         ("max_batch_size 64 exceeds the largest batch the TensorRT engine's optimisation profiles "
-          "allow \\(32\\)")),
-        ('max_batch_size: 8 input [ { name: "input" data_type: TYPE_FP16 dims: [ 16 ] } ]',
-         "input 'input' is TYPE_FP16 in the config but TYPE_FP32 in the TensorRT engine"),
-        (('max_batch_size: 8 input [ { name: "input" data_type: TYPE_FP32 dims: [ 16 ] } ] '
-          'output [ { name: "logits" data_type: TYPE_FP32 dims: [ 8 ] } ]'),
-         "output 'logits' is not an output of the TensorRT engine \\(engine outputs: output\\)"),
-        ('max_batch_size: 8 output [ { name: "output" data_type: TYPE_FP32 dims: [ 8 ] } ]',
-         "the TensorRT engine's inputs \\['input'\\] are not declared in the config"),
+        (
+            'max_batch_size: 64 input [ { name: "input" data_type: TYPE_FP32 dims: [ 16 ] } ]',
+            (
+                "max_batch_size 64 exceeds the largest batch the TensorRT engine's optimisation profiles "
+                "allow \\(32\\)"
+            ),
+        ),
+        (
+            'max_batch_size: 8 input [ { name: "input" data_type: TYPE_FP16 dims: [ 16 ] } ]',
+            "input 'input' is TYPE_FP16 in the config but TYPE_FP32 in the TensorRT engine",
+        ),
+        (
+            (
+                'max_batch_size: 8 input [ { name: "input" data_type: TYPE_FP32 dims: [ 16 ] } ] '
+                'output [ { name: "logits" data_type: TYPE_FP32 dims: [ 8 ] } ]'
+            ),
+            "output 'logits' is not an output of the TensorRT engine \\(engine outputs: output\\)",
+        ),
+        (
+            'max_batch_size: 8 output [ { name: "output" data_type: TYPE_FP32 dims: [ 8 ] } ]',
+            "the TensorRT engine's inputs \\['input'\\] are not declared in the config",
+        ),
     ]
     for extra, message in cases:
         ctx = _plan_ctx(tmp_path, base + extra)
@@ -510,6 +556,7 @@ def test_tensorrt_instance_validates_config_against_engine(fake_trt, tmp_path):
 
 
 # ---- CUDA shared memory manager, on the stand-in runtime ----
+
 
 def _client_region(rt: FakeCudart, data: bytes | int):
     """A 'client' allocation and its raw IPC handle."""
@@ -524,6 +571,7 @@ def _client_region(rt: FakeCudart, data: bytes | int):
 def test_cuda_shm_manager_register_read_write_unregister(fake_cuda):
     from naiad import tensors
     from naiad.inference import OutputTensor
+
     mgr = gpu.SharedMemoryManagerWithCuda(enabled=True, reason=None)
     cuda = mgr.cuda
     x = np.arange(6, dtype=np.float32)
@@ -537,29 +585,46 @@ def test_cuda_shm_manager_register_read_write_unregister(fake_cuda):
     with pytest.raises(AlreadyExists):
         cuda.register("r", raw, 0, 8)
     # inputs, through the combined manager (what the frontends call)
-    got = mgr.read_input("INPUT0", "FP32", [2, 3],
-                         {"shared_memory_region": "r", "shared_memory_byte_size": 24})
+    got = mgr.read_input(
+        "INPUT0", "FP32", [2, 3], {"shared_memory_region": "r", "shared_memory_byte_size": 24}
+    )
     np.testing.assert_array_equal(got, x.reshape(2, 3))
-    got = mgr.read_input("S", "BYTES", [2], {"shared_memory_region": "r",
-                                             "shared_memory_byte_size": len(strings),
-                                             "shared_memory_offset": 24})
+    got = mgr.read_input(
+        "S",
+        "BYTES",
+        [2],
+        {"shared_memory_region": "r", "shared_memory_byte_size": len(strings), "shared_memory_offset": 24},
+    )
     assert list(got) == [b"ab", b"cde"]
     with pytest.raises(InvalidArgument, match="does not match the tensor's 24 bytes"):
         mgr.read_input("INPUT0", "FP32", [2, 3], {"shared_memory_region": "r", "shared_memory_byte_size": 20})
     with pytest.raises(InvalidArgument, match="is past the end of the registered region"):
-        mgr.read_input("INPUT0", "FP32", [2, 3], {"shared_memory_region": "r", "shared_memory_byte_size": 24,
-                                                  "shared_memory_offset": 1000})
+        mgr.read_input(
+            "INPUT0",
+            "FP32",
+            [2, 3],
+            {"shared_memory_region": "r", "shared_memory_byte_size": 24, "shared_memory_offset": 1000},
+        )
     # outputs
     y = np.array([[1.5, -2.0]], dtype=np.float32)
-    params = mgr.write_output(OutputTensor("OUT", "FP32", y), {"shared_memory_region": "r",
-                                                               "shared_memory_byte_size": 8,
-                                                               "shared_memory_offset": 24 + len(strings)})
-    assert params == {"shared_memory_region": "r", "shared_memory_byte_size": 8,
-                      "shared_memory_offset": 24 + len(strings)}
+    params = mgr.write_output(
+        OutputTensor("OUT", "FP32", y),
+        {
+            "shared_memory_region": "r",
+            "shared_memory_byte_size": 8,
+            "shared_memory_offset": 24 + len(strings),
+        },
+    )
+    assert params == {
+        "shared_memory_region": "r",
+        "shared_memory_byte_size": 8,
+        "shared_memory_offset": 24 + len(strings),
+    }
     assert ctypes.string_at(ptr + 24 + len(strings), 8) == y.tobytes()
     with pytest.raises(InvalidArgument, match="holds 4 bytes, the tensor needs 8"):
-        mgr.write_output(OutputTensor("OUT", "FP32", y), {"shared_memory_region": "r",
-                                                          "shared_memory_byte_size": 4})
+        mgr.write_output(
+            OutputTensor("OUT", "FP32", y), {"shared_memory_region": "r", "shared_memory_byte_size": 4}
+        )
     # one name space with system shared memory
     with pytest.raises(AlreadyExists, match="shared memory region 'r' already in manager"):
         mgr.register("r", "/naiad_gpu_test_nonexistent", 0, 8)
@@ -593,6 +658,7 @@ def test_cuda_shm_manager_bounds_registration_by_the_allocation(fake_cuda, monke
 
 def test_shared_memory_manager_wiring(monkeypatch, fake_cuda):
     from naiad.frontends.shm import SharedMemoryManager
+
     server = types.SimpleNamespace(extensions=["a", "system_shared_memory", "b"])
     monkeypatch.setattr(gpu, "device_count", lambda: 0)
     mgr = gpu.shared_memory_manager(server)
@@ -627,7 +693,8 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
     repo = tmp_path / "repo"
     export_onnx(mlp(16, 8), repo / "mlp_cpu" / "1" / "model.onnx", 16)
     (repo / "mlp_cpu" / "config.pbtxt").write_text(
-        gm.MLP_CONFIG.format(name="mlp_cpu", kind="KIND_CPU", extra=""))
+        gm.MLP_CONFIG.format(name="mlp_cpu", kind="KIND_CPU", extra="")
+    )
     server = Server(ServerOptions(model_repositories=[str(repo)]))
     shm = gpu.SharedMemoryManagerWithCuda(enabled=True, reason=None)
     await server.start()
@@ -642,8 +709,11 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
     url = f"http://127.0.0.1:{http_port}/v2/cudasharedmemory"
     try:
         async with aiohttp.ClientSession() as s:
-            body = {"raw_handle": {"b64": base64.b64encode(in_raw).decode()}, "device_id": 0,
-                    "byte_size": x.nbytes}
+            body = {
+                "raw_handle": {"b64": base64.b64encode(in_raw).decode()},
+                "device_id": 0,
+                "byte_size": x.nbytes,
+            }
             async with s.post(f"{url}/region/in/register", json=body) as r:
                 assert r.status == 200, await r.text()
             async with s.post(f"{url}/region/bad/register", json={"raw_handle": {"b64": "%%%"}}) as r:
@@ -656,8 +726,11 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
                 assert r.status == 404
             async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                 stub = pb_grpc.GRPCInferenceServiceStub(channel)
-                await stub.CudaSharedMemoryRegister(pb.CudaSharedMemoryRegisterRequest(
-                    name="out", raw_handle=out_raw, device_id=0, byte_size=expected.nbytes))
+                await stub.CudaSharedMemoryRegister(
+                    pb.CudaSharedMemoryRegisterRequest(
+                        name="out", raw_handle=out_raw, device_id=0, byte_size=expected.nbytes
+                    )
+                )
                 status = await stub.CudaSharedMemoryStatus(pb.CudaSharedMemoryStatusRequest())
                 assert sorted(status.regions) == ["in", "out"]
                 assert status.regions["out"].byte_size == expected.nbytes
@@ -679,15 +752,32 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
                 np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
                 ctypes.memset(out_ptr, 0, expected.nbytes)
                 # HTTP inference, same regions
-                doc = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [3, 16], "parameters": {
-                    "shared_memory_region": "in", "shared_memory_byte_size": x.nbytes}}],
-                    "outputs": [{"name": "output", "parameters": {
-                        "shared_memory_region": "out", "shared_memory_byte_size": expected.nbytes}}]}
+                doc = {
+                    "inputs": [
+                        {
+                            "name": "input",
+                            "datatype": "FP32",
+                            "shape": [3, 16],
+                            "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": x.nbytes},
+                        }
+                    ],
+                    "outputs": [
+                        {
+                            "name": "output",
+                            "parameters": {
+                                "shared_memory_region": "out",
+                                "shared_memory_byte_size": expected.nbytes,
+                            },
+                        }
+                    ],
+                }
                 async with s.post(f"http://127.0.0.1:{http_port}/v2/models/mlp_cpu/infer", json=doc) as r:
                     assert r.status == 200, await r.text()
                     out = (await r.json())["outputs"][0]
-                    assert out["parameters"] == {"shared_memory_region": "out",
-                                                 "shared_memory_byte_size": expected.nbytes}
+                    assert out["parameters"] == {
+                        "shared_memory_region": "out",
+                        "shared_memory_byte_size": expected.nbytes,
+                    }
                 got = np.frombuffer(ctypes.string_at(out_ptr, expected.nbytes), np.float32).reshape(3, 8)
                 np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
                 await stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(name="out"))
@@ -704,13 +794,15 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
 
 # ---- a real `naiad serve` without a GPU ----
 
+
 @pytest.fixture(scope="module")
 def cpu_server(tmp_path_factory):
     """A server on a tiny repository: an ONNX model asking for KIND_GPU, and a TensorRT plan."""
     repo = tmp_path_factory.mktemp("gpu_cpu_repo")
     export_onnx(mlp(16, 8), repo / "onnx_on_gpu" / "1" / "model.onnx", 16)
     (repo / "onnx_on_gpu" / "config.pbtxt").write_text(
-        gm.MLP_CONFIG.format(name="onnx_on_gpu", kind="KIND_GPU", extra=""))
+        gm.MLP_CONFIG.format(name="onnx_on_gpu", kind="KIND_GPU", extra="")
+    )
     (repo / "plan" / "1").mkdir(parents=True)
     (repo / "plan" / "1" / "model.plan").write_bytes(b"\x00" * 64)
     (repo / "plan" / "config.pbtxt").write_text('name: "plan"\nplatform: "tensorrt_plan"\n')
@@ -734,6 +826,7 @@ def test_server_without_gpu_refuses_kind_gpu_and_reports_tensorrt(cpu_server):
     assert state == "UNAVAILABLE"
     try:
         import tensorrt  # noqa: F401
+
         assert "needs a CUDA GPU" in reason
     except ImportError:
         assert "the tensorrt backend needs the 'tensorrt' package" in reason and "naiad[tensorrt]" in reason
@@ -752,8 +845,10 @@ def test_cuda_shm_endpoints_without_gpu(cpu_server):
         assert http.get_cuda_shared_memory_status() == []
         assert list(grpc_.get_cuda_shared_memory_status().regions) == []
         for client in (http, grpc_):
-            with pytest.raises(InferenceServerException, match="CUDA shared memory is not supported by this "
-                                                                "server: it needs a CUDA device"):
+            with pytest.raises(
+                InferenceServerException,
+                match="CUDA shared memory is not supported by this server: it needs a CUDA device",
+            ):
                 client.register_cuda_shared_memory("r", raw, 0, 64)
             if client is grpc_:
                 client.unregister_cuda_shared_memory("r")
@@ -787,6 +882,7 @@ def test_gpu_repository_builder_reports_what_it_skipped(tmp_path):
 # =====================================================================================================
 # GPU tier (pytest -m gpu)
 # =====================================================================================================
+
 
 @pytest.fixture(scope="module")
 def gpu_repo(tmp_path_factory):
@@ -865,8 +961,9 @@ def test_tensorrt_plan_serves_close_to_onnxruntime(gpu_server, gpu_repo):
     for batch in (1, 7, 32):
         x = rng.standard_normal((batch, 16)).astype(np.float32)
         for mod, addr in ((httpclient, gpu_server.http), (grpcclient, gpu_server.grpc)):
-            np.testing.assert_allclose(_infer(mod, addr, "mlp_plan", x), gm.reference_mlp(x),
-                                       rtol=1e-3, atol=1e-3)
+            np.testing.assert_allclose(
+                _infer(mod, addr, "mlp_plan", x), gm.reference_mlp(x), rtol=1e-3, atol=1e-3
+            )
     with pytest.raises(InferenceServerException):
         _infer(httpclient, gpu_server.http, "mlp_plan", np.zeros((33, 16), np.float32))
 
@@ -875,6 +972,7 @@ def test_tensorrt_plan_serves_close_to_onnxruntime(gpu_server, gpu_repo):
 def test_tensorrt_plan_under_concurrency(gpu_server, gpu_repo):
     """Dynamic batching stacks concurrent requests; two instances each with their own context and stream."""
     from concurrent.futures import ThreadPoolExecutor
+
     _, built = gpu_repo
     _ready(gpu_server, built, "mlp_plan")
     rng = np.random.default_rng(6)
@@ -934,8 +1032,13 @@ def test_cuda_shared_memory_roundtrip_tritonclient(gpu_server, gpu_repo, proto):
         return h, cudashm.get_raw_handle(h)
 
     try:
-        _cuda_shm_roundtrip(gpu_server, model, proto, make,
-                            lambda h, like: cudashm.get_contents_as_numpy(h, np.float32, list(like.shape)))
+        _cuda_shm_roundtrip(
+            gpu_server,
+            model,
+            proto,
+            make,
+            lambda h, like: cudashm.get_contents_as_numpy(h, np.float32, list(like.shape)),
+        )
     finally:
         for h in handles:
             cudashm.destroy_shared_memory_region(h)
@@ -960,8 +1063,9 @@ def test_cuda_shared_memory_roundtrip_cuda_python(gpu_server, gpu_repo, model):
 
     try:
         for proto in ("http", "grpc"):
-            _cuda_shm_roundtrip(gpu_server, model, proto, make,
-                                lambda r, like: r.read(like.dtype, like.shape))
+            _cuda_shm_roundtrip(
+                gpu_server, model, proto, make, lambda r, like: r.read(like.dtype, like.shape)
+            )
     finally:
         for r in regions:
             r.free()
@@ -977,8 +1081,11 @@ def test_gpu_metrics_have_uuid_labels(gpu_server):
         lines = [line for line in text.splitlines() if line.startswith(family + "{")]
         assert lines, f"{family} missing from /metrics"
         assert all('gpu_uuid="GPU-' in line or 'gpu_uuid="MIG-' in line for line in lines), lines
-    total = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-             if line.startswith("nv_gpu_memory_total_bytes{")]
+    total = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("nv_gpu_memory_total_bytes{")
+    ]
     assert all(v > 0 for v in total)
 
 

@@ -30,6 +30,7 @@ def test_health_metadata_config(grpc_client):
 
 def test_grpc_health_service(naiad):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     with grpc.insecure_channel(naiad.grpc) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         resp = stub.Check(health_pb2.HealthCheckRequest(service=""))
@@ -40,9 +41,13 @@ def test_every_datatype_roundtrips(grpc_client):
     inputs, outputs = [], []
     for name, dtype in ALL_TYPES.items():
         data = sample(dtype)
-        inp = grpcclient.InferInput(f"IN_{name}", list(data.shape), "BYTES" if dtype is np.object_ else
-                                    {np.bool_: "BOOL"}.get(dtype, np.dtype(dtype).name.upper()
-                                                           .replace("FLOAT", "FP")))
+        inp = grpcclient.InferInput(
+            f"IN_{name}",
+            list(data.shape),
+            "BYTES"
+            if dtype is np.object_
+            else {np.bool_: "BOOL"}.get(dtype, np.dtype(dtype).name.upper().replace("FLOAT", "FP")),
+        )
         inp.set_data_from_numpy(data)
         inputs.append(inp)
         outputs.append(grpcclient.InferRequestedOutput(f"OUT_{name}"))
@@ -63,7 +68,12 @@ def test_typed_contents_without_raw(naiad):
         resp = stub.ModelInfer(req)
         assert resp.id == "typed" and resp.model_name == "add_sub"
         by_name = {o.name: i for i, o in enumerate(resp.outputs)}
-        assert np.frombuffer(resp.raw_output_contents[by_name["OUTPUT0"]], np.float32).tolist() == [2, 3, 4, 5]
+        assert np.frombuffer(resp.raw_output_contents[by_name["OUTPUT0"]], np.float32).tolist() == [
+            2,
+            3,
+            4,
+            5,
+        ]
 
 
 def test_infer_onnx_torch_ensemble(grpc_client):
@@ -73,20 +83,31 @@ def test_infer_onnx_torch_ensemble(grpc_client):
     res = grpc_client.infer("ensemble_mlp", [inp])
     np.testing.assert_allclose(res.as_numpy("DOUBLED"), 2 * res.as_numpy("LOGITS"), rtol=1e-6)
     a = np.ones((1, 5), dtype=np.float32)
-    ins = [grpcclient.InferInput("INPUT__0", [1, 5], "FP32"), grpcclient.InferInput("INPUT__1", [1, 5], "FP32")]
+    ins = [
+        grpcclient.InferInput("INPUT__0", [1, 5], "FP32"),
+        grpcclient.InferInput("INPUT__1", [1, 5], "FP32"),
+    ]
     ins[0].set_data_from_numpy(a)
     ins[1].set_data_from_numpy(3 * a)
     res = grpc_client.infer("add_pt", ins)
     assert res.as_numpy("OUTPUT__0").tolist() == [[4.0] * 5]
 
 
-@pytest.mark.parametrize("model,inputs,code,message", [
-    ("nope", [("INPUT0", [1, 1], "FP32")], grpc.StatusCode.NOT_FOUND, "unknown model"),
-    ("identity_fp32", [("INPUT0", [1, 1], "INT32")], grpc.StatusCode.INVALID_ARGUMENT, "data-type"),
-    ("identity_fp32", [("INPUT0", [9, 1], "FP32")], grpc.StatusCode.INVALID_ARGUMENT, "batch-size"),
-    ("add_sub", [("INPUT0", [4], "FP32")], grpc.StatusCode.INVALID_ARGUMENT, "missing required input"),
-    ("add_sub", [("INPUT0", [5], "FP32"), ("INPUT1", [4], "FP32")], grpc.StatusCode.INVALID_ARGUMENT, "shape"),
-])
+@pytest.mark.parametrize(
+    "model,inputs,code,message",
+    [
+        ("nope", [("INPUT0", [1, 1], "FP32")], grpc.StatusCode.NOT_FOUND, "unknown model"),
+        ("identity_fp32", [("INPUT0", [1, 1], "INT32")], grpc.StatusCode.INVALID_ARGUMENT, "data-type"),
+        ("identity_fp32", [("INPUT0", [9, 1], "FP32")], grpc.StatusCode.INVALID_ARGUMENT, "batch-size"),
+        ("add_sub", [("INPUT0", [4], "FP32")], grpc.StatusCode.INVALID_ARGUMENT, "missing required input"),
+        (
+            "add_sub",
+            [("INPUT0", [5], "FP32"), ("INPUT1", [4], "FP32")],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shape",
+        ),
+    ],
+)
 def test_errors(grpc_client, model, inputs, code, message):
     ins = []
     for name, shape, dt in inputs:

@@ -44,6 +44,7 @@ def test_many_concurrent_calls_on_one_channel(naiad):
     async def main():
         client = grpcaio.InferenceServerClient(naiad.grpc)
         try:
+
             async def one(i):
                 data = np.full((1, 8), i, dtype=np.float32)
                 inp = grpcaio.InferInput("INPUT0", [1, 8], "FP32")
@@ -51,9 +52,11 @@ def test_many_concurrent_calls_on_one_channel(naiad):
                 res = await client.infer("identity_fp32", [inp], request_id=str(i))
                 assert res.get_response().id == str(i)
                 np.testing.assert_array_equal(res.as_numpy("OUTPUT0"), data)
+
             await asyncio.gather(*(one(i) for i in range(300)))
         finally:
             await client.close()
+
     asyncio.run(main())
 
 
@@ -68,9 +71,11 @@ def test_client_deadline_cancels_and_the_server_goes_on(naiad, grpc_client):
 
 def test_unknown_method_is_unimplemented(naiad):
     with grpc.insecure_channel(naiad.grpc) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod",
-                                   request_serializer=lambda m: m.SerializeToString(),
-                                   response_deserializer=pb.ServerLiveResponse.FromString)
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/NoSuchMethod",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=pb.ServerLiveResponse.FromString,
+        )
         with pytest.raises(grpc.RpcError) as err:
             call(pb.ServerLiveRequest())
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -79,18 +84,23 @@ def test_unknown_method_is_unimplemented(naiad):
         with pytest.raises(grpc.RpcError) as err:
             raw(b"\xff\xff\xff\xff")
         assert err.value.code() == grpc.StatusCode.INTERNAL
-        live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive",
-                                   request_serializer=lambda m: m.SerializeToString(),
-                                   response_deserializer=pb.ServerLiveResponse.FromString)
+        live = channel.unary_unary(
+            "/inference.GRPCInferenceService/ServerLive",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=pb.ServerLiveResponse.FromString,
+        )
         assert live(pb.ServerLiveRequest()).live
 
 
 def test_health_check_and_watch(naiad):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     with grpc.insecure_channel(naiad.grpc) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        assert stub.Check(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService")).status == \
-            health_pb2.HealthCheckResponse.SERVING
+        assert (
+            stub.Check(health_pb2.HealthCheckRequest(service="inference.GRPCInferenceService")).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
         with pytest.raises(grpc.RpcError) as err:
             stub.Check(health_pb2.HealthCheckRequest(service="nope"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -122,6 +132,7 @@ def test_decoupled_stream_many_responses(grpc_client):
 
 # ---- raw HTTP/2 ----
 
+
 def _frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
     return struct.pack(">IBI", len(payload) << 8 | ftype, flags, sid) + payload
 
@@ -136,8 +147,8 @@ def _read_frames(sock, until_type: int, timeout: float = 5.0):
             n = lt >> 8
             if len(buf) < 9 + n:
                 break
-            frames.append((lt & 0xFF, flags, sid, buf[9:9 + n]))
-            buf = buf[9 + n:]
+            frames.append((lt & 0xFF, flags, sid, buf[9 : 9 + n]))
+            buf = buf[9 + n :]
             if frames[-1][0] == until_type:
                 return frames
         chunk = sock.recv(65536)
@@ -159,15 +170,37 @@ def test_raw_ping_and_trailers_only_error(naiad):
         sock.sendall(_frame(6, 0, 0, b"12345678"))
         frames = _read_frames(sock, 6)
         assert (6, 1, 0, b"12345678") in frames  # PING ACK with our payload
-        headers = enc.encode([(":method", "POST"), (":scheme", "http"), (":path", "/inference.Nope/X"),
-                              (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+        headers = enc.encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/inference.Nope/X"),
+                (":authority", "x"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ]
+        )
         sock.sendall(_frame(1, 0x4 | 0x1, 1, headers))
         frames = _read_frames(sock, 1)
         block = dict(hpack.Decoder().decode(frames[-1][3]))
         assert frames[-1][1] & 0x1 and block[":status"] == "200" and block["grpc-status"] == "12"
         # a plain HTTP request on a gRPC path: 415 (content type), then 405 (method)
-        sock.sendall(_frame(1, 0x5, 3, enc.encode([(":method", "POST"), (":scheme", "http"), (":path", "/a"),
-                                                   (":authority", "x"), ("content-type", "text/plain")])))
+        sock.sendall(
+            _frame(
+                1,
+                0x5,
+                3,
+                enc.encode(
+                    [
+                        (":method", "POST"),
+                        (":scheme", "http"),
+                        (":path", "/a"),
+                        (":authority", "x"),
+                        ("content-type", "text/plain"),
+                    ]
+                ),
+            )
+        )
         assert dict(hpack.Decoder().decode(_read_frames(sock, 1)[-1][3]))[":status"] == "415"
 
 
@@ -191,8 +224,17 @@ def test_raw_protocol_errors_close_only_that_connection(naiad, grpc_client):
 
 
 def test_grpcio_implementation_still_serves(model_repo):
-    with NaiadProcess(model_repo, "--grpc-implementation", "grpcio", "--model-control-mode", "explicit",
-                      "--load-model", "identity_fp32", "--load-model", "repeat") as proc:
+    with NaiadProcess(
+        model_repo,
+        "--grpc-implementation",
+        "grpcio",
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "identity_fp32",
+        "--load-model",
+        "repeat",
+    ) as proc:
         client = grpcclient.InferenceServerClient(proc.grpc)
         try:
             data = np.arange(6, dtype=np.float32).reshape(1, 6)
@@ -201,6 +243,9 @@ def test_grpcio_implementation_still_serves(model_repo):
         finally:
             client.close()
         from grpc_health.v1 import health_pb2, health_pb2_grpc
+
         with grpc.insecure_channel(proc.grpc) as channel:
-            assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )

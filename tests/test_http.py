@@ -12,9 +12,19 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 ALL_TYPES = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-    "FP32": np.float32, "FP64": np.float64, "STRING": np.object_,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "STRING": np.object_,
 }
 
 
@@ -37,9 +47,13 @@ def test_health_and_metadata(naiad, http_client):
 
 def test_model_metadata_and_config(http_client):
     md = http_client.get_model_metadata("identity_fp32")
-    assert md == {"name": "identity_fp32", "versions": ["1"], "platform": "python",
-                  "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, -1]}],
-                  "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, -1]}]}
+    assert md == {
+        "name": "identity_fp32",
+        "versions": ["1"],
+        "platform": "python",
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, -1]}],
+        "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, -1]}],
+    }
     assert http_client.get_model_metadata("identity_fp32", "1")["name"] == "identity_fp32"
     cfg = http_client.get_model_config("add_sub")
     assert cfg["name"] == "add_sub" and cfg["backend"] == "python"
@@ -68,8 +82,10 @@ def test_infer_add_sub(http_client, binary):
     inputs = [httpclient.InferInput("INPUT0", [4], "FP32"), httpclient.InferInput("INPUT1", [4], "FP32")]
     inputs[0].set_data_from_numpy(a, binary_data=binary)
     inputs[1].set_data_from_numpy(b, binary_data=binary)
-    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary),
-               httpclient.InferRequestedOutput("OUTPUT1", binary_data=not binary)]
+    outputs = [
+        httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary),
+        httpclient.InferRequestedOutput("OUTPUT1", binary_data=not binary),
+    ]
     result = http_client.infer("add_sub", inputs, outputs=outputs, request_id="req-7")
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
@@ -81,8 +97,11 @@ def test_every_datatype_roundtrips(http_client, binary):
     inputs, outputs = [], []
     for name, dtype in ALL_TYPES.items():
         data = sample(dtype)
-        inp = httpclient.InferInput(f"IN_{name}", list(data.shape), np_to_triton_dtype(data.dtype) if
-                                    dtype is not np.object_ else "BYTES")
+        inp = httpclient.InferInput(
+            f"IN_{name}",
+            list(data.shape),
+            np_to_triton_dtype(data.dtype) if dtype is not np.object_ else "BYTES",
+        )
         inp.set_data_from_numpy(data, binary_data=binary or name == "FP16")
         inputs.append(inp)
         outputs.append(httpclient.InferRequestedOutput(f"OUT_{name}", binary_data=binary or name == "FP16"))
@@ -98,11 +117,19 @@ def test_every_datatype_roundtrips(http_client, binary):
 
 def test_bf16_binary_roundtrip(naiad):
     words = np.array([0x3F80, 0x4000, 0xC040], dtype=np.uint16)  # 1.0, 2.0, -3.0 in bfloat16
-    header = json.dumps({"inputs": [{"name": "IN_BF16", "shape": [3], "datatype": "BF16",
-                                     "parameters": {"binary_data_size": 6}}],
-                         "outputs": [{"name": "OUT_BF16", "parameters": {"binary_data": True}}]}).encode()
-    r = requests.post(f"{naiad.url}/v2/models/identity_all/infer", data=header + words.tobytes(),
-                      headers={"Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "IN_BF16", "shape": [3], "datatype": "BF16", "parameters": {"binary_data_size": 6}}
+            ],
+            "outputs": [{"name": "OUT_BF16", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    r = requests.post(
+        f"{naiad.url}/v2/models/identity_all/infer",
+        data=header + words.tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
     assert r.status_code == 200, r.text
     n = int(r.headers["Inference-Header-Content-Length"])
     doc = json.loads(r.content[:n])
@@ -111,8 +138,9 @@ def test_bf16_binary_roundtrip(naiad):
 
 
 def test_nested_json_data_as_in_the_tutorial(naiad):
-    body = {"inputs": [{"name": "INPUT0", "shape": [2, 3], "datatype": "FP32",
-                        "data": [[1, 2, 3], [4, 5, 6]]}]}
+    body = {
+        "inputs": [{"name": "INPUT0", "shape": [2, 3], "datatype": "FP32", "data": [[1, 2, 3], [4, 5, 6]]}]
+    }
     r = requests.post(f"{naiad.url}/v2/models/identity_fp32/versions/1/infer", json=body)
     assert r.status_code == 200
     out = r.json()["outputs"][0]
@@ -121,10 +149,17 @@ def test_nested_json_data_as_in_the_tutorial(naiad):
 
 
 def test_binary_data_output_parameter_and_gzip(naiad):
-    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
-                                   "data": [1, 2, 3, 4]}], "parameters": {"binary_data_output": True}}).encode()
-    r = requests.post(f"{naiad.url}/v2/models/identity_fp32/infer", data=gzip.compress(body),
-                      headers={"Content-Encoding": "gzip"})
+    body = json.dumps(
+        {
+            "inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    r = requests.post(
+        f"{naiad.url}/v2/models/identity_fp32/infer",
+        data=gzip.compress(body),
+        headers={"Content-Encoding": "gzip"},
+    )
     assert r.status_code == 200, r.text
     n = int(r.headers["Inference-Header-Content-Length"])
     assert json.loads(r.content[:n])["outputs"][0]["parameters"] == {"binary_data_size": 16}
@@ -134,7 +169,10 @@ def test_binary_data_output_parameter_and_gzip(naiad):
 def test_torchscript_model(http_client):
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     b = np.full((2, 3), 2, dtype=np.float32)
-    inputs = [httpclient.InferInput("INPUT__0", [2, 3], "FP32"), httpclient.InferInput("INPUT__1", [2, 3], "FP32")]
+    inputs = [
+        httpclient.InferInput("INPUT__0", [2, 3], "FP32"),
+        httpclient.InferInput("INPUT__1", [2, 3], "FP32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(b)
     result = http_client.infer("add_pt", inputs)
@@ -144,6 +182,7 @@ def test_torchscript_model(http_client):
 
 def test_onnx_model_matches_onnxruntime(http_client, model_repo):
     import onnxruntime as ort
+
     x = np.random.default_rng(1).random((3, 16), dtype=np.float32)
     inp = httpclient.InferInput("input", [3, 16], "FP32")
     inp.set_data_from_numpy(x)
@@ -169,11 +208,14 @@ def test_bls_error_is_reported(http_client):
 
 def test_ensemble_onnx_then_python(http_client, model_repo):
     import onnxruntime as ort
+
     x = np.random.default_rng(2).random((2, 16), dtype=np.float32)
     inp = httpclient.InferInput("FEATURES", [2, 16], "FP32")
     inp.set_data_from_numpy(x)
     result = http_client.infer("ensemble_mlp", [inp])
-    logits = ort.InferenceSession(str(model_repo / "mlp_onnx" / "1" / "model.onnx")).run(None, {"input": x})[0]
+    logits = ort.InferenceSession(str(model_repo / "mlp_onnx" / "1" / "model.onnx")).run(None, {"input": x})[
+        0
+    ]
     np.testing.assert_allclose(result.as_numpy("LOGITS"), logits, rtol=1e-6)
     np.testing.assert_allclose(result.as_numpy("DOUBLED"), 2 * logits, rtol=1e-6)
 
@@ -189,35 +231,78 @@ def test_classification_extension(http_client):
 
 # ---- errors: status code and a JSON {"error": ...} body, and the server keeps serving ----
 
+
 def post(naiad, path, **kw):
     return requests.post(f"{naiad.url}{path}", timeout=10, **kw)
 
 
 def fp32(name, shape, data=None):
-    return {"name": name, "shape": shape, "datatype": "FP32",
-            "data": data if data is not None else [0.0] * int(np.prod(shape))}
+    return {
+        "name": name,
+        "shape": shape,
+        "datatype": "FP32",
+        "data": data if data is not None else [0.0] * int(np.prod(shape)),
+    }
 
 
-@pytest.mark.parametrize("path,body,status,message", [
-    ("/v2/models/nope/infer", {"inputs": [fp32("INPUT0", [1, 1])]}, 404, "unknown model"),
-    ("/v2/models/identity_fp32/versions/9/infer", {"inputs": [fp32("INPUT0", [1, 1])]}, 404, "version 9"),
-    ("/v2/models/identity_fp32/versions/x/infer", {"inputs": [fp32("INPUT0", [1, 1])]}, 404, "Not Found"),
-    ("/v2/models/identity_fp32/infer",
-     {"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "INT32", "data": [1]}]}, 400, "data-type"),
-    ("/v2/models/add_sub/infer", {"inputs": [fp32("INPUT0", [5]), fp32("INPUT1", [4])]}, 400, "unexpected shape"),
-    ("/v2/models/add_sub/infer", {"inputs": [fp32("INPUT0", [4])]}, 400, "missing required input"),
-    ("/v2/models/add_sub/infer", {"inputs": [fp32("INPUT0", [4]), fp32("INPUT1", [4]), fp32("EXTRA", [4])]},
-     400, "unexpected inference input 'EXTRA'"),
-    ("/v2/models/identity_fp32/infer", {"inputs": [fp32("INPUT0", [9, 1])]}, 400, "batch-size must be <= 8"),
-    ("/v2/models/identity_fp32/infer", {"inputs": [fp32("INPUT0", [2, 2], [1, 2, 3])]}, 400, "number of elements"),
-    ("/v2/models/add_sub/infer", {"inputs": [fp32("INPUT0", [4]), fp32("INPUT1", [4])],
-                                  "outputs": [{"name": "NOPE"}]}, 400, "unexpected inference output"),
-    ("/v2/models/identity_fp32/infer", {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP99",
-                                                    "data": [1]}]}, 400, "datatype"),
-    ("/v2/models/identity_fp32/infer", {"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32",
-                                                    "data": ["abc"]}]}, 400, "parse"),
-    ("/v2/models/broken_init/infer", {"inputs": [fp32("INPUT0", [1])]}, 404, "has no available versions"),
-])
+@pytest.mark.parametrize(
+    "path,body,status,message",
+    [
+        ("/v2/models/nope/infer", {"inputs": [fp32("INPUT0", [1, 1])]}, 404, "unknown model"),
+        ("/v2/models/identity_fp32/versions/9/infer", {"inputs": [fp32("INPUT0", [1, 1])]}, 404, "version 9"),
+        ("/v2/models/identity_fp32/versions/x/infer", {"inputs": [fp32("INPUT0", [1, 1])]}, 404, "Not Found"),
+        (
+            "/v2/models/identity_fp32/infer",
+            {"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "INT32", "data": [1]}]},
+            400,
+            "data-type",
+        ),
+        (
+            "/v2/models/add_sub/infer",
+            {"inputs": [fp32("INPUT0", [5]), fp32("INPUT1", [4])]},
+            400,
+            "unexpected shape",
+        ),
+        ("/v2/models/add_sub/infer", {"inputs": [fp32("INPUT0", [4])]}, 400, "missing required input"),
+        (
+            "/v2/models/add_sub/infer",
+            {"inputs": [fp32("INPUT0", [4]), fp32("INPUT1", [4]), fp32("EXTRA", [4])]},
+            400,
+            "unexpected inference input 'EXTRA'",
+        ),
+        (
+            "/v2/models/identity_fp32/infer",
+            {"inputs": [fp32("INPUT0", [9, 1])]},
+            400,
+            "batch-size must be <= 8",
+        ),
+        (
+            "/v2/models/identity_fp32/infer",
+            {"inputs": [fp32("INPUT0", [2, 2], [1, 2, 3])]},
+            400,
+            "number of elements",
+        ),
+        (
+            "/v2/models/add_sub/infer",
+            {"inputs": [fp32("INPUT0", [4]), fp32("INPUT1", [4])], "outputs": [{"name": "NOPE"}]},
+            400,
+            "unexpected inference output",
+        ),
+        (
+            "/v2/models/identity_fp32/infer",
+            {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP99", "data": [1]}]},
+            400,
+            "datatype",
+        ),
+        (
+            "/v2/models/identity_fp32/infer",
+            {"inputs": [{"name": "INPUT0", "shape": [1, 1], "datatype": "FP32", "data": ["abc"]}]},
+            400,
+            "parse",
+        ),
+        ("/v2/models/broken_init/infer", {"inputs": [fp32("INPUT0", [1])]}, 404, "has no available versions"),
+    ],
+)
 def test_bad_requests(naiad, path, body, status, message):
     r = post(naiad, path, json=body)
     assert r.status_code == status, r.text
@@ -230,13 +315,31 @@ def test_malformed_json(naiad):
 
 
 def test_binary_header_length_mismatch(naiad):
-    header = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
-                                     "parameters": {"binary_data_size": 16}}]}).encode()
-    r = post(naiad, "/v2/models/identity_fp32/infer", data=header + b"\0" * 16,
-             headers={"Inference-Header-Content-Length": str(len(header) + 100)})
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "shape": [1, 4],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": 16},
+                }
+            ]
+        }
+    ).encode()
+    r = post(
+        naiad,
+        "/v2/models/identity_fp32/infer",
+        data=header + b"\0" * 16,
+        headers={"Inference-Header-Content-Length": str(len(header) + 100)},
+    )
     assert r.status_code == 400 and "Inference-Header-Content-Length" in r.json()["error"]
-    r = post(naiad, "/v2/models/identity_fp32/infer", data=header + b"\0" * 8,
-             headers={"Inference-Header-Content-Length": str(len(header))})
+    r = post(
+        naiad,
+        "/v2/models/identity_fp32/infer",
+        data=header + b"\0" * 8,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
     assert r.status_code == 400 and "binary data" in r.json()["error"]
 
 

@@ -20,14 +20,19 @@ ROUTE = f"/v2/models/{MODEL}/infer"
 
 
 def body_for(values) -> bytes:
-    return json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, len(values)], "datatype": "FP32",
-                                   "data": list(values)}]}).encode()
+    return json.dumps(
+        {"inputs": [{"name": "INPUT0", "shape": [1, len(values)], "datatype": "FP32", "data": list(values)}]}
+    ).encode()
 
 
 def infer_request(values=(1, 2, 3, 4), path=ROUTE, headers: dict | None = None, version=b"HTTP/1.1") -> bytes:
     body = body_for(values)
-    head = [b"POST %s %s" % (path.encode(), version), b"Host: test", b"Content-Length: %d" % len(body),
-            b"Content-Type: application/json"]
+    head = [
+        b"POST %s %s" % (path.encode(), version),
+        b"Host: test",
+        b"Content-Length: %d" % len(body),
+        b"Content-Type: application/json",
+    ]
     head += [f"{k}: {v}".encode() for k, v in (headers or {}).items()]
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
@@ -124,9 +129,14 @@ def test_handoff_mid_connection(naiad, conn):
 
 def test_handoff_waits_for_in_flight_fast_request(naiad, conn):
     """A pipelined request for aiohttp behind a slow fast-path request is answered after it."""
-    slow = json.dumps({"inputs": [{"name": "SECONDS", "shape": [1], "datatype": "FP32", "data": [0.3]}]}).encode()
-    conn.send(b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(slow), slow)
-              + get_request("/v2/models/slow/ready") + infer_request((9, 9, 9, 9)))
+    slow = json.dumps(
+        {"inputs": [{"name": "SECONDS", "shape": [1], "datatype": "FP32", "data": [0.3]}]}
+    ).encode()
+    conn.send(
+        b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(slow), slow)
+        + get_request("/v2/models/slow/ready")
+        + infer_request((9, 9, 9, 9))
+    )
     status, headers, body = conn.response()
     assert status == 200 and "server" not in headers
     assert json.loads(body)["outputs"][0]["data"] == [pytest.approx(0.3)]
@@ -141,14 +151,18 @@ def test_versioned_route_and_errors_match_aiohttp(naiad, conn):
     status, headers, body = conn.response()
     assert status == 200 and "server" not in headers and outputs(body) == [1, 2]
     # the same failing requests through the fast path and (a Content-Encoding header) through aiohttp
-    for path, raw_body in ((f"/v2/models/{MODEL}/versions/x/infer", body_for((1,))),
-                           ("/v2/models/no_such_model/infer", body_for((1,))),
-                           (ROUTE, b"{not json"),
-                           (ROUTE, b'{"inputs": 3}')):
+    for path, raw_body in (
+        (f"/v2/models/{MODEL}/versions/x/infer", body_for((1,))),
+        ("/v2/models/no_such_model/infer", body_for((1,))),
+        (ROUTE, b"{not json"),
+        (ROUTE, b'{"inputs": 3}'),
+    ):
         answers = []
         for extra in (b"", b"Content-Encoding: identity\r\n"):
-            conn.send(b"POST %s HTTP/1.1\r\nHost: t\r\n%sContent-Length: %d\r\n\r\n%s"
-                      % (path.encode(), extra, len(raw_body), raw_body))
+            conn.send(
+                b"POST %s HTTP/1.1\r\nHost: t\r\n%sContent-Length: %d\r\n\r\n%s"
+                % (path.encode(), extra, len(raw_body), raw_body)
+            )
             status, headers, body = conn.response()
             answers.append((status, headers["content-type"], json.loads(body)))
         assert answers[0] == answers[1], path
@@ -156,12 +170,19 @@ def test_versioned_route_and_errors_match_aiohttp(naiad, conn):
 
 
 def test_binary_output_headers(naiad, conn):
-    head = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "FP32",
-                                   "parameters": {"binary_data_size": 8}}],
-                       "parameters": {"binary_data_output": True}}).encode()
-    payload = head + b"\x00\x00\x80\x3f\x00\x00\x00\x40"   # 1.0, 2.0
-    conn.send(b"POST %s HTTP/1.1\r\nHost: t\r\nInference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n%s"
-              % (ROUTE.encode(), len(head), len(payload), payload))
+    head = json.dumps(
+        {
+            "inputs": [
+                {"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    payload = head + b"\x00\x00\x80\x3f\x00\x00\x00\x40"  # 1.0, 2.0
+    conn.send(
+        b"POST %s HTTP/1.1\r\nHost: t\r\nInference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n%s"
+        % (ROUTE.encode(), len(head), len(payload), payload)
+    )
     status, headers, body = conn.response()
     assert status == 200 and headers["content-type"] == "application/octet-stream"
     n = int(headers["inference-header-content-length"])
@@ -183,12 +204,13 @@ def test_http10_goes_to_aiohttp(naiad, conn):
     assert status == 200 and "server" in headers and outputs(body) == [3, 4]
 
 
-@pytest.mark.parametrize("accept, coding", [("gzip", "gzip"), ("gzip, deflate", "gzip"), ("deflate", "deflate"),
-                                           ("br", None)])
+@pytest.mark.parametrize(
+    "accept, coding", [("gzip", "gzip"), ("gzip, deflate", "gzip"), ("deflate", "deflate"), ("br", None)]
+)
 def test_compressed_responses_match_aiohttp(naiad, conn, accept, coding):
     """python `requests` sends Accept-Encoding: gzip, deflate: the fast path compresses as aiohttp does."""
     answers = []
-    for extra in ({}, {"Content-Encoding": "identity"}):   # fast path, then aiohttp
+    for extra in ({}, {"Content-Encoding": "identity"}):  # fast path, then aiohttp
         conn.send(infer_request((1, 2, 3, 4), headers={"Accept-Encoding": accept, **extra}))
         status, headers, body = conn.response()
         assert status == 200 and headers.get("content-encoding") == coding
@@ -202,8 +224,13 @@ def test_compressed_responses_match_aiohttp(naiad, conn, accept, coding):
 
 def test_chunked_request_body(naiad, conn):
     body = body_for((4, 3, 2, 1))
-    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 10]), body[i:i + 10]) for i in range(0, len(body), 10))
-    conn.send(b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n%s0\r\n\r\n" % (ROUTE.encode(), chunks))
+    chunks = b"".join(
+        b"%x\r\n%s\r\n" % (len(body[i : i + 10]), body[i : i + 10]) for i in range(0, len(body), 10)
+    )
+    conn.send(
+        b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n%s0\r\n\r\n"
+        % (ROUTE.encode(), chunks)
+    )
     status, _, body = conn.response()
     assert status == 200 and outputs(body) == [4, 3, 2, 1]
 
@@ -212,7 +239,7 @@ def test_request_split_byte_by_byte(naiad, conn):
     # leading empty lines are allowed before a request line, and must not confuse the framing
     data = infer_request((1, 2, 3, 4)) + b"\r\n\r\n" + infer_request((5, 6, 7, 8))
     for i in range(len(data)):
-        conn.send(data[i:i + 1])
+        conn.send(data[i : i + 1])
         if i % 16 == 0:
             time.sleep(0.001)
     for expected in ([1, 2, 3, 4], [5, 6, 7, 8]):
@@ -223,17 +250,22 @@ def test_request_split_byte_by_byte(naiad, conn):
 def test_large_body_over_many_reads(naiad, conn):
     values = [float(i % 1000) for i in range(60000)]
     data = infer_request(values) + infer_request((1, 2))
-    for i in range(0, len(data), 50000):   # several reads; a large response goes out in several writes
-        conn.send(data[i:i + 50000])
+    for i in range(0, len(data), 50000):  # several reads; a large response goes out in several writes
+        conn.send(data[i : i + 50000])
         time.sleep(0.002)
     status, headers, body = conn.response()
     assert status == 200 and "server" not in headers and outputs(body) == values
     assert outputs(conn.response()[2]) == [1, 2]
 
 
-@pytest.mark.parametrize("garbage", [b"\x16\x03\x01\x02\x00" + b"\0" * 64 + b"\r\n\r\n",
-                                     b"POST /v2/models/x/infer HTTP/1.1\r\nContent-Length: 12x\r\n\r\n",
-                                     b"FOO BAR\r\n\r\n"])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x16\x03\x01\x02\x00" + b"\0" * 64 + b"\r\n\r\n",
+        b"POST /v2/models/x/infer HTTP/1.1\r\nContent-Length: 12x\r\n\r\n",
+        b"FOO BAR\r\n\r\n",
+    ],
+)
 def test_garbage_gets_400_and_server_keeps_serving(naiad, garbage):
     c = Conn(naiad)
     try:
@@ -257,15 +289,22 @@ def test_disconnects_do_not_disturb_the_next_client(naiad):
     before = len(naiad.output())
     # mid-body
     c = Conn(naiad)
-    c.send(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n{\"inputs\"" % ROUTE.encode())
+    c.send(b'POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n{"inputs"' % ROUTE.encode())
     c.close()
     # during execution, with more requests queued behind it
-    slow = json.dumps({"inputs": [{"name": "SECONDS", "shape": [1], "datatype": "FP32", "data": [0.3]}]}).encode()
-    req = b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(slow), slow)
+    slow = json.dumps(
+        {"inputs": [{"name": "SECONDS", "shape": [1], "datatype": "FP32", "data": [0.3]}]}
+    ).encode()
+    req = b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(slow),
+        slow,
+    )
     c = Conn(naiad)
     c.send(req + infer_request() + get_request("/v2/health/ready"))
     time.sleep(0.05)
-    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
+    c.sock.setsockopt(
+        socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+    )  # RST on close
     c.close()
     # half-closed after sending: the response still comes
     c = Conn(naiad)
@@ -281,15 +320,24 @@ def test_disconnects_do_not_disturb_the_next_client(naiad):
         assert status == 200 and outputs(body) == [8, 8]
     finally:
         c.close()
-    time.sleep(0.4)   # the abandoned slow request finishes and its response is dropped quietly
+    time.sleep(0.4)  # the abandoned slow request finishes and its response is dropped quietly
     new_log = naiad.output()[before:]
     assert "Traceback" not in new_log and "Exception" not in new_log, new_log
 
 
 @pytest.fixture(scope="module")
 def limited(model_repo):
-    with NaiadProcess(model_repo, "--model-control-mode", "explicit", "--load-model", MODEL,
-                      "--http-max-input-size", "2000", "--http-restricted-api", "inference:X-Key=secret") as proc:
+    with NaiadProcess(
+        model_repo,
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        MODEL,
+        "--http-max-input-size",
+        "2000",
+        "--http-restricted-api",
+        "inference:X-Key=secret",
+    ) as proc:
         yield proc
 
 
@@ -308,15 +356,20 @@ def test_content_length_over_limit_gets_413(limited):
 def test_restricted_inference_api(limited):
     c = Conn(limited)
     try:
-        c.send(infer_request((1, 2)) + infer_request((3, 4), headers={"x-key": "secret"})
-               + infer_request((5,), headers={"X-Key": "wrong"}))
+        c.send(
+            infer_request((1, 2))
+            + infer_request((3, 4), headers={"x-key": "secret"})
+            + infer_request((5,), headers={"X-Key": "wrong"})
+        )
         status, headers, body = c.response()
         assert status == 403 and "server" not in headers
         assert json.loads(body) == {"error": "This API is restricted, expecting header 'x-key'"}
         status, _, body = c.response()
         assert status == 200 and outputs(body) == [3, 4]
         assert c.response()[0] == 403
-        c.send(infer_request((1, 2), headers={"Content-Encoding": "identity"}))   # aiohttp answers the same way
+        c.send(
+            infer_request((1, 2), headers={"Content-Encoding": "identity"})
+        )  # aiohttp answers the same way
         status, headers, body = c.response()
         assert status == 403 and "server" in headers
         assert json.loads(body) == {"error": "This API is restricted, expecting header 'x-key'"}

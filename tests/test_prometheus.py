@@ -15,8 +15,10 @@ import tritonclient.http as httpclient
 from helpers import NaiadProcess, free_ports
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus is not installed "
-                                "(make test installs it with apt-get when it can)")
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None,
+    reason="Debian's prometheus is not installed (make test installs it with apt-get when it can)",
+)
 
 
 @pytest.fixture()
@@ -27,10 +29,18 @@ def stack(model_repo):
     (workdir / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: naiad\n    static_configs:\n"
-        f"      - targets: ['{naiad.metrics}']\n")
+        f"      - targets: ['{naiad.metrics}']\n"
+    )
     prom = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            PROMETHEUS,
+            f"--config.file={workdir / 'prometheus.yml'}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -83,11 +93,16 @@ def test_promql_rate_queue_time_and_p99(stack):
     rate = wait_for(url, 'rate(nv_inference_request_success{model="slow"}[1m])', lambda v: v > 0)
     assert rate > 0
     avg_queue_us = wait_for(
-        url, 'nv_inference_queue_duration_us{model="slow"} / nv_inference_request_success{model="slow"}',
-        lambda v: v > 0)
+        url,
+        'nv_inference_queue_duration_us{model="slow"} / nv_inference_request_success{model="slow"}',
+        lambda v: v > 0,
+    )
     assert abs(avg_queue_us - expected_queue_us) <= 1 + 1e-3 * expected_queue_us  # us rounding
-    p99 = wait_for(url, 'histogram_quantile(0.99, sum by (le) '
-                        '(nv_inference_request_duration_seconds_bucket{model="slow"}))', lambda v: v > 0)
+    p99 = wait_for(
+        url,
+        'histogram_quantile(0.99, sum by (le) (nv_inference_request_duration_seconds_bucket{model="slow"}))',
+        lambda v: v > 0,
+    )
     # every request took 60 ms plus up to one queue round: the 99th percentile is within (0.05, 0.25]
     assert 0.05 < p99 <= 0.25
     meta = requests.get(f"{url}/api/v1/metadata", params={"metric": "nv_inference_request_success"}).json()

@@ -55,11 +55,11 @@ class TritonPythonModel:
         out = pb_utils.Tensor("OUT", np.array([kind], np.int32))
         return [pb_utils.InferenceResponse([out]) for _ in requests]
 '''
-RAISER_CONFIG = '''
+RAISER_CONFIG = """
 backend: "python"
 input [ { name: "KIND" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-'''
+"""
 
 REPEAT = '''
 import os
@@ -89,12 +89,12 @@ class TritonPythonModel:
             sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i], np.int32))]))
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 '''
-REPEAT_CONFIG = '''
+REPEAT_CONFIG = """
 backend: "python"
 model_transaction_policy { decoupled: true }
 input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-'''
+"""
 
 BLS_DECOUPLED = '''
 import numpy as np
@@ -121,11 +121,11 @@ class TritonPythonModel:
                                                                                             np.int32))]))
         return responses
 '''
-BLS_DECOUPLED_CONFIG = '''
+BLS_DECOUPLED_CONFIG = """
 backend: "python"
 input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "TOTAL" data_type: TYPE_INT32 dims: [ 2 ] } ]
-'''
+"""
 
 FINALIZER = '''
 import os
@@ -149,11 +149,11 @@ class TritonPythonModel:
     def finalize(self):
         self.marker.write_text(str(os.getpid()))
 '''
-FINALIZER_CONFIG = '''
+FINALIZER_CONFIG = """
 backend: "python"
 input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]
-'''
+"""
 
 ISOLATION = 'parameters {{ key: "EXECUTION_ISOLATION" value: {{ string_value: "{}" }} }}\n'
 
@@ -168,8 +168,9 @@ def _config(text: str, name: str, isolation: str | None = None, count: int | Non
     return f'name: "{name}"\n' + text
 
 
-def copy_model(repo: Path, source: str, name: str, isolation: str | None = None,
-               count: int | None = None) -> None:
+def copy_model(
+    repo: Path, source: str, name: str, isolation: str | None = None, count: int | None = None
+) -> None:
     shutil.copytree(MODELS / source, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
     config = repo / name / "config.pbtxt"
     config.write_text(_config(config.read_text(), name, isolation, count))
@@ -209,8 +210,16 @@ def repo(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repo):
-    proc = NaiadProcess(repo, "--model-control-mode", "explicit", "--load-model", "*",
-                        "--strict-readiness", "false", timeout=180)
+    proc = NaiadProcess(
+        repo,
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "*",
+        "--strict-readiness",
+        "false",
+        timeout=180,
+    )
     proc.start()
     yield proc
     proc.stop()
@@ -248,6 +257,7 @@ def _error(client, model: str, inputs) -> InferenceServerException:
 
 # ---- the choice ----
 
+
 def test_default_rule_and_parameter():
     from tritonclient.grpc import model_config_pb2 as mc
 
@@ -279,18 +289,31 @@ def test_modes_run_where_they_should(server, client):
 
 # ---- same results in both modes ----
 
+
 @pytest.mark.parametrize("model", ["identity_fp32_thread", "identity_fp32_process"])
 def test_identity_small_and_large(client, model):
-    for data in (np.arange(4, dtype=np.float32).reshape(1, 4),
-                 np.random.default_rng(0).random((2, 1_000_000), dtype=np.float32)):  # 8 MB: out of band
+    for data in (
+        np.arange(4, dtype=np.float32).reshape(1, 4),
+        np.random.default_rng(0).random((2, 1_000_000), dtype=np.float32),
+    ):  # 8 MB: out of band
         got = client.infer(model, [_fp32("INPUT0", data)]).as_numpy("OUTPUT0")
         np.testing.assert_array_equal(got, data)
 
 
 ALL_TYPES = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-    "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-    "FP32": np.float32, "FP64": np.float64, "STRING": np.object_,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "UINT16": np.uint16,
+    "UINT32": np.uint32,
+    "UINT64": np.uint64,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+    "STRING": np.object_,
 }
 
 
@@ -308,8 +331,11 @@ def test_every_datatype_is_the_same_in_both_modes(client):
         inputs, outputs = [], []
         for name, dtype in ALL_TYPES.items():
             data = sample(dtype)
-            inp = httpclient.InferInput(f"IN_{name}", list(data.shape),
-                                        "BYTES" if dtype is np.object_ else np_to_triton_dtype(data.dtype))
+            inp = httpclient.InferInput(
+                f"IN_{name}",
+                list(data.shape),
+                "BYTES" if dtype is np.object_ else np_to_triton_dtype(data.dtype),
+            )
             inp.set_data_from_numpy(data)
             inputs.append(inp)
             outputs.append(httpclient.InferRequestedOutput(f"OUT_{name}"))
@@ -322,11 +348,19 @@ def test_every_datatype_is_the_same_in_both_modes(client):
 
 def test_bf16_in_process_mode(server):
     words = np.array([0x3F80, 0x4000, 0xC040], dtype=np.uint16)
-    header = json.dumps({"inputs": [{"name": "IN_BF16", "shape": [3], "datatype": "BF16",
-                                     "parameters": {"binary_data_size": 6}}],
-                         "outputs": [{"name": "OUT_BF16", "parameters": {"binary_data": True}}]}).encode()
-    r = requests.post(f"{server.url}/v2/models/identity_all_process/infer", data=header + words.tobytes(),
-                      headers={"Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "IN_BF16", "shape": [3], "datatype": "BF16", "parameters": {"binary_data_size": 6}}
+            ],
+            "outputs": [{"name": "OUT_BF16", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    r = requests.post(
+        f"{server.url}/v2/models/identity_all_process/infer",
+        data=header + words.tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
     assert r.status_code == 200, r.text
     n = int(r.headers["Inference-Header-Content-Length"])
     assert json.loads(r.content[:n])["outputs"][0]["datatype"] == "BF16"
@@ -338,8 +372,12 @@ def test_add_sub_same_in_both_modes(server, client):
     b = np.full(4, 0.5, dtype=np.float32)
     results = {}
     for model in ("add_sub_thread", "add_sub"):
-        r = client.infer(model, [_fp32("INPUT0", a), _fp32("INPUT1", b)], request_id="r-1",
-                         outputs=[httpclient.InferRequestedOutput("OUTPUT1")])
+        r = client.infer(
+            model,
+            [_fp32("INPUT0", a), _fp32("INPUT1", b)],
+            request_id="r-1",
+            outputs=[httpclient.InferRequestedOutput("OUTPUT1")],
+        )
         assert r.get_response()["id"] == "r-1"
         assert r.as_numpy("OUTPUT0") is None  # only the requested output comes back
         results[model] = r.as_numpy("OUTPUT1")
@@ -356,6 +394,7 @@ def test_add_sub_same_in_both_modes(server, client):
 
 
 # ---- BLS from a worker ----
+
 
 def test_bls_sync_and_async_from_a_worker(client):
     a = np.array([1, 2, 3, 4], dtype=np.float32)
@@ -381,13 +420,15 @@ def test_decoupled_bls_from_a_worker(client):
 
 # ---- errors ----
 
+
 @pytest.mark.parametrize("kind", [1, 2, 3, 4, 5])
 def test_execute_errors_are_the_same_in_both_modes(client, kind):
     errors = {mode: _error(client, f"raiser_{mode}", [_int("KIND", kind)]) for mode in ("thread", "process")}
     thread, process = errors["thread"], errors["process"]
     assert process.status() == thread.status()
-    assert process.message().replace("raiser_process", "raiser") == thread.message().replace("raiser_thread",
-                                                                                            "raiser")
+    assert process.message().replace("raiser_process", "raiser") == thread.message().replace(
+        "raiser_thread", "raiser"
+    )
     assert client.infer("raiser_process", [_int("KIND", 0)]).as_numpy("OUT").tolist() == [0]
 
 
@@ -402,6 +443,7 @@ def test_initialize_failure_fails_the_load_cleanly(client):
 
 
 # ---- decoupled ----
+
 
 def _stream(server, model: str, n: int) -> list:
     client = grpcclient.InferenceServerClient(server.grpc)
@@ -434,6 +476,7 @@ def test_decoupled_responses_after_execute_returned(server):
 
 # ---- a worker that dies ----
 
+
 def test_killed_worker_ends_open_decoupled_streams(server):
     client = grpcclient.InferenceServerClient(server.grpc)
     results: list = []
@@ -447,8 +490,9 @@ def test_killed_worker_ends_open_decoupled_streams(server):
 
     client.start_stream(callback=callback)
     try:
-        client.async_stream_infer("repeat_victim", [_int("N", -1, module=grpcclient)],
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            "repeat_victim", [_int("N", -1, module=grpcclient)], enable_empty_final_response=True
+        )
         assert first.wait(30)
         pid = int(results[0].as_numpy("OUT")[0])
         assert pid != server.proc.pid
@@ -488,8 +532,9 @@ def test_killed_worker_fails_in_flight_request_and_later_ones(server, client):
     assert "exited unexpectedly" in later.message() and str(pid) in later.message()
     # everything else is still served
     data = np.ones((1, 3), dtype=np.float32)
-    np.testing.assert_array_equal(client.infer("identity_fp32_process", [_fp32("INPUT0", data)])
-                                  .as_numpy("OUTPUT0"), data)
+    np.testing.assert_array_equal(
+        client.infer("identity_fp32_process", [_fp32("INPUT0", data)]).as_numpy("OUTPUT0"), data
+    )
     assert _burn_pid(client, "cpu_burn_process") != pid
     # and reloading the model starts a new worker
     client.load_model("victim")
@@ -529,6 +574,7 @@ def _alive(pid: int) -> bool:
 
 
 # ---- several cores ----
+
 
 def _spin(iterations: int) -> int:
     """cpu_burn's loop, for plain processes to compare with."""
@@ -571,8 +617,10 @@ def test_two_process_instances_use_two_cores(client):
                 break
     ratio = min(pairs) / min(singles)
     machine = min(plain_pairs) / min(plain_singles)
-    detail = (f"single: {[round(t, 3) for t in singles]}, pairs: {[round(t, 3) for t in pairs]}; plain "
-              f"processes: {[round(t, 3) for t in plain_singles]}, {[round(t, 3) for t in plain_pairs]}")
+    detail = (
+        f"single: {[round(t, 3) for t in singles]}, pairs: {[round(t, 3) for t in pairs]}; plain "
+        f"processes: {[round(t, 3) for t in plain_singles]}, {[round(t, 3) for t in plain_pairs]}"
+    )
     if ratio >= 1.6 and machine >= 1.5:
         pytest.skip(f"two plain processes took {machine:.2f}x one: the machine is too busy to tell; {detail}")
     assert ratio < 1.6, f"2 concurrent requests took {ratio:.2f}x one ({machine:.2f}x plain); {detail}"

@@ -71,9 +71,13 @@ def test_broken_model_load_fails_alone(explicit):
 
 def test_load_with_config_override(explicit):
     client = httpclient.InferenceServerClient(explicit.http)
-    override = {"name": "identity_fp32", "backend": "python", "max_batch_size": 2,
-                "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
-                "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]}
+    override = {
+        "name": "identity_fp32",
+        "backend": "python",
+        "max_batch_size": 2,
+        "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+        "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+    }
     client.load_model("identity_fp32", config=json.dumps(override))
     assert client.get_model_config("identity_fp32")["max_batch_size"] == 2
     inp = httpclient.InferInput("INPUT0", [3, 1], "FP32")
@@ -90,11 +94,16 @@ def test_load_with_config_override(explicit):
 
 def test_load_with_file_override(explicit, model_repo):
     model_py = (model_repo / "identity_fp32" / "1" / "model.py").read_bytes()
-    config = {"name": "uploaded", "backend": "python", "max_batch_size": 4,
-              "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
-              "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]}
-    body = {"parameters": {"config": json.dumps(config),
-                           "file:1/model.py": base64.b64encode(model_py).decode()}}
+    config = {
+        "name": "uploaded",
+        "backend": "python",
+        "max_batch_size": 4,
+        "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+        "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+    }
+    body = {
+        "parameters": {"config": json.dumps(config), "file:1/model.py": base64.b64encode(model_py).decode()}
+    }
     r = requests.post(f"{explicit.url}/v2/repository/models/uploaded/load", json=body)
     assert r.status_code == 200, r.text
     client = httpclient.InferenceServerClient(explicit.http)
@@ -142,8 +151,9 @@ def test_poll_mode_picks_up_changes(model_repo, tmp_path):
         (repo / "identity_fp32" / "2").mkdir()
         shutil.copy(repo / "identity_fp32" / "1" / "model.py", repo / "identity_fp32" / "2" / "model.py")
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not (client.is_model_ready("add_sub")
-                                                   and client.is_model_ready("identity_fp32", "2")):
+        while time.monotonic() < deadline and not (
+            client.is_model_ready("add_sub") and client.is_model_ready("identity_fp32", "2")
+        ):
             time.sleep(0.2)
         assert client.is_model_ready("add_sub")
         assert client.is_model_ready("identity_fp32", "2")
@@ -168,8 +178,9 @@ def test_strict_readiness_and_failed_model(model_repo):
 
 
 def test_sigterm_drains_in_flight_then_exits_zero(model_repo):
-    proc = NaiadProcess(model_repo, "--model-control-mode", "explicit", "--load-model", "slow",
-                        "--exit-timeout-secs", "10").start()
+    proc = NaiadProcess(
+        model_repo, "--model-control-mode", "explicit", "--load-model", "slow", "--exit-timeout-secs", "10"
+    ).start()
     result = {}
 
     def slow_call():

@@ -14,9 +14,26 @@ from tritonclient.utils import InferenceServerException
 
 @pytest.fixture(scope="module")
 def sched(model_repo):
-    with NaiadProcess(model_repo, "--model-control-mode", "explicit", "--cache-config", "local,size=1048576",
-                      *[a for m in ("batched", "preferred", "queue_limited", "queue_timeout", "prioritized",
-                                    "cached", "mlp_onnx") for a in ("--load-model", m)]) as proc:
+    with NaiadProcess(
+        model_repo,
+        "--model-control-mode",
+        "explicit",
+        "--cache-config",
+        "local,size=1048576",
+        *[
+            a
+            for m in (
+                "batched",
+                "preferred",
+                "queue_limited",
+                "queue_timeout",
+                "prioritized",
+                "cached",
+                "mlp_onnx",
+            )
+            for a in ("--load-model", m)
+        ],
+    ) as proc:
         yield proc
 
 
@@ -125,12 +142,14 @@ def test_response_cache_hits(sched):
     assert stats["inference_stats"]["cache_miss"]["count"] == 2
     assert stats["execution_count"] == 2 and stats["inference_stats"]["success"]["count"] == 3
     import requests
+
     text = requests.get(f"http://{sched.metrics}/metrics").text
     assert 'nv_cache_num_hits_per_model{model="cached",version="1"} 1.0' in text
 
 
 def test_onnx_dynamic_batching_matches_unbatched(sched, model_repo):
     import onnxruntime as ort
+
     client = httpclient.InferenceServerClient(sched.http, concurrency=8)
     xs = [np.random.default_rng(i).random((1, 16), dtype=np.float32) for i in range(16)]
 
@@ -150,6 +169,7 @@ def test_warmup_runs_on_every_instance_before_ready(model_repo):
         client = httpclient.InferenceServerClient(proc.http, concurrency=2)
         start = time.monotonic()
         import requests  # tritonclient.http (gevent) must stay on its own thread
+
         loading = threading.Thread(target=requests.post, args=(f"{proc.url}/v2/repository/models/warm/load",))
         loading.start()
         time.sleep(0.3)
@@ -180,13 +200,16 @@ def test_rate_limiter_serialises_executions_across_models(model_repo):
             body = {"inputs": [{"name": "SECONDS", "shape": [1], "datatype": "FP32", "data": [0.3]}]}
             r = requests.post(f"{proc.url}/v2/models/limited_{'ab'[i % 2]}/infer", json=body, timeout=30)
             assert r.status_code == 200, r.text
+
         start = time.monotonic()
         _results, errors = concurrently(call, 4)
         assert errors == [None] * 4
         return time.monotonic() - start
 
     common = ("--model-control-mode", "explicit", "--load-model", "limited_a", "--load-model", "limited_b")
-    with NaiadProcess(model_repo, *common, "--rate-limit", "execution_count", "--rate-limit-resource", "R:1") as p:
+    with NaiadProcess(
+        model_repo, *common, "--rate-limit", "execution_count", "--rate-limit-resource", "R:1"
+    ) as p:
         limited = run_four(p)
     with NaiadProcess(model_repo, *common) as p:
         free = run_four(p)

@@ -35,8 +35,17 @@ CONTROLS = """
 """
 
 
-def accumulator_config(name, *, strategy="direct { }", corrid="TYPE_UINT64", max_batch_size=4, count=2,
-                       idle_us=5_000_000, delay_ms=0, controls=None):
+def accumulator_config(
+    name,
+    *,
+    strategy="direct { }",
+    corrid="TYPE_UINT64",
+    max_batch_size=4,
+    count=2,
+    idle_us=5_000_000,
+    delay_ms=0,
+    controls=None,
+):
     return f"""
 name: "{name}"
 backend: "python"
@@ -53,8 +62,9 @@ parameters {{ key: "delay_ms" value {{ string_value: "{delay_ms}" }} }}
 """
 
 
-OLDEST = ("oldest { max_candidate_sequences: 4 preferred_batch_size: [ 4 ] "
-          "max_queue_delay_microseconds: 20000 }")
+OLDEST = (
+    "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 20000 }"
+)
 
 ACCUMULATORS = {
     "seq_acc_direct_u64": dict(),
@@ -69,8 +79,10 @@ ACCUMULATORS = {
     "seq_acc_backlog": dict(count=1, max_batch_size=0),
     # a CORRID-only model without batching (controls of shape [1])
     "seq_acc_unbatched": dict(max_batch_size=0, count=1),
-    "seq_bad_control": dict(controls="""control_input [
-        { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1, 2 ] } ] } ]"""),
+    "seq_bad_control": dict(
+        controls="""control_input [
+        { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1, 2 ] } ] } ]"""
+    ),
 }
 
 STATE_FILE_CONFIG = """
@@ -134,8 +146,9 @@ def infer(client, model, value, sequence_id=0, start=False, end=False, batched=T
     inp = mod.InferInput("INPUT", list(data.shape), "INT32")
     inp.set_data_from_numpy(data)
     requested = [mod.InferRequestedOutput(n) for n in outputs] if outputs else None
-    result = client.infer(model, [inp], outputs=requested, sequence_id=sequence_id, sequence_start=start,
-                          sequence_end=end)
+    result = client.infer(
+        model, [inp], outputs=requested, sequence_id=sequence_id, sequence_start=start, sequence_end=end
+    )
     if mod is grpcclient:
         names = [o.name for o in result.get_response().outputs]
     else:
@@ -152,8 +165,9 @@ def run_sequence(server, model, sequence_id, values, offset, batched=True):
     try:
         for i, value in enumerate(values):
             client = (http, grpc)[(i + offset) % 2]
-            out, _ = infer(client, model, value, sequence_id, start=i == 0, end=i == len(values) - 1,
-                           batched=batched)
+            out, _ = infer(
+                client, model, value, sequence_id, start=i == 0, end=i == len(values) - 1, batched=batched
+            )
             sums.append(out)
             time.sleep(rng.uniform(0, 0.01))
     finally:
@@ -176,8 +190,10 @@ def test_interleaved_sequences_keep_their_own_sums(server, strategy):
     jobs.append((f"seq_acc_{strategy}_u64", 2**63 - 1 - (strategy == "oldest")))  # largest id gRPC can send
     plans = [(model, sid, [rng.randint(1, 9) for _ in range(rng.randint(4, 9))]) for model, sid in jobs]
     with ThreadPoolExecutor(len(plans)) as pool:
-        futures = [pool.submit(run_sequence, server, model, sid, values, n) for n, (model, sid, values)
-                   in enumerate(plans)]
+        futures = [
+            pool.submit(run_sequence, server, model, sid, values, n)
+            for n, (model, sid, values) in enumerate(plans)
+        ]
         for (model, sid, values), fut in zip(plans, futures):
             assert fut.result(timeout=60) == list(np.cumsum(values)), (model, sid)
     for model in (f"seq_acc_{strategy}_u64", f"seq_acc_{strategy}_str"):
@@ -189,8 +205,10 @@ def test_interleaved_sequences_keep_their_own_sums(server, strategy):
 
 def test_unbatched_model_gets_rank1_controls(server, grpc_client):
     seq = 77
-    assert [infer(grpc_client, "seq_acc_unbatched", v, seq, start=i == 0, end=i == 2, batched=False)[0]
-            for i, v in enumerate([5, 6, 7])] == [5, 11, 18]
+    assert [
+        infer(grpc_client, "seq_acc_unbatched", v, seq, start=i == 0, end=i == 2, batched=False)[0]
+        for i, v in enumerate([5, 6, 7])
+    ] == [5, 11, 18]
 
 
 def test_uint64_id_beyond_int64_over_http(server, http_client):
@@ -207,8 +225,10 @@ def test_same_number_as_int_and_string_are_different_sequences(server, http_clie
 
 
 def test_unknown_sequence_is_rejected(server, http_client, grpc_client):
-    msg = ("inference request for sequence {} to model '{}' must specify the START flag on the first request "
-           "of the sequence")
+    msg = (
+        "inference request for sequence {} to model '{}' must specify the START flag on the first request "
+        "of the sequence"
+    )
     with pytest.raises(InferenceServerException) as e:
         infer(http_client, "seq_acc_direct_u64", 1, 424242)
     assert e.value.message() == msg.format(424242, "seq_acc_direct_u64")
@@ -229,10 +249,13 @@ def test_missing_correlation_id_is_rejected(server, http_client, grpc_client):
         for start in (False, True):
             with pytest.raises(InferenceServerException) as e:
                 infer(client, "seq_acc_oldest_u64", 1, 0, start=start)
-            assert e.value.message() == ("inference request to model 'seq_acc_oldest_u64' must specify a "
-                                         "non-zero or non-empty correlation ID")
-    with pytest.raises(InferenceServerException,
-                       match="batch-size 1 due to requirements of sequence batcher"):
+            assert e.value.message() == (
+                "inference request to model 'seq_acc_oldest_u64' must specify a "
+                "non-zero or non-empty correlation ID"
+            )
+    with pytest.raises(
+        InferenceServerException, match="batch-size 1 due to requirements of sequence batcher"
+    ):
         data = np.ones((2, 1), np.int32)
         inp = httpclient.InferInput("INPUT", [2, 1], "INT32")
         inp.set_data_from_numpy(data)
@@ -271,8 +294,10 @@ def test_idle_sequence_is_released(server, grpc_client):
     assert time.monotonic() - t0 >= 0.2
     with pytest.raises(InferenceServerException) as e:
         infer(grpc_client, model, 1, 1, batched=False)
-    assert e.value.message() == ("inference request for sequence 1 to model 'seq_acc_idle' must specify the "
-                                 "START flag on the first request of the sequence")
+    assert e.value.message() == (
+        "inference request for sequence 1 to model 'seq_acc_idle' must specify the "
+        "START flag on the first request of the sequence"
+    )
     time.sleep(0.8)  # idle again: sequence 2 is released as well
     with pytest.raises(InferenceServerException, match="must specify the START flag"):
         infer(grpc_client, model, 1, 2, batched=False)
@@ -329,8 +354,10 @@ def test_implicit_state_accumulates(server, http_client, grpc_client):
 def test_implicit_state_concurrent_and_from_file(server):
     plans = [(900 + k, [k + 1, 2, 3, 4]) for k in range(4)]
     with ThreadPoolExecutor(len(plans)) as pool:
-        futures = [pool.submit(run_sequence, server, "seq_state_file", sid, values, n)
-                   for n, (sid, values) in enumerate(plans)]
+        futures = [
+            pool.submit(run_sequence, server, "seq_state_file", sid, values, n)
+            for n, (sid, values) in enumerate(plans)
+        ]
         for (_sid, values), fut in zip(plans, futures):
             assert fut.result(timeout=60) == list(100 + np.cumsum(values))
 
@@ -339,8 +366,10 @@ def test_invalid_control_fails_to_load(server):
     index = requests.post(f"{server.url}/v2/repository/index", timeout=10).json()
     entry = next(m for m in index if m["name"] == "seq_bad_control")
     assert entry.get("state") == "UNAVAILABLE"
-    assert ("sequence batching control 'int32_false_true' must have exactly 2 entries for "
-            "CONTROL_SEQUENCE_START for seq_bad_control") in entry.get("reason", "")
+    assert (
+        "sequence batching control 'int32_false_true' must have exactly 2 entries for "
+        "CONTROL_SEQUENCE_START for seq_bad_control"
+    ) in entry.get("reason", "")
 
 
 ONNX_STATE_CONFIG = """
@@ -374,10 +403,16 @@ def test_implicit_state_on_onnx_model(tmp_path):
     names = ["INPUT", "INPUT_STATE", "OUTPUT", "OUTPUT_STATE"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(Acc(), (torch.zeros(1, 1), torch.zeros(1, 1)),
-                          str(tmp_path / "acc_onnx" / "1" / "model.onnx"),
-                          input_names=names[:2], output_names=names[2:],
-                          dynamic_axes={n: {0: "batch"} for n in names}, opset_version=17, dynamo=False)
+        torch.onnx.export(
+            Acc(),
+            (torch.zeros(1, 1), torch.zeros(1, 1)),
+            str(tmp_path / "acc_onnx" / "1" / "model.onnx"),
+            input_names=names[:2],
+            output_names=names[2:],
+            dynamic_axes={n: {0: "batch"} for n in names},
+            opset_version=17,
+            dynamo=False,
+        )
     (tmp_path / "acc_onnx" / "config.pbtxt").write_text(ONNX_STATE_CONFIG)
 
     def run(server, sid, values):
@@ -387,8 +422,14 @@ def test_implicit_state_on_onnx_model(tmp_path):
             inp = grpcclient.InferInput("INPUT", [1, 1], "FP32")
             inp.set_data_from_numpy(np.array([[v]], np.float32))
             asked = [grpcclient.InferRequestedOutput("OUTPUT")] if i % 2 else None
-            r = client.infer("acc_onnx", [inp], outputs=asked, sequence_id=sid, sequence_start=i == 0,
-                             sequence_end=i == len(values) - 1)
+            r = client.infer(
+                "acc_onnx",
+                [inp],
+                outputs=asked,
+                sequence_id=sid,
+                sequence_start=i == 0,
+                sequence_end=i == len(values) - 1,
+            )
             got.append((float(r.as_numpy("OUTPUT")[0, 0]), [o.name for o in r.get_response().outputs]))
         client.close()
         return got
@@ -412,6 +453,7 @@ def test_cancelled_request_cancels_its_sequence(server, grpc_client):
     data = np.array([[2]], dtype=np.int32)
     inp = grpcclient.InferInput("INPUT", [1, 1], "INT32")
     inp.set_data_from_numpy(data)
+
     def callback(result, error):
         results.append((result, error))
         done.set()

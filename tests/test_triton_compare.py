@@ -38,7 +38,7 @@ pytestmark = [
     pytest.mark.skipif(
         not triton_available(),
         reason="real Triton not installed (run `bash tools/triton/setup.sh` to install tritonserver 2.51 "
-               "from the nvidia-pytriton wheel into .venv-triton)",
+        "from the nvidia-pytriton wheel into .venv-triton)",
     ),
 ]
 
@@ -58,27 +58,33 @@ class Deliberate:
 
 #: Error cases where Naiad deliberately answers differently from Triton (HTTP status codes).
 #: The test asserts BOTH sides, so the entry goes stale (and fails) if either server changes.
-_PARSE = ("Naiad: a request body it cannot parse is a client error (400, as its other validation errors); "
-          "Triton reports its JSON parser's failure as 500")
+_PARSE = (
+    "Naiad: a request body it cannot parse is a client error (400, as its other validation errors); "
+    "Triton reports its JSON parser's failure as 500"
+)
 DELIBERATE_DIFFERENCES: dict[str, Deliberate] = {
     # The two the core team named (Triton's side is captured in docs/triton-behaviour.md, summary point 4):
     "malformed_json": Deliberate(500, 400, _PARSE + " ('failed to parse the request JSON buffer')"),
     "data_length_mismatch_json": Deliberate(
-        500, 400, _PARSE + " ('Unable to parse 'data': Shape does not match true shape of 'data' field')"),
+        500, 400, _PARSE + " ('Unable to parse 'data': Shape does not match true shape of 'data' field')"
+    ),
     # The rest of the same class (Triton's other "Unable to parse ..." 500s, same summary point), added under
     # the same reason because Naiad's own tests (tests/test_http.py::test_bad_requests) expect 400 for them
     # too. If the team wants Triton's 500 here after all, delete these four entries.
     "no_inputs_key": Deliberate(500, 400, _PARSE + " ('Unable to parse 'inputs'')"),
     "input_without_shape": Deliberate(500, 400, _PARSE + " ('Unable to parse 'shape'')"),
-    "negative_shape_dim": Deliberate(500, 400, _PARSE + " ('Unable to parse 'shape': ... non-unsigned-integer')"),
+    "negative_shape_dim": Deliberate(
+        500, 400, _PARSE + " ('Unable to parse 'shape': ... non-unsigned-integer')"
+    ),
     "data_element_wrong_json_type": Deliberate(
-        500, 400, _PARSE + " ('Unable to parse 'data': attempt to access JSON non-number as double')"),
+        500, 400, _PARSE + " ('Unable to parse 'data': attempt to access JSON non-number as double')"
+    ),
 }
 
 #: Model-config (GET /v2/models/<m>/config) top-level keys that only Triton prints, with the reason.
 CONFIG_KEYS_ONLY_TRITON: dict[str, str] = {
     "optimization": "Triton's C++-core tuning block (priority, pinned memory, CUDA graphs, TensorRT accelerators);"
-                    " Naiad implements none of it and does not echo Triton's defaults",
+    " Naiad implements none of it and does not echo Triton's defaults",
 }
 
 #: Keys of model-config `input`/`output` entries that only Triton prints, with the reason.
@@ -100,13 +106,13 @@ SERVER_METADATA_VALUES_NOT_COMPARED: dict[str, str] = {
 #: Extensions Triton advertises and Naiad does not, with the reason.
 EXTENSIONS_ONLY_TRITON: dict[str, str] = {
     "cuda_shared_memory": "Naiad refuses CUDA shared-memory registration (no CUDA IPC; server/naiad/frontends), "
-                          "so it does not advertise it; Triton advertises it even on a host without a GPU",
+    "so it does not advertise it; Triton advertises it even on a host without a GPU",
 }
 
 #: Metric families only Naiad exposes (on purpose).
 NAIAD_ONLY_FAMILIES: dict[str, str] = {
     "nv_model_load_duration_secs": "model load time per model version, a gauge Naiad adds on purpose "
-                                   "(server/naiad/metrics.py); Triton 2.51 does not print it",
+    "(server/naiad/metrics.py); Triton 2.51 does not print it",
 }
 
 
@@ -121,7 +127,7 @@ def naiad_only_family_ok(name: str) -> bool:
 #: Metric families only Triton exposes, with the reason Naiad does not (none accepted today).
 TRITON_ONLY_FAMILIES: dict[str, str] = {
     "nv_pinned_memory_pool_total_bytes": "Triton allocates a 256 MiB pinned host pool even without a GPU; Naiad "
-                                         "stages GPU inputs per backend and reports no pool it does not have",
+    "stages GPU inputs per backend and reports no pool it does not have",
     "nv_pinned_memory_pool_used_bytes": "as nv_pinned_memory_pool_total_bytes",
 }
 
@@ -155,8 +161,9 @@ def servers():
     from tritonclient.grpc import service_pb2_grpc
 
     hp, gp, mp = free_ports(3)
-    with tritonserver(TRITON_MODELS, hp, gp, mp,
-                      ["--exit-on-error=false", "--strict-readiness=false"], timeout=90) as t:
+    with tritonserver(
+        TRITON_MODELS, hp, gp, mp, ["--exit-on-error=false", "--strict-readiness=false"], timeout=90
+    ) as t:
         naiad = NaiadProcess(TRITON_MODELS, "--strict-readiness", "false")
         naiad.start()
         try:
@@ -195,8 +202,9 @@ class HttpAnswer:
         return f"HTTP {self.status} {self.body[:300]!r}"
 
 
-def http(ep: Endpoint, method: str, path: str, body: bytes | dict | list | None = None,
-         headers: dict | None = None) -> HttpAnswer:
+def http(
+    ep: Endpoint, method: str, path: str, body: bytes | dict | list | None = None, headers: dict | None = None
+) -> HttpAnswer:
     if isinstance(body, (dict, list)):
         body = json.dumps(body).encode()
     r = requests.request(method, ep.http_url + path, data=body, headers=headers or {}, timeout=30)
@@ -215,6 +223,7 @@ class GrpcAnswer:
 
 def grpc_call(ep: Endpoint, rpc: str, request) -> GrpcAnswer:
     import grpc
+
     try:
         resp = getattr(ep.stub, rpc)(request, timeout=30)
         return GrpcAnswer(grpc.StatusCode.OK, "", resp)
@@ -236,7 +245,7 @@ def split_bytes(buf: bytes) -> list[bytes]:
     out, i = [], 0
     while i < len(buf):
         (n,) = struct.unpack_from("<I", buf, i)
-        out.append(bytes(buf[i + 4:i + 4 + n]))
+        out.append(bytes(buf[i + 4 : i + 4 + n]))
         i += 4 + n
     return out
 
@@ -277,7 +286,9 @@ class Tensor:
             return list(self.json)
         if self.datatype == "BYTES":
             return [v.decode() for v in self.values]
-        return [float(x) if self.datatype.startswith("FP") else int(x) for x in np.asarray(self.values).ravel()]
+        return [
+            float(x) if self.datatype.startswith("FP") else int(x) for x in np.asarray(self.values).ravel()
+        ]
 
 
 def fp32(values, shape) -> np.ndarray:
@@ -297,22 +308,46 @@ class InferCase:
 TRICKY = [0.1, 1e-7, 16777217.0, 3.4e38, -0.0, 1e-45, 123456.789, 2.0, 1.0, 2.5, -3.0, 65504.0]
 
 INFER_CASES = [
-    InferCase("identity_fp32", "identity_fp32",
-              (Tensor("INPUT0", "FP32", (2, 6), fp32(TRICKY, (2, 6)), json=tuple(TRICKY)),), request_id="cmp-42"),
-    InferCase("identity_fp32_v1", "identity_fp32",
-              (Tensor("INPUT0", "FP32", (1, 3), fp32([1, 2.5, 3], (1, 3))),), version="1"),
-    InferCase("identity_batched", "identity_batched",
-              (Tensor("INPUT0", "FP32", (3, 2), fp32([1, -2, 0.25, 4e-3, 5, 6], (3, 2))),)),
-    InferCase("add_sub", "add_sub",
-              (Tensor("INPUT0", "FP32", (16,), fp32(np.arange(16) * 0.1, (16,))),
-               Tensor("INPUT1", "FP32", (16,), fp32(np.linspace(-1, 1, 16), (16,)))),
-              request_id="as-1"),
-    InferCase("add_sub_output1_only", "add_sub",
-              (Tensor("INPUT0", "FP32", (16,), fp32(np.arange(16), (16,))),
-               Tensor("INPUT1", "FP32", (16,), fp32(np.ones(16) * 0.3, (16,)))),
-              outputs=("OUTPUT1",)),
-    InferCase("identity_bytes", "identity_bytes",
-              (Tensor("INPUT0", "BYTES", (3,), [b"abc", b"", "h\u00e9llo".encode()]),)),
+    InferCase(
+        "identity_fp32",
+        "identity_fp32",
+        (Tensor("INPUT0", "FP32", (2, 6), fp32(TRICKY, (2, 6)), json=tuple(TRICKY)),),
+        request_id="cmp-42",
+    ),
+    InferCase(
+        "identity_fp32_v1",
+        "identity_fp32",
+        (Tensor("INPUT0", "FP32", (1, 3), fp32([1, 2.5, 3], (1, 3))),),
+        version="1",
+    ),
+    InferCase(
+        "identity_batched",
+        "identity_batched",
+        (Tensor("INPUT0", "FP32", (3, 2), fp32([1, -2, 0.25, 4e-3, 5, 6], (3, 2))),),
+    ),
+    InferCase(
+        "add_sub",
+        "add_sub",
+        (
+            Tensor("INPUT0", "FP32", (16,), fp32(np.arange(16) * 0.1, (16,))),
+            Tensor("INPUT1", "FP32", (16,), fp32(np.linspace(-1, 1, 16), (16,))),
+        ),
+        request_id="as-1",
+    ),
+    InferCase(
+        "add_sub_output1_only",
+        "add_sub",
+        (
+            Tensor("INPUT0", "FP32", (16,), fp32(np.arange(16), (16,))),
+            Tensor("INPUT1", "FP32", (16,), fp32(np.ones(16) * 0.3, (16,))),
+        ),
+        outputs=("OUTPUT1",),
+    ),
+    InferCase(
+        "identity_bytes",
+        "identity_bytes",
+        (Tensor("INPUT0", "BYTES", (3,), [b"abc", b"", "h\u00e9llo".encode()]),),
+    ),
 ]
 
 PROTOCOLS = ["http_json", "http_binary", "grpc_raw", "grpc_contents"]
@@ -349,6 +384,7 @@ def build_http(case: InferCase, binary: bool) -> tuple[bytes, dict]:
 
 def build_grpc(case: InferCase, raw: bool):
     from tritonclient.grpc import service_pb2 as pb
+
     req = pb.ModelInferRequest(model_name=case.model, model_version=case.version, id=case.request_id)
     for t in case.inputs:
         inp = req.inputs.add(name=t.name, datatype=t.datatype, shape=list(t.shape))
@@ -376,12 +412,20 @@ def normalise_http_infer(ans: HttpAnswer) -> dict:
         params = o.get("parameters") or {}
         if "binary_data_size" in params:
             size = params["binary_data_size"]
-            values = canon_raw_values(o["datatype"], rest[offset:offset + size])
+            values = canon_raw_values(o["datatype"], rest[offset : offset + size])
             offset += size
         else:
             values = canon_json_values(o["datatype"], o.get("data"))
-        outs.append({"keys": sorted(o), "name": o["name"], "datatype": o["datatype"], "shape": o["shape"],
-                     "parameters": params, "values": values})
+        outs.append(
+            {
+                "keys": sorted(o),
+                "name": o["name"],
+                "datatype": o["datatype"],
+                "shape": o["shape"],
+                "parameters": params,
+                "values": values,
+            }
+        )
     return {
         "content_type": ans.headers.get("Content-Type", "").split(";")[0],
         "has_header_length": HEADER_LENGTH in ans.headers,
@@ -400,12 +444,24 @@ def normalise_grpc_infer(ans: GrpcAnswer) -> dict:
     outs = []
     for i, o in enumerate(r.outputs):
         raw = r.raw_output_contents[i] if i < len(r.raw_output_contents) else None
-        outs.append({"name": o.name, "datatype": o.datatype, "shape": list(o.shape),
-                     "parameters": sorted(o.parameters), "typed_contents": o.HasField("contents"),
-                     "values": None if raw is None else canon_raw_values(o.datatype, raw)})
-    return {"id": r.id, "model_name": r.model_name, "model_version": r.model_version,
-            "parameters": sorted(r.parameters), "raw_output_contents": len(r.raw_output_contents),
-            "outputs": outs}
+        outs.append(
+            {
+                "name": o.name,
+                "datatype": o.datatype,
+                "shape": list(o.shape),
+                "parameters": sorted(o.parameters),
+                "typed_contents": o.HasField("contents"),
+                "values": None if raw is None else canon_raw_values(o.datatype, raw),
+            }
+        )
+    return {
+        "id": r.id,
+        "model_name": r.model_name,
+        "model_version": r.model_version,
+        "parameters": sorted(r.parameters),
+        "raw_output_contents": len(r.raw_output_contents),
+        "outputs": outs,
+    }
 
 
 def expected_values(case: InferCase) -> dict[str, Any]:
@@ -413,7 +469,10 @@ def expected_values(case: InferCase) -> dict[str, Any]:
     ins = {t.name: t for t in case.inputs}
     if case.model == "add_sub":
         a, b = ins["INPUT0"].values, ins["INPUT1"].values
-        return {"OUTPUT0": (a + b).astype(np.float32).tobytes(), "OUTPUT1": (a - b).astype(np.float32).tobytes()}
+        return {
+            "OUTPUT0": (a + b).astype(np.float32).tobytes(),
+            "OUTPUT1": (a - b).astype(np.float32).tobytes(),
+        }
     t = ins["INPUT0"]
     return {"OUTPUT0": list(t.values) if t.datatype == "BYTES" else np.asarray(t.values).tobytes()}
 
@@ -459,6 +518,7 @@ MODELS = ["identity_fp32", "identity_batched", "add_sub", "identity_bytes"]
 
 def test_server_metadata(servers: Pair):
     from tritonclient.grpc import service_pb2 as pb
+
     t, n = (http(ep, "GET", "/v2") for ep in servers.both())
     assert n.status == t.status == 200
     tj, nj = t.json(), n.json()
@@ -468,7 +528,9 @@ def test_server_metadata(servers: Pair):
     want = [e for e in tj["extensions"] if e not in EXTENSIONS_ONLY_TRITON]
     assert nj["extensions"] == want, f"triton={tj['extensions']} naiad={nj['extensions']}"
     tg, ng = (grpc_call(ep, "ServerMetadata", pb.ServerMetadataRequest()) for ep in servers.both())
-    assert list(ng.response.extensions) == [e for e in tg.response.extensions if e not in EXTENSIONS_ONLY_TRITON]
+    assert list(ng.response.extensions) == [
+        e for e in tg.response.extensions if e not in EXTENSIONS_ONLY_TRITON
+    ]
 
 
 @pytest.mark.parametrize("suffix", ["", "/versions/1"])
@@ -476,6 +538,7 @@ def test_server_metadata(servers: Pair):
 def test_model_metadata(servers: Pair, model: str, suffix: str):
     from google.protobuf import json_format
     from tritonclient.grpc import service_pb2 as pb
+
     t, n = (http(ep, "GET", f"/v2/models/{model}{suffix}") for ep in servers.both())
     assert n.status == t.status == 200
     assert n.json() == t.json()
@@ -496,7 +559,8 @@ def test_model_config(servers: Pair, model: str):
     # Top-level key sets, less the listed deliberate differences.
     assert set(nc) - set(CONFIG_KEYS_ONLY_NAIAD) == set(tc) - set(CONFIG_KEYS_ONLY_TRITON), (
         f"keys only in Triton: {sorted(set(tc) - set(nc) - set(CONFIG_KEYS_ONLY_TRITON))}, "
-        f"only in Naiad: {sorted(set(nc) - set(tc) - set(CONFIG_KEYS_ONLY_NAIAD))}")
+        f"only in Naiad: {sorted(set(nc) - set(tc) - set(CONFIG_KEYS_ONLY_NAIAD))}"
+    )
     # The fields both normalise, explicitly.
     for key in ("name", "max_batch_size", "version_policy", "backend", "platform", "default_model_filename"):
         assert nc.get(key) == tc.get(key), f"{key}: triton={tc.get(key)!r} naiad={nc.get(key)!r}"
@@ -504,14 +568,18 @@ def test_model_config(servers: Pair, model: str):
         assert len(nc[section]) == len(tc[section])
         for te, ne in zip(tc[section], nc[section]):
             assert set(ne) == set(te) - set(CONFIG_IO_KEYS_ONLY_TRITON), (
-                f"{section} keys: only Triton {sorted(set(te) - set(ne))}, only Naiad {sorted(set(ne) - set(te))}")
+                f"{section} keys: only Triton {sorted(set(te) - set(ne))}, only Naiad {sorted(set(ne) - set(te))}"
+            )
             for k in set(ne) & set(te):
                 assert ne[k] == te[k], f"{section} {te['name']}.{k}: triton={te[k]!r} naiad={ne[k]!r}"
     assert ("dynamic_batching" in nc) == ("dynamic_batching" in tc)
     if "dynamic_batching" in tc:
-        assert nc["dynamic_batching"] == tc["dynamic_batching"]  # incl. preferred_batch_size = [max_batch_size]
-    assert [(g["kind"], g["count"]) for g in nc["instance_group"]] == \
-        [(g["kind"], g["count"]) for g in tc["instance_group"]]
+        assert (
+            nc["dynamic_batching"] == tc["dynamic_batching"]
+        )  # incl. preferred_batch_size = [max_batch_size]
+    assert [(g["kind"], g["count"]) for g in nc["instance_group"]] == [
+        (g["kind"], g["count"]) for g in tc["instance_group"]
+    ]
     for tg, ng in zip(tc["instance_group"], nc["instance_group"]):
         assert ng == tg
     # Every other field both print: same value.
@@ -525,6 +593,7 @@ def test_model_config_grpc(servers: Pair, model: str):
     """gRPC ModelConfig, read through Naiad's model_config.proto (fields it lacks are skipped for both)."""
     from google.protobuf import json_format
     from tritonclient.grpc import service_pb2 as pb
+
     t, n = (grpc_call(ep, "ModelConfig", pb.ModelConfigRequest(name=model)) for ep in servers.both())
     assert n.code == t.code
     tc, nc = (json_format.MessageToDict(a.response.config, preserving_proto_field_name=True) for a in (t, n))
@@ -539,17 +608,29 @@ def test_http_response_compression(servers: Pair, accept: str):
     """The same `Accept-Encoding` → the same `Content-Encoding` (requests' default is 'gzip, deflate')."""
     body = json.dumps({"inputs": [_fp32_input()]}).encode()
     headers = {"Content-Type": "application/json", "Accept-Encoding": accept}
-    t, n = (requests.post(ep.http_url + infer_path("identity_fp32"), data=body, headers=headers, timeout=30)
-            for ep in servers.both())
-    assert (n.status_code, n.headers.get("Content-Encoding")) == (t.status_code, t.headers.get("Content-Encoding"))
+    t, n = (
+        requests.post(ep.http_url + infer_path("identity_fp32"), data=body, headers=headers, timeout=30)
+        for ep in servers.both()
+    )
+    assert (n.status_code, n.headers.get("Content-Encoding")) == (
+        t.status_code,
+        t.headers.get("Content-Encoding"),
+    )
     assert n.json()["outputs"] == t.json()["outputs"]
 
 
 def _index_entries(entries: list[dict]) -> list[dict]:
     out = []
     for e in entries:
-        out.append({"keys": sorted(e), "name": e.get("name"), "version": e.get("version"),
-                    "state": e.get("state"), "reason_nonempty": bool(e.get("reason"))})
+        out.append(
+            {
+                "keys": sorted(e),
+                "name": e.get("name"),
+                "version": e.get("version"),
+                "state": e.get("state"),
+                "reason_nonempty": bool(e.get("reason")),
+            }
+        )
     return out
 
 
@@ -576,10 +657,21 @@ def test_repository_index_http(servers: Pair):
 
 def test_repository_index_grpc(servers: Pair):
     from tritonclient.grpc import service_pb2 as pb
+
     t, n = (grpc_call(ep, "RepositoryIndex", pb.RepositoryIndexRequest()) for ep in servers.both())
     assert n.code == t.code
-    norm = lambda a: [{"name": m.name, "version": m.version, "state": m.state,  # noqa: E731
-                       "reason_nonempty": bool(m.reason)} for m in a.response.models]
+
+    def norm(a):
+        return [
+            {
+                "name": m.name,
+                "version": m.version,
+                "state": m.state,
+                "reason_nonempty": bool(m.reason),
+            }
+            for m in a.response.models
+        ]
+
     assert [e["name"] for e in norm(n)] == [e["name"] for e in norm(t)]
     diffs = _entry_diffs(norm(t), norm(n))
     assert diffs == [], "\n".join(diffs)
@@ -599,8 +691,10 @@ def _counts(stats: dict) -> dict:
     for m in stats["model_stats"]:
         s = m["inference_stats"]
         out[(m["name"], m["version"])] = {
-            "inference_count": m["inference_count"], "execution_count": m["execution_count"],
-            "success": s["success"]["count"], "fail": s["fail"]["count"],
+            "inference_count": m["inference_count"],
+            "execution_count": m["execution_count"],
+            "success": s["success"]["count"],
+            "fail": s["fail"]["count"],
             "batch_sizes": sorted(b["batch_size"] for b in m["batch_stats"]),
         }
     return out
@@ -616,8 +710,10 @@ def _same_traffic(servers: Pair) -> None:
         assert http(ep, "POST", infer_path("identity_fp32"), bad).status == 400
 
 
-@pytest.mark.parametrize("path", ["/v2/models/stats", "/v2/models/identity_fp32/stats",
-                                  "/v2/models/identity_batched/versions/1/stats"])
+@pytest.mark.parametrize(
+    "path",
+    ["/v2/models/stats", "/v2/models/identity_fp32/stats", "/v2/models/identity_batched/versions/1/stats"],
+)
 def test_statistics_keys(servers: Pair, path: str):
     _same_traffic(servers)
     t, n = (http(ep, "GET", path) for ep in servers.both())
@@ -651,6 +747,7 @@ def test_statistics_counts(servers: Pair):
     def read():
         after = [_counts(http(ep, "GET", "/v2/models/stats").json()) for ep in servers.both()]
         return tuple(_delta(a, b) for a, b in zip(after, before))
+
     t, n = _settled(read)
     assert sorted(n) == sorted(t), "models listed"
     for key in sorted(t):
@@ -668,10 +765,17 @@ def _fp32_input(name="INPUT0", shape=(1, 3), data=(1, 2.5, 3), datatype="FP32") 
     return {"name": name, "shape": list(shape), "datatype": datatype, "data": list(data)}
 
 
-def _g_infer(model: str, inputs: list[tuple[str, str, list, list]], version: str = "",
-             outputs: tuple[str, ...] = (), raw: bool = False, request_id: str = ""):
+def _g_infer(
+    model: str,
+    inputs: list[tuple[str, str, list, list]],
+    version: str = "",
+    outputs: tuple[str, ...] = (),
+    raw: bool = False,
+    request_id: str = "",
+):
     """A ModelInferRequest from (name, datatype, shape, values) tuples."""
     from tritonclient.grpc import service_pb2 as pb
+
     req = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for name, datatype, shape, values in inputs:
         inp = req.inputs.add(name=name, datatype=datatype, shape=shape)
@@ -689,7 +793,9 @@ def _g_infer(model: str, inputs: list[tuple[str, str, list, list]], version: str
 def _pb(factory: str, **kw):
     def make():
         from tritonclient.grpc import service_pb2 as pb
+
         return getattr(pb, factory)(**kw)
+
     return make
 
 
@@ -705,131 +811,254 @@ class ErrorCase:
     grpc_field: str | None = None
 
 
-HDR_BODY = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32",
-                                   "parameters": {"binary_data_size": 12}}]}).encode()
+HDR_BODY = json.dumps(
+    {
+        "inputs": [
+            {"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "parameters": {"binary_data_size": 12}}
+        ]
+    }
+).encode()
 
 ERROR_CASES = [
     # --- required by the brief ---
-    ErrorCase("unknown_model",
-              ("POST", infer_path("nope"), {"inputs": [_fp32_input()]}, None),
-              ("ModelInfer", lambda: _g_infer("nope", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3])]))),
-    ErrorCase("unknown_version",
-              ("POST", infer_path("identity_fp32", "7"), {"inputs": [_fp32_input()]}, None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3])], "7"))),
-    ErrorCase("wrong_datatype",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(datatype="INT32", data=(1, 2, 3))]},
-               None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "INT32", [1, 3], [1, 2, 3])]))),
-    ErrorCase("wrong_shape_missing_batch_dim",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(shape=(3,))]}, None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [3], [1, 2, 3])]))),
-    ErrorCase("wrong_shape_fixed_dims",
-              ("POST", infer_path("add_sub"), {"inputs": [_fp32_input(shape=(15,), data=Z16[:15]),
-                                                          _fp32_input("INPUT1", (15,), Z16[:15])]}, None),
-              ("ModelInfer", lambda: _g_infer("add_sub", [("INPUT0", "FP32", [15], Z16[:15]),
-                                                         ("INPUT1", "FP32", [15], Z16[:15])]))),
-    ErrorCase("missing_input",
-              ("POST", infer_path("add_sub"), {"inputs": [_fp32_input(shape=(16,), data=Z16)]}, None),
-              ("ModelInfer", lambda: _g_infer("add_sub", [("INPUT0", "FP32", [16], Z16)]))),
-    ErrorCase("batch_above_max_batch_size",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(shape=(9, 1), data=[0.0] * 9)]}, None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [9, 1], [0.0] * 9)]))),
-    ErrorCase("batch_above_max_batch_size_dynamic_batcher",
-              ("POST", infer_path("identity_batched"), {"inputs": [_fp32_input(shape=(17, 1), data=[0.0] * 17)]},
-               None),
-              ("ModelInfer", lambda: _g_infer("identity_batched", [("INPUT0", "FP32", [17, 1], [0.0] * 17)]))),
-    ErrorCase("unknown_requested_output",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input()], "outputs": [{"name": "OUTPUT9"}]},
-               None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3])],
-                                              outputs=("OUTPUT9",)))),
-    ErrorCase("binary_header_length_larger_than_body",
-              ("POST", infer_path("identity_fp32"), HDR_BODY + b"\0" * 12, {HEADER_LENGTH: "199"}), None),
-    ErrorCase("model_ready_unknown_model",
-              ("GET", "/v2/models/nope/ready", None, None),
-              ("ModelReady", _pb("ModelReadyRequest", name="nope")), grpc_field="ready"),
-    ErrorCase("load_in_mode_none",
-              ("POST", "/v2/repository/models/identity_fp32/load", {}, None),
-              ("RepositoryModelLoad", _pb("RepositoryModelLoadRequest", model_name="identity_fp32"))),
-    ErrorCase("unload_in_mode_none",
-              ("POST", "/v2/repository/models/identity_fp32/unload", {}, None),
-              ("RepositoryModelUnload", _pb("RepositoryModelUnloadRequest", model_name="identity_fp32"))),
+    ErrorCase(
+        "unknown_model",
+        ("POST", infer_path("nope"), {"inputs": [_fp32_input()]}, None),
+        ("ModelInfer", lambda: _g_infer("nope", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3])])),
+    ),
+    ErrorCase(
+        "unknown_version",
+        ("POST", infer_path("identity_fp32", "7"), {"inputs": [_fp32_input()]}, None),
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3])], "7")),
+    ),
+    ErrorCase(
+        "wrong_datatype",
+        (
+            "POST",
+            infer_path("identity_fp32"),
+            {"inputs": [_fp32_input(datatype="INT32", data=(1, 2, 3))]},
+            None,
+        ),
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "INT32", [1, 3], [1, 2, 3])])),
+    ),
+    ErrorCase(
+        "wrong_shape_missing_batch_dim",
+        ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(shape=(3,))]}, None),
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [3], [1, 2, 3])])),
+    ),
+    ErrorCase(
+        "wrong_shape_fixed_dims",
+        (
+            "POST",
+            infer_path("add_sub"),
+            {"inputs": [_fp32_input(shape=(15,), data=Z16[:15]), _fp32_input("INPUT1", (15,), Z16[:15])]},
+            None,
+        ),
+        (
+            "ModelInfer",
+            lambda: _g_infer(
+                "add_sub", [("INPUT0", "FP32", [15], Z16[:15]), ("INPUT1", "FP32", [15], Z16[:15])]
+            ),
+        ),
+    ),
+    ErrorCase(
+        "missing_input",
+        ("POST", infer_path("add_sub"), {"inputs": [_fp32_input(shape=(16,), data=Z16)]}, None),
+        ("ModelInfer", lambda: _g_infer("add_sub", [("INPUT0", "FP32", [16], Z16)])),
+    ),
+    ErrorCase(
+        "batch_above_max_batch_size",
+        ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(shape=(9, 1), data=[0.0] * 9)]}, None),
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [9, 1], [0.0] * 9)])),
+    ),
+    ErrorCase(
+        "batch_above_max_batch_size_dynamic_batcher",
+        (
+            "POST",
+            infer_path("identity_batched"),
+            {"inputs": [_fp32_input(shape=(17, 1), data=[0.0] * 17)]},
+            None,
+        ),
+        ("ModelInfer", lambda: _g_infer("identity_batched", [("INPUT0", "FP32", [17, 1], [0.0] * 17)])),
+    ),
+    ErrorCase(
+        "unknown_requested_output",
+        (
+            "POST",
+            infer_path("identity_fp32"),
+            {"inputs": [_fp32_input()], "outputs": [{"name": "OUTPUT9"}]},
+            None,
+        ),
+        (
+            "ModelInfer",
+            lambda: _g_infer(
+                "identity_fp32", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3])], outputs=("OUTPUT9",)
+            ),
+        ),
+    ),
+    ErrorCase(
+        "binary_header_length_larger_than_body",
+        ("POST", infer_path("identity_fp32"), HDR_BODY + b"\0" * 12, {HEADER_LENGTH: "199"}),
+        None,
+    ),
+    ErrorCase(
+        "model_ready_unknown_model",
+        ("GET", "/v2/models/nope/ready", None, None),
+        ("ModelReady", _pb("ModelReadyRequest", name="nope")),
+        grpc_field="ready",
+    ),
+    ErrorCase(
+        "load_in_mode_none",
+        ("POST", "/v2/repository/models/identity_fp32/load", {}, None),
+        ("RepositoryModelLoad", _pb("RepositoryModelLoadRequest", model_name="identity_fp32")),
+    ),
+    ErrorCase(
+        "unload_in_mode_none",
+        ("POST", "/v2/repository/models/identity_fp32/unload", {}, None),
+        ("RepositoryModelUnload", _pb("RepositoryModelUnloadRequest", model_name="identity_fp32")),
+    ),
     # --- deliberate differences (see DELIBERATE_DIFFERENCES) ---
-    ErrorCase("malformed_json",
-              ("POST", infer_path("identity_fp32"), b"{not json", {"Content-Type": "application/json"}), None),
-    ErrorCase("data_length_mismatch_json",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(shape=(1, 4))]}, None),
-              # gRPC has no parse step: both answer INVALID_ARGUMENT (byte size mismatch)
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 4], [1, 2, 3])]))),
+    ErrorCase(
+        "malformed_json",
+        ("POST", infer_path("identity_fp32"), b"{not json", {"Content-Type": "application/json"}),
+        None,
+    ),
+    ErrorCase(
+        "data_length_mismatch_json",
+        ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(shape=(1, 4))]}, None),
+        # gRPC has no parse step: both answer INVALID_ARGUMENT (byte size mismatch)
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 4], [1, 2, 3])])),
+    ),
     # --- further cases from docs/triton-behaviour.md ---
-    ErrorCase("raw_contents_length_mismatch", None,
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 4], [1, 2, 3])], raw=True))),
-    ErrorCase("model_failed_to_load_infer",
-              ("POST", infer_path("broken"), {"inputs": [_fp32_input(shape=(3,), data=(1, 2, 3))]}, None),
-              ("ModelInfer", lambda: _g_infer("broken", [("INPUT0", "FP32", [3], [1, 2, 3])]))),
-    ErrorCase("non_numeric_version",
-              ("POST", "/v2/models/identity_fp32/versions/abc/infer", {"inputs": [_fp32_input()]}, None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3])], "abc"))),
-    ErrorCase("unexpected_extra_input",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(), _fp32_input("INPUT1")]}, None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3]),
-                                                               ("INPUT1", "FP32", [1, 3], [1, 2, 3])]))),
-    ErrorCase("empty_inputs_list",
-              ("POST", infer_path("identity_fp32"), {"inputs": []}, None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", []))),
-    ErrorCase("duplicate_input",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(), _fp32_input()]}, None)),
-    ErrorCase("invalid_datatype_string",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(datatype="FLOAT")]}, None)),
-    ErrorCase("input_without_data",
-              ("POST", infer_path("identity_fp32"),
-               {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32"}]}, None),
-              ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 3], [])]))),
-    ErrorCase("no_inputs_key",
-              ("POST", infer_path("identity_fp32"), {"id": "x"}, None)),
-    ErrorCase("input_without_shape",
-              ("POST", infer_path("identity_fp32"), {"inputs": [{"name": "INPUT0", "datatype": "FP32",
-                                                                 "data": [1, 2, 3]}]}, None)),
-    ErrorCase("negative_shape_dim",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(shape=(-1, 3))]}, None)),
-    ErrorCase("data_element_wrong_json_type",
-              ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(data=(1, True, 3))]}, None)),
-    ErrorCase("binary_part_shorter_than_binary_data_size",
-              ("POST", infer_path("identity_fp32"), HDR_BODY + b"\0" * 8, {HEADER_LENGTH: str(len(HDR_BODY))})),
-    ErrorCase("binary_part_longer_than_binary_data_size",
-              ("POST", infer_path("identity_fp32"), HDR_BODY + b"\0" * 16, {HEADER_LENGTH: str(len(HDR_BODY))})),
+    ErrorCase(
+        "raw_contents_length_mismatch",
+        None,
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 4], [1, 2, 3])], raw=True)),
+    ),
+    ErrorCase(
+        "model_failed_to_load_infer",
+        ("POST", infer_path("broken"), {"inputs": [_fp32_input(shape=(3,), data=(1, 2, 3))]}, None),
+        ("ModelInfer", lambda: _g_infer("broken", [("INPUT0", "FP32", [3], [1, 2, 3])])),
+    ),
+    ErrorCase(
+        "non_numeric_version",
+        ("POST", "/v2/models/identity_fp32/versions/abc/infer", {"inputs": [_fp32_input()]}, None),
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 3], [1, 2.5, 3])], "abc")),
+    ),
+    ErrorCase(
+        "unexpected_extra_input",
+        ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(), _fp32_input("INPUT1")]}, None),
+        (
+            "ModelInfer",
+            lambda: _g_infer(
+                "identity_fp32",
+                [("INPUT0", "FP32", [1, 3], [1, 2.5, 3]), ("INPUT1", "FP32", [1, 3], [1, 2, 3])],
+            ),
+        ),
+    ),
+    ErrorCase(
+        "empty_inputs_list",
+        ("POST", infer_path("identity_fp32"), {"inputs": []}, None),
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [])),
+    ),
+    ErrorCase(
+        "duplicate_input",
+        ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(), _fp32_input()]}, None),
+    ),
+    ErrorCase(
+        "invalid_datatype_string",
+        ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(datatype="FLOAT")]}, None),
+    ),
+    ErrorCase(
+        "input_without_data",
+        (
+            "POST",
+            infer_path("identity_fp32"),
+            {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32"}]},
+            None,
+        ),
+        ("ModelInfer", lambda: _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 3], [])])),
+    ),
+    ErrorCase("no_inputs_key", ("POST", infer_path("identity_fp32"), {"id": "x"}, None)),
+    ErrorCase(
+        "input_without_shape",
+        (
+            "POST",
+            infer_path("identity_fp32"),
+            {"inputs": [{"name": "INPUT0", "datatype": "FP32", "data": [1, 2, 3]}]},
+            None,
+        ),
+    ),
+    ErrorCase(
+        "negative_shape_dim",
+        ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(shape=(-1, 3))]}, None),
+    ),
+    ErrorCase(
+        "data_element_wrong_json_type",
+        ("POST", infer_path("identity_fp32"), {"inputs": [_fp32_input(data=(1, True, 3))]}, None),
+    ),
+    ErrorCase(
+        "binary_part_shorter_than_binary_data_size",
+        ("POST", infer_path("identity_fp32"), HDR_BODY + b"\0" * 8, {HEADER_LENGTH: str(len(HDR_BODY))}),
+    ),
+    ErrorCase(
+        "binary_part_longer_than_binary_data_size",
+        ("POST", infer_path("identity_fp32"), HDR_BODY + b"\0" * 16, {HEADER_LENGTH: str(len(HDR_BODY))}),
+    ),
     ErrorCase("get_on_infer", ("GET", infer_path("identity_fp32"), None, None)),
     ErrorCase("empty_body_is_a_raw_request_200", ("POST", infer_path("identity_fp32"), b"", None)),
-    ErrorCase("raw_binary_request_header_zero_200",
-              ("POST", infer_path("identity_fp32"), np.ones(3, np.float32).tobytes(), {HEADER_LENGTH: "0"})),
+    ErrorCase(
+        "raw_binary_request_header_zero_200",
+        ("POST", infer_path("identity_fp32"), np.ones(3, np.float32).tobytes(), {HEADER_LENGTH: "0"}),
+    ),
     ErrorCase("unknown_route", ("GET", "/v2/nonexistent", None, None)),
-    ErrorCase("metadata_unknown_model",
-              ("GET", "/v2/models/nope", None, None),
-              ("ModelMetadata", _pb("ModelMetadataRequest", name="nope"))),
-    ErrorCase("metadata_failed_model",
-              ("GET", "/v2/models/broken", None, None),
-              ("ModelMetadata", _pb("ModelMetadataRequest", name="broken"))),
-    ErrorCase("metadata_failed_model_explicit_version",
-              ("GET", "/v2/models/broken/versions/1", None, None),
-              ("ModelMetadata", _pb("ModelMetadataRequest", name="broken", version="1"))),
-    ErrorCase("metadata_unknown_version",
-              ("GET", "/v2/models/identity_fp32/versions/2", None, None),
-              ("ModelMetadata", _pb("ModelMetadataRequest", name="identity_fp32", version="2"))),
-    ErrorCase("config_unknown_model",
-              ("GET", "/v2/models/nope/config", None, None),
-              ("ModelConfig", _pb("ModelConfigRequest", name="nope"))),
-    ErrorCase("model_ready_unknown_version",
-              ("GET", "/v2/models/identity_fp32/versions/2/ready", None, None),
-              ("ModelReady", _pb("ModelReadyRequest", name="identity_fp32", version="2")), grpc_field="ready"),
-    ErrorCase("model_ready_failed_model",
-              ("GET", "/v2/models/broken/ready", None, None),
-              ("ModelReady", _pb("ModelReadyRequest", name="broken")), grpc_field="ready"),
-    ErrorCase("stats_unknown_model",
-              ("GET", "/v2/models/nope/stats", None, None),
-              ("ModelStatistics", _pb("ModelStatisticsRequest", name="nope"))),
-    ErrorCase("stats_unknown_version",
-              ("GET", "/v2/models/identity_fp32/versions/2/stats", None, None),
-              ("ModelStatistics", _pb("ModelStatisticsRequest", name="identity_fp32", version="2"))),
+    ErrorCase(
+        "metadata_unknown_model",
+        ("GET", "/v2/models/nope", None, None),
+        ("ModelMetadata", _pb("ModelMetadataRequest", name="nope")),
+    ),
+    ErrorCase(
+        "metadata_failed_model",
+        ("GET", "/v2/models/broken", None, None),
+        ("ModelMetadata", _pb("ModelMetadataRequest", name="broken")),
+    ),
+    ErrorCase(
+        "metadata_failed_model_explicit_version",
+        ("GET", "/v2/models/broken/versions/1", None, None),
+        ("ModelMetadata", _pb("ModelMetadataRequest", name="broken", version="1")),
+    ),
+    ErrorCase(
+        "metadata_unknown_version",
+        ("GET", "/v2/models/identity_fp32/versions/2", None, None),
+        ("ModelMetadata", _pb("ModelMetadataRequest", name="identity_fp32", version="2")),
+    ),
+    ErrorCase(
+        "config_unknown_model",
+        ("GET", "/v2/models/nope/config", None, None),
+        ("ModelConfig", _pb("ModelConfigRequest", name="nope")),
+    ),
+    ErrorCase(
+        "model_ready_unknown_version",
+        ("GET", "/v2/models/identity_fp32/versions/2/ready", None, None),
+        ("ModelReady", _pb("ModelReadyRequest", name="identity_fp32", version="2")),
+        grpc_field="ready",
+    ),
+    ErrorCase(
+        "model_ready_failed_model",
+        ("GET", "/v2/models/broken/ready", None, None),
+        ("ModelReady", _pb("ModelReadyRequest", name="broken")),
+        grpc_field="ready",
+    ),
+    ErrorCase(
+        "stats_unknown_model",
+        ("GET", "/v2/models/nope/stats", None, None),
+        ("ModelStatistics", _pb("ModelStatisticsRequest", name="nope")),
+    ),
+    ErrorCase(
+        "stats_unknown_version",
+        ("GET", "/v2/models/identity_fp32/versions/2/stats", None, None),
+        ("ModelStatistics", _pb("ModelStatisticsRequest", name="identity_fp32", version="2")),
+    ),
 ]
 
 
@@ -839,7 +1068,9 @@ def test_error_http_status(servers: Pair, case: ErrorCase):
     t, n = (http(ep, method, path, body, headers) for ep in servers.both())
     deliberate = DELIBERATE_DIFFERENCES.get(case.id)
     if deliberate is not None:
-        assert t.status == deliberate.triton_http, f"Triton changed; update DELIBERATE_DIFFERENCES: {t.describe()}"
+        assert t.status == deliberate.triton_http, (
+            f"Triton changed; update DELIBERATE_DIFFERENCES: {t.describe()}"
+        )
         assert n.status == deliberate.naiad_http, n.describe()
     else:
         assert n.status == t.status, f"triton: {t.describe()}  naiad: {n.describe()}"
@@ -864,6 +1095,7 @@ def test_error_grpc_status(servers: Pair, case: ErrorCase):
 
 def _families(url: str) -> dict[str, dict]:
     from prometheus_client.parser import text_string_to_metric_families
+
     text = requests.get(url, timeout=10).text
     out = {}
     for fam in text_string_to_metric_families(text):
@@ -888,7 +1120,8 @@ def test_metrics_family_sets(metric_families):
     only_triton = sorted(set(tf) - set(nf) - set(TRITON_ONLY_FAMILIES))
     only_naiad = sorted(f for f in set(nf) - set(tf) if not naiad_only_family_ok(f))
     assert (only_triton, only_naiad) == ([], []), (
-        f"families only Triton exposes: {only_triton}; only Naiad (not listed): {only_naiad}")
+        f"families only Triton exposes: {only_triton}; only Naiad (not listed): {only_naiad}"
+    )
 
 
 def test_metrics_types_and_labels(metric_families):
@@ -898,12 +1131,18 @@ def test_metrics_types_and_labels(metric_families):
         if tf[name]["type"] != nf[name]["type"]:
             diffs.append(f"{name}: type triton={tf[name]['type']} naiad={nf[name]['type']}")
         if tf[name]["labels"] != nf[name]["labels"]:
-            diffs.append(f"{name}: labels triton={sorted(tf[name]['labels'])} naiad={sorted(nf[name]['labels'])}")
+            diffs.append(
+                f"{name}: labels triton={sorted(tf[name]['labels'])} naiad={sorted(nf[name]['labels'])}"
+            )
     assert diffs == [], "\n".join(diffs)
 
 
-COUNTER_FAMILIES = ["nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
-                    "nv_inference_exec_count"]
+COUNTER_FAMILIES = [
+    "nv_inference_request_success",
+    "nv_inference_request_failure",
+    "nv_inference_count",
+    "nv_inference_exec_count",
+]
 
 
 @pytest.mark.parametrize("family", COUNTER_FAMILIES)
@@ -916,6 +1155,7 @@ def test_metrics_counter_series_and_deltas(servers: Pair, family: str):
     def read():
         after = [_families(ep.metrics_url).get(family, {}).get("values", {}) for ep in servers.both()]
         return tuple({k: v - b.get(k, 0) for k, v in a.items()} for a, b in zip(after, before))
+
     t, n = _settled(read)
     problems = []
     for k in sorted(set(t) | set(n)):

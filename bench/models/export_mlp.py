@@ -37,7 +37,8 @@ def build_model(hidden=HIDDEN, seed: int = 0):
             nodes.append(helper.make_node("Relu", [f"h{i}"], [out]))
         prev, width = out, size
     graph = helper.make_graph(
-        nodes, "bench_mlp",
+        nodes,
+        "bench_mlp",
         [helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", IN_FEATURES])],
         [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", OUT_FEATURES])],
         inits,
@@ -51,8 +52,11 @@ def build_model(hidden=HIDDEN, seed: int = 0):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repo", default=str(Path(__file__).resolve().parent / "repo"))
-    p.add_argument("--hidden", default=",".join(map(str, HIDDEN)),
-                   help="hidden layer widths, comma-separated (default %(default)s)")
+    p.add_argument(
+        "--hidden",
+        default=",".join(map(str, HIDDEN)),
+        help="hidden layer widths, comma-separated (default %(default)s)",
+    )
     args = p.parse_args()
     hidden = tuple(int(w) for w in args.hidden.split(","))
     data = build_model(hidden).SerializeToString()

@@ -10,8 +10,17 @@ from .server import Server, ServerOptions
 log = logging.getLogger("naiad")
 
 
-API_GROUPS = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
-              "statistics", "trace", "logging")
+API_GROUPS = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
 
 
 def parse_restricted(items: list[str]) -> dict[str, tuple[str, str]]:
@@ -39,8 +48,14 @@ def parse_trace_config(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"invalid --trace-config '{item}', expected <setting>=<value>")
-        key = {"level": "trace_level", "rate": "trace_rate", "count": "trace_count", "file": "trace_file",
-               "log-frequency": "log_frequency", "mode": "trace_mode"}.get(key, key)
+        key = {
+            "level": "trace_level",
+            "rate": "trace_rate",
+            "count": "trace_count",
+            "file": "trace_file",
+            "log-frequency": "log_frequency",
+            "mode": "trace_mode",
+        }.get(key, key)
         if key == "trace_level":
             out.setdefault(key, []).append(value.upper())
         else:
@@ -61,26 +76,48 @@ class App:
         a = self.args
         if a.allow_metrics:
             from .metrics import Metrics, parse_metrics_config
-            self.metrics = Metrics(self.server, parse_metrics_config(a.metrics_config),
-                                   cpu=a.allow_cpu_metrics, gpu=a.allow_gpu_metrics,
-                                   interval_ms=a.metrics_interval_ms)
-        self.server.log_settings.update({"log_verbose_level": a.log_verbose, "log_info": a.log_info,
-                                         "log_warning": a.log_warning, "log_error": a.log_error})
+
+            self.metrics = Metrics(
+                self.server,
+                parse_metrics_config(a.metrics_config),
+                cpu=a.allow_cpu_metrics,
+                gpu=a.allow_gpu_metrics,
+                interval_ms=a.metrics_interval_ms,
+            )
+        self.server.log_settings.update(
+            {
+                "log_verbose_level": a.log_verbose,
+                "log_info": a.log_info,
+                "log_warning": a.log_warning,
+                "log_error": a.log_error,
+            }
+        )
         if a.trace_config:
             self.server.tracer.update(parse_trace_config(a.trace_config))
         from .gpu import shared_memory_manager  # system shared memory, plus CUDA shared memory with a GPU
+
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
         await self.server.start()
         if a.allow_http:
             from .frontends.http import HttpFrontend
-            http = HttpFrontend(self.server, shm=shm, max_input_size=a.http_max_input_size,
-                                restricted=parse_restricted(a.http_restricted_api))
+
+            http = HttpFrontend(
+                self.server,
+                shm=shm,
+                max_input_size=a.http_max_input_size,
+                restricted=parse_restricted(a.http_restricted_api),
+            )
             self._runners.append(await http.start(a.http_address, a.http_port))
             self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}")
         if a.allow_grpc:
             from .frontends.grpc import GrpcFrontend
-            self._grpc = GrpcFrontend(self.server, shm=shm, restricted=parse_restricted(a.grpc_restricted_protocol),
-                                      implementation=a.grpc_implementation)
+
+            self._grpc = GrpcFrontend(
+                self.server,
+                shm=shm,
+                restricted=parse_restricted(a.grpc_restricted_protocol),
+                implementation=a.grpc_implementation,
+            )
             await self._grpc.start(a.grpc_address, a.grpc_port)
             self.endpoints.append(f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port}")
         if self.metrics is not None:

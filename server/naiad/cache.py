@@ -33,7 +33,9 @@ class ResponseCache:
             raise ValueError("the response cache size must be positive")
         self.capacity = size_bytes
         self.used = 0
-        self._entries: collections.OrderedDict[bytes, tuple[list[OutputTensor], int]] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[bytes, tuple[list[OutputTensor], int]] = (
+            collections.OrderedDict()
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,8 +49,12 @@ class ResponseCache:
 
     def put(self, key: bytes, response: InferenceResponse) -> None:
         outputs = [OutputTensor(o.name, o.datatype, np.array(o.data, copy=True)) for o in response.outputs]
-        size = sum(o.data.nbytes if o.data.dtype != np.object_ else len(serialize_bytes(o.data))
-                   for o in outputs) + 64
+        size = (
+            sum(
+                o.data.nbytes if o.data.dtype != np.object_ else len(serialize_bytes(o.data)) for o in outputs
+            )
+            + 64
+        )
         if size > self.capacity:
             return  # larger than the whole cache: never cached
         old = self._entries.pop(key, None)

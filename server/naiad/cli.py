@@ -30,17 +30,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"naiad {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a Triton model repository over HTTP and gRPC")
-    s.add_argument("--model-repository", "--model-store", action="append", required=True, dest="model_repository",
-                   help="path of a model repository (repeatable)")
+    s.add_argument(
+        "--model-repository",
+        "--model-store",
+        action="append",
+        required=True,
+        dest="model_repository",
+        help="path of a model repository (repeatable)",
+    )
     s.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none")
-    s.add_argument("--load-model", action="append", default=[], help="model to load at startup in explicit "
-                   "mode (repeatable; '*' loads all)")
+    s.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        help="model to load at startup in explicit mode (repeatable; '*' loads all)",
+    )
     s.add_argument("--repository-poll-secs", type=float, default=15.0)
     s.add_argument("--strict-readiness", type=_bool, default=True)
     s.add_argument("--exit-timeout-secs", type=float, default=30.0)
     s.add_argument("--disable-auto-complete-config", action="store_true")
-    s.add_argument("--strict-model-config", type=_bool, default=None,
-                   help="deprecated tritonserver spelling of --disable-auto-complete-config")
+    s.add_argument(
+        "--strict-model-config",
+        type=_bool,
+        default=None,
+        help="deprecated tritonserver spelling of --disable-auto-complete-config",
+    )
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
     s.add_argument("--metrics-port", type=int, default=8002)
@@ -49,28 +63,56 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-address", default=None, help="default: the HTTP address")
     s.add_argument("--allow-http", type=_bool, default=True)
     s.add_argument("--allow-grpc", type=_bool, default=True)
-    s.add_argument("--grpc-implementation", choices=["naiad", "grpcio"], default="naiad",
-                   help="naiad: Naiad's own HTTP/2 gRPC server (fast, cleartext h2c); grpcio: grpc.aio")
+    s.add_argument(
+        "--grpc-implementation",
+        choices=["naiad", "grpcio"],
+        default="naiad",
+        help="naiad: Naiad's own HTTP/2 gRPC server (fast, cleartext h2c); grpcio: grpc.aio",
+    )
     s.add_argument("--allow-metrics", type=_bool, default=True)
     s.add_argument("--allow-gpu-metrics", type=_bool, default=True)
     s.add_argument("--allow-cpu-metrics", type=_bool, default=True)
     s.add_argument("--metrics-interval-ms", type=int, default=2000)
-    s.add_argument("--metrics-config", action="append", default=[],
-                   help="<setting>=<value>: counter_latencies, histogram_latencies, summary_latencies, "
-                        "summary_quantiles")
+    s.add_argument(
+        "--metrics-config",
+        action="append",
+        default=[],
+        help="<setting>=<value>: counter_latencies, histogram_latencies, summary_latencies, "
+        "summary_quantiles",
+    )
     s.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024)
     s.add_argument("--allow-client-shm", type=_bool, default=True)
-    s.add_argument("--http-restricted-api", action="append", default=[],
-                   help="<api>[,<api>...]:<header>=<value>: only requests with that header may use those APIs")
-    s.add_argument("--grpc-restricted-protocol", action="append", default=[],
-                   help="<protocol>[,...]:<metadata-key>=<value>, as --http-restricted-api for gRPC")
-    s.add_argument("--trace-config", action="append", default=[],
-                   help="trace setting, e.g. level=TIMESTAMPS, rate=1, file=/tmp/trace.json")
+    s.add_argument(
+        "--http-restricted-api",
+        action="append",
+        default=[],
+        help="<api>[,<api>...]:<header>=<value>: only requests with that header may use those APIs",
+    )
+    s.add_argument(
+        "--grpc-restricted-protocol",
+        action="append",
+        default=[],
+        help="<protocol>[,...]:<metadata-key>=<value>, as --http-restricted-api for gRPC",
+    )
+    s.add_argument(
+        "--trace-config",
+        action="append",
+        default=[],
+        help="trace setting, e.g. level=TIMESTAMPS, rate=1, file=/tmp/trace.json",
+    )
     s.add_argument("--rate-limit", choices=["off", "execution_count"], default="off")
-    s.add_argument("--rate-limit-resource", action="append", default=[],
-                   help="<name>:<count>[:<device>] available to rate-limited instances")
-    s.add_argument("--cache-config", action="append", default=[],
-                   help="response cache: local,size=<bytes> (models opt in with response_cache { enable: true })")
+    s.add_argument(
+        "--rate-limit-resource",
+        action="append",
+        default=[],
+        help="<name>:<count>[:<device>] available to rate-limited instances",
+    )
+    s.add_argument(
+        "--cache-config",
+        action="append",
+        default=[],
+        help="response cache: local,size=<bytes> (models opt in with response_cache { enable: true })",
+    )
     s.add_argument("--log-verbose", type=int, default=0)
     s.add_argument("--log-info", type=_bool, default=True)
     s.add_argument("--log-warning", type=_bool, default=True)
@@ -80,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def configure_logging(verbose: int, info: bool = True) -> None:
     level = logging.DEBUG if verbose > 0 else (logging.INFO if info else logging.WARNING)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s] %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname).1s %(name)s] %(message)s", stream=sys.stderr
+    )
 
 
 def model_table(server: Server) -> str:
@@ -105,6 +148,7 @@ def model_table(server: Server) -> str:
 def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
     from .cache import parse_cache_config
     from .scheduling.ratelimit import parse_resources
+
     return ServerOptions(
         model_repositories=args.model_repository,
         model_control_mode=args.model_control_mode,
@@ -123,6 +167,7 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
 
 async def serve(args: argparse.Namespace) -> int:
     from .app import App
+
     auto_complete = not args.disable_auto_complete_config
     if args.strict_model_config is not None:
         auto_complete = not args.strict_model_config

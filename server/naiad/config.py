@@ -28,7 +28,12 @@ DEFAULT_FILENAME = {
     "python": "model.py",
 }
 # Which file in a version folder identifies a backend when the config names none.
-_DETECT = [("model.onnx", "onnxruntime"), ("model.pt", "pytorch"), ("model.plan", "tensorrt"), ("model.py", "python")]
+_DETECT = [
+    ("model.onnx", "onnxruntime"),
+    ("model.pt", "pytorch"),
+    ("model.plan", "tensorrt"),
+    ("model.py", "python"),
+]
 
 # Accept the KServe spelling (FP32) as well as the config enum (TYPE_FP32).
 _DATA_TYPE_RE = re.compile(r"(\bdata_type\s*:\s*)(?!TYPE_)([A-Z][A-Z0-9]*)\b")
@@ -145,9 +150,15 @@ def normalize(config: ModelConfig, gpu_count: int = 0) -> None:
             if group.count < 1:
                 raise InvalidArgument(f"model '{name}': instance group '{group.name}' count must be >= 1")
             if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
-                group.kind = mc.ModelInstanceGroup.KIND_GPU if gpu_count and group.gpus else (
-                    mc.ModelInstanceGroup.KIND_GPU if gpu_count and config.backend != "python"
-                    else mc.ModelInstanceGroup.KIND_CPU)
+                group.kind = (
+                    mc.ModelInstanceGroup.KIND_GPU
+                    if gpu_count and group.gpus
+                    else (
+                        mc.ModelInstanceGroup.KIND_GPU
+                        if gpu_count and config.backend != "python"
+                        else mc.ModelInstanceGroup.KIND_CPU
+                    )
+                )
             if group.kind == mc.ModelInstanceGroup.KIND_GPU:
                 if not gpu_count:
                     raise InvalidArgument(
@@ -200,10 +211,15 @@ def data_type_name(value: int) -> str:
     return mc.DataType.Name(value)
 
 
-_INT64_TYPES = frozenset({
-    FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
-    FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64,
-})
+_INT64_TYPES = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
 
 
 def to_dict(config: ModelConfig) -> dict:

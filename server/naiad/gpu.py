@@ -36,6 +36,7 @@ NO_DEVICE = "CUDA shared memory is not supported by this server: it needs a CUDA
 
 # ---- device discovery ----
 
+
 def _visible_devices(physical: int) -> int:
     """How many of `physical` devices CUDA_VISIBLE_DEVICES leaves visible (CUDA's rules: the list stops at
     the first entry that names no device; an empty value hides them all)."""
@@ -59,6 +60,7 @@ def _visible_devices(physical: int) -> int:
 
 def _nvml():
     import pynvml  # from nvidia-ml-py
+
     pynvml.nvmlInit()
     return pynvml
 
@@ -98,12 +100,14 @@ def devices() -> list[dict]:
         for i in range(nvml.nvmlDeviceGetCount()):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
             uuid, name = nvml.nvmlDeviceGetUUID(h), nvml.nvmlDeviceGetName(h)
-            out.append({
-                "index": i,
-                "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
-                "name": name.decode() if isinstance(name, bytes) else name,
-                "memory_total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(h).total),
-            })
+            out.append(
+                {
+                    "index": i,
+                    "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "memory_total_bytes": int(nvml.nvmlDeviceGetMemoryInfo(h).total),
+                }
+            )
     except Exception as exc:
         log.debug("NVML query failed: %s", exc)
     finally:
@@ -113,15 +117,18 @@ def devices() -> list[dict]:
 
 # ---- CUDA runtime (cuda-python) ----
 
+
 def cudart():
     """The CUDA runtime bindings: `cuda.bindings.runtime` (cuda-python >= 12.6) or the older `cuda.cudart`."""
     try:
         from cuda.bindings import runtime
+
         return runtime
     except ImportError:
         pass
     try:
         from cuda import cudart as runtime
+
         return runtime
     except ImportError:
         raise Unavailable(
@@ -169,6 +176,7 @@ def set_device(device_id: int) -> None:
 
 
 # ---- CUDA shared memory ----
+
 
 @dataclass
 class CudaRegion:
@@ -223,7 +231,8 @@ class CudaSharedMemoryManager:
             got = len(raw_handle) if isinstance(raw_handle, (bytes, bytearray)) else type(raw_handle).__name__
             raise InvalidArgument(
                 f"cuda shared memory region '{name}': 'raw_handle' must be a {IPC_HANDLE_SIZE}-byte "
-                f"cudaIpcMemHandle_t (got {got})")
+                f"cudaIpcMemHandle_t (got {got})"
+            )
         with self._lock:
             if name in self._regions or self._taken(name):
                 raise AlreadyExists(f"shared memory region '{name}' already in manager")
@@ -232,7 +241,8 @@ class CudaSharedMemoryManager:
         if device_id >= count:
             raise InvalidArgument(
                 f"cuda shared memory region '{name}': device {device_id} does not exist "
-                f"({count} CUDA device(s) visible)")
+                f"({count} CUDA device(s) visible)"
+            )
         handle = rt.cudaIpcMemHandle_t()
         ctypes.memmove(int(handle.getPtr()), bytes(raw_handle), IPC_HANDLE_SIZE)
         set_device(device_id)
@@ -241,14 +251,16 @@ class CudaSharedMemoryManager:
             raise InvalidArgument(
                 f"failed to register CUDA shared memory region '{name}': cudaIpcOpenMemHandle on device "
                 f"{device_id} failed ({getattr(err, 'name', err)}); the handle must come from "
-                "cudaIpcGetMemHandle in another process on this machine")
+                "cudaIpcGetMemHandle in another process on this machine"
+            )
         pointer = int(rest[0])
         mapped = _allocation_size(pointer)
         if mapped is not None and byte_size > mapped:
             rt.cudaIpcCloseMemHandle(pointer)
             raise InvalidArgument(
                 f"cuda shared memory region '{name}': byte_size {byte_size} exceeds the {mapped}-byte "
-                "allocation the handle refers to")
+                "allocation the handle refers to"
+            )
         with self._lock:
             if name in self._regions or self._taken(name):
                 rt.cudaIpcCloseMemHandle(pointer)
@@ -304,10 +316,12 @@ class CudaSharedMemoryManager:
         if offset + size > region.byte_size:
             raise InvalidArgument(
                 f"shared memory region '{region.name}': offset {offset} + byte size {size} is past the end "
-                f"of the registered region ({region.byte_size} bytes)")
+                f"of the registered region ({region.byte_size} bytes)"
+            )
         if needed is not None and size < needed:
             raise InvalidArgument(
-                f"shared memory region '{region.name}' holds {size} bytes, the tensor needs {needed}")
+                f"shared memory region '{region.name}' holds {size} bytes, the tensor needs {needed}"
+            )
         return region, offset, size
 
     def _stream(self, device_id: int):
@@ -316,8 +330,9 @@ class CudaSharedMemoryManager:
             stream = self._streams.get(device_id)
             if stream is None:
                 rt = cudart()
-                stream = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking),
-                               "cudaStreamCreateWithFlags")
+                stream = check(
+                    rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"
+                )
                 self._streams[device_id] = stream
             return stream
 
@@ -342,7 +357,8 @@ class CudaSharedMemoryManager:
             if size != count * dt.itemsize:
                 raise InvalidArgument(
                     f"input '{name}': shared memory byte size {size} does not match the tensor's "
-                    f"{count * dt.itemsize} bytes ({count} {datatype} elements)")
+                    f"{count * dt.itemsize} bytes ({count} {datatype} elements)"
+                )
         host = np.empty(size, dtype=np.uint8)
         if size:
             self._copy(region, host.ctypes.data, region.pointer + offset, size, "cudaMemcpyDeviceToHost")
@@ -357,8 +373,9 @@ class CudaSharedMemoryManager:
         region, offset, _ = self._span(params, data.nbytes)
         if data.nbytes:
             data = np.ascontiguousarray(data)
-            self._copy(region, region.pointer + offset, data.ctypes.data, data.nbytes,
-                       "cudaMemcpyHostToDevice")
+            self._copy(
+                region, region.pointer + offset, data.ctypes.data, data.nbytes, "cudaMemcpyHostToDevice"
+            )
         result = {"shared_memory_region": region.name, "shared_memory_byte_size": int(data.nbytes)}
         if params.get("shared_memory_offset"):
             result["shared_memory_offset"] = params["shared_memory_offset"]
@@ -388,8 +405,9 @@ class CudaSharedMemoryManager:
                 raise InvalidArgument(f"failed to parse the request JSON buffer: {exc}") from None
             if not isinstance(doc, dict):
                 raise InvalidArgument("the request body must be a JSON object")
-            self.register(region, _b64_handle(doc.get("raw_handle")), doc.get("device_id", 0),
-                          doc.get("byte_size", 0))
+            self.register(
+                region, _b64_handle(doc.get("raw_handle")), doc.get("device_id", 0), doc.get("byte_size", 0)
+            )
             return web.Response(status=200)
         self.unregister(region)
         return web.Response(status=200)
@@ -397,6 +415,7 @@ class CudaSharedMemoryManager:
     # ---- gRPC adapters ----
     def status_grpc(self, request):
         from tritonclient.grpc import service_pb2 as pb
+
         resp = pb.CudaSharedMemoryStatusResponse()
         if not self.available:
             self._check_enabled()
@@ -410,11 +429,13 @@ class CudaSharedMemoryManager:
 
     def register_grpc(self, request):
         from tritonclient.grpc import service_pb2 as pb
+
         self.register(request.name, bytes(request.raw_handle), request.device_id, request.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()
 
     def unregister_grpc(self, request):
         from tritonclient.grpc import service_pb2 as pb
+
         if self.available:
             self.unregister(request.name)
         else:
@@ -426,7 +447,8 @@ def _b64_handle(raw) -> bytes:
     """HTTP's `"raw_handle": {"b64": "<base64 of the 64-byte cudaIpcMemHandle_t>"}`."""
     if not isinstance(raw, dict) or not isinstance(raw.get("b64"), str):
         raise InvalidArgument(
-            "cuda shared memory registration needs 'raw_handle': {\"b64\": <base64 handle>}")
+            "cuda shared memory registration needs 'raw_handle': {\"b64\": <base64 handle>}"
+        )
     try:
         return base64.b64decode(raw["b64"], validate=True)
     except (binascii.Error, ValueError):
@@ -449,6 +471,7 @@ def _allocation_size(pointer: int) -> int | None:
 
 
 # ---- wiring: one shared memory manager for both kinds ----
+
 
 class SharedMemoryManagerWithCuda(SharedMemoryManager):
     """System shared memory plus `.cuda`: tensors in CUDA regions go to the CUDA manager."""

@@ -10,10 +10,23 @@ _BOOLS = ("log_info", "log_warning", "log_error")
 
 
 class LogSettings:
-    def __init__(self, verbose: int = 0, info: bool = True, warning: bool = True, error: bool = True,
-                 log_file: str = "", log_format: str = "default"):
-        self.settings = {"log_file": log_file, "log_info": info, "log_warning": warning, "log_error": error,
-                         "log_verbose_level": verbose, "log_format": log_format}
+    def __init__(
+        self,
+        verbose: int = 0,
+        info: bool = True,
+        warning: bool = True,
+        error: bool = True,
+        log_file: str = "",
+        log_format: str = "default",
+    ):
+        self.settings = {
+            "log_file": log_file,
+            "log_info": info,
+            "log_warning": warning,
+            "log_error": error,
+            "log_verbose_level": verbose,
+            "log_format": log_format,
+        }
         self._apply()
 
     def _apply(self) -> None:
@@ -50,8 +63,9 @@ class LogSettings:
                     raise InvalidArgument("log setting 'log_format' must be 'default' or 'ISO8601'")
             elif key == "log_file":
                 if value not in ("", self.settings["log_file"]):
-                    raise InvalidArgument("changing 'log_file' at run time is not supported; Naiad logs to "
-                                          "stderr")
+                    raise InvalidArgument(
+                        "changing 'log_file' at run time is not supported; Naiad logs to stderr"
+                    )
             else:
                 raise InvalidArgument(f"unknown log setting '{key}'")
             new[key] = value
@@ -61,6 +75,7 @@ class LogSettings:
 
     def grpc(self, request):
         from tritonclient.grpc import service_pb2 as pb
+
         changes = {}
         for key, p in request.settings.items():
             kind = p.WhichOneof("parameter_choice")

@@ -20,46 +20,96 @@ from prometheus_client.utils import floatToGoString
 log = logging.getLogger("naiad.metrics")
 
 # Seconds; from 100 µs to 60 s, dense where model serving lives.
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                   1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 _COUNTERS = [
     # name, help, how to read it from ModelStats
-    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
-     lambda s: s.success.count),
-    ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
-     lambda s: s.inference_count),
-    ("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)",
-     lambda s: s.execution_count),
-    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds "
-     "(includes cached requests)", lambda s: (s.success.ns + s.fail.ns) // 1000),
-    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds "
-     "(includes cached requests)", lambda s: s.queue.ns // 1000),
-    ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds "
-     "(does not include cached requests)", lambda s: s.compute_input.ns // 1000),
-    ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds "
-     "(does not include cached requests)", lambda s: s.compute_infer.ns // 1000),
-    ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in "
-     "microseconds (does not include cached requests)", lambda s: s.compute_output.ns // 1000),
+    (
+        "nv_inference_request_success",
+        "Number of successful inference requests, all batch sizes",
+        lambda s: s.success.count,
+    ),
+    (
+        "nv_inference_count",
+        "Number of inferences performed (does not include cached requests)",
+        lambda s: s.inference_count,
+    ),
+    (
+        "nv_inference_exec_count",
+        "Number of model executions performed (does not include cached requests)",
+        lambda s: s.execution_count,
+    ),
+    (
+        "nv_inference_request_duration_us",
+        "Cumulative inference request duration in microseconds (includes cached requests)",
+        lambda s: (s.success.ns + s.fail.ns) // 1000,
+    ),
+    (
+        "nv_inference_queue_duration_us",
+        "Cumulative inference queuing duration in microseconds (includes cached requests)",
+        lambda s: s.queue.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+        lambda s: s.compute_input.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+        lambda s: s.compute_infer.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+        lambda s: s.compute_output.ns // 1000,
+    ),
 ]
 _HISTOGRAMS = {
     "request": ("nv_inference_request_duration_seconds", "Inference request latency in seconds"),
     "queue": ("nv_inference_queue_duration_seconds", "Inference queue time in seconds"),
-    "compute_infer": ("nv_inference_compute_infer_duration_seconds",
-                      "Compute time (input, inference, output) in seconds"),
+    "compute_infer": (
+        "nv_inference_compute_infer_duration_seconds",
+        "Compute time (input, inference, output) in seconds",
+    ),
 }
 _FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 
 
 def parse_metrics_config(items: list[str]) -> dict:
     """`--metrics-config key=value` settings with Triton's names and defaults (histograms on, beyond Triton)."""
-    out = {"counter_latencies": True, "histogram_latencies": True, "summary_latencies": False,
-           "summary_quantiles": "0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001"}
+    out = {
+        "counter_latencies": True,
+        "histogram_latencies": True,
+        "summary_latencies": False,
+        "summary_quantiles": "0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001",
+    }
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in out:
             raise ValueError(f"invalid --metrics-config '{item}' (known: {', '.join(out)})")
-        out[key] = value if key == "summary_quantiles" else value.strip().lower() in ("1", "true", "yes", "on")
+        out[key] = (
+            value if key == "summary_quantiles" else value.strip().lower() in ("1", "true", "yes", "on")
+        )
     return out
 
 
@@ -80,12 +130,17 @@ class _ModelCollector:
             if name.endswith("_us") and not self.settings["counter_latencies"]:
                 continue
             fam[name] = Metric(name, doc, "counter")
-        failure = Metric("nv_inference_request_failure", "Number of failed inference requests, all batch "
-                         "sizes", "counter")
-        pending = GaugeMetricFamily("nv_inference_pending_request_count", "Instantaneous number of pending "
-                                    "requests awaiting execution per-model.", labels=["model", "version"])
-        load = GaugeMetricFamily("nv_model_load_duration_secs", "Model load time in seconds",
-                                 labels=["model", "version"])
+        failure = Metric(
+            "nv_inference_request_failure", "Number of failed inference requests, all batch sizes", "counter"
+        )
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Instantaneous number of pending requests awaiting execution per-model.",
+            labels=["model", "version"],
+        )
+        load = GaugeMetricFamily(
+            "nv_model_load_duration_secs", "Model load time in seconds", labels=["model", "version"]
+        )
         for mv in versions:
             s = mv.stats
             labels = {"model": s.model, "version": s.version}
@@ -94,8 +149,11 @@ class _ModelCollector:
                     if name in fam:
                         fam[name].add_sample(name, labels, read(s))
                 for reason in _FAILURE_REASONS:
-                    failure.add_sample("nv_inference_request_failure", {**labels, "reason": reason},
-                                       s.failures_by_reason.get(reason, 0))
+                    failure.add_sample(
+                        "nv_inference_request_failure",
+                        {**labels, "reason": reason},
+                        s.failures_by_reason.get(reason, 0),
+                    )
                 pending.add_metric([s.model, s.version], s.pending)
             rec = self.server.repository.records.get(mv.name)
             load.add_metric([s.model, s.version], rec.load_seconds if rec else 0.0)
@@ -105,8 +163,11 @@ class _ModelCollector:
                 for v, (state, reason) in rec.version_states.items():
                     if state == "UNAVAILABLE" and reason and reason != "unloaded":
                         for r in _FAILURE_REASONS:
-                            failure.add_sample("nv_inference_request_failure",
-                                               {"model": rec.name, "version": str(v), "reason": r}, 0)
+                            failure.add_sample(
+                                "nv_inference_request_failure",
+                                {"model": rec.name, "version": str(v), "reason": r},
+                                0,
+                            )
         yield fam["nv_inference_request_success"]
         yield failure
         for name, m in fam.items():
@@ -115,13 +176,28 @@ class _ModelCollector:
         yield pending
         yield load
         if self.server.cache is not None:
-            cache = [("nv_cache_num_hits_per_model", "Number of cache hits per model", lambda s: s.cache_hit.count),
-                     ("nv_cache_num_misses_per_model", "Number of cache misses per model",
-                      lambda s: s.cache_miss.count),
-                     ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds",
-                      lambda s: s.cache_hit.ns // 1000),
-                     ("nv_cache_miss_duration_per_model", "Total cache miss (insertion) duration per model, in "
-                      "microseconds", lambda s: s.cache_miss.ns // 1000)]
+            cache = [
+                (
+                    "nv_cache_num_hits_per_model",
+                    "Number of cache hits per model",
+                    lambda s: s.cache_hit.count,
+                ),
+                (
+                    "nv_cache_num_misses_per_model",
+                    "Number of cache misses per model",
+                    lambda s: s.cache_miss.count,
+                ),
+                (
+                    "nv_cache_hit_duration_per_model",
+                    "Total cache hit duration per model, in microseconds",
+                    lambda s: s.cache_hit.ns // 1000,
+                ),
+                (
+                    "nv_cache_miss_duration_per_model",
+                    "Total cache miss (insertion) duration per model, in microseconds",
+                    lambda s: s.cache_miss.ns // 1000,
+                ),
+            ]
             for name, doc, read in cache:
                 fam = GaugeMetricFamily(name, doc, labels=["model", "version"])
                 for mv in versions:
@@ -186,6 +262,7 @@ class _SystemCollector:
         if gpu:
             try:
                 import pynvml
+
                 pynvml.nvmlInit()
                 self.nvml = pynvml
                 for i in range(pynvml.nvmlDeviceGetCount()):
@@ -207,19 +284,30 @@ class _SystemCollector:
     def collect(self):
         if self.cpu:
             mem = psutil.virtual_memory()
-            yield GaugeMetricFamily("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", value=self.cpu_util)
-            yield GaugeMetricFamily("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes",
-                                    value=mem.total)
-            yield GaugeMetricFamily("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes",
-                                    value=mem.total - mem.available)
+            yield GaugeMetricFamily(
+                "nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", value=self.cpu_util
+            )
+            yield GaugeMetricFamily(
+                "nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", value=mem.total
+            )
+            yield GaugeMetricFamily(
+                "nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", value=mem.total - mem.available
+            )
         if self.nvml is not None and self.gpus:
             n = self.nvml
-            util = GaugeMetricFamily("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)", labels=["gpu_uuid"])
-            total = GaugeMetricFamily("nv_gpu_memory_total_bytes", "GPU total memory, in bytes", labels=["gpu_uuid"])
-            used = GaugeMetricFamily("nv_gpu_memory_used_bytes", "GPU used memory, in bytes", labels=["gpu_uuid"])
+            util = GaugeMetricFamily(
+                "nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)", labels=["gpu_uuid"]
+            )
+            total = GaugeMetricFamily(
+                "nv_gpu_memory_total_bytes", "GPU total memory, in bytes", labels=["gpu_uuid"]
+            )
+            used = GaugeMetricFamily(
+                "nv_gpu_memory_used_bytes", "GPU used memory, in bytes", labels=["gpu_uuid"]
+            )
             power = GaugeMetricFamily("nv_gpu_power_usage", "GPU power usage in watts", labels=["gpu_uuid"])
-            limit = GaugeMetricFamily("nv_gpu_power_limit", "GPU power management limit in watts",
-                                      labels=["gpu_uuid"])
+            limit = GaugeMetricFamily(
+                "nv_gpu_power_limit", "GPU power management limit in watts", labels=["gpu_uuid"]
+            )
             for h, uuid in self.gpus:
                 try:
                     u = n.nvmlDeviceGetUtilizationRates(h)

@@ -29,8 +29,13 @@ def _specs(tensors) -> dict[str, TensorSpec]:
     out = {}
     for t in tensors:
         reshape = tuple(t.reshape.shape) if t.HasField("reshape") else None
-        out[t.name] = TensorSpec(t.name, config_to_wire(data_type_name(t.data_type)), tuple(t.dims),
-                                 getattr(t, "optional", False), reshape)
+        out[t.name] = TensorSpec(
+            t.name,
+            config_to_wire(data_type_name(t.data_type)),
+            tuple(t.dims),
+            getattr(t, "optional", False),
+            reshape,
+        )
     return out
 
 
@@ -48,6 +53,7 @@ class ModelVersion:
         if pool is not None:
             if ctx.config.HasField("sequence_batching"):
                 from .scheduling.sequence import SequenceScheduler
+
                 self.scheduler = SequenceScheduler(pool, ctx.config)
             else:
                 self.scheduler = Scheduler(pool, ctx.config)
@@ -109,17 +115,20 @@ class ModelVersion:
                     )
                 shape = shape[1:]
             expected = spec.reshape if spec.reshape is not None else spec.dims
-            if not _shape_matches(shape, spec.dims) and (spec.reshape is None
-                                                         or not _shape_matches(shape, expected)):
+            if not _shape_matches(shape, spec.dims) and (
+                spec.reshape is None or not _shape_matches(shape, expected)
+            ):
                 full = ([-1] if self.max_batch_size > 0 else []) + list(spec.dims)
                 got = list(arr.shape)
                 note = ""
                 if self.max_batch_size > 0 and len(arr.shape) == len(spec.dims):
-                    note = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
-                            "dimension to be prepended to each input shape. If you want to specify the full "
-                            "shape including the batch dim in your input dims config, try setting "
-                            "max_batch_size to zero. See the model configuration docs for more info on "
-                            "max_batch_size.")
+                    note = (
+                        "NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
+                        "dimension to be prepended to each input shape. If you want to specify the full "
+                        "shape including the batch dim in your input dims config, try setting "
+                        "max_batch_size to zero. See the model configuration docs for more info on "
+                        "max_batch_size."
+                    )
                 raise InvalidArgument(
                     f"[request id: {request.id or '<id_unknown>'}] unexpected shape for input '{in_name}' for "
                     f"model '{name}'. Expected {_fmt(full)}, got {_fmt(got)}. {note}"

@@ -103,8 +103,12 @@ class ModelRepository:
                 if not e.is_dir() or e.name.startswith("."):
                     continue
                 if e.name in found:
-                    log.error("model '%s' appears in more than one repository (%s and %s); using the first",
-                              e.name, found[e.name], e.path)
+                    log.error(
+                        "model '%s' appears in more than one repository (%s and %s); using the first",
+                        e.name,
+                        found[e.name],
+                        e.path,
+                    )
                     continue
                 found[e.name] = Path(e.path)
         return found
@@ -130,7 +134,9 @@ class ModelRepository:
         mv = rec.versions.get(version)
         if mv is None:
             if version in rec.version_states or (not rec.versions and rec.reason):
-                raise Unavailable(f"Request for unknown model: '{name}' version {version} is not at ready state")
+                raise Unavailable(
+                    f"Request for unknown model: '{name}' version {version} is not at ready state"
+                )
             raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
         return mv
 
@@ -142,8 +148,13 @@ class ModelRepository:
             return False
 
     # ---- lifecycle ----
-    async def load(self, name: str, config_json: str | dict | None = None,
-                   files: dict[str, bytes] | None = None, _chain: tuple = ()) -> None:
+    async def load(
+        self,
+        name: str,
+        config_json: str | dict | None = None,
+        files: dict[str, bytes] | None = None,
+        _chain: tuple = (),
+    ) -> None:
         """Load (or reload) a model; new versions go live before old ones are drained and unloaded.
 
         An ensemble's composing models are loaded first when they are not loaded yet (as Triton does).
@@ -160,8 +171,7 @@ class ModelRepository:
             try:
                 model_dir = self._model_dir(name, rec, files)
                 loop = asyncio.get_running_loop()
-                config, built = await loop.run_in_executor(
-                    None, self._build, name, model_dir, config_json)
+                config, built = await loop.run_in_executor(None, self._build, name, model_dir, config_json)
             except BaseException as exc:
                 err = as_naiad_error(exc)
                 rec.reason = err.message
@@ -222,7 +232,9 @@ class ModelRepository:
             raise InvalidArgument(f"failed to load '{name}', failed to poll from model repository")
         return found
 
-    def _build(self, name: str, model_dir: Path, config_json) -> tuple[mc.ModelConfig, dict[int, ModelVersion]]:
+    def _build(
+        self, name: str, model_dir: Path, config_json
+    ) -> tuple[mc.ModelConfig, dict[int, ModelVersion]]:
         """Parse, auto-complete and normalise the config, then create every selected version. Worker thread."""
         if config_json:
             config = cfg.parse_json(config_json, f"config override for model '{name}'")
@@ -266,14 +278,20 @@ class ModelRepository:
         vconfig = mc.ModelConfig()
         vconfig.CopyFrom(config)
         ctx = ModelContext(
-            name=config.name, version=version, config=vconfig, model_dir=model_dir,
-            version_dir=model_dir / str(version), server=self.server, loop=self.server.loop,
+            name=config.name,
+            version=version,
+            config=vconfig,
+            model_dir=model_dir,
+            version_dir=model_dir / str(version),
+            server=self.server,
+            loop=self.server.loop,
         )
         stats = ModelStats(config.name, str(version))
         for hook in self.server.stats_observers:
             stats.observers.append(hook)
         if config.platform == "ensemble":
             from .scheduling.ensemble import build_ensemble
+
             mv = build_ensemble(ctx, stats, self.server)
             self.server.warmup(mv)
             return mv
@@ -329,8 +347,12 @@ class ModelRepository:
         self._changed(name)
         if unload_dependents:
             for other in list(self.records.values()):
-                if other.config is not None and other.config.platform == "ensemble" and other.versions and \
-                        any(s.model_name == name for s in other.config.ensemble_scheduling.step):
+                if (
+                    other.config is not None
+                    and other.config.platform == "ensemble"
+                    and other.versions
+                    and any(s.model_name == name for s in other.config.ensemble_scheduling.step)
+                ):
                     await self.unload(other.name)
 
     def _changed(self, name: str) -> None:
@@ -418,7 +440,7 @@ def decode_file_overrides(parameters: dict) -> dict[str, bytes]:
     for key, value in parameters.items():
         if not key.startswith("file:"):
             continue
-        rel = key[len("file:"):]
+        rel = key[len("file:") :]
         if isinstance(value, (bytes, bytearray)):
             files[rel] = bytes(value)
         else:

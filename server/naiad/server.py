@@ -47,23 +47,37 @@ class Server:
 
     def __init__(self, options: ServerOptions):
         if options.model_control_mode not in CONTROL_MODES:
-            raise InvalidArgument(f"unknown model control mode '{options.model_control_mode}' "
-                                  f"(expected one of {', '.join(CONTROL_MODES)})")
+            raise InvalidArgument(
+                f"unknown model control mode '{options.model_control_mode}' "
+                f"(expected one of {', '.join(CONTROL_MODES)})"
+            )
         self.options = options
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats_observers: list = []
-        self.repository = ModelRepository(options.model_repositories, self,
-                                          auto_complete=options.auto_complete_config,
-                                          gpu_count=options.gpu_count)
-        self.rate_limiter = RateLimiter(options.rate_limit_resources) \
-            if options.rate_limit == "execution_count" else None
+        self.repository = ModelRepository(
+            options.model_repositories,
+            self,
+            auto_complete=options.auto_complete_config,
+            gpu_count=options.gpu_count,
+        )
+        self.rate_limiter = (
+            RateLimiter(options.rate_limit_resources) if options.rate_limit == "execution_count" else None
+        )
         self.cache = ResponseCache(options.cache_size) if options.cache_size > 0 else None
         self.log_settings = LogSettings()
         self.tracer = Tracer()
         self.extensions = [
-            "classification", "sequence", "model_repository", "model_repository(unload_dependents)",
-            "schedule_policy", "model_configuration", "binary_tensor_data", "parameters", "statistics",
-            "trace", "logging",
+            "classification",
+            "sequence",
+            "model_repository",
+            "model_repository(unload_dependents)",
+            "schedule_policy",
+            "model_configuration",
+            "binary_tensor_data",
+            "parameters",
+            "statistics",
+            "trace",
+            "logging",
         ]
         if options.allow_client_shm:
             self.extensions.insert(6, "system_shared_memory")
@@ -121,8 +135,10 @@ class Server:
             return False
         if not self.options.strict_readiness:
             return True
-        return not any(rec.reason and rec.reason != "unloaded" and not rec.versions
-                       for rec in self.repository.records.values())
+        return not any(
+            rec.reason and rec.reason != "unloaded" and not rec.versions
+            for rec in self.repository.records.values()
+        )
 
     def metadata(self) -> dict:
         return {"name": self.name, "version": __version__, "extensions": list(self.extensions)}
@@ -140,8 +156,11 @@ class Server:
 
     def model_statistics(self, name: str = "", version: str | int = "") -> list[dict]:
         if not name:
-            return [mv.stats.as_dict() for rec in sorted(self.repository.records.values(), key=lambda r: r.name)
-                    for _, mv in sorted(rec.versions.items())]
+            return [
+                mv.stats.as_dict()
+                for rec in sorted(self.repository.records.values(), key=lambda r: r.name)
+                for _, mv in sorted(rec.versions.items())
+            ]
         v = parse_version(version)
         rec = self.repository.records.get(name)
         if rec is None or not rec.versions:
@@ -158,12 +177,15 @@ class Server:
         if self.options.model_control_mode != "explicit":
             raise Unavailable(f"explicit model {what} is not allowed if polling is enabled")
 
-    async def load_model(self, name: str, config: str | dict | None = None,
-                         files: dict[str, bytes] | None = None) -> None:
+    async def load_model(
+        self, name: str, config: str | dict | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
         self._check_explicit("load / unload")
         if files and not config:
-            raise InvalidArgument("failed to load '" + name + "': model configuration must be provided "
-                                  "with file overrides ('config' parameter)")
+            raise InvalidArgument(
+                "failed to load '" + name + "': model configuration must be provided "
+                "with file overrides ('config' parameter)"
+            )
         await self.repository.load(name, config, files)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
@@ -191,8 +213,9 @@ class Server:
                 ns = time.monotonic_ns() - t0
                 mv.stats.record_cache(True, ns)
                 mv.stats.record_request(True, time.monotonic_ns() - request.arrival_ns, 0, 0, 0, 0)
-                return InferenceResponse(model_name=mv.name, model_version=str(mv.version), id=request.id,
-                                         outputs=list(hit))
+                return InferenceResponse(
+                    model_name=mv.name, model_version=str(mv.version), id=request.id, outputs=list(hit)
+                )
             miss_ns = time.monotonic_ns() - t0
         trace = self.tracer.start(mv.name)
         if trace is not None:
@@ -209,8 +232,11 @@ class Server:
                 trace.append(("REQUEST_END", time.monotonic_ns()))
                 self.tracer.finish(mv.name, str(mv.version), trace)
         if response.error is not None:
-            raise response.error if isinstance(response.error, NaiadError) else InvalidArgument(
-                str(response.error))
+            raise (
+                response.error
+                if isinstance(response.error, NaiadError)
+                else InvalidArgument(str(response.error))
+            )
         response.model_name = mv.name
         response.model_version = str(mv.version)
         response.id = request.id
@@ -239,8 +265,12 @@ class Server:
         def deliver(resp: InferenceResponse) -> None:
             key = str(counter[0])
             counter[0] += 1
-            mv.stats.record_response(key, time.monotonic_ns() - started, resp.error is None,
-                                     not resp.outputs and resp.error is None)
+            mv.stats.record_response(
+                key,
+                time.monotonic_ns() - started,
+                resp.error is None,
+                not resp.outputs and resp.error is None,
+            )
             loop.call_soon_threadsafe(queue.put_nowait, resp)
 
         request.response_callback = deliver
@@ -315,4 +345,3 @@ def parse_version(version: str | int) -> int:
     if v < 0:
         raise InvalidArgument(f"invalid model version '{version}'")
     return v
-

@@ -77,8 +77,16 @@ class ModelStats:
             b.compute_infer.add(infer_ns)
             b.compute_output.add(output_ns)
 
-    def record_request(self, ok: bool, total_ns: int, queue_ns: int, input_ns: int, infer_ns: int,
-                       output_ns: int, reason: str = "OTHER") -> None:
+    def record_request(
+        self,
+        ok: bool,
+        total_ns: int,
+        queue_ns: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        reason: str = "OTHER",
+    ) -> None:
         """One request finished (each request in a batch is charged the batch's compute times)."""
         with self.lock:
             self.last_inference_ms = int(time.time() * 1000)
@@ -104,10 +112,17 @@ class ModelStats:
     def record_response(self, key: str, ns: int, ok: bool, empty: bool) -> None:
         """Decoupled models: per-response statistics, keyed by the response's index."""
         with self.lock:
-            entry = self.response_stats.setdefault(key, {
-                "compute_infer": Duration(), "compute_output": Duration(), "success": Duration(),
-                "fail": Duration(), "empty_response": Duration(), "cancel": Duration(),
-            })
+            entry = self.response_stats.setdefault(
+                key,
+                {
+                    "compute_infer": Duration(),
+                    "compute_output": Duration(),
+                    "success": Duration(),
+                    "fail": Duration(),
+                    "empty_response": Duration(),
+                    "cancel": Duration(),
+                },
+            )
             entry["empty_response" if empty else ("success" if ok else "fail")].add(ns)
 
     def as_dict(self) -> dict:

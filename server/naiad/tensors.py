@@ -84,6 +84,7 @@ def element_count(shape) -> int:
 
 # ---- BYTES: each element is a 4-byte little-endian length followed by the bytes ----
 
+
 def serialize_bytes(array: np.ndarray) -> bytes:
     """Flatten a BYTES tensor (object/bytes/str array) into Triton's length-prefixed wire form."""
     parts = []
@@ -111,7 +112,7 @@ def deserialize_bytes(buf, count: int | None = None) -> np.ndarray:
         off += 4
         if off + n > end:
             raise InvalidArgument(f"BYTES tensor element of length {n} runs past the end of the data")
-        out.append(bytes(view[off:off + n]))
+        out.append(bytes(view[off : off + n]))
         off += n
     if count is not None and len(out) != count:
         raise InvalidArgument(f"expected {count} BYTES elements, got {len(out)}")

@@ -16,8 +16,14 @@ from .errors import InvalidArgument
 
 log = logging.getLogger("naiad.trace")
 
-DEFAULTS = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1", "log_frequency": "0",
-            "trace_file": "", "trace_mode": "triton"}
+DEFAULTS = {
+    "trace_level": ["OFF"],
+    "trace_rate": "1000",
+    "trace_count": "-1",
+    "log_frequency": "0",
+    "trace_file": "",
+    "trace_mode": "triton",
+}
 _LEVELS = {"OFF", "TIMESTAMPS", "TENSORS"}
 _MAX_KEPT = 100_000
 
@@ -82,8 +88,10 @@ class Tracer:
                 else:
                     target[key] = value
             self._traced.clear()
-            self._active = any("TIMESTAMPS" in s.get("trace_level", ())
-                               for s in [self.global_settings, *self.model_settings.values()])
+            self._active = any(
+                "TIMESTAMPS" in s.get("trace_level", ())
+                for s in [self.global_settings, *self.model_settings.values()]
+            )
         self.flush()
         return self.get(model)
 
@@ -114,7 +122,9 @@ class Tracer:
             entries = self._entries.setdefault(s["trace_file"], [])
             if len(entries) < _MAX_KEPT:
                 entries.append({"id": trace_id, "model_name": model, "model_version": int(version)})
-                entries.append({"id": trace_id, "timestamps": [{"name": n, "ns": ns} for n, ns in timestamps]})
+                entries.append(
+                    {"id": trace_id, "timestamps": [{"name": n, "ns": ns} for n, ns in timestamps]}
+                )
             pending = len(entries) // 2
         freq = int(s["log_frequency"])
         if freq == 0 or pending % freq == 0:
@@ -133,6 +143,7 @@ class Tracer:
 
     def grpc(self, request, known_model=None):
         from tritonclient.grpc import service_pb2 as pb
+
         changes = {}
         for key, value in request.settings.items():
             vals = list(value.value)

@@ -35,13 +35,20 @@ def sample_inputs(mv, sample: mc.ModelWarmup) -> tuple[dict[str, np.ndarray], di
         else:
             dtype = numpy_dtype(datatype)
             if kind == "random_data":
-                arr = np.random.default_rng().random(count).astype(dtype) if dtype.kind == "f" else \
-                    np.random.default_rng().integers(0, 2 if dtype.kind == "b" else 100, count).astype(dtype)
+                arr = (
+                    np.random.default_rng().random(count).astype(dtype)
+                    if dtype.kind == "f"
+                    else np.random.default_rng()
+                    .integers(0, 2 if dtype.kind == "b" else 100, count)
+                    .astype(dtype)
+                )
             elif kind == "input_data_file":
                 path = mv.ctx.model_dir / "warmup" / spec.input_data_file
                 arr = np.fromfile(path, dtype=dtype)[:count]
                 if arr.size != count:
-                    raise InvalidArgument(f"warmup file {path} holds {arr.size} elements, sample needs {count}")
+                    raise InvalidArgument(
+                        f"warmup file {path} holds {arr.size} elements, sample needs {count}"
+                    )
             else:
                 arr = np.zeros(count, dtype=dtype)
         inputs[name] = arr.reshape(shape)
@@ -65,17 +72,28 @@ def run_warmup(mv) -> None:
         inputs, datatypes = sample_inputs(mv, sample)
         for inst in mv.pool.instances:
             for _ in range(max(1, sample.count)):
-                req = InferenceRequest(model_name=mv.name, inputs=inputs, datatypes=datatypes,
-                                       model_version=mv.version, id=f"warmup:{sample.name}",
-                                       response_callback=_discard)
+                req = InferenceRequest(
+                    model_name=mv.name,
+                    inputs=inputs,
+                    datatypes=datatypes,
+                    model_version=mv.version,
+                    id=f"warmup:{sample.name}",
+                    response_callback=_discard,
+                )
                 try:
                     mv.pool.execute_on(inst, inst.execute, [req], Timing()).result()
                 except Exception as exc:
                     err = as_naiad_error(exc)
                     raise InvalidArgument(
-                        f"model '{mv.name}' warmup sample '{sample.name}' failed: {err.message}") from None
-        log.info("model '%s' version %s: warmup sample '%s' ran on %d instance(s)",
-                 mv.name, mv.version, sample.name, len(mv.pool.instances))
+                        f"model '{mv.name}' warmup sample '{sample.name}' failed: {err.message}"
+                    ) from None
+        log.info(
+            "model '%s' version %s: warmup sample '%s' ran on %d instance(s)",
+            mv.name,
+            mv.version,
+            sample.name,
+            len(mv.pool.instances),
+        )
 
 
 def _discard(response) -> None:
@@ -87,13 +105,23 @@ def _warm_ensemble(mv, samples) -> None:
     for sample in samples:
         inputs, datatypes = sample_inputs(mv, sample)
         for _ in range(max(1, sample.count)):
-            req = InferenceRequest(model_name=mv.name, inputs=inputs, datatypes=datatypes,
-                                   model_version=mv.version, id=f"warmup:{sample.name}")
+            req = InferenceRequest(
+                model_name=mv.name,
+                inputs=inputs,
+                datatypes=datatypes,
+                model_version=mv.version,
+                id=f"warmup:{sample.name}",
+            )
             try:
                 asyncio.run_coroutine_threadsafe(mv.runner(req), loop).result()
             except Exception as exc:
                 err = as_naiad_error(exc)
                 raise InvalidArgument(
-                    f"ensemble '{mv.name}' warmup sample '{sample.name}' failed: {err.message}") from None
-        log.info("ensemble '%s' version %s: warmup sample '%s' ran through every step",
-                 mv.name, mv.version, sample.name)
+                    f"ensemble '{mv.name}' warmup sample '{sample.name}' failed: {err.message}"
+                ) from None
+        log.info(
+            "ensemble '%s' version %s: warmup sample '%s' ran through every step",
+            mv.name,
+            mv.version,
+            sample.name,
+        )

@@ -29,10 +29,14 @@ class TritonPythonModel:
         for r in requests:
             x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
             rows = x.shape[0]
-            responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("OUTPUT0", x),
-                pb_utils.Tensor("BATCH", np.full((rows, 1), len(requests), np.int32)),
-                pb_utils.Tensor("ORDER", np.full((rows, 1), order, np.int32)),
-                pb_utils.Tensor("WARMED", np.full((rows, 1), self.warmed, np.int32)),
-            ]))
+            responses.append(
+                pb_utils.InferenceResponse(
+                    [
+                        pb_utils.Tensor("OUTPUT0", x),
+                        pb_utils.Tensor("BATCH", np.full((rows, 1), len(requests), np.int32)),
+                        pb_utils.Tensor("ORDER", np.full((rows, 1), order, np.int32)),
+                        pb_utils.Tensor("WARMED", np.full((rows, 1), self.warmed, np.int32)),
+                    ]
+                )
+            )
         return responses

@@ -154,7 +154,7 @@ class TensorInstance(ModelInstance):
                             f"model '{self.ctx.name}' output '{name}' has shape {list(arr.shape)}, which "
                             f"does not have the batch size {sum(sizes)} along its first dimension"
                         )
-                    part[name] = arr[offset:offset + n]
+                    part[name] = arr[offset : offset + n]
                 offset += n
                 responses.append(self._response(r, part))
         timing.input_ns += t1 - t0

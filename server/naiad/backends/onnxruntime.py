@@ -14,11 +14,19 @@ from .base import ModelContext, TensorInstance
 
 # ORT type strings -> config enum
 _ORT_TYPES = {
-    "tensor(float)": mc.TYPE_FP32, "tensor(double)": mc.TYPE_FP64, "tensor(float16)": mc.TYPE_FP16,
+    "tensor(float)": mc.TYPE_FP32,
+    "tensor(double)": mc.TYPE_FP64,
+    "tensor(float16)": mc.TYPE_FP16,
     "tensor(bfloat16)": mc.TYPE_BF16,
-    "tensor(int8)": mc.TYPE_INT8, "tensor(int16)": mc.TYPE_INT16, "tensor(int32)": mc.TYPE_INT32,
-    "tensor(int64)": mc.TYPE_INT64, "tensor(uint8)": mc.TYPE_UINT8, "tensor(uint16)": mc.TYPE_UINT16,
-    "tensor(uint32)": mc.TYPE_UINT32, "tensor(uint64)": mc.TYPE_UINT64, "tensor(bool)": mc.TYPE_BOOL,
+    "tensor(int8)": mc.TYPE_INT8,
+    "tensor(int16)": mc.TYPE_INT16,
+    "tensor(int32)": mc.TYPE_INT32,
+    "tensor(int64)": mc.TYPE_INT64,
+    "tensor(uint8)": mc.TYPE_UINT8,
+    "tensor(uint16)": mc.TYPE_UINT16,
+    "tensor(uint32)": mc.TYPE_UINT32,
+    "tensor(uint64)": mc.TYPE_UINT64,
+    "tensor(bool)": mc.TYPE_BOOL,
     "tensor(string)": mc.TYPE_STRING,
 }
 # Triton's onnxruntime backend default for models whose first dimension is dynamic everywhere.
@@ -50,8 +58,10 @@ def auto_complete(config: ModelConfig, model_file: Path) -> None:
         raise InvalidArgument(f"failed to load ONNX model {model_file}: {exc}") from None
     ins, outs = sess.get_inputs(), sess.get_outputs()
     if config.max_batch_size == 0 and not config.input and not config.output:
-        batchable = all(len(t.shape) >= 1 and not (isinstance(t.shape[0], int) and t.shape[0] > 0)
-                        for t in list(ins) + list(outs))
+        batchable = all(
+            len(t.shape) >= 1 and not (isinstance(t.shape[0], int) and t.shape[0] > 0)
+            for t in list(ins) + list(outs)
+        )
         if batchable:
             config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
             if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
@@ -59,8 +69,11 @@ def auto_complete(config: ModelConfig, model_file: Path) -> None:
     skip = 1 if config.max_batch_size > 0 else 0
     # Sequence-batcher control and state tensors are fed by the server, never declared as model I/O.
     seq = config.sequence_batching
-    managed = {c.name for c in seq.control_input} | {s.input_name for s in seq.state} | \
-        {s.output_name for s in seq.state}
+    managed = (
+        {c.name for c in seq.control_input}
+        | {s.input_name for s in seq.state}
+        | {s.output_name for s in seq.state}
+    )
     for kind, tensors, declared in (("input", ins, config.input), ("output", outs, config.output)):
         known = {t.name for t in declared} | managed
         for t in tensors:
@@ -138,8 +151,9 @@ class OnnxInstance(TensorInstance):
         feed = {}
         for name, arr in inputs.items():
             if name in self.string_inputs:
-                arr = np.vectorize(lambda b: b.decode("utf-8", "replace") if isinstance(b, bytes) else b,
-                                   otypes=[object])(arr)
+                arr = np.vectorize(
+                    lambda b: b.decode("utf-8", "replace") if isinstance(b, bytes) else b, otypes=[object]
+                )(arr)
             feed[name] = arr
         try:
             results = self.session.run(outputs, feed, self.run_options)
@@ -148,8 +162,9 @@ class OnnxInstance(TensorInstance):
         out = {}
         for name, arr in zip(outputs, results):
             if name in self.string_outputs:
-                arr = np.vectorize(lambda s: s.encode("utf-8") if isinstance(s, str) else s,
-                                   otypes=[object])(arr)
+                arr = np.vectorize(lambda s: s.encode("utf-8") if isinstance(s, str) else s, otypes=[object])(
+                    arr
+                )
             out[name] = arr
         return out
 

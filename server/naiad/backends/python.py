@@ -37,6 +37,7 @@ _ERROR_CODES = {
 
 def _naiad_error(err: pb_utils.TritonError) -> NaiadError:
     from .. import errors
+
     return getattr(errors, _ERROR_CODES.get(err.code(), "Internal"))(err.message())
 
 
@@ -50,8 +51,9 @@ def load_module(model_file: Path, model_name: str):
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        raise InvalidArgument(f"model '{model_name}': failed to import {model_file}: "
-                              f"{type(exc).__name__}: {exc}") from None
+        raise InvalidArgument(
+            f"model '{model_name}': failed to import {model_file}: {type(exc).__name__}: {exc}"
+        ) from None
     if not hasattr(module, "TritonPythonModel"):
         raise InvalidArgument(f"model '{model_name}': {model_file} defines no class TritonPythonModel")
     return module
@@ -98,8 +100,10 @@ class PythonInstance(ModelInstance):
         # Inline execution on the event loop is for plain synchronous models only: BLS needs the loop to be
         # free, async execute needs its own loop, decoupled models may block until they have sent everything.
         self.inline = InlinePolicy(
-            not self.decoupled and not inspect.iscoroutinefunction(self.model.execute)
-            and not _uses_bls(module))
+            not self.decoupled
+            and not inspect.iscoroutinefunction(self.model.execute)
+            and not _uses_bls(module)
+        )
 
     def _initialize(self) -> None:
         kind = "GPU" if self.group.kind == mc.ModelInstanceGroup.KIND_GPU else "CPU"
@@ -117,8 +121,9 @@ class PythonInstance(ModelInstance):
             try:
                 self._call(init, args)
             except Exception as exc:
-                raise InvalidArgument(f"model '{self.ctx.name}': initialize failed: "
-                                      f"{type(exc).__name__}: {exc}") from None
+                raise InvalidArgument(
+                    f"model '{self.ctx.name}': initialize failed: {type(exc).__name__}: {exc}"
+                ) from None
         self._initialized = True
 
     def warmup_thread_init(self) -> None:
@@ -149,23 +154,30 @@ class PythonInstance(ModelInstance):
         except NaiadError:
             raise
         except Exception as exc:
-            raise Internal(f"Failed to process the request(s) for model '{self.name}', message: "
-                           f"{type(exc).__name__}: {exc}") from None
+            raise Internal(
+                f"Failed to process the request(s) for model '{self.name}', message: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         timing.infer_ns += time.monotonic_ns() - t0
         if self.decoupled:
             if result is not None:
-                raise Internal(f"model '{self.ctx.name}' is decoupled: execute must return None and send "
-                               "responses with the response sender")
+                raise Internal(
+                    f"model '{self.ctx.name}' is decoupled: execute must return None and send "
+                    "responses with the response sender"
+                )
             return [None] * len(requests)
         if not isinstance(result, (list, tuple)) or len(result) != len(requests):
             got = len(result) if isinstance(result, (list, tuple)) else type(result).__name__
-            raise Internal(f"model '{self.ctx.name}': execute returned {got} responses for "
-                           f"{len(requests)} requests")
+            raise Internal(
+                f"model '{self.ctx.name}': execute returned {got} responses for {len(requests)} requests"
+            )
         responses: list[InferenceResponse] = []
         for pb_req, _native, resp in zip(pb_requests, requests, result):
             if not isinstance(resp, pb_utils.InferenceResponse):
-                raise Internal(f"model '{self.ctx.name}': execute must return InferenceResponse objects, "
-                               f"got {type(resp).__name__}")
+                raise Internal(
+                    f"model '{self.ctx.name}': execute must return InferenceResponse objects, "
+                    f"got {type(resp).__name__}"
+                )
             out = pb_utils._to_native(pb_req, resp, True)
             for t in out.outputs:
                 if t.datatype == "UINT16" and t.name in self.bf16_outputs:
@@ -188,6 +200,7 @@ class PythonInstance(ModelInstance):
 def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> ModelInstance:
     """In-process or in a worker process, as `python_process.execution_isolation` decides for the model."""
     from .python_process import ProcessInstance, execution_isolation
+
     if execution_isolation(ctx.config) == "process":
         return ProcessInstance(ctx, group, device_id, index)
     return PythonInstance(ctx, group, device_id, index)

@@ -105,12 +105,14 @@ def instance_count(config: ModelConfig) -> int:
 
 
 def execution_isolation(config: ModelConfig) -> str:
-    """"process" or "thread" for a python model: the EXECUTION_ISOLATION parameter, else by instance count."""
+    """ "process" or "thread" for a python model: the EXECUTION_ISOLATION parameter, else by instance count."""
     if ISOLATION_PARAMETER in config.parameters:
         value = config.parameters[ISOLATION_PARAMETER].string_value.strip().lower()
         if value not in ISOLATION_MODES:
-            raise InvalidArgument(f"model '{config.name}': parameter {ISOLATION_PARAMETER} must be "
-                                  f"'process' or 'thread', got '{value}'")
+            raise InvalidArgument(
+                f"model '{config.name}': parameter {ISOLATION_PARAMETER} must be "
+                f"'process' or 'thread', got '{value}'"
+            )
         return value
     return "process" if instance_count(config) > 1 else "thread"
 
@@ -229,37 +231,79 @@ def unpack_array(packed) -> np.ndarray:
 def encode_request(request: InferenceRequest) -> tuple:
     """What of a request crosses the process boundary, as plain values (pickled far faster than dataclasses):
     not its callback, arrival time or trace; of the requested outputs only the names, all a model sees."""
-    return (request.model_name, {n: pack_array(a) for n, a in request.inputs.items()}, request.datatypes,
-            request.model_version, request.id,
-            [o.name for o in request.outputs], request.parameters, request.priority, request.timeout_us,
-            request.correlation_id, request.flags)
+    return (
+        request.model_name,
+        {n: pack_array(a) for n, a in request.inputs.items()},
+        request.datatypes,
+        request.model_version,
+        request.id,
+        [o.name for o in request.outputs],
+        request.parameters,
+        request.priority,
+        request.timeout_us,
+        request.correlation_id,
+        request.flags,
+    )
 
 
 def decode_request(fields: tuple, callback=None) -> InferenceRequest:
-    (model_name, inputs, datatypes, model_version, request_id, outputs, parameters, priority, timeout_us,
-     correlation_id, flags) = fields
-    return InferenceRequest(model_name=model_name, inputs={n: unpack_array(a) for n, a in inputs.items()},
-                            datatypes=datatypes, model_version=model_version, id=request_id,
-                            outputs=[RequestedOutput(n) for n in outputs], parameters=parameters,
-                            priority=priority, timeout_us=timeout_us, correlation_id=correlation_id,
-                            flags=flags, response_callback=callback)
+    (
+        model_name,
+        inputs,
+        datatypes,
+        model_version,
+        request_id,
+        outputs,
+        parameters,
+        priority,
+        timeout_us,
+        correlation_id,
+        flags,
+    ) = fields
+    return InferenceRequest(
+        model_name=model_name,
+        inputs={n: unpack_array(a) for n, a in inputs.items()},
+        datatypes=datatypes,
+        model_version=model_version,
+        id=request_id,
+        outputs=[RequestedOutput(n) for n in outputs],
+        parameters=parameters,
+        priority=priority,
+        timeout_us=timeout_us,
+        correlation_id=correlation_id,
+        flags=flags,
+        response_callback=callback,
+    )
 
 
 def encode_response(response: InferenceResponse | None) -> tuple | None:
     if response is None:
         return None
     outputs = [(o.name, o.datatype, pack_array(o.data)) for o in response.outputs]
-    return (response.model_name, response.model_version, outputs, response.id, response.parameters,
-            response.error, response.final)
+    return (
+        response.model_name,
+        response.model_version,
+        outputs,
+        response.id,
+        response.parameters,
+        response.error,
+        response.final,
+    )
 
 
 def decode_response(fields: tuple | None) -> InferenceResponse | None:
     if fields is None:
         return None
     model_name, model_version, outputs, response_id, parameters, error, final = fields
-    return InferenceResponse(model_name=model_name, model_version=model_version,
-                             outputs=[OutputTensor(n, t, unpack_array(a)) for n, t, a in outputs],
-                             id=response_id, parameters=parameters, error=error, final=final)
+    return InferenceResponse(
+        model_name=model_name,
+        model_version=model_version,
+        outputs=[OutputTensor(n, t, unpack_array(a)) for n, t, a in outputs],
+        id=response_id,
+        parameters=parameters,
+        error=error,
+        final=final,
+    )
 
 
 def transferable_error(exc: BaseException) -> NaiadError:
@@ -316,6 +360,7 @@ class ProcessInstance(ModelInstance):
 
     def _start(self) -> None:
         from . import python_worker
+
         exec_parent, exec_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         side_parent, side_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spec = {
@@ -330,8 +375,11 @@ class ProcessInstance(ModelInstance):
             "log_level": logging.getLogger().getEffectiveLevel(),
         }
         context = multiprocessing.get_context("spawn")
-        process = context.Process(target=python_worker.main, args=(exec_child, side_child, spec),
-                                  name=f"naiad-python-{self.ctx.name}-{self.name}")
+        process = context.Process(
+            target=python_worker.main,
+            args=(exec_child, side_child, spec),
+            name=f"naiad-python-{self.ctx.name}-{self.name}",
+        )
         try:
             process.start()
         except BaseException:
@@ -344,8 +392,9 @@ class ProcessInstance(ModelInstance):
         self._process = process
         self._exec, self._side = Channel(exec_parent), Channel(side_parent)
         _live.add(self)
-        self._reader = threading.Thread(target=self._read_side, daemon=True,
-                                        name=f"naiad-{self.ctx.name}-{self.name}-reader")
+        self._reader = threading.Thread(
+            target=self._read_side, daemon=True, name=f"naiad-{self.ctx.name}-{self.name}-reader"
+        )
         self._reader.start()
         self.pid = self._call(None)
 
@@ -374,8 +423,11 @@ class ProcessInstance(ModelInstance):
         self._exit_expected = True
         self._process.join(10)
         if self._process.is_alive():
-            log.warning("python worker of model '%s' instance '%s' did not exit after finalize; killing it",
-                        self.ctx.name, self.name)
+            log.warning(
+                "python worker of model '%s' instance '%s' did not exit after finalize; killing it",
+                self.ctx.name,
+                self.name,
+            )
             self._process.kill()
             self._process.join(5)
         self._close_channels()
@@ -402,7 +454,8 @@ class ProcessInstance(ModelInstance):
             self._in_flight = set(streams)
         try:
             encoded, started_ns, done_ns, side_sent = self._call(
-                ("execute", [encode_request(r) for r in requests], keys))
+                ("execute", [encode_request(r) for r in requests], keys)
+            )
             responses = [decode_response(r) for r in encoded]
             if self.decoupled:
                 self._wait_side(side_sent)
@@ -428,15 +481,19 @@ class ProcessInstance(ModelInstance):
                 try:
                     self._exec.send(message)
                 except PICKLE_ERRORS as exc:
-                    raise Internal(f"model '{self.ctx.name}': cannot send the request(s) to the python "
-                                   f"worker of instance '{self.name}': {exc}") from None
+                    raise Internal(
+                        f"model '{self.ctx.name}': cannot send the request(s) to the python "
+                        f"worker of instance '{self.name}': {exc}"
+                    ) from None
             try:
                 reply = self._exec.recv()
             except (EOFError, OSError):
                 raise
             except Exception as exc:
-                raise Internal(f"model '{self.ctx.name}': cannot decode the reply of the python worker of "
-                               f"instance '{self.name}': {type(exc).__name__}: {exc}") from None
+                raise Internal(
+                    f"model '{self.ctx.name}': cannot decode the reply of the python worker of "
+                    f"instance '{self.name}': {type(exc).__name__}: {exc}"
+                ) from None
         except (EOFError, OSError):
             raise self._worker_gone() from None
         _, value, error = reply
@@ -479,8 +536,17 @@ class ProcessInstance(ModelInstance):
             _, name, level, text = message
             logger = logging.getLogger(name)
             if logger.isEnabledFor(level):
-                logger.handle(logging.makeLogRecord({"name": name, "levelno": level, "msg": text,
-                                                     "args": None, "levelname": logging.getLevelName(level)}))
+                logger.handle(
+                    logging.makeLogRecord(
+                        {
+                            "name": name,
+                            "levelno": level,
+                            "msg": text,
+                            "args": None,
+                            "levelname": logging.getLevelName(level),
+                        }
+                    )
+                )
 
     def _deliver(self, key: int, response: InferenceResponse) -> None:
         """A decoupled response: hand it to the request's callback; tell the worker once it is cancelled."""
@@ -511,8 +577,14 @@ class ProcessInstance(ModelInstance):
             pass
         except PICKLE_ERRORS as exc:  # e.g. a BLS response holding objects that do not pickle
             if message[0] in ("bls_reply", "bls_stream"):
-                self._send_side(("bls_reply", message[1], None,
-                                 Internal(f"cannot send the BLS response to the python worker: {exc}")))
+                self._send_side(
+                    (
+                        "bls_reply",
+                        message[1],
+                        None,
+                        Internal(f"cannot send the BLS response to the python worker: {exc}"),
+                    )
+                )
 
     def _start_bls(self, bls: int, fields: tuple, decoupled: bool) -> None:
         """Run a BLS request of the worker on the server loop; the result goes back as side messages."""
@@ -560,9 +632,15 @@ class ProcessInstance(ModelInstance):
             log.error("%s", error)
         for native in ended:
             try:
-                native.response_callback(InferenceResponse(
-                    model_name=native.model_name, model_version=str(native.model_version), id=native.id,
-                    error=error, final=True))
+                native.response_callback(
+                    InferenceResponse(
+                        model_name=native.model_name,
+                        model_version=str(native.model_version),
+                        id=native.id,
+                        error=error,
+                        final=True,
+                    )
+                )
             except Exception:
                 log.exception("ending a stream of model '%s' failed", self.ctx.name)
         return error
@@ -579,6 +657,8 @@ class ProcessInstance(ModelInstance):
                     reason = f"killed by {signal.Signals(-code).name}"
                 except ValueError:
                     pass
-        return Internal(f"Failed to process the request(s) for model '{self.name}', message: the python "
-                        f"worker process (pid {self._process.pid}) of model '{self.ctx.name}' exited "
-                        f"unexpectedly ({reason}); reload the model to restart it")
+        return Internal(
+            f"Failed to process the request(s) for model '{self.name}', message: the python "
+            f"worker process (pid {self._process.pid}) of model '{self.ctx.name}' exited "
+            f"unexpectedly ({reason}); reload the model to restart it"
+        )

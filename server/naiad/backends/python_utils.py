@@ -44,8 +44,23 @@ TRITONSERVER_TYPE_FP64 = 12
 TRITONSERVER_TYPE_BYTES = 13
 TRITONSERVER_TYPE_BF16 = 14
 
-_TYPE_NAMES = ["INVALID", "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-               "FP16", "FP32", "FP64", "BYTES", "BF16"]
+_TYPE_NAMES = [
+    "INVALID",
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+    "BF16",
+]
 _TYPE_BY_NAME = {n: i for i, n in enumerate(_TYPE_NAMES)}
 
 
@@ -63,6 +78,7 @@ TRITONSERVER_MEMORY_GPU = 2
 
 
 # ---- datatype helpers ----
+
 
 def triton_to_numpy_type(data_type: int):
     name = _TYPE_NAMES[data_type] if 0 <= data_type < len(_TYPE_NAMES) else "INVALID"
@@ -103,6 +119,7 @@ def deserialize_bytes_tensor(encoded_tensor) -> np.ndarray:
 
 # ---- errors ----
 
+
 class TritonError(Exception):
     UNKNOWN = 0
     INTERNAL = 1
@@ -138,6 +155,7 @@ class TritonModelException(Exception):
 
 
 # ---- tensors ----
+
 
 class Tensor:
     """A named tensor held as a numpy array (zero-copy views where the request allows)."""
@@ -217,6 +235,7 @@ def _target():
 
 # ---- requests and responses ----
 
+
 class InferenceResponse:
     def __init__(self, output_tensors=None, error: TritonError | None = None, parameters=None):
         self._outputs = list(output_tensors or [])
@@ -256,7 +275,9 @@ class InferenceResponseSender:
             if final:
                 self._closed = True
         if response is None and not final:
-            raise TritonModelException("Inference Response object must be provided when the flags is not FINAL")
+            raise TritonModelException(
+                "Inference Response object must be provided when the flags is not FINAL"
+            )
         deliver = self._request._native.response_callback
         if deliver is None:
             raise TritonModelException("this request does not accept decoupled responses")
@@ -269,9 +290,21 @@ class InferenceResponseSender:
 class InferenceRequest:
     """Incoming request handed to `execute`, or a BLS request built by a model and sent with exec()."""
 
-    def __init__(self, model_name: str = "", inputs=None, requested_output_names=None, model_version: int = -1,
-                 correlation_id: int | str = 0, request_id: str = "", flags: int = 0, timeout: int = 0,
-                 preferred_memory=None, trace=None, parameters=None, **_ignored):
+    def __init__(
+        self,
+        model_name: str = "",
+        inputs=None,
+        requested_output_names=None,
+        model_version: int = -1,
+        correlation_id: int | str = 0,
+        request_id: str = "",
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory=None,
+        trace=None,
+        parameters=None,
+        **_ignored,
+    ):
         self._model_name = model_name
         self._inputs = list(inputs or [])
         self._requested = list(requested_output_names or [])
@@ -338,15 +371,22 @@ class InferenceRequest:
     def _native_request(self):
         from ..inference import InferenceRequest as Native
         from ..inference import RequestedOutput
+
         inputs, datatypes = {}, {}
         for t in self._inputs:
             inputs[t.name()] = t.as_numpy()
             datatypes[t.name()] = t._datatype
         return Native(
-            model_name=self._model_name, inputs=inputs, datatypes=datatypes,
-            model_version=int(self._model_version), id=self._request_id,
-            outputs=[RequestedOutput(n) for n in self._requested], parameters=dict(self._parameters),
-            timeout_us=self._timeout, correlation_id=self._correlation_id, flags=self._flags,
+            model_name=self._model_name,
+            inputs=inputs,
+            datatypes=datatypes,
+            model_version=int(self._model_version),
+            id=self._request_id,
+            outputs=[RequestedOutput(n) for n in self._requested],
+            parameters=dict(self._parameters),
+            timeout_us=self._timeout,
+            correlation_id=self._correlation_id,
+            flags=self._flags,
         )
 
     def exec(self, decoupled: bool = False):
@@ -372,6 +412,7 @@ class _ResponseIterator:
 
     def __init__(self, server, loop, native):
         import queue
+
         self._queue: queue.Queue = queue.Queue()
         self._done = False
 
@@ -409,8 +450,9 @@ class _ResponseIterator:
 def _from_native_response(resp) -> InferenceResponse:
     if resp.error is not None:
         return InferenceResponse(error=TritonError(str(resp.error)))
-    return InferenceResponse([Tensor(o.name, o.data, o.datatype) for o in resp.outputs],
-                             parameters=resp.parameters)
+    return InferenceResponse(
+        [Tensor(o.name, o.data, o.datatype) for o in resp.outputs], parameters=resp.parameters
+    )
 
 
 def _from_native_result(fut) -> InferenceResponse:
@@ -425,19 +467,35 @@ def _to_native(request: InferenceRequest, response: InferenceResponse | None, fi
     Native, OutputTensor, Internal = _NativeResponse, _OutputTensor, _Internal
     native = request._native
     if response is None:
-        return Native(model_name=native.model_name, model_version=str(native.model_version),
-                      id=native.id, final=final)
+        return Native(
+            model_name=native.model_name, model_version=str(native.model_version), id=native.id, final=final
+        )
     if response.has_error():
-        return Native(model_name=native.model_name, model_version=str(native.model_version), id=native.id,
-                      error=Internal(response.error().message()), final=final)
+        return Native(
+            model_name=native.model_name,
+            model_version=str(native.model_version),
+            id=native.id,
+            error=Internal(response.error().message()),
+            final=final,
+        )
     requested = set(request._requested) if native.outputs else None
-    outputs = [OutputTensor(t.name(), t._datatype, t.as_numpy()) for t in response.output_tensors()
-               if requested is None or t.name() in requested]
-    return Native(model_name=native.model_name, model_version=str(native.model_version), outputs=outputs,
-                  id=native.id, parameters=response._parameters, final=final)
+    outputs = [
+        OutputTensor(t.name(), t._datatype, t.as_numpy())
+        for t in response.output_tensors()
+        if requested is None or t.name() in requested
+    ]
+    return Native(
+        model_name=native.model_name,
+        model_version=str(native.model_version),
+        outputs=outputs,
+        id=native.id,
+        parameters=response._parameters,
+        final=final,
+    )
 
 
 # ---- lookups ----
+
 
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
     for t in inference_request.inputs():
@@ -469,6 +527,7 @@ def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
 
 # ---- logging ----
 
+
 class Logger:
     INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
 
@@ -499,6 +558,7 @@ class LogLevel:
 
 # ---- auto_complete_config ----
 
+
 class ModelConfig:
     """The object `TritonPythonModel.auto_complete_config` receives and returns."""
 
@@ -527,8 +587,10 @@ class ModelConfig:
             raise ValueError(f"model {kind} must be specified as a dict")
         for key in ("name", "data_type", "dims"):
             if key not in spec:
-                raise ValueError(f"model {kind} in auto-complete-config for model "
-                                 f"'{self._config.get('name')}' must have '{key}'")
+                raise ValueError(
+                    f"model {kind} in auto-complete-config for model "
+                    f"'{self._config.get('name')}' must have '{key}'"
+                )
         entries = self._config.setdefault(kind, [])
         for entry in entries:
             if entry.get("name") == spec["name"]:
@@ -551,4 +613,3 @@ class ModelConfig:
 
     def add_input_tensor(self, input: dict) -> None:
         self.add_input(input)
-

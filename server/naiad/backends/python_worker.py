@@ -47,8 +47,9 @@ class RemoteServer:
         self._channel = channel
         self._ids = itertools.count(1)
         # bls id -> (its loop, the future of `infer` or the queue of `infer_stream`)
-        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future | None,
-                                     asyncio.Queue | None]] = {}
+        self._calls: dict[
+            int, tuple[asyncio.AbstractEventLoop, asyncio.Future | None, asyncio.Queue | None]
+        ] = {}
         self._lock = threading.Lock()
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
@@ -175,9 +176,15 @@ class Worker:
     def _start(self) -> PythonInstance | None:
         spec = self.spec
         config = mc.ModelConfig.FromString(spec["config"])
-        ctx = ModelContext(name=spec["name"], version=spec["version"], config=config,
-                           model_dir=Path(spec["model_dir"]), version_dir=Path(spec["version_dir"]),
-                           server=self.server, loop=self.bls_loop)
+        ctx = ModelContext(
+            name=spec["name"],
+            version=spec["version"],
+            config=config,
+            model_dir=Path(spec["model_dir"]),
+            version_dir=Path(spec["version_dir"]),
+            server=self.server,
+            loop=self.bls_loop,
+        )
         group = mc.ModelInstanceGroup.FromString(spec["group"])
         try:
             instance = PythonInstance(ctx, group, spec["device_id"], spec["index"])
@@ -217,8 +224,16 @@ class Worker:
         try:
             self.exec.send(("reply", value, error))
         except PICKLE_ERRORS as exc:  # e.g. an output tensor of objects that do not pickle
-            self.exec.send(("reply", None, Internal(f"model '{self.spec['name']}': cannot send the result to "
-                                                    f"the server: {type(exc).__name__}: {exc}")))
+            self.exec.send(
+                (
+                    "reply",
+                    None,
+                    Internal(
+                        f"model '{self.spec['name']}': cannot send the result to "
+                        f"the server: {type(exc).__name__}: {exc}"
+                    ),
+                )
+            )
 
     def _read_side(self) -> None:
         while True:

@@ -20,9 +20,15 @@ _INDEXED = re.compile(r"^(.*)__(\d+)$")
 _threads_lock = threading.Lock()
 
 _TORCH_TO_CONFIG = {
-    "torch.float32": mc.TYPE_FP32, "torch.float64": mc.TYPE_FP64, "torch.float16": mc.TYPE_FP16,
-    "torch.bfloat16": mc.TYPE_BF16, "torch.int8": mc.TYPE_INT8, "torch.int16": mc.TYPE_INT16,
-    "torch.int32": mc.TYPE_INT32, "torch.int64": mc.TYPE_INT64, "torch.uint8": mc.TYPE_UINT8,
+    "torch.float32": mc.TYPE_FP32,
+    "torch.float64": mc.TYPE_FP64,
+    "torch.float16": mc.TYPE_FP16,
+    "torch.bfloat16": mc.TYPE_BF16,
+    "torch.int8": mc.TYPE_INT8,
+    "torch.int16": mc.TYPE_INT16,
+    "torch.int32": mc.TYPE_INT32,
+    "torch.int64": mc.TYPE_INT64,
+    "torch.uint8": mc.TYPE_UINT8,
     "torch.bool": mc.TYPE_BOOL,
 }
 
@@ -31,7 +37,9 @@ def _torch():
     try:
         import torch
     except ImportError:
-        raise Unavailable("the pytorch backend needs the 'torch' package: pip install 'naiad[torch]'") from None
+        raise Unavailable(
+            "the pytorch backend needs the 'torch' package: pip install 'naiad[torch]'"
+        ) from None
     return torch
 
 
@@ -72,7 +80,7 @@ def auto_complete(config: ModelConfig, model_file: Path) -> None:
         raise InvalidArgument(
             f"model '{config.name}': a TorchScript model does not record its input types; declare its "
             f"inputs in config.pbtxt (forward takes: {', '.join(args) or 'no tensors'}), "
-            "for example: input [ { name: \"INPUT__0\" data_type: TYPE_FP32 dims: [ -1 ] } ]"
+            'for example: input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ -1 ] } ]'
         )
     torch = _torch()
     feed = []

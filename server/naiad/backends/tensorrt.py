@@ -60,9 +60,13 @@ def _trt_logger(trt):
     logger = _loggers.get(trt)
     if logger is None:
         levels = {}
-        for name, level in (("INTERNAL_ERROR", logging.CRITICAL), ("ERROR", logging.ERROR),
-                            ("WARNING", logging.WARNING), ("INFO", logging.DEBUG),
-                            ("VERBOSE", logging.DEBUG)):
+        for name, level in (
+            ("INTERNAL_ERROR", logging.CRITICAL),
+            ("ERROR", logging.ERROR),
+            ("WARNING", logging.WARNING),
+            ("INFO", logging.DEBUG),
+            ("VERBOSE", logging.DEBUG),
+        ):
             sev = getattr(trt.ILogger.Severity, name, None)
             if sev is not None:
                 levels[sev] = level
@@ -96,7 +100,8 @@ def _load_engine(trt, path: Path, device_id: int):
     if engine is None:
         raise InvalidArgument(
             f"failed to deserialize TensorRT plan {path} on GPU {device_id}: a plan only loads with the "
-            f"TensorRT version and GPU architecture it was built for (this is TensorRT {trt.__version__})")
+            f"TensorRT version and GPU architecture it was built for (this is TensorRT {trt.__version__})"
+        )
     return runtime, engine
 
 
@@ -121,13 +126,18 @@ def _describe(trt, engine, model: str) -> list[_Tensor]:
         if type_name not in _TRT_TYPES:
             raise InvalidArgument(
                 f"model '{model}': TensorRT tensor '{name}' has type {type_name}, which Naiad cannot "
-                f"exchange (supported: {', '.join(sorted(_TRT_TYPES))})")
+                f"exchange (supported: {', '.join(sorted(_TRT_TYPES))})"
+            )
         if engine.is_shape_inference_io(name):
-            raise InvalidArgument(f"model '{model}': TensorRT tensor '{name}' is a shape tensor; engines "
-                                  "with shape tensors are not supported")
+            raise InvalidArgument(
+                f"model '{model}': TensorRT tensor '{name}' is a shape tensor; engines "
+                "with shape tensors are not supported"
+            )
         if engine.get_tensor_location(name) != trt.TensorLocation.DEVICE:
-            raise InvalidArgument(f"model '{model}': TensorRT tensor '{name}' lives in host memory; only "
-                                  "device-resident I/O is supported")
+            raise InvalidArgument(
+                f"model '{model}': TensorRT tensor '{name}' lives in host memory; only "
+                "device-resident I/O is supported"
+            )
         config_type, dtype = _TRT_TYPES[type_name]
         t = _Tensor(name, is_input, config_type, dtype, [int(d) for d in engine.get_tensor_shape(name)])
         if is_input:
@@ -193,7 +203,8 @@ class TensorRTInstance(TensorInstance):
             raise InvalidArgument(
                 f"model '{ctx.name}': instance group '{group.name}' is "
                 f"{mc.ModelInstanceGroup.Kind.Name(group.kind)}, but the tensorrt backend only runs on GPU "
-                "instances (KIND_GPU)")
+                "instances (KIND_GPU)"
+            )
         _need_gpu(f"model '{ctx.name}'")
         self.rt = gpu.cudart()
         self.trt = trt
@@ -210,10 +221,13 @@ class TensorRTInstance(TensorInstance):
             self._validate(ctx)
             self.context = self.engine.create_execution_context()
             if self.context is None:
-                raise Internal(f"model '{ctx.name}': TensorRT could not create an execution context on GPU "
-                               f"{device_id} (out of device memory?)")
-            self.stream = gpu.check(self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking),
-                                    "cudaStreamCreateWithFlags")
+                raise Internal(
+                    f"model '{ctx.name}': TensorRT could not create an execution context on GPU "
+                    f"{device_id} (out of device memory?)"
+                )
+            self.stream = gpu.check(
+                self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"
+            )
             self.stream_handle = int(self.stream)
             self.profile = 0
             self.nprofiles = self.engine.num_optimization_profiles
@@ -223,34 +237,44 @@ class TensorRTInstance(TensorInstance):
 
     def _validate(self, ctx: ModelContext) -> None:
         config = ctx.config
-        for kind, declared, engine_side in (("input", config.input, self.inputs),
-                                            ("output", config.output, self.outputs)):
+        for kind, declared, engine_side in (
+            ("input", config.input, self.inputs),
+            ("output", config.output, self.outputs),
+        ):
             for t in declared:
                 e = engine_side.get(t.name)
                 if e is None:
                     raise InvalidArgument(
                         f"model '{ctx.name}': {kind} '{t.name}' is not an {kind} of the TensorRT engine "
-                        f"(engine {kind}s: {', '.join(engine_side) or 'none'})")
+                        f"(engine {kind}s: {', '.join(engine_side) or 'none'})"
+                    )
                 if t.data_type != e.config_type:
                     raise InvalidArgument(
                         f"model '{ctx.name}': {kind} '{t.name}' is {data_type_name(t.data_type)} in the "
-                        f"config but {data_type_name(e.config_type)} in the TensorRT engine")
+                        f"config but {data_type_name(e.config_type)} in the TensorRT engine"
+                    )
         missing = [n for n in self.inputs if n not in {t.name for t in config.input}]
         if missing:
-            raise InvalidArgument(f"model '{ctx.name}': the TensorRT engine's inputs {missing} are not "
-                                  "declared in the config")
+            raise InvalidArgument(
+                f"model '{ctx.name}': the TensorRT engine's inputs {missing} are not declared in the config"
+            )
         if config.max_batch_size > 0:
-            fixed = [t.name for t in (*self.inputs.values(), *self.outputs.values())
-                     if not t.shape or t.shape[0] != -1]
+            fixed = [
+                t.name
+                for t in (*self.inputs.values(), *self.outputs.values())
+                if not t.shape or t.shape[0] != -1
+            ]
             if fixed:
                 raise InvalidArgument(
                     f"model '{ctx.name}': max_batch_size is {config.max_batch_size} but the TensorRT "
-                    f"engine's tensors {fixed} have no dynamic first (batch) dimension")
+                    f"engine's tensors {fixed} have no dynamic first (batch) dimension"
+                )
             limit = _engine_max_batch([*self.inputs.values(), *self.outputs.values()])
             if config.max_batch_size > limit:
                 raise InvalidArgument(
                     f"model '{ctx.name}': max_batch_size {config.max_batch_size} exceeds the largest batch "
-                    f"the TensorRT engine's optimisation profiles allow ({limit})")
+                    f"the TensorRT engine's optimisation profiles allow ({limit})"
+                )
 
     # ---- buffers ----
     @staticmethod
@@ -295,10 +319,13 @@ class TensorRTInstance(TensorInstance):
         ranges = "; ".join(
             f"profile {p}: "
             + ", ".join(f"{n} {t.profiles[p][0]}..{t.profiles[p][2]}" for n, t in self.inputs.items())
-            for p in range(self.nprofiles))
+            for p in range(self.nprofiles)
+        )
         got = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
-        raise InvalidArgument(f"model '{self.ctx.name}': input shapes ({got}) fit none of the TensorRT "
-                              f"engine's optimisation profiles ({ranges})")
+        raise InvalidArgument(
+            f"model '{self.ctx.name}': input shapes ({got}) fit none of the TensorRT "
+            f"engine's optimisation profiles ({ranges})"
+        )
 
     def warmup_thread_init(self) -> None:
         gpu.set_device(self.device_id)
@@ -323,8 +350,10 @@ class TensorRTInstance(TensorInstance):
         h2d = rt.cudaMemcpyKind.cudaMemcpyHostToDevice
         for name, arr in arrays.items():
             if not context.set_input_shape(name, shapes[name]):
-                raise InvalidArgument(f"model '{self.ctx.name}': TensorRT rejected shape "
-                                      f"{list(shapes[name])} for input '{name}'")
+                raise InvalidArgument(
+                    f"model '{self.ctx.name}': TensorRT rejected shape "
+                    f"{list(shapes[name])} for input '{name}'"
+                )
             dtype = self.inputs[name].dtype
             nbytes = arr.size * dtype.itemsize
             dptr = self._device(name, nbytes)
@@ -338,8 +367,10 @@ class TensorRTInstance(TensorInstance):
         for name, t in self.outputs.items():
             shape = tuple(int(d) for d in context.get_tensor_shape(name))
             if any(d < 0 for d in shape):
-                raise Unsupported(f"model '{self.ctx.name}': output '{name}' has a data-dependent shape "
-                                  f"{list(shape)}, which the tensorrt backend does not support")
+                raise Unsupported(
+                    f"model '{self.ctx.name}': output '{name}' has a data-dependent shape "
+                    f"{list(shape)}, which the tensorrt backend does not support"
+                )
             out_shapes[name] = shape
             nbytes = int(np.prod(shape, dtype=np.int64)) * t.dtype.itemsize
             context.set_tensor_address(name, self._device(name, nbytes))
@@ -357,8 +388,9 @@ class TensorRTInstance(TensorInstance):
             if nbytes:
                 hptr, view = self._host(name, nbytes)
                 dptr = self._device_buffers[name][0]
-                gpu.check(rt.cudaMemcpyAsync(hptr, dptr, nbytes, d2h, self.stream),
-                          "cudaMemcpyAsync (output)")
+                gpu.check(
+                    rt.cudaMemcpyAsync(hptr, dptr, nbytes, d2h, self.stream), "cudaMemcpyAsync (output)"
+                )
                 staged[name] = (view, count, t.dtype)
             else:
                 staged[name] = (None, 0, t.dtype)
@@ -369,7 +401,7 @@ class TensorRTInstance(TensorInstance):
                 results[name] = np.empty(out_shapes[name], dtype=dtype)
             else:
                 # The pinned buffer is reused by the next execution: the response gets its own array.
-                results[name] = view[:count * dtype.itemsize].view(dtype).reshape(out_shapes[name]).copy()
+                results[name] = view[: count * dtype.itemsize].view(dtype).reshape(out_shapes[name]).copy()
         return results
 
     def close(self):

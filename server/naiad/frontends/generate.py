@@ -28,8 +28,10 @@ def decode(mv, body: dict, version: int) -> InferenceRequest:
             continue
         spec = mv.inputs.get(key)
         if spec is None:
-            raise InvalidArgument(f"generate request for model '{mv.name}' has unexpected key '{key}' "
-                                  f"(model inputs: {', '.join(mv.inputs) or 'none'})")
+            raise InvalidArgument(
+                f"generate request for model '{mv.name}' has unexpected key '{key}' "
+                f"(model inputs: {', '.join(mv.inputs) or 'none'})"
+            )
         values = value if isinstance(value, list) else [value]
         shape = [len(values)]
         if mv.max_batch_size > 0:
@@ -37,8 +39,14 @@ def decode(mv, body: dict, version: int) -> InferenceRequest:
         inputs[key] = tensors.from_json_data(spec.datatype, values, shape)
         datatypes[key] = spec.datatype
     req_id = body.get("id", "")
-    request = InferenceRequest(model_name=mv.name, inputs=inputs, datatypes=datatypes, model_version=version,
-                               id=str(req_id), parameters=params)
+    request = InferenceRequest(
+        model_name=mv.name,
+        inputs=inputs,
+        datatypes=datatypes,
+        model_version=version,
+        id=str(req_id),
+        parameters=params,
+    )
     request_options(request, params)
     return request
 
@@ -48,7 +56,10 @@ def encode(resp: InferenceResponse) -> dict:
     if resp.id:
         out["id"] = resp.id
     for t in resp.outputs:
-        values = tensors.to_json_data(t.data, t.datatype) if t.datatype in ("BYTES", "BF16") else \
-            np.asarray(t.data).reshape(-1).tolist()
+        values = (
+            tensors.to_json_data(t.data, t.datatype)
+            if t.datatype in ("BYTES", "BF16")
+            else np.asarray(t.data).reshape(-1).tolist()
+        )
         out[t.name] = values[0] if len(values) == 1 else values
     return out

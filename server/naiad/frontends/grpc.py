@@ -21,9 +21,18 @@ log = logging.getLogger("naiad.grpc")
 
 # InferTensorContents field per datatype
 _CONTENTS = {
-    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
-    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
-    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
 }
 
 MAX_MESSAGE = 2**31 - 1
@@ -61,7 +70,9 @@ def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
         else:
             field = _CONTENTS.get(datatype)
             if field is None:
-                raise InvalidArgument(f"input '{name}': datatype {datatype} must be sent in raw_input_contents")
+                raise InvalidArgument(
+                    f"input '{name}': datatype {datatype} must be sent in raw_input_contents"
+                )
             values = getattr(t.contents, field)
             count = tensors.element_count(shape)
             if len(values) != count:
@@ -79,13 +90,22 @@ def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
     # (protobuf containers cost ~2 us to iterate even when empty: look before iterating)
     params = {k: param_value(v) for k, v in req.parameters.items()} if req.parameters else {}
     outputs = []
-    for o in (req.outputs if len(req.outputs) else ()):
+    for o in req.outputs if len(req.outputs) else ():
         oparams = {k: param_value(v) for k, v in o.parameters.items()} if o.parameters else {}
-        outputs.append(RequestedOutput(o.name, binary=True, classification=int(oparams.get("classification", 0)),
-                                       parameters=oparams))
-    request = InferenceRequest(model_name=req.model_name, inputs=inputs, datatypes=datatypes,
-                               model_version=parse_version(req.model_version),
-                               id=req.id, outputs=outputs, parameters=params)
+        outputs.append(
+            RequestedOutput(
+                o.name, binary=True, classification=int(oparams.get("classification", 0)), parameters=oparams
+            )
+        )
+    request = InferenceRequest(
+        model_name=req.model_name,
+        inputs=inputs,
+        datatypes=datatypes,
+        model_version=parse_version(req.model_version),
+        id=req.id,
+        outputs=outputs,
+        parameters=params,
+    )
     request_options(request, params)
     return request
 
@@ -101,7 +121,9 @@ def _set_param(p, value) -> None:
         p.string_param = str(value)
 
 
-def encode_response(resp: InferenceResponse, request: InferenceRequest | None, shm=None) -> pb.ModelInferResponse:
+def encode_response(
+    resp: InferenceResponse, request: InferenceRequest | None, shm=None
+) -> pb.ModelInferResponse:
     out = pb.ModelInferResponse(model_name=resp.model_name, model_version=resp.model_version, id=resp.id)
     for k, v in resp.parameters.items():
         _set_param(out.parameters[k], v)
@@ -180,13 +202,17 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request, context):
         resp = pb.RepositoryIndexResponse()
         for e in self.server.repository.index(request.ready):
-            resp.models.add(name=e["name"], version=e.get("version", ""), state=e.get("state", ""),
-                            reason=e.get("reason", ""))
+            resp.models.add(
+                name=e["name"],
+                version=e.get("version", ""),
+                state=e.get("state", ""),
+                reason=e.get("reason", ""),
+            )
         return resp
 
     async def RepositoryModelLoad(self, request, context):
         params = {k: param_value(v) for k, v in request.parameters.items()}
-        files = {k[len("file:"):]: v for k, v in params.items() if k.startswith("file:")}
+        files = {k[len("file:") :]: v for k, v in params.items() if k.startswith("file:")}
         try:
             await self.server.load_model(request.model_name, params.get("config") or None, files or None)
         except NaiadError as exc:
@@ -226,8 +252,9 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
                 mv = self.server.repository.get(req.model_name, req.model_version)
                 if not mv.decoupled:
                     resp = await self.server.infer(req)
-                    queue.put_nowait(pb.ModelStreamInferResponse(infer_response=encode_response(resp, req,
-                                                                                                self.shm)))
+                    queue.put_nowait(
+                        pb.ModelStreamInferResponse(infer_response=encode_response(resp, req, self.shm))
+                    )
                     return
                 async for resp in self.server.infer_stream(req):
                     if resp.error is not None:
@@ -242,10 +269,14 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
                     queue.put_nowait(pb.ModelStreamInferResponse(infer_response=out))
             except Exception as exc:
                 err = as_naiad_error(exc)
-                queue.put_nowait(pb.ModelStreamInferResponse(
-                    error_message=err.message,
-                    infer_response=pb.ModelInferResponse(model_name=msg.model_name,
-                                                         model_version=msg.model_version, id=msg.id)))
+                queue.put_nowait(
+                    pb.ModelStreamInferResponse(
+                        error_message=err.message,
+                        infer_response=pb.ModelInferResponse(
+                            model_name=msg.model_name, model_version=msg.model_version, id=msg.id
+                        ),
+                    )
+                )
 
         async def reader() -> None:
             try:
@@ -285,23 +316,27 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def TraceSetting(self, request, context):
         if request.model_name and request.model_name not in self.server.repository.records:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"Request for unknown model : {request.model_name}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"Request for unknown model : {request.model_name}"
+            )
         return await self._ext(context, self.trace_ext, "grpc", request)
 
     async def CudaSharedMemoryStatus(self, request, context):
         if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
             return await self._ext(context, self.shm.cuda, "status_grpc", request)
         if request.name:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"Unable to find cuda shared memory region: '{request.name}'")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"Unable to find cuda shared memory region: '{request.name}'"
+            )
         return pb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request, context):
         if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
             return await self._ext(context, self.shm.cuda, "register_grpc", request)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            "CUDA shared memory is not supported by this server: it needs a CUDA device")
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "CUDA shared memory is not supported by this server: it needs a CUDA device",
+        )
 
     async def CudaSharedMemoryUnregister(self, request, context):
         if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
@@ -318,12 +353,20 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
 
 _GROUPS = {
-    "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
-    "ServerMetadata": "metadata", "ModelMetadata": "metadata",
-    "ModelInfer": "inference", "ModelStreamInfer": "inference",
-    "ModelConfig": "model-config", "ModelStatistics": "statistics",
-    "RepositoryIndex": "model-repository", "RepositoryModelLoad": "model-repository",
-    "RepositoryModelUnload": "model-repository", "TraceSetting": "trace", "LogSettings": "logging",
+    "ServerLive": "health",
+    "ServerReady": "health",
+    "ModelReady": "health",
+    "ServerMetadata": "metadata",
+    "ModelMetadata": "metadata",
+    "ModelInfer": "inference",
+    "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config",
+    "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository",
+    "RepositoryModelLoad": "model-repository",
+    "RepositoryModelUnload": "model-repository",
+    "TraceSetting": "trace",
+    "LogSettings": "logging",
 }
 
 
@@ -347,6 +390,7 @@ class _Health:
 
     def __init__(self):
         from grpc_health.v1 import health_pb2
+
         self.pb = health_pb2
         self.status: dict[str, int] = {}
         self.changed = asyncio.Event()
@@ -402,7 +446,9 @@ _SERVING_NAMES = ("", "inference.GRPCInferenceService")
 class GrpcFrontend:
     """`implementation`: "naiad" (our HTTP/2 server, h2grpc.py) or "grpcio" (grpc.aio)."""
 
-    def __init__(self, server: Server, shm=None, restricted: dict | None = None, implementation: str = "naiad"):
+    def __init__(
+        self, server: Server, shm=None, restricted: dict | None = None, implementation: str = "naiad"
+    ):
         self.server = server
         self.servicer = _Servicer(server, shm, server.log_settings, server.tracer)
         self.restricted = restricted or {}
@@ -418,12 +464,17 @@ class GrpcFrontend:
 
     async def _start_h2(self, host: str, port: int) -> None:
         from . import h2grpc
-        methods = h2grpc.service_methods(pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.servicer,
-                                         api_group)
+
+        methods = h2grpc.service_methods(
+            pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.servicer, api_group
+        )
         try:
             from grpc_health.v1 import health_pb2
+
             self._health = _Health()
-            methods.update(h2grpc.service_methods(health_pb2.DESCRIPTOR.services_by_name["Health"], self._health))
+            methods.update(
+                h2grpc.service_methods(health_pb2.DESCRIPTOR.services_by_name["Health"], self._health)
+            )
         except ImportError:
             log.warning("grpcio-health-checking is not installed: grpc.health.v1 is not served")
         authorize = None
@@ -431,8 +482,10 @@ class GrpcFrontend:
             rules = self.restricted
 
             def authorize(method, metadata):
-                return _denial(rules, method.group, ((k.decode("latin-1"), v.decode("latin-1"))
-                                                     for k, v in metadata))
+                return _denial(
+                    rules, method.group, ((k.decode("latin-1"), v.decode("latin-1")) for k, v in metadata)
+                )
+
         self._grpc = h2grpc.H2GrpcServer(methods, authorize)
         try:
             await self._grpc.start(host, port)
@@ -444,6 +497,7 @@ class GrpcFrontend:
         if self._health is None:
             return
         from grpc_health.v1 import health_pb2
+
         value = health_pb2.HealthCheckResponse.ServingStatus.Value(status)
         for svc in _SERVING_NAMES:
             result = self._health.set(svc, value)
@@ -461,6 +515,7 @@ class GrpcFrontend:
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, self._grpc)
         try:
             from grpc_health.v1 import health, health_pb2_grpc
+
             self._health = health.aio.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         except ImportError:

@@ -35,7 +35,9 @@ log = logging.getLogger("naiad.grpc")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # frame types and flags (RFC 9113 section 6)
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    range(10)
+)
 END_STREAM = ACK = 0x1
 END_HEADERS = 0x4
 PADDED = 0x8
@@ -50,13 +52,13 @@ S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS = 1, 2, 3
 S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 4, 5, 6
 
 MAX_WINDOW = 2**31 - 1
-RECV_STREAM_WINDOW = 1 << 24    # what each stream may send us before we acknowledge
-RECV_CONN_WINDOW = 1 << 30      # the same for the whole connection
-RECV_MAX_FRAME = 1 << 20        # fewer frames for large tensors
+RECV_STREAM_WINDOW = 1 << 24  # what each stream may send us before we acknowledge
+RECV_CONN_WINDOW = 1 << 30  # the same for the whole connection
+RECV_MAX_FRAME = 1 << 20  # fewer frames for large tensors
 MAX_HEADER_LIST = 1 << 20
 MAX_MESSAGE = 2**31 - 1
 
-_FRAME = struct.Struct(">IBI")      # (length << 8 | type), flags, stream id
+_FRAME = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
 _MSG_PREFIX = struct.Struct(">BI")  # gRPC message: compressed flag, length
 
 
@@ -157,7 +159,7 @@ class Stream:
         self.method: Method | None = None
         self.metadata: list[tuple[bytes, bytes]] = []
         self.encoding = b""
-        self.body: list = []            # unary request: DATA payloads until END_STREAM
+        self.body: list = []  # unary request: DATA payloads until END_STREAM
         self.received = 0
         self.unacked = 0
         self.send_window = send_window
@@ -167,7 +169,7 @@ class Stream:
         self.remote_closed = False
         self.done = False
         self.task: asyncio.Task | None = None
-        self.queue: asyncio.Queue | None = None     # client streaming: complete messages, then None
+        self.queue: asyncio.Queue | None = None  # client streaming: complete messages, then None
         self.inbuf: bytearray | None = None
 
     # -- the grpc.aio ServicerContext subset --
@@ -204,7 +206,7 @@ def _split_messages(buf: bytearray, encoding: bytes) -> list:
         compressed, length = _MSG_PREFIX.unpack_from(buf, pos)
         if len(buf) - pos - 5 < length:
             break
-        payload = bytes(buf[pos + 5:pos + 5 + length])
+        payload = bytes(buf[pos + 5 : pos + 5 + length])
         out.append(_decompress(encoding, payload) if compressed else payload)
         pos += 5 + length
     if pos:
@@ -224,7 +226,7 @@ class _Connection(asyncio.Protocol):
         self.decoder.max_allowed_table_size = 4096
         self.streams: dict[int, Stream] = {}
         self.last_sid = 0
-        self.headers_sid = 0            # a header block continues in CONTINUATION frames
+        self.headers_sid = 0  # a header block continues in CONTINUATION frames
         self.headers_flags = 0
         self.headers_block = bytearray()
         self.header_cache: dict[bytes, list] = {}
@@ -240,10 +242,19 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport):
         self.transport = transport
         self.server.connections.add(self)
-        settings = struct.pack(">HIHIHI", S_INITIAL_WINDOW_SIZE, RECV_STREAM_WINDOW, S_MAX_FRAME_SIZE, RECV_MAX_FRAME,
-                               S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)
-        transport.write(frame(SETTINGS, 0, 0, settings)
-                        + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECV_CONN_WINDOW - 65535)))
+        settings = struct.pack(
+            ">HIHIHI",
+            S_INITIAL_WINDOW_SIZE,
+            RECV_STREAM_WINDOW,
+            S_MAX_FRAME_SIZE,
+            RECV_MAX_FRAME,
+            S_MAX_HEADER_LIST_SIZE,
+            MAX_HEADER_LIST,
+        )
+        transport.write(
+            frame(SETTINGS, 0, 0, settings)
+            + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECV_CONN_WINDOW - 65535))
+        )
 
     def connection_lost(self, exc):
         self.closed = True
@@ -285,7 +296,7 @@ class _Connection(asyncio.Protocol):
                 end = pos + 9 + length
                 if end > n:
                     break
-                self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, view[pos + 9:end])
+                self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, view[pos + 9 : end])
                 pos = end
                 if self.closed:
                     return
@@ -457,7 +468,7 @@ class _Connection(asyncio.Protocol):
             return  # a stream we already ended: the bytes are acknowledged above and dropped
         if flags & PADDED:
             pad = payload[0]
-            payload = payload[1:n - pad]
+            payload = payload[1 : n - pad]
         st.unacked += n
         if st.unacked >= RECV_STREAM_WINDOW // 2 and not flags & END_STREAM:
             self.transport.write(frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", st.unacked)))
@@ -483,7 +494,9 @@ class _Connection(asyncio.Protocol):
         server = self.server
         method = server.methods.get(path)
         if method is None:
-            self._finish_error(st, grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}")
+            self._finish_error(
+                st, grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}"
+            )
             return
         if server.authorize is not None:
             denial = server.authorize(method, st.metadata)
@@ -500,7 +513,9 @@ class _Connection(asyncio.Protocol):
         st.remote_closed = True
         if st.queue is not None:
             if st.inbuf:
-                self._finish_error(st, grpc.StatusCode.INTERNAL, "incomplete message at the end of the stream")
+                self._finish_error(
+                    st, grpc.StatusCode.INTERNAL, "incomplete message at the end of the stream"
+                )
             st.queue.put_nowait(None)
         elif st.method is not None and st.task is None and not st.done:
             body = st.body[0] if len(st.body) == 1 else b"".join(st.body)
@@ -510,8 +525,10 @@ class _Connection(asyncio.Protocol):
                     raise Abort(grpc.StatusCode.INTERNAL, "the request has no message")
                 compressed, length = _MSG_PREFIX.unpack_from(body)
                 if length != len(body) - 5:
-                    raise Abort(grpc.StatusCode.INTERNAL,
-                                f"expected one request message of {length} bytes, got {len(body) - 5} bytes")
+                    raise Abort(
+                        grpc.StatusCode.INTERNAL,
+                        f"expected one request message of {length} bytes, got {len(body) - 5} bytes",
+                    )
                 payload = body[5:]
                 if compressed:
                     payload = _decompress(st.encoding, payload)
@@ -563,8 +580,15 @@ class _Connection(asyncio.Protocol):
     def _reply(self, st: Stream, msg: bytes) -> None:
         """A unary call's whole response (headers, message, trailers) in one write when the windows allow."""
         total = len(msg) + 5
-        if st.pending or st.headers_sent or st.done or self.closed or total > self.peer_max_frame \
-                or total > st.send_window or total > self.send_window:
+        if (
+            st.pending
+            or st.headers_sent
+            or st.done
+            or self.closed
+            or total > self.peer_max_frame
+            or total > st.send_window
+            or total > self.send_window
+        ):
             self._send_message(st, msg)
             self._finish(st, _OK_TRAILERS)
             return
@@ -572,9 +596,15 @@ class _Connection(asyncio.Protocol):
         self.send_window -= total
         st.headers_sent = True
         sid = st.sid
-        out = [_FRAME.pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
-               _FRAME.pack(total << 8 | DATA, 0, sid), _MSG_PREFIX.pack(0, total - 5), msg,
-               _FRAME.pack(len(_OK_TRAILERS) << 8 | HEADERS, END_STREAM | END_HEADERS, sid), _OK_TRAILERS]
+        out = [
+            _FRAME.pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid),
+            _RESPONSE_HEADERS,
+            _FRAME.pack(total << 8 | DATA, 0, sid),
+            _MSG_PREFIX.pack(0, total - 5),
+            msg,
+            _FRAME.pack(len(_OK_TRAILERS) << 8 | HEADERS, END_STREAM | END_HEADERS, sid),
+            _OK_TRAILERS,
+        ]
         self._closed_local(st, out)
         if total < 16384:
             self.transport.write(b"".join(out))
@@ -591,8 +621,12 @@ class _Connection(asyncio.Protocol):
         n = len(msg)
         prefix = _MSG_PREFIX.pack(0, n)
         total = n + 5
-        if not st.pending and total <= self.peer_max_frame and total <= st.send_window \
-                and total <= self.send_window:
+        if (
+            not st.pending
+            and total <= self.peer_max_frame
+            and total <= st.send_window
+            and total <= self.send_window
+        ):
             st.send_window -= total
             self.send_window -= total
             out.append(_FRAME.pack(total << 8 | DATA, 0, st.sid))
@@ -705,7 +739,9 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         self.draining = True
-        self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code) + message.encode()[:256]))
+        self.transport.write(
+            frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code) + message.encode()[:256])
+        )
 
     def _maybe_close(self) -> None:
         if self.draining and not self.streams and not self.closed and self.transport is not None:
@@ -735,8 +771,9 @@ class H2GrpcServer:
     async def start(self, host: str, port: int) -> None:
         self.loop = asyncio.get_running_loop()
         host = host.strip("[]") or None
-        self._server = await self.loop.create_server(lambda: _Connection(self), host, port,
-                                                     reuse_address=True, backlog=1024)
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True, backlog=1024
+        )
 
     async def stop(self, grace: float) -> None:
         if self._server is not None:
@@ -752,8 +789,12 @@ class H2GrpcServer:
             await self._server.wait_closed()
 
 
-def service_methods(service_descriptor, servicer, group: Callable[[str], str | None] = lambda name: None,
-                    request_types: dict | None = None) -> dict[bytes, Method]:
+def service_methods(
+    service_descriptor,
+    servicer,
+    group: Callable[[str], str | None] = lambda name: None,
+    request_types: dict | None = None,
+) -> dict[bytes, Method]:
     """The path table for a protobuf service whose servicer has one coroutine (or async generator) per RPC."""
     from google.protobuf import message_factory
 
@@ -764,5 +805,6 @@ def service_methods(service_descriptor, servicer, group: Callable[[str], str | N
             continue
         request_type = (request_types or {}).get(m.name) or message_factory.GetMessageClass(m.input_type)
         table[f"/{service_descriptor.full_name}/{m.name}".encode()] = Method(
-            request_type, impl, m.client_streaming, m.server_streaming, group(m.name))
+            request_type, impl, m.client_streaming, m.server_streaming, group(m.name)
+        )
     return table

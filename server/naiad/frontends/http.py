@@ -62,8 +62,10 @@ async def _errors(request: web.Request, handler):
 
 # ---- request decoding ----
 
-def decode_infer_request(model: str, version: str, body: bytes, header_length: str | None,
-                         shm=None) -> tuple[InferenceRequest, bool]:
+
+def decode_infer_request(
+    model: str, version: str, body: bytes, header_length: str | None, shm=None
+) -> tuple[InferenceRequest, bool]:
     """Parse a KServe v2 JSON (+ binary) request; tensors are views over `body` wherever possible."""
     if header_length is not None:
         try:
@@ -105,8 +107,9 @@ def decode_infer_request(model: str, version: str, body: bytes, header_length: s
             raise InvalidArgument(f"input '{name}' is missing 'datatype'")
         if datatype not in tensors.DATATYPES:
             raise InvalidArgument(f"input '{name}' has invalid datatype '{datatype}'")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise InvalidArgument(f"input '{name}' must have a 'shape' of non-negative integers")
         if name in inputs:
             raise InvalidArgument(f"input '{name}' is given more than once")
@@ -124,7 +127,7 @@ def decode_infer_request(model: str, version: str, body: bytes, header_length: s
                     f"unexpected end of binary data for input '{name}': needs {size} bytes at offset "
                     f"{offset}, but only {len(binary) - offset} remain"
                 )
-            inputs[name] = tensors.from_buffer(datatype, binary[offset:offset + size], shape)
+            inputs[name] = tensors.from_buffer(datatype, binary[offset : offset + size], shape)
             offset += size
         elif "data" in item:
             inputs[name] = tensors.from_json_data(datatype, item["data"], shape)
@@ -145,16 +148,23 @@ def decode_infer_request(model: str, version: str, body: bytes, header_length: s
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
         oparams = item.get("parameters") or {}
         binary_flag = oparams.get("binary_data")
-        outputs.append(RequestedOutput(
-            item["name"],
-            binary=None if binary_flag is None else bool(binary_flag),
-            classification=int(oparams.get("classification", 0) or 0),
-            parameters=oparams,
-        ))
+        outputs.append(
+            RequestedOutput(
+                item["name"],
+                binary=None if binary_flag is None else bool(binary_flag),
+                classification=int(oparams.get("classification", 0) or 0),
+                parameters=oparams,
+            )
+        )
     req_id = doc.get("id", "")
     request = InferenceRequest(
-        model_name=model, inputs=inputs, datatypes=datatypes, model_version=_version(version),
-        id=req_id if isinstance(req_id, str) else str(req_id), outputs=outputs, parameters=params,
+        model_name=model,
+        inputs=inputs,
+        datatypes=datatypes,
+        model_version=_version(version),
+        id=req_id if isinstance(req_id, str) else str(req_id),
+        outputs=outputs,
+        parameters=params,
     )
     request_options(request, params)
     return request, default_binary
@@ -169,8 +179,9 @@ def _version(version: str) -> int:
     return int(version)
 
 
-def encode_infer_response(response: InferenceResponse, request: InferenceRequest, default_binary: bool,
-                          shm=None) -> tuple[list, dict]:
+def encode_infer_response(
+    response: InferenceResponse, request: InferenceRequest, default_binary: bool, shm=None
+) -> tuple[list, dict]:
     """(body chunks, headers). Binary outputs follow the JSON header, as the binary extension defines."""
     wanted = {o.name: o for o in request.outputs}
     outputs = []
@@ -183,7 +194,7 @@ def encode_infer_response(response: InferenceResponse, request: InferenceRequest
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
             entry["parameters"] = shm.write_output(out, oparams)
-        elif (req.binary if req is not None and req.binary is not None else default_binary):
+        elif req.binary if req is not None and req.binary is not None else default_binary:
             data = tensors.to_bytes(out.data, out.datatype)
             entry["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
@@ -207,6 +218,7 @@ def encode_infer_response(response: InferenceResponse, request: InferenceRequest
 
 
 # ---- the app ----
+
 
 def api_category(path: str) -> str:
     """Triton's restricted-API groups for an HTTP path."""
@@ -235,8 +247,9 @@ def api_category(path: str) -> str:
 
 
 class HttpFrontend:
-    def __init__(self, server: Server, shm=None, max_input_size: int = 64 * 1024 * 1024,
-                 restricted: dict | None = None):
+    def __init__(
+        self, server: Server, shm=None, max_input_size: int = 64 * 1024 * 1024, restricted: dict | None = None
+    ):
         self.server = server
         self.shm = shm
         self.restricted = restricted or {}
@@ -377,8 +390,9 @@ class HttpFrontend:
 
     async def shm_register(self, request):
         doc = await self._body_json(request)
-        self._shm().register(request.match_info["region"], doc.get("key"), doc.get("offset", 0),
-                             doc.get("byte_size", 0))
+        self._shm().register(
+            request.match_info["region"], doc.get("key"), doc.get("offset", 0), doc.get("byte_size", 0)
+        )
         return web.Response(status=200)
 
     async def shm_unregister(self, request):
@@ -387,7 +401,9 @@ class HttpFrontend:
 
     async def cuda_shm(self, request):
         """No CUDA shared memory on this build: status lists no regions, registration is refused clearly."""
-        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves CUDA shared memory
+        if (
+            getattr(self.shm, "cuda", None) is not None
+        ):  # a GPU is present: naiad.gpu serves CUDA shared memory
             return await self.shm.cuda.handle_http(request)
         if request.method == "GET":
             if request.match_info.get("region"):
@@ -401,8 +417,10 @@ class HttpFrontend:
         v = _version(version)
         mv = self.server.repository.get(model, v)
         if len(mv.inputs) != 1:
-            raise InvalidArgument(f"a raw binary request (no JSON header) needs a model with exactly one input; "
-                                  f"model '{model}' has {len(mv.inputs)}")
+            raise InvalidArgument(
+                f"a raw binary request (no JSON header) needs a model with exactly one input; "
+                f"model '{model}' has {len(mv.inputs)}"
+            )
         spec = next(iter(mv.inputs.values()))
         batch = [1] if mv.max_batch_size > 0 else []
         if spec.datatype == "BYTES":
@@ -411,16 +429,25 @@ class HttpFrontend:
         else:
             size = tensors.ITEMSIZE[spec.datatype]
             if len(body) % size:
-                raise InvalidArgument(f"raw binary request of {len(body)} bytes is not a whole number of "
-                                      f"{spec.datatype} elements")
+                raise InvalidArgument(
+                    f"raw binary request of {len(body)} bytes is not a whole number of "
+                    f"{spec.datatype} elements"
+                )
             fixed = all(d > 0 for d in spec.dims) and len(spec.dims) > 1
             shape = batch + (list(spec.dims) if fixed else [len(body) // size])
             data = body
-        arr = tensors.from_buffer(spec.datatype, data, shape) if spec.datatype != "BYTES" else data.reshape(shape)
-        return InferenceRequest(model_name=model, inputs={spec.name: arr}, datatypes={spec.name: spec.datatype},
-                                model_version=v)
+        arr = (
+            tensors.from_buffer(spec.datatype, data, shape)
+            if spec.datatype != "BYTES"
+            else data.reshape(shape)
+        )
+        return InferenceRequest(
+            model_name=model, inputs={spec.name: arr}, datatypes={spec.name: spec.datatype}, model_version=v
+        )
 
-    async def run_infer(self, model: str, version: str, body: bytes, header_length: str | None) -> tuple[list, dict]:
+    async def run_infer(
+        self, model: str, version: str, body: bytes, header_length: str | None
+    ) -> tuple[list, dict]:
         """One infer request from its route and body to the response's (body chunks, headers).
 
         The one implementation behind the aiohttp route and the fast HTTP/1.1 path (http_fast)."""
@@ -434,8 +461,9 @@ class HttpFrontend:
     async def infer(self, request: web.Request):
         m = request.match_info
         body = await request.read()
-        chunks, headers = await self.run_infer(m["model"], m.get("version", ""), body,
-                                               request.headers.get(HEADER_LENGTH))
+        chunks, headers = await self.run_infer(
+            m["model"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH)
+        )
         coding = response_coding(request.headers.get("Accept-Encoding", ""))
         if coding is not None:
             chunks, headers = await compress_response(asyncio.get_running_loop(), chunks, headers, coding)
@@ -457,14 +485,18 @@ class HttpFrontend:
             if resp.outputs:
                 responses.append(resp)
         if len(responses) != 1:
-            raise InvalidArgument(f"model '{req.model_name}' sent {len(responses)} responses; /generate returns "
-                                  "exactly one, use /generate_stream for a stream")
+            raise InvalidArgument(
+                f"model '{req.model_name}' sent {len(responses)} responses; /generate returns "
+                "exactly one, use /generate_stream for a stream"
+            )
         return _json(generate.encode(responses[0]))
 
     async def generate_stream(self, request):
         """Server-Sent Events: one `data: {...}` event per response; an error ends the stream as an event."""
         req = await self._generate_request(request)
-        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        stream = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         started = False
         try:
             async for resp in self.server.infer_stream(req):
@@ -490,7 +522,7 @@ class HttpFrontend:
         NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before."""
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
-        if os.environ.get("NAIAD_HTTP_FAST", "1") == "0":   # escape hatch (and A/B benchmarks): aiohttp only
+        if os.environ.get("NAIAD_HTTP_FAST", "1") == "0":  # escape hatch (and A/B benchmarks): aiohttp only
             site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
             await site.start()
             return runner

@@ -27,11 +27,11 @@ from ..errors import NaiadError
 
 log = logging.getLogger("naiad.http")
 
-MAX_QUEUE = 16                 # parsed requests waiting on one connection before reading pauses
-MAX_HEAD = 64 * 1024           # header bytes before the fast path lets aiohttp judge the request
-MAX_HANDOFF_BUFFER = 1 << 20   # raw bytes buffered for a pending handoff before reading pauses
+MAX_QUEUE = 16  # parsed requests waiting on one connection before reading pauses
+MAX_HEAD = 64 * 1024  # header bytes before the fast path lets aiohttp judge the request
+MAX_HANDOFF_BUFFER = 1 << 20  # raw bytes buffered for a pending handoff before reading pauses
 ROUTE_CACHE_SIZE = 1024
-KEEPALIVE_TIMEOUT = 75.0       # aiohttp's default: idle keep-alive connections are closed after it
+KEEPALIVE_TIMEOUT = 75.0  # aiohttp's default: idle keep-alive connections are closed after it
 
 # header names (lowercase) the fast path looks at; anything in _HANDOFF_HEADERS sends the request to aiohttp
 _CONTENT_LENGTH = b"content-length"
@@ -40,9 +40,9 @@ _ACCEPT_ENCODING = b"accept-encoding"
 _HANDOFF_HEADERS = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"))
 
 # what happens once the queue of fast requests is empty
-_HANDOFF = 1       # switch the connection to aiohttp, feeding it the buffered raw bytes
-_CLOSE = 2         # close the connection (Connection: close, shutdown, EOF)
-_BAD_REQUEST = 3   # answer 400 (malformed HTTP) and close
+_HANDOFF = 1  # switch the connection to aiohttp, feeding it the buffered raw bytes
+_CLOSE = 2  # close the connection (Connection: close, shutdown, EOF)
+_BAD_REQUEST = 3  # answer 400 (malformed HTTP) and close
 
 
 def _reason(status: int) -> bytes:
@@ -64,7 +64,9 @@ def _status_line(status: int) -> bytes:
 
 _JSON = b"Content-Type: application/json\r\n"
 _OK_JSON = _status_line(200) + _JSON
-_OK_BINARY = _status_line(200) + b"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: "
+_OK_BINARY = (
+    _status_line(200) + b"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: "
+)
 _BINARY_HEADERS = ("Inference-Header-Content-Length", "Content-Type")
 
 
@@ -75,14 +77,24 @@ def response_bytes(status: int, chunks: list, headers: dict | None, keep_alive: 
         length += len(c)
     content_type = headers.get("Content-Type") if headers else None
     if content_type is None or (content_type == "application/json" and len(headers) == 1):
-        head = (_OK_JSON if status == 200 else _status_line(status) + _JSON) + b"Content-Length: %d\r\n" % length
-    elif status == 200 and content_type == "application/octet-stream" and len(headers) == 2 \
-            and _BINARY_HEADERS[0] in headers:
+        head = (
+            _OK_JSON if status == 200 else _status_line(status) + _JSON
+        ) + b"Content-Length: %d\r\n" % length
+    elif (
+        status == 200
+        and content_type == "application/octet-stream"
+        and len(headers) == 2
+        and _BINARY_HEADERS[0] in headers
+    ):
         head = _OK_BINARY + b"%s\r\nContent-Length: %d\r\n" % (headers[_BINARY_HEADERS[0]].encode(), length)
     else:
-        head = _status_line(status) + b"".join(
-            b"%s: %s\r\n" % (k.encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()
-        ) + b"Content-Length: %d\r\n" % length
+        head = (
+            _status_line(status)
+            + b"".join(
+                b"%s: %s\r\n" % (k.encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()
+            )
+            + b"Content-Length: %d\r\n" % length
+        )
     head += b"\r\n" if keep_alive else b"Connection: close\r\n\r\n"
     if length < 65536:
         return head + chunks[0] if len(chunks) == 1 else head + b"".join(chunks)
@@ -98,9 +110,11 @@ def response_coding(accept: str) -> str | None:
 async def compress_response(loop, chunks: list, headers: dict, coding: str) -> tuple[list, dict]:
     """An infer response body compressed (zlib default level; deflate is the zlib format), for both HTTP
     paths; a large body is compressed off the event loop."""
+
     def run() -> bytes:
         c = zlib.compressobj(wbits=31 if coding == "gzip" else zlib.MAX_WBITS)
         return b"".join([*(c.compress(x) for x in chunks), c.flush()])
+
     size = sum(len(x) for x in chunks)
     data = run() if size < 65536 else await loop.run_in_executor(None, run)
     return [data], {**headers, "Content-Encoding": coding}
@@ -121,8 +135,14 @@ def parse_route(url: bytes) -> tuple[str, str] | None:
             return None
     else:
         return None
-    if v2 != b"v2" or models != b"models" or infer != b"infer" or parts[0] != b"" \
-            or not model or model in (b".", b".."):
+    if (
+        v2 != b"v2"
+        or models != b"models"
+        or infer != b"infer"
+        or parts[0] != b""
+        or not model
+        or model in (b".", b"..")
+    ):
         return None
     if b"{" in model or b"}" in model or b"{" in version or b"}" in version:
         return None
@@ -134,12 +154,13 @@ class FastHttpServer:
 
     def __init__(self, frontend, aiohttp_server, max_input_size: int, restricted: dict | None = None):
         self.frontend = frontend
-        self.aiohttp_server = aiohttp_server   # aiohttp's protocol factory (web_server.Server)
+        self.aiohttp_server = aiohttp_server  # aiohttp's protocol factory (web_server.Server)
         self.max_input_size = max_input_size
         rule = (restricted or {}).get("inference")
         self.restrict_key = rule[0].lower().encode("latin-1") if rule else None
         self.restrict_value = rule[1] if rule else None
         from . import http  # (http imports this module)
+
         self.error_payload = http.error_payload
         self.restricted_body = orjson.dumps({"error": http.restricted_message(rule[0])}) if rule else None
         self.routes: dict[bytes, tuple[str, str] | None] = {}
@@ -223,16 +244,16 @@ class FastHttpProtocol(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.transport = None
         self.parser = httptools.HttpRequestParser(self)
-        self.raw = b""                  # raw bytes from the start of the message being parsed
-        self.queue: deque = deque()     # complete requests not yet answered
+        self.raw = b""  # raw bytes from the start of the message being parsed
+        self.queue: deque = deque()  # complete requests not yet answered
         self.task: asyncio.Task | None = None
-        self.final = None               # _HANDOFF, _CLOSE or _BAD_REQUEST once parsing has stopped
+        self.final = None  # _HANDOFF, _CLOSE or _BAD_REQUEST once parsing has stopped
         self.lost = False
         self.eof = False
         self.reading_paused = False
         self.writing_paused = False
         self.in_head = False
-        self.error = "malformed HTTP request"   # the 400 message once final is _BAD_REQUEST
+        self.error = "malformed HTTP request"  # the 400 message once final is _BAD_REQUEST
         self._reset()
 
     def _reset(self) -> None:
@@ -258,15 +279,15 @@ class FastHttpProtocol(asyncio.Protocol):
         self.lost = True
         self.queue.clear()
         self.raw = b""
-        self.parser = None   # it holds our bound methods: break the cycle
+        self.parser = None  # it holds our bound methods: break the cycle
         self.srv.connections.discard(self)
         # an in-flight request runs to completion (aiohttp does not cancel handlers either); its write is skipped
 
     def eof_received(self):
         self.eof = True
         if self.task is not None or self.queue:
-            return True   # answer what was received (and hand off what aiohttp should answer), then close
-        return None       # nothing pending: let the transport close
+            return True  # answer what was received (and hand off what aiohttp should answer), then close
+        return None  # nothing pending: let the transport close
 
     def pause_writing(self) -> None:
         self.writing_paused = True
@@ -297,7 +318,7 @@ class FastHttpProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            if self.final is None:   # not one of ours: a bug in a callback
+            if self.final is None:  # not one of ours: a bug in a callback
                 log.error("HTTP fast path: parser callback failed: %r", exc.__context__ or exc)
                 self.final = _BAD_REQUEST
         except httptools.HttpParserUpgrade:
@@ -308,7 +329,7 @@ class FastHttpProtocol(asyncio.Protocol):
                 self.final = _BAD_REQUEST
                 self.error = str(exc) or type(exc).__name__
         if self.final is None and self.in_head and len(self.raw) > MAX_HEAD:
-            self.final = _HANDOFF     # aiohttp applies its own header size limits and answers them
+            self.final = _HANDOFF  # aiohttp applies its own header size limits and answers them
         if self.task is None:
             if self.queue:
                 self.task = self.loop.create_task(self._run())
@@ -329,7 +350,7 @@ class FastHttpProtocol(asyncio.Protocol):
         if name == _CONTENT_LENGTH:
             try:
                 self.content_length = int(value)
-            except ValueError:   # llhttp checks it; whatever it let through, aiohttp may judge
+            except ValueError:  # llhttp checks it; whatever it let through, aiohttp may judge
                 self.handoff = True
         elif name == _HEADER_LENGTH:
             if self.header_length is None:
@@ -345,30 +366,36 @@ class FastHttpProtocol(asyncio.Protocol):
         self.in_head = False
         parser = self.parser
         route = None
-        if not self.handoff and parser.get_method() == b"POST" and parser.get_http_version() == "1.1" \
-                and self.content_length <= self.srv.max_input_size:
+        if (
+            not self.handoff
+            and parser.get_method() == b"POST"
+            and parser.get_http_version() == "1.1"
+            and self.content_length <= self.srv.max_input_size
+        ):
             route = self.srv.route(self.url)
         if route is None:
             self.final = _HANDOFF
             raise _Stop
         self.route = route
         raw = self.raw
-        if raw[0] in (10, 13):   # empty lines before a request line are allowed and skipped (RFC 9112 2.2)
+        if raw[0] in (10, 13):  # empty lines before a request line are allowed and skipped (RFC 9112 2.2)
             raw = self.raw = raw.lstrip(b"\r\n")
-        self.head_end = raw.find(b"\r\n\r\n") + 4   # llhttp (strict by default) requires CRLF line ends
+        self.head_end = raw.find(b"\r\n\r\n") + 4  # llhttp (strict by default) requires CRLF line ends
 
     def on_message_complete(self) -> None:
         raw = self.raw
         start = self.head_end
         end = start + self.content_length
-        if start < 4 or end > len(raw):   # cannot happen with strict llhttp; never answer from a wrong offset
-            log.error("HTTP fast path: message bounds %d..%d outside the %d buffered bytes", start, end, len(raw))
+        if start < 4 or end > len(raw):  # cannot happen with strict llhttp; never answer from a wrong offset
+            log.error(
+                "HTTP fast path: message bounds %d..%d outside the %d buffered bytes", start, end, len(raw)
+            )
             self.final = _BAD_REQUEST
             self.error = "internal HTTP framing error"
             raise _Stop
         if type(raw) is bytes:
             body = raw[start:end]
-        else:   # a request that came in several reads: copy its body out once
+        else:  # a request that came in several reads: copy its body out once
             with memoryview(raw) as view:
                 body = bytes(view[start:end])
         self.raw = raw[end:] if end < len(raw) else b""
@@ -459,7 +486,7 @@ class FastHttpProtocol(asyncio.Protocol):
         if raw:
             proto.data_received(bytes(raw))
         if self.eof:
-            proto.close()   # the client is done sending: aiohttp answers what it has, then closes
+            proto.close()  # the client is done sending: aiohttp answers what it has, then closes
 
     def _pause_reading(self) -> None:
         if not self.reading_paused and not self.lost:

@@ -61,8 +61,10 @@ class SharedMemoryManager:
         if not name:
             raise InvalidArgument("shared memory region name must not be empty")
         if not isinstance(key, str) or not _KEY.match(key) or key.strip("/") in (".", ".."):
-            raise InvalidArgument(f"invalid shared memory key '{key}': it must name a POSIX shared memory "
-                                  "object such as '/my_region' (letters, digits, '_', '-', '.')")
+            raise InvalidArgument(
+                f"invalid shared memory key '{key}': it must name a POSIX shared memory "
+                "object such as '/my_region' (letters, digits, '_', '-', '.')"
+            )
         for field, value in (("offset", offset), ("byte_size", byte_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f"shared memory '{field}' must be a non-negative integer")
@@ -85,7 +87,8 @@ class SharedMemoryManager:
             if offset + byte_size > st.st_size:
                 raise InvalidArgument(
                     f"shared memory region '{name}': offset {offset} + byte_size {byte_size} exceeds the "
-                    f"size of '{key}' ({st.st_size} bytes)")
+                    f"size of '{key}' ({st.st_size} bytes)"
+                )
             buf = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -128,10 +131,12 @@ class SharedMemoryManager:
         if offset + size > region.byte_size:
             raise InvalidArgument(
                 f"shared memory region '{region.name}': offset {offset} + byte size {size} is past the end of "
-                f"the registered region ({region.byte_size} bytes)")
+                f"the registered region ({region.byte_size} bytes)"
+            )
         if needed is not None and size < needed:
             raise InvalidArgument(
-                f"shared memory region '{region.name}' holds {size} bytes, the tensor needs {needed}")
+                f"shared memory region '{region.name}' holds {size} bytes, the tensor needs {needed}"
+            )
         return region, region.offset + offset, size
 
     # ---- tensors ----
@@ -141,12 +146,13 @@ class SharedMemoryManager:
         region, start, size = self._span(params, None)
         count = tensors.element_count(shape)
         if datatype == "BYTES":
-            return tensors.deserialize_bytes(region.buffer[start:start + size], count).reshape(shape)
+            return tensors.deserialize_bytes(region.buffer[start : start + size], count).reshape(shape)
         dt = tensors.numpy_dtype(datatype)
         if size != count * dt.itemsize:
             raise InvalidArgument(
                 f"input '{name}': shared memory byte size {size} does not match the tensor's "
-                f"{count * dt.itemsize} bytes ({count} {datatype} elements)")
+                f"{count * dt.itemsize} bytes ({count} {datatype} elements)"
+            )
         return np.frombuffer(region.buffer, dtype=dt, count=count, offset=start).reshape(shape)
 
     def write_output(self, out: OutputTensor, params: dict) -> dict:
@@ -154,7 +160,7 @@ class SharedMemoryManager:
         self._check_enabled()
         data = tensors.to_bytes(out.data, out.datatype)
         region, start, _size = self._span(params, len(data))
-        region.buffer[start:start + len(data)] = data
+        region.buffer[start : start + len(data)] = data
         result = {"shared_memory_region": region.name, "shared_memory_byte_size": len(data)}
         if params.get("shared_memory_offset"):
             result["shared_memory_offset"] = params["shared_memory_offset"]
@@ -163,16 +169,19 @@ class SharedMemoryManager:
     # ---- gRPC adapters ----
     def register_grpc(self, request):
         from tritonclient.grpc import service_pb2 as pb
+
         self.register(request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     def unregister_grpc(self, request):
         from tritonclient.grpc import service_pb2 as pb
+
         self.unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     def status_grpc(self, request):
         from tritonclient.grpc import service_pb2 as pb
+
         resp = pb.SystemSharedMemoryStatusResponse()
         for s in self.status(request.name):
             r = resp.regions[s["name"]]

@@ -94,8 +94,9 @@ class Scheduler:
         policy = self.policies[level]
         queue = self.queues[level]
         if policy.max_queue_size and len(queue) >= policy.max_queue_size:
-            self.pool.stats.record_request(False, time.monotonic_ns() - request.arrival_ns, 0, 0, 0, 0,
-                                           reason="REJECTED")
+            self.pool.stats.record_request(
+                False, time.monotonic_ns() - request.arrival_ns, 0, 0, 0, 0, reason="REJECTED"
+            )
             raise Unavailable("Exceeds maximum queue size")
         size = request.batch_size(self.batched)
         entry = _Entry(request, loop.create_future(), level, size, self._shape_key(request))
@@ -145,8 +146,9 @@ class Scheduler:
         self.queued -= 1
         if not entry.future.done():
             req = entry.request
-            self.pool.stats.record_request(False, time.monotonic_ns() - req.arrival_ns, 0, 0, 0, 0,
-                                           reason="REJECTED")
+            self.pool.stats.record_request(
+                False, time.monotonic_ns() - req.arrival_ns, 0, 0, 0, 0, reason="REJECTED"
+            )
             entry.future.set_exception(Unavailable("Request timeout expired"))
 
     async def _run_now(self, inst, request: InferenceRequest) -> InferenceResponse | None:

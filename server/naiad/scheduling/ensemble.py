@@ -25,8 +25,7 @@ def _check_graph(ctx: ModelContext) -> None:
             raise InvalidArgument(f"ensemble '{ctx.name}' step {idx} names no model")
         for tensor in step.output_map.values():
             if tensor in produced or tensor in available:
-                raise InvalidArgument(
-                    f"ensemble '{ctx.name}': tensor '{tensor}' is produced more than once")
+                raise InvalidArgument(f"ensemble '{ctx.name}': tensor '{tensor}' is produced more than once")
             produced[tensor] = idx
     known = available | set(produced)
     for idx, step in enumerate(steps):
@@ -34,7 +33,8 @@ def _check_graph(ctx: ModelContext) -> None:
             if tensor not in known:
                 raise InvalidArgument(
                     f"ensemble '{ctx.name}' step {idx} ('{step.model_name}') reads tensor '{tensor}' for input "
-                    f"'{model_input}', but no ensemble input or step output provides it")
+                    f"'{model_input}', but no ensemble input or step output provides it"
+                )
     for out in config.output:
         if out.name not in produced:
             raise InvalidArgument(f"ensemble '{ctx.name}': output '{out.name}' is not produced by any step")
@@ -75,20 +75,23 @@ def build_ensemble(ctx: ModelContext, stats: ModelStats, server) -> ModelVersion
                     try:
                         resp = task.result()
                     except NaiadError as exc:
-                        raise type(exc)(f"in ensemble '{ctx.name}', step '{steps[idx].model_name}': "
-                                        f"{exc.message}") from None
+                        raise type(exc)(
+                            f"in ensemble '{ctx.name}', step '{steps[idx].model_name}': {exc.message}"
+                        ) from None
                     for model_output, tensor in steps[idx].output_map.items():
                         out = resp.output(model_output)
                         if out is None:
                             raise InvalidArgument(
                                 f"in ensemble '{ctx.name}', step '{steps[idx].model_name}' did not return "
-                                f"output '{model_output}'")
+                                f"output '{model_output}'"
+                            )
                         tensors[tensor] = (out.data, out.datatype)
             names = [o.name for o in request.outputs] or list(output_types)
             outputs = [OutputTensor(n, tensors[n][1], tensors[n][0]) for n in names]
             ok = True
-            return InferenceResponse(model_name=ctx.name, model_version=str(ctx.version), outputs=outputs,
-                                     id=request.id)
+            return InferenceResponse(
+                model_name=ctx.name, model_version=str(ctx.version), outputs=outputs, id=request.id
+            )
         finally:
             for task in running:
                 task.cancel()
@@ -105,10 +108,16 @@ async def _run_step(server, parent: InferenceRequest, step, tensors) -> Inferenc
     inputs = {model_input: tensors[t][0] for model_input, t in step.input_map.items()}
     datatypes = {model_input: tensors[t][1] for model_input, t in step.input_map.items()}
     req = InferenceRequest(
-        model_name=step.model_name, inputs=inputs, datatypes=datatypes,
-        model_version=step.model_version if step.model_version > 0 else -1, id=parent.id,
-        outputs=[RequestedOutput(name) for name in step.output_map], parameters=parent.parameters,
-        correlation_id=parent.correlation_id, flags=parent.flags, priority=parent.priority,
+        model_name=step.model_name,
+        inputs=inputs,
+        datatypes=datatypes,
+        model_version=step.model_version if step.model_version > 0 else -1,
+        id=parent.id,
+        outputs=[RequestedOutput(name) for name in step.output_map],
+        parameters=parent.parameters,
+        correlation_id=parent.correlation_id,
+        flags=parent.flags,
+        priority=parent.priority,
         timeout_us=parent.timeout_us,
     )
     return await server.infer(req)

@@ -86,8 +86,9 @@ class InstancePool:
     def free_count(self) -> int:
         return len(self._free)
 
-    async def run(self, inst: ModelInstance, requests: list[InferenceRequest], dispatch_ns: int
-                  ) -> list[InferenceResponse | BaseException]:
+    async def run(
+        self, inst: ModelInstance, requests: list[InferenceRequest], dispatch_ns: int
+    ) -> list[InferenceResponse | BaseException]:
         """Execute a batch on `inst` (off the event loop) and account for it. Never raises."""
         loop = asyncio.get_running_loop()
         timing = Timing()
@@ -109,16 +110,26 @@ class InstancePool:
         inst.inline.observe(timing.input_ns + timing.infer_ns + timing.output_ns or done - start)
         for req in requests:
             if req.trace is not None:
-                req.trace.extend((("COMPUTE_START", start), ("COMPUTE_INPUT_END", start + timing.input_ns),
-                                  ("COMPUTE_OUTPUT_START", start + timing.input_ns + timing.infer_ns),
-                                  ("COMPUTE_END", done)))
+                req.trace.extend(
+                    (
+                        ("COMPUTE_START", start),
+                        ("COMPUTE_INPUT_END", start + timing.input_ns),
+                        ("COMPUTE_OUTPUT_START", start + timing.input_ns + timing.infer_ns),
+                        ("COMPUTE_END", done),
+                    )
+                )
         batch = sum(r.batch_size(self.batched) for r in requests)
         self.stats.record_execution(batch, timing.input_ns, timing.infer_ns, timing.output_ns)
         for req, res in zip(requests, outcome):
             ok = not isinstance(res, BaseException) and (res is None or res.error is None)
             self.stats.record_request(
-                ok, done - req.arrival_ns, dispatch_ns - req.arrival_ns,
-                timing.input_ns, timing.infer_ns, timing.output_ns, reason="BACKEND",
+                ok,
+                done - req.arrival_ns,
+                dispatch_ns - req.arrival_ns,
+                timing.input_ns,
+                timing.infer_ns,
+                timing.output_ns,
+                reason="BACKEND",
             )
         return outcome
 

@@ -39,8 +39,7 @@ class RateLimiter:
 
     def _needs(self, inst) -> list[tuple[tuple[str, int | None], int]]:
         rl = inst.group.rate_limiter
-        return [((r.name, None if getattr(r, "global") else inst.device_id), r.count)
-                for r in rl.resources]
+        return [((r.name, None if getattr(r, "global") else inst.device_id), r.count) for r in rl.resources]
 
     def _capacity(self, key: tuple[str, int | None]) -> int | None:
         if key in self.configured:
@@ -55,7 +54,8 @@ class RateLimiter:
             if cap is not None and count > cap:
                 raise InvalidArgument(
                     f"instance '{inst.name}' needs {count} of rate-limiter resource '{key[0]}', but only "
-                    f"{cap} are available (--rate-limit-resource)")
+                    f"{cap} are available (--rate-limit-resource)"
+                )
             if key not in self.available:
                 self.available[key] = cap if cap is not None else count
             elif cap is None and count > self.available[key]:

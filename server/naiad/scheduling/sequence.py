@@ -61,8 +61,12 @@ from .pool import InstancePool
 log = logging.getLogger("naiad.sequence")
 
 _Kind = mc.ModelSequenceBatching.Control
-START, READY, END, CORRID = (_Kind.CONTROL_SEQUENCE_START, _Kind.CONTROL_SEQUENCE_READY,
-                             _Kind.CONTROL_SEQUENCE_END, _Kind.CONTROL_SEQUENCE_CORRID)
+START, READY, END, CORRID = (
+    _Kind.CONTROL_SEQUENCE_START,
+    _Kind.CONTROL_SEQUENCE_READY,
+    _Kind.CONTROL_SEQUENCE_END,
+    _Kind.CONTROL_SEQUENCE_CORRID,
+)
 DEFAULT_IDLE_US = 1_000_000  # Triton's default max_sequence_idle_microseconds
 _U64 = (1 << 64) - 1
 _CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
@@ -211,8 +215,9 @@ class SequenceScheduler:
         start = bool(request.flags & SEQUENCE_START)
         end = bool(request.flags & SEQUENCE_END)
         if self._stopping and start:
-            raise Unavailable("Server is stopping, scheduler for model has stopped accepting new inference "
-                              "requests")
+            raise Unavailable(
+                "Server is stopping, scheduler for model has stopped accepting new inference requests"
+            )
         self._start_workers()
         seq = self.active.get(key)
         if seq is None:
@@ -225,9 +230,12 @@ class SequenceScheduler:
             self.active[key] = seq
             self._place(seq)
         elif start:
-            log.warning("sequence %s for model '%s' has a conflict. The previous sequence did not end before "
-                        "this sequence start. Previous sequence will be terminated early.",
-                        _display(key), name)
+            log.warning(
+                "sequence %s for model '%s' has a conflict. The previous sequence did not end before "
+                "this sequence start. Previous sequence will be terminated early.",
+                _display(key),
+                name,
+            )
         entry = _Entry(request, asyncio.get_running_loop().create_future(), seq)
         trace = getattr(request, "trace", None)
         if trace is not None:
@@ -303,8 +311,12 @@ class SequenceScheduler:
         seq.closed = True
         if self.active.get(seq.key) is seq:
             del self.active[seq.key]
-        log.info("sequence %s of model '%s' was idle for %.0f us: released", _display(seq.key),
-                 self.config.name, self.idle_s * 1e6)
+        log.info(
+            "sequence %s of model '%s' was idle for %.0f us: released",
+            _display(seq.key),
+            self.config.name,
+            self.idle_s * 1e6,
+        )
         self._release(seq)
 
     # ---- dispatch ----
@@ -327,8 +339,11 @@ class SequenceScheduler:
     def _cancel(self, seq: _Seq) -> None:
         """A cancelled request cancels its sequence (Triton): the requests queued behind it fail, the
         sequence becomes unknown, its slot frees once nothing of it runs."""
-        log.info("sequence %s of model '%s': a request was cancelled, cancelling the sequence",
-                 _display(seq.key), self.config.name)
+        log.info(
+            "sequence %s of model '%s': a request was cancelled, cancelling the sequence",
+            _display(seq.key),
+            self.config.name,
+        )
         seq.closed = True
         if self.active.get(seq.key) is seq:
             del self.active[seq.key]
@@ -337,8 +352,9 @@ class SequenceScheduler:
             self.queued -= 1
             self._restore(entry)
             if not entry.future.done():
-                entry.future.set_exception(Cancelled(
-                    f"sequence {_display(seq.key)} of model '{self.config.name}' was cancelled"))
+                entry.future.set_exception(
+                    Cancelled(f"sequence {_display(seq.key)} of model '{self.config.name}' was cancelled")
+                )
 
     def _wait_s(self, ready: list[_Seq]) -> float:
         """How long to hold the batch back for more sequences (0: run now)."""
@@ -405,7 +421,7 @@ class SequenceScheduler:
                 shape_key = key
             batch.append(entry)
         if self.preferred and len(batch) not in self.preferred and len(batch) > self.preferred[0]:
-            batch = batch[:max(p for p in self.preferred if p <= len(batch))]
+            batch = batch[: max(p for p in self.preferred if p <= len(batch))]
         for entry in batch:
             seq = entry.seq
             seq.queue.popleft()
@@ -425,8 +441,9 @@ class SequenceScheduler:
     def _shape_key(self, request: InferenceRequest):
         if not self.batched:
             return None
-        return tuple(sorted((n, a.shape[1:] if n not in self.ragged else None)
-                            for n, a in request.inputs.items()))
+        return tuple(
+            sorted((n, a.shape[1:] if n not in self.ragged else None) for n, a in request.inputs.items())
+        )
 
     def _prepare(self, entry: _Entry) -> None:
         """Add control and state inputs; make sure the state outputs get computed and returned to us."""
@@ -437,8 +454,13 @@ class SequenceScheduler:
             if c.kind == CORRID:
                 arr = _corrid_array(seq.key, c.datatype, self.control_shape)
             else:
-                on = bool(flags & SEQUENCE_START) if c.kind == START else \
-                    bool(flags & SEQUENCE_END) if c.kind == END else True
+                on = (
+                    bool(flags & SEQUENCE_START)
+                    if c.kind == START
+                    else bool(flags & SEQUENCE_END)
+                    if c.kind == END
+                    else True
+                )
                 arr = np.full(self.control_shape, c.true if on else c.false, dtype=numpy_dtype(c.datatype))
             req.inputs[c.name] = arr
             req.datatypes[c.name] = c.datatype
@@ -457,8 +479,9 @@ class SequenceScheduler:
                 req.outputs = [RequestedOutput(n) for n in self.config_outputs]
                 names = set(self.config_outputs)
             if req.outputs:
-                req.outputs = list(req.outputs) + [RequestedOutput(st.output_name) for st in self.states
-                                                   if st.output_name not in names]
+                req.outputs = list(req.outputs) + [
+                    RequestedOutput(st.output_name) for st in self.states if st.output_name not in names
+                ]
 
     @staticmethod
     def _restore(entry: _Entry) -> None:
@@ -514,8 +537,11 @@ class SequenceScheduler:
                 if out is not None:
                     new[st.input_name] = out.data
             seq.states = new
-        hidden = {st.output_name for st in self.states if st.output_name not in self.config_outputs
-                  or (requested and st.output_name not in requested)}
+        hidden = {
+            st.output_name
+            for st in self.states
+            if st.output_name not in self.config_outputs or (requested and st.output_name not in requested)
+        }
         if hidden:
             res.outputs = [o for o in res.outputs if o.name not in hidden]
 
@@ -547,6 +573,7 @@ class SequenceScheduler:
 
 # ---- configuration helpers ----
 
+
 def _parse_controls(config: mc.ModelConfig) -> list[_Control]:
     """Validate `control_input` as Triton does and return one _Control per configured control."""
     name = config.name
@@ -557,17 +584,25 @@ def _parse_controls(config: mc.ModelConfig) -> list[_Control]:
         if not ci.name:
             raise InvalidArgument(f"sequence batching control tensor must have a name for {name}")
         if ci.name in seen_tensors:
-            raise InvalidArgument(f"sequence batching control tensor '{ci.name}' is specified for multiple "
-                                  f"control kinds for {name}")
+            raise InvalidArgument(
+                f"sequence batching control tensor '{ci.name}' is specified for multiple "
+                f"control kinds for {name}"
+            )
         seen_tensors.add(ci.name)
         for c in ci.control:
             kind = _Kind.Kind.Name(c.kind)
             if c.kind in seen_kinds:
                 raise InvalidArgument(f"sequence batching specifies multiple {kind} tensors for {name}")
             seen_kinds.add(c.kind)
-            found = [(field, list(values)) for field, values in (
-                ("int32_false_true", c.int32_false_true), ("fp32_false_true", c.fp32_false_true),
-                ("bool_false_true", c.bool_false_true)) if len(values)]
+            found = [
+                (field, list(values))
+                for field, values in (
+                    ("int32_false_true", c.int32_false_true),
+                    ("fp32_false_true", c.fp32_false_true),
+                    ("bool_false_true", c.bool_false_true),
+                )
+                if len(values)
+            ]
             if c.kind == CORRID:
                 if found:
                     raise InvalidArgument(
@@ -596,8 +631,9 @@ def _parse_controls(config: mc.ModelConfig) -> list[_Control]:
                 raise InvalidArgument(
                     f"sequence batching control '{field}' must have exactly 2 entries for {kind} for {name}"
                 )
-            datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32",
-                        "bool_false_true": "BOOL"}[field]
+            datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32", "bool_false_true": "BOOL"}[
+                field
+            ]
             out.append(_Control(ci.name, c.kind, datatype, values[0], values[1]))
     return out
 
@@ -625,7 +661,8 @@ def _parse_states(config: mc.ModelConfig, model_dir) -> list[_State]:
     for st in config.sequence_batching.state:
         if not st.input_name or not st.output_name:
             raise InvalidArgument(
-                f"model '{name}': a sequence batching state needs input_name and output_name")
+                f"model '{name}': a sequence batching state needs input_name and output_name"
+            )
         if st.input_name in seen:
             raise InvalidArgument(f"State input name '{st.input_name}' specified more than once.")
         seen.add(st.input_name)
@@ -657,11 +694,14 @@ def _zeros(shape, datatype: str) -> np.ndarray:
 
 def _initial_state(config, st, init, model_dir) -> np.ndarray:
     if init.data_type != st.data_type:
-        raise InvalidArgument(f"The data type used for 'initial_state' field of state '{st.input_name}' does "
-                              "not match the state data type.")
+        raise InvalidArgument(
+            f"The data type used for 'initial_state' field of state '{st.input_name}' does "
+            "not match the state data type."
+        )
     if not init.name:
-        raise InvalidArgument(f"Field 'name' must be set when using initial_state for state input "
-                              f"'{st.input_name}'.")
+        raise InvalidArgument(
+            f"Field 'name' must be set when using initial_state for state input '{st.input_name}'."
+        )
     if len(init.dims) != len(st.dims):
         raise InvalidArgument(
             "Number of dimensions in 'initial_state' doesn't match the size of 'state' dimensions for state "
@@ -669,11 +709,14 @@ def _initial_state(config, st, init, model_dir) -> np.ndarray:
         )
     for idim, sdim in zip(init.dims, st.dims):
         if idim == -1:
-            raise InvalidArgument(f"'initial_state' field for state input name '{st.input_name}' contains "
-                                  "variable dimensions.")
+            raise InvalidArgument(
+                f"'initial_state' field for state input name '{st.input_name}' contains variable dimensions."
+            )
         if sdim != -1 and idim != sdim:
-            raise InvalidArgument(f"'initial_state' dim for input name '{st.input_name}' doesn't match "
-                                  f"'state' dim description. {idim} != {sdim}")
+            raise InvalidArgument(
+                f"'initial_state' dim for input name '{st.input_name}' doesn't match "
+                f"'state' dim description. {idim} != {sdim}"
+            )
     shape = ([1] if config.max_batch_size > 0 else []) + list(init.dims)
     datatype = config_to_wire(data_type_name(st.data_type))
     count = int(np.prod(shape)) if shape else 1
@@ -681,22 +724,27 @@ def _initial_state(config, st, init, model_dir) -> np.ndarray:
     if which == "zero_data":
         return _zeros(shape, datatype)
     if which != "data_file":
-        raise InvalidArgument(f"'initial_state' of state input '{st.input_name}' must set zero_data or "
-                              "data_file")
+        raise InvalidArgument(
+            f"'initial_state' of state input '{st.input_name}' must set zero_data or data_file"
+        )
     if model_dir is None:
         raise InvalidArgument(f"model '{config.name}': no model directory to read initial state from")
     from pathlib import Path
+
     path = Path(model_dir) / "initial_state" / init.data_file
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise InvalidArgument(f"model '{config.name}': failed to read initial state file {path}: "
-                              f"{exc.strerror or exc}") from None
+        raise InvalidArgument(
+            f"model '{config.name}': failed to read initial state file {path}: {exc.strerror or exc}"
+        ) from None
     if datatype == "BYTES":
         return deserialize_bytes(raw, count).reshape(shape)
     dtype = numpy_dtype(datatype)
     need = count * dtype.itemsize
     if len(raw) < need:
-        raise InvalidArgument(f"initial_state setting expects {need} bytes, but the data provided from "
-                              f"{init.data_file} only has {len(raw)} bytes.")
+        raise InvalidArgument(
+            f"initial_state setting expects {need} bytes, but the data provided from "
+            f"{init.data_file} only has {len(raw)} bytes."
+        )
     return np.frombuffer(raw[:need], dtype=dtype).reshape(shape).copy()

@@ -27,19 +27,17 @@ class TritonPythonModel:
         """
 
         # You must parse model_config. JSON string is not parsed here
-        self.model_config = model_config = json.loads(args['model_config'])
+        self.model_config = model_config = json.loads(args["model_config"])
 
         # Get output__0 configuration
-        output0_config = pb_utils.get_output_config_by_name(
-            model_config, "output__0")
+        output0_config = pb_utils.get_output_config_by_name(model_config, "output__0")
 
         # Get output__1 configuration
-        output1_config = pb_utils.get_output_config_by_name(
-            model_config, "output__1")
+        output1_config = pb_utils.get_output_config_by_name(model_config, "output__1")
 
         # Convert Triton types to numpy types
-        self.output0_dtype = pb_utils.triton_string_to_numpy(output0_config['data_type'])
-        self.output1_dtype = pb_utils.triton_string_to_numpy(output1_config['data_type'])
+        self.output0_dtype = pb_utils.triton_string_to_numpy(output0_config["data_type"])
+        self.output1_dtype = pb_utils.triton_string_to_numpy(output1_config["data_type"])
 
     def execute(self, requests):
         """
@@ -66,11 +64,10 @@ class TritonPythonModel:
             out_tensor_0 = pb_utils.Tensor("output__0", out_0.astype(output0_dtype))
             # 第二个输出结果调用fc_model_pt获取结果
             inference_request = pb_utils.InferenceRequest(
-                model_name='fc_model_pt',
-                requested_output_names=['output__0', 'output__1'],
-                inputs=[in_0])
+                model_name="fc_model_pt", requested_output_names=["output__0", "output__1"], inputs=[in_0]
+            )
             inference_response = inference_request.exec()
-            out_tensor_1 = pb_utils.get_output_tensor_by_name(inference_response, 'output__1')
+            out_tensor_1 = pb_utils.get_output_tensor_by_name(inference_response, "output__1")
             inference_response = pb_utils.InferenceResponse(output_tensors=[out_tensor_0, out_tensor_1])
             responses.append(inference_response)
         return responses
@@ -80,4 +77,4 @@ class TritonPythonModel:
         Implementing `finalize` function is OPTIONAL. This function allows
         the model to perform any necessary clean ups before exit.
         """
-        print('Cleaning up...')
+        print("Cleaning up...")

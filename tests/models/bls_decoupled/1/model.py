@@ -10,8 +10,10 @@ class TritonPythonModel:
         for request in requests:
             count = pb_utils.get_input_tensor_by_name(request, "COUNT")
             stream = pb_utils.InferenceRequest(
-                model_name="repeat", requested_output_names=["IDX"],
-                inputs=[pb_utils.Tensor("IN", np.array([1], np.int32)), count]).exec(decoupled=True)
+                model_name="repeat",
+                requested_output_names=["IDX"],
+                inputs=[pb_utils.Tensor("IN", np.array([1], np.int32)), count],
+            ).exec(decoupled=True)
             total = 0
             for resp in stream:
                 if resp.has_error():
@@ -19,5 +21,7 @@ class TritonPythonModel:
                 idx = pb_utils.get_output_tensor_by_name(resp, "IDX")
                 if idx is not None:
                     total += int(idx.as_numpy()[0])
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("SUM", np.array([total], np.int32))]))
+            responses.append(
+                pb_utils.InferenceResponse([pb_utils.Tensor("SUM", np.array([total], np.int32))])
+            )
         return responses

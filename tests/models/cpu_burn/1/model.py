@@ -17,8 +17,12 @@ class TritonPythonModel:
             total = 0
             for i in range(n):
                 total = (total + i * i) % 1000003
-            responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("RESULT", np.array([total], dtype=np.int64)),
-                pb_utils.Tensor("PID", np.array([os.getpid()], dtype=np.int64)),
-            ]))
+            responses.append(
+                pb_utils.InferenceResponse(
+                    [
+                        pb_utils.Tensor("RESULT", np.array([total], dtype=np.int64)),
+                        pb_utils.Tensor("PID", np.array([os.getpid()], dtype=np.int64)),
+                    ]
+                )
+            )
         return responses

@@ -14,13 +14,18 @@ class TritonPythonModel:
             count = int(pb_utils.get_input_tensor_by_name(request, "COUNT").as_numpy()[0])
             sender = request.get_response_sender()
             if count < 0:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("negative COUNT")),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError("negative COUNT")),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
                 continue
 
             def send(i, sender=sender, value=value):
-                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value),
-                                                        pb_utils.Tensor("IDX", np.array([i], np.int32))]))
+                sender.send(
+                    pb_utils.InferenceResponse(
+                        [pb_utils.Tensor("OUT", value), pb_utils.Tensor("IDX", np.array([i], np.int32))]
+                    )
+                )
 
             first = count // 2
             for i in range(first):

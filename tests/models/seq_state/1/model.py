@@ -10,6 +10,9 @@ class TritonPythonModel:
             x = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
             state = pb_utils.get_input_tensor_by_name(request, "INPUT_STATE").as_numpy()
             total = (x + state).astype(x.dtype)
-            responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("OUTPUT", total.copy()), pb_utils.Tensor("OUTPUT_STATE", total)]))
+            responses.append(
+                pb_utils.InferenceResponse(
+                    [pb_utils.Tensor("OUTPUT", total.copy()), pb_utils.Tensor("OUTPUT_STATE", total)]
+                )
+            )
         return responses

@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-deps test-gpu e2e-build e2e-tests examples bench e2e lint clean crds dashboards helm-lint images
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests examples bench e2e lint clean crds dashboards helm-lint images
 
 venv: $(VENV)/.installed
 
@@ -41,6 +41,13 @@ e2e-tests:
 	if [ -n "$$bin" ] && [ -x "$$bin/kube-apiserver" ]; then export NAIAD_E2E_BIN="$$bin"; \
 	else echo "Kubernetes binaries unavailable: cluster tiers will skip"; fi; \
 	$(PY) -m pytest -q $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py
+
+# Every server and tool a test tier runs, built or installed before any test starts: the cluster binaries
+# (and helm), and each Go tool pinned under tools/go/ (cached by content in ~/.cache/naiad-tools).
+tools:
+	@$(MAKE) -s e2e-build >/dev/null
+	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; \
+	for t in tools/go/*/; do [ -f "$$t/go.mod" ] || continue; bash tools/go/build.sh "$$(basename $$t)" >/dev/null || exit $$?; done
 
 # Builds kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok, helm and prometheus-adapter from
 # the official Go modules (pinned in e2e/cluster) into a cache; prints the bin directory last.

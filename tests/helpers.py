@@ -120,3 +120,32 @@ class NaiadProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def go_tool(name: str, binary: str | None = None) -> Path | None:
+    """The path of a Go tool pinned in tools/go/<name> (built and cached by `make tools`), or None.
+
+    `$NAIAD_TOOL_<NAME>` (upper case, '-' as '_') names a binary directly. Otherwise tools/go/build.sh is asked
+    for the cached bin directory; when the tool is not built yet it is built now (minutes on a cold machine),
+    unless NAIAD_TOOLS_BUILD=0.
+    """
+    binary = binary or name
+    env_name = "NAIAD_TOOL_" + name.upper().replace("-", "_")
+    if os.environ.get(env_name):
+        path = Path(os.environ[env_name])
+        return path if path.exists() else None
+    if os.environ.get("NAIAD_TOOLS_BUILD") == "0":
+        return None
+    try:
+        out = subprocess.run(
+            ["bash", str(ROOT / "tools" / "go" / "build.sh"), name],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.strip().splitlines()
+    path = Path(lines[-1]) / binary if lines else None
+    return path if path is not None and path.exists() else None

@@ -84,12 +84,14 @@ class App:
                 gpu=a.allow_gpu_metrics,
                 interval_ms=a.metrics_interval_ms,
             )
-        self.server.log_settings.update(
+        self.server.log_settings.configure(
             {
                 "log_verbose_level": a.log_verbose,
                 "log_info": a.log_info,
                 "log_warning": a.log_warning,
                 "log_error": a.log_error,
+                "log_file": a.log_file,
+                "log_format": a.log_format,
             }
         )
         if a.trace_config:

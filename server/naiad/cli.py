@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 
-from . import __version__
+from . import __version__, memory
 from .errors import NaiadError
 from .gpu import device_count
 from .server import Server, ServerOptions
@@ -113,18 +113,46 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="response cache: local,size=<bytes> (models opt in with response_cache { enable: true })",
     )
-    s.add_argument("--log-verbose", type=int, default=0)
+    s.add_argument(
+        "--log-verbose",
+        type=int,
+        default=0,
+        help="verbose level; >= 1 logs a line per execution with the batch it ran (grep 'executing')",
+    )
     s.add_argument("--log-info", type=_bool, default=True)
     s.add_argument("--log-warning", type=_bool, default=True)
     s.add_argument("--log-error", type=_bool, default=True)
+    s.add_argument(
+        "--log-file",
+        default="",
+        help="write the log to this file instead of stderr (reopened when rotated away, and on SIGHUP)",
+    )
+    s.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
+    s.add_argument(
+        "--pinned-memory-pool-byte-size",
+        type=int,
+        default=memory.DEFAULT_PINNED_BYTES,
+        help="page-locked host memory for GPU staging buffers (beyond it: pageable memory)",
+    )
+    s.add_argument(
+        "--cuda-memory-pool-byte-size",
+        action="append",
+        default=[],
+        help="<gpu>:<bytes> kept cached by that device's CUDA memory pool (default 64 MiB per GPU)",
+    )
+    s.add_argument("--min-supported-compute-capability", type=float, default=6.0)
+    s.add_argument("--id", dest="server_id", default="naiad", help="server identifier in the options table")
     return p
 
 
-def configure_logging(verbose: int, info: bool = True) -> None:
+def configure_logging(verbose: int, info: bool = True, log_format: str = "default") -> None:
+    """Stderr logging in Triton's format until the server's LogSettings take over (and open --log-file)."""
+    from .logsettings import TritonFormatter
+
     level = logging.DEBUG if verbose > 0 else (logging.INFO if info else logging.WARNING)
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname).1s %(name)s] %(message)s", stream=sys.stderr
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(TritonFormatter(log_format))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 def model_table(server: Server) -> str:
@@ -143,6 +171,43 @@ def model_table(server: Server) -> str:
             out.append(line)
     out.append(line)
     return "\n".join(out)
+
+
+def _table(header: tuple[str, str], rows: list[tuple[str, str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(2)]
+    line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    out = [line, f"| {header[0].ljust(widths[0])} | {header[1].ljust(widths[1])} |", line]
+    out += [f"| {a.ljust(widths[0])} | {b.ljust(widths[1])} |" for a, b in rows]
+    out.append(line)
+    return "\n".join(out)
+
+
+def options_table(args: argparse.Namespace, server: Server) -> str:
+    """The server options table tritonserver prints at start-up, with Naiad's values."""
+    o = server.options
+    rows = [
+        ("server_id", args.server_id),
+        ("server_version", __version__),
+        ("server_extensions", " ".join(server.extensions)),
+    ]
+    rows += [(f"model_repository_path[{i}]", str(r)) for i, r in enumerate(o.model_repositories)]
+    rows += [
+        ("model_control_mode", f"MODE_{o.model_control_mode.upper()}"),
+        ("strict_model_config", str(int(not o.auto_complete_config))),
+        ("model_config_name", ""),
+        ("rate_limit", "OFF" if o.rate_limit == "off" else "EXEC_COUNT"),
+        ("pinned_memory_pool_byte_size", str(memory.pools.pinned_bytes)),
+    ]
+    rows += [
+        (f"cuda_memory_pool_byte_size{{{d}}}", str(b)) for d, b in sorted(memory.pools.cuda_bytes.items())
+    ]
+    rows += [
+        ("min_supported_compute_capability", f"{args.min_supported_compute_capability:.1f}"),
+        ("strict_readiness", str(int(o.strict_readiness))),
+        ("exit_timeout", f"{o.exit_timeout_secs:g}"),
+        ("cache_enabled", str(int(o.cache_size > 0))),
+    ]
+    return _table(("Option", "Value"), rows)
 
 
 def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
@@ -173,6 +238,10 @@ async def serve(args: argparse.Namespace) -> int:
         auto_complete = not args.strict_model_config
     try:
         options = _options(args, auto_complete)
+        memory.configure(
+            args.pinned_memory_pool_byte_size,
+            memory.parse_cuda_pool(args.cuda_memory_pool_byte_size, options.gpu_count),
+        )
     except ValueError as exc:
         log.error("invalid arguments: %s", exc)
         return 2
@@ -181,13 +250,17 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, app.server.log_settings.reopen)
     try:
         await app.start()
     except (NaiadError, OSError, ValueError) as exc:
         log.error("failed to start: %s", exc)
         await app.stop(0)
         return 1
-    print(model_table(app.server), file=sys.stderr, flush=True)
+    for device, error in memory.apply_cuda_pools(memory.pools.cuda_bytes).items():
+        log.warning("CUDA memory pool of GPU %d not sized: %s", device, error)
+    log.info("\n%s", model_table(app.server))
+    log.info("\n%s", options_table(args, app.server))
     log.info("%s", app.endpoints_banner())
     await stop.wait()
     log.info("shutting down: draining in-flight requests (up to %ss)", args.exit_timeout_secs)
@@ -197,12 +270,18 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_verbose, args.log_info)
+    configure_logging(args.log_verbose, args.log_info, args.log_format)
     try:
         import uvloop
     except ImportError:
         return asyncio.run(serve(args))
     return uvloop.run(serve(args))
+
+
+def tritonserver_main(argv: list[str] | None = None) -> int:
+    """`naiad-tritonserver`: tritonserver's command line (`tritonserver --model-repository=... ...`) on Naiad,
+    for tools that launch a server binary (Model Analyzer's local mode, scripts written for Triton)."""
+    return main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,15 +1,60 @@
-"""Logging extension (`/v2/logging`, gRPC LogSettings): read and change log settings at run time."""
+"""Server log settings: Triton's log formats, `--log-file` (rotation-friendly), and the logging extension
+(`/v2/logging`, gRPC LogSettings) that reads and changes them at run time."""
 
 from __future__ import annotations
 
+import json
 import logging
+import logging.handlers
+import os
+import sys
+import time
 
 from .errors import InvalidArgument
 
 _BOOLS = ("log_info", "log_warning", "log_error")
+LOG_FORMATS = ("default", "ISO8601")
+# Triton writes verbose lines with the info letter; it has no debug letter.
+_LEVEL_LETTERS = {
+    logging.DEBUG: "I",
+    logging.INFO: "I",
+    logging.WARNING: "W",
+    logging.ERROR: "E",
+    logging.CRITICAL: "E",
+}
+
+
+class TritonFormatter(logging.Formatter):
+    """Triton's log line: `I1124 09:16:07.123456 4242 pool.py:120] message` (default, glog's layout) or
+    `2026-11-24T09:16:07Z I 4242 pool.py:120] message` (ISO8601)."""
+
+    def __init__(self, log_format: str = "default"):
+        super().__init__()
+        self.log_format = log_format
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = _LEVEL_LETTERS.get(record.levelno, "I")
+        where = f"{record.process} {record.filename}:{record.lineno}]"
+        if self.log_format == "ISO8601":
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))
+            head = f"{stamp} {level} {where}"
+        else:
+            t = time.localtime(record.created)
+            micros = int((record.created % 1) * 1_000_000)
+            head = f"{level}{t.tm_mon:02d}{t.tm_mday:02d} {time.strftime('%H:%M:%S', t)}.{micros:06d} {where}"
+        message = record.getMessage()
+        if "\n" not in message:
+            # One-line messages are quoted and escaped as Triton 2.51 writes them, so that text a client sent
+            # (a model name, a header) can never forge a log line.
+            message = json.dumps(message, ensure_ascii=False)
+        if record.exc_info:
+            message += "\n" + self.formatException(record.exc_info)
+        return f"{head} {message}"
 
 
 class LogSettings:
+    """Owns the root logger's one handler: stderr, or a file that is reopened when rotated away."""
+
     def __init__(
         self,
         verbose: int = 0,
@@ -27,7 +72,30 @@ class LogSettings:
             "log_verbose_level": verbose,
             "log_format": log_format,
         }
+        self._handler: logging.Handler | None = None
         self._apply()
+
+    @property
+    def verbose(self) -> int:
+        return self.settings["log_verbose_level"]
+
+    def _open_handler(self, path: str) -> logging.Handler:
+        if not path:
+            return logging.StreamHandler(sys.stderr)
+        try:
+            # WatchedFileHandler reopens the file when logrotate moves or removes it.
+            return logging.handlers.WatchedFileHandler(path, encoding="utf-8")
+        except OSError as exc:
+            raise InvalidArgument(f"cannot open log file '{path}': {exc.strerror or exc}") from None
+
+    def _install(self, handler: logging.Handler) -> None:
+        root = logging.getLogger()
+        for old in list(root.handlers):
+            root.removeHandler(old)
+            if old is self._handler:
+                old.close()
+        root.addHandler(handler)
+        self._handler = handler
 
     def _apply(self) -> None:
         s = self.settings
@@ -43,6 +111,18 @@ class LogSettings:
             level = logging.CRITICAL + 1
         logging.getLogger("naiad").setLevel(level)
         logging.getLogger().setLevel(level)
+        if self._handler is not None:
+            self._handler.setFormatter(TritonFormatter(s["log_format"]))
+
+    def configure(self, changes: dict) -> dict:
+        """Apply settings at start-up or from the logging extension (the same validation for both)."""
+        return self.update(changes)
+
+    def reopen(self) -> None:
+        """Reopen the log file (SIGHUP after an external rotation); a no-op when logging to stderr."""
+        if self.settings["log_file"]:
+            self._install(self._open_handler(self.settings["log_file"]))
+            self._apply()
 
     def get(self) -> dict:
         return dict(self.settings)
@@ -59,16 +139,21 @@ class LogSettings:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidArgument("log setting 'log_verbose_level' must be a non-negative integer")
             elif key == "log_format":
-                if value not in ("default", "ISO8601"):
+                if value not in LOG_FORMATS:
                     raise InvalidArgument("log setting 'log_format' must be 'default' or 'ISO8601'")
             elif key == "log_file":
-                if value not in ("", self.settings["log_file"]):
-                    raise InvalidArgument(
-                        "changing 'log_file' at run time is not supported; Naiad logs to stderr"
-                    )
+                if not isinstance(value, str):
+                    raise InvalidArgument("log setting 'log_file' must be a string")
             else:
                 raise InvalidArgument(f"unknown log setting '{key}'")
             new[key] = value
+        if self._handler is None or new["log_file"] != self.settings["log_file"]:
+            path = new["log_file"]
+            if path:
+                parent = os.path.dirname(os.path.abspath(path))
+                if not os.path.isdir(parent):
+                    raise InvalidArgument(f"cannot open log file '{path}': no such directory '{parent}'")
+            self._install(self._open_handler(path))
         self.settings = new
         self._apply()
         return self.get()

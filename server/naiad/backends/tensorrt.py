@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .. import gpu
+from .. import gpu, memory
 from ..config import ModelConfig, data_type_name
 from ..errors import Internal, InvalidArgument, Unavailable, Unsupported
 from .base import ModelContext, TensorInstance
@@ -209,7 +209,9 @@ class TensorRTInstance(TensorInstance):
         self.rt = gpu.cudart()
         self.trt = trt
         self._device_buffers: dict[str, tuple[int, int]] = {}  # name -> (pointer, capacity)
-        self._host_buffers: dict[str, tuple[int, int, np.ndarray]] = {}  # name -> (pointer, capacity, view)
+        # name -> (pointer, capacity, view, page-locked?): staging buffers are drawn from the pinned memory pool
+        # (--pinned-memory-pool-byte-size) and fall back to pageable memory when it is exhausted, as Triton's.
+        self._host_buffers: dict[str, tuple[int, int, np.ndarray, bool]] = {}
         self.stream = None
         self.context = None
         self.runtime, self.engine = _load_engine(trt, ctx.model_file, device_id)
@@ -293,16 +295,26 @@ class TensorRTInstance(TensorInstance):
         return ptr
 
     def _host(self, name: str, nbytes: int) -> tuple[int, np.ndarray]:
-        ptr, cap, view = self._host_buffers.get(name, (0, 0, None))
+        ptr, cap, view, pinned = self._host_buffers.get(name, (0, 0, None, False))
         if nbytes > cap or not ptr:
             if ptr:
-                gpu.check(self.rt.cudaFreeHost(ptr), "cudaFreeHost")
+                self._free_host(ptr, cap, pinned)
                 del self._host_buffers[name]
             cap = self._capacity(nbytes)
-            ptr = int(gpu.check(self.rt.cudaMallocHost(cap), f"cudaMallocHost({cap})"))
-            view = np.ctypeslib.as_array((ctypes.c_uint8 * cap).from_address(ptr))
-            self._host_buffers[name] = (ptr, cap, view)
+            pinned = memory.pools.reserve_pinned(cap)
+            if pinned:
+                ptr = int(gpu.check(self.rt.cudaMallocHost(cap), f"cudaMallocHost({cap})"))
+                view = np.ctypeslib.as_array((ctypes.c_uint8 * cap).from_address(ptr))
+            else:
+                view = np.empty(cap, np.uint8)
+                ptr = view.ctypes.data
+            self._host_buffers[name] = (ptr, cap, view, pinned)
         return ptr, view
+
+    def _free_host(self, ptr: int, cap: int, pinned: bool) -> None:
+        if pinned:
+            gpu.check(self.rt.cudaFreeHost(ptr), "cudaFreeHost")
+            memory.pools.release_pinned(cap)
 
     # ---- execution ----
     def _select_profile(self, shapes: dict[str, tuple[int, ...]]) -> int:
@@ -414,8 +426,10 @@ class TensorRTInstance(TensorInstance):
                 self.rt.cudaStreamSynchronize(self.stream)
             for ptr, _ in self._device_buffers.values():
                 self.rt.cudaFree(ptr)
-            for ptr, _, _ in self._host_buffers.values():
-                self.rt.cudaFreeHost(ptr)
+            for ptr, cap, _, pinned in self._host_buffers.values():
+                if pinned:
+                    self.rt.cudaFreeHost(ptr)
+                    memory.pools.release_pinned(cap)
             if self.stream is not None:
                 self.rt.cudaStreamDestroy(self.stream)
         except Exception as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +12,8 @@ from ..backends.base import ModelInstance, Timing
 from ..errors import as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse
 from ..stats import ModelStats
+
+log = logging.getLogger("naiad.execution")
 
 
 class InstancePool:
@@ -96,6 +99,14 @@ class InstancePool:
         def call():
             return inst.execute(requests, timing)
 
+        if log.isEnabledFor(logging.DEBUG):  # --log-verbose >= 1: how the batcher composed this execution
+            log.debug(
+                "model %s, instance %s, executing %d requests (batch size %d)",
+                self.stats.model,
+                inst.name,
+                len(requests),
+                sum(r.batch_size(self.batched) for r in requests),
+            )
         start = time.monotonic_ns()
         try:
             if inst.inline.inline:

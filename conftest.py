@@ -1,0 +1,77 @@
+"""Run-wide test policy: per-tier counts for `make test`'s summary, and under CI=true a skip is a failure
+unless the test is marked `gpu` (skipped for lack of a device)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = Path(os.environ.get("NAIAD_TEST_RESULTS", ROOT / ".test-results"))
+
+# Tier of a test file, by path prefix (first match wins): what a reader of the summary wants to see ran.
+TIERS = [
+    ("tests/operator/test_operator_cluster.py", "operator on a cluster"),
+    ("e2e/", "e2e cluster"),
+    ("tests/operator/", "operator"),
+    ("tests/test_triton_compare.py", "triton side by side"),
+    ("tests/test_prometheus.py", "prometheus"),
+    ("tests/test_gpu.py", "gpu"),
+    ("tests/", "server"),
+]
+
+
+def tier_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return next((name for prefix, name in TIERS if path.startswith(prefix)), "other")
+
+
+class TierCounter:
+    def __init__(self) -> None:
+        self.counts: dict[str, Counter] = {}
+        self.bad_skips: list[str] = []
+        self.gpu_ids: set[str] = set()
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items) -> None:
+        self.gpu_ids = {item.nodeid for item in items if item.get_closest_marker("gpu") is not None}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        tier = self.counts.setdefault(tier_of(report.nodeid), Counter())
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            if report.skipped:
+                tier["skipped"] += 1
+                if report.nodeid not in self.gpu_ids:
+                    reason = (
+                        report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+                    )
+                    self.bad_skips.append(f"{report.nodeid}: {reason}")
+            elif report.failed:
+                tier["failed"] += 1
+            else:
+                tier["passed"] += 1
+        elif report.when == "teardown" and report.failed:
+            tier["failed"] += 1
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes") and self.bad_skips:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        name = os.environ.get("NAIAD_TEST_RUN")
+        if name:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            data = {"tiers": {k: dict(v) for k, v in self.counts.items()}, "bad_skips": self.bad_skips}
+            (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.bad_skips and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            terminalreporter.section("skips that fail a CI run (only GPU tests may skip)", red=True)
+            for line in self.bad_skips:
+                terminalreporter.write_line(line)
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(TierCounter(), "naiad-tier-counter")

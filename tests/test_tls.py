@@ -1,0 +1,288 @@
+"""TLS on the HTTP, gRPC (both implementations) and metrics ports: tritonclient with ssl=True, mutual TLS,
+an expired certificate, and a certificate reloaded when its files change."""
+
+from __future__ import annotations
+
+import datetime
+import http.client
+import ipaddress
+import os
+import shutil
+import socket
+import ssl
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from helpers import NaiadProcess
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _write(path: Path, key, cert) -> tuple[str, str]:
+    key_path = path.with_suffix(".key")
+    cert_path = path.with_suffix(".crt")
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(cert_path), str(key_path)
+
+
+class Pki:
+    """A CA and the certificates it signs, written to files."""
+
+    def __init__(self, directory: Path, name: str):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(_name(name))
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        self.ca, _ = _write(self.dir / name, self.key, self.cert)
+
+    def issue(self, name: str, *, server: bool = True, expired: bool = False) -> tuple[str, str]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.timezone.utc)
+        start, end = (
+            (now - datetime.timedelta(days=10), now - datetime.timedelta(days=1))
+            if expired
+            else (now - datetime.timedelta(hours=1), now + datetime.timedelta(days=7))
+        )
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start)
+            .not_valid_after(end)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+        )
+        if server:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+        return _write(self.dir / name, key, builder.sign(self.key, hashes.SHA256()))
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tls-repo")
+    shutil.copytree(ROOT / "models" / "add_sub", out / "add_sub")
+    return out
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return Pki(tmp_path_factory.mktemp("pki"), "naiad-test-ca")
+
+
+def _tls_args(cert: str, key: str, *, root: str | None = None) -> list[str]:
+    out = []
+    for endpoint in ("grpc", "http", "metrics"):
+        out += [f"--{endpoint}-server-cert", cert, f"--{endpoint}-server-key", key]
+        if root:
+            out += [f"--{endpoint}-use-ssl-mutual=true", f"--{endpoint}-root-cert", root]
+        else:
+            out += [f"--{endpoint}-use-ssl=true"]
+    return out
+
+
+def _inputs(module):
+    a = module.InferInput("INPUT0", [4], "FP32")
+    a.set_data_from_numpy(np.arange(4, dtype=np.float32))
+    b = module.InferInput("INPUT1", [4], "FP32")
+    b.set_data_from_numpy(np.ones(4, dtype=np.float32))
+    return [a, b]
+
+
+def _grpc_infer(proc: NaiadProcess, ca: str, client: tuple[str, str] | None = None):
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(
+        f"localhost:{proc.grpc_port}",
+        ssl=True,
+        root_certificates=ca,
+        certificate_chain=client[0] if client else None,
+        private_key=client[1] if client else None,
+    )
+    try:
+        return c.infer("add_sub", _inputs(grpcclient)).as_numpy("OUTPUT0")
+    finally:
+        c.close()
+
+
+def _http_infer(proc: NaiadProcess, ca: str, client: tuple[str, str] | None = None):
+    import tritonclient.http as httpclient
+
+    options = {"ca_certs": ca}
+    if client:
+        options.update(certfile=client[0], keyfile=client[1])
+    c = httpclient.InferenceServerClient(
+        f"localhost:{proc.http_port}", ssl=True, ssl_options=options, connection_timeout=5, network_timeout=5
+    )
+    try:
+        return c.infer("add_sub", _inputs(httpclient)).as_numpy("OUTPUT0")
+    finally:
+        c.close()
+
+
+EXPECTED = np.arange(4, dtype=np.float32) + 1
+
+
+@pytest.mark.parametrize("implementation", ["naiad", "grpcio"])
+def test_tls_on_every_port(repo, pki, implementation):
+    cert, key = pki.issue("server")
+    with NaiadProcess(repo, "--grpc-implementation", implementation, *_tls_args(cert, key)) as proc:
+        np.testing.assert_array_equal(_grpc_infer(proc, pki.ca), EXPECTED)
+        np.testing.assert_array_equal(_http_infer(proc, pki.ca), EXPECTED)
+        r = requests.get(f"https://localhost:{proc.metrics_port}/metrics", verify=pki.ca, timeout=5)
+        assert r.status_code == 200 and "nv_inference_request_success" in r.text
+        # both HTTP paths: the fast path answered infer above; aiohttp answers the rest over the same TLS
+        r = requests.get(f"https://localhost:{proc.http_port}/v2/models/add_sub/config", verify=pki.ca)
+        assert r.status_code == 200 and r.json()["name"] == "add_sub"
+        # cleartext on a TLS port gets no answer
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"http://localhost:{proc.http_port}/v2/health/live", timeout=5)
+        if implementation == "naiad":
+            assert _alpn(proc.grpc_port, pki.ca, ["h2"]) == "h2"
+
+
+def _alpn(port: int, ca: str, protocols: list[str]) -> str | None:
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.set_alpn_protocols(protocols)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            return tls.selected_alpn_protocol()
+
+
+@pytest.mark.parametrize("implementation", ["naiad", "grpcio"])
+def test_mutual_tls_requires_a_client_certificate_from_the_root(repo, pki, tmp_path, implementation):
+    from tritonclient.utils import InferenceServerException
+
+    cert, key = pki.issue("server")
+    client = pki.issue("client", server=False)
+    stranger = Pki(tmp_path / "other", "other-ca").issue("stranger", server=False)
+    args = ("--grpc-implementation", implementation, *_tls_args(cert, key, root=pki.ca))
+    with NaiadProcess(repo, *args, client_cert=client) as proc:
+        np.testing.assert_array_equal(_grpc_infer(proc, pki.ca, client), EXPECTED)
+        np.testing.assert_array_equal(_http_infer(proc, pki.ca, client), EXPECTED)
+        for who in (None, stranger):
+            with pytest.raises(InferenceServerException):
+                _grpc_infer(proc, pki.ca, who)
+            # TLS 1.3: the server refuses the client's certificate after the client's side of the handshake,
+            # so the client sees an alert or the connection closed when it reads the answer
+            with pytest.raises((ssl.SSLError, OSError, http.client.HTTPException)):
+                _http_infer(proc, pki.ca, who)
+            with pytest.raises(requests.ConnectionError):  # SSLError, or closed without an answer (TLS 1.3)
+                requests.get(f"https://localhost:{proc.metrics_port}/metrics", verify=pki.ca, cert=who)
+        # the refusals did not harm the server: the client with its certificate still gets answers
+        r = requests.get(f"https://localhost:{proc.metrics_port}/metrics", verify=pki.ca, cert=client)
+        assert r.status_code == 200
+        np.testing.assert_array_equal(_grpc_infer(proc, pki.ca, client), EXPECTED)
+        np.testing.assert_array_equal(_http_infer(proc, pki.ca, client), EXPECTED)
+
+
+@pytest.mark.parametrize("implementation", ["naiad", "grpcio"])
+def test_expired_certificate_is_refused_by_a_verifying_client(repo, pki, implementation):
+    from tritonclient.utils import InferenceServerException
+
+    cert, key = pki.issue("expired", expired=True)
+    with NaiadProcess(repo, "--grpc-implementation", implementation, *_tls_args(cert, key)) as proc:
+        with pytest.raises(InferenceServerException):
+            _grpc_infer(proc, pki.ca)
+        with pytest.raises(ssl.SSLCertVerificationError, match="expired"):
+            _http_infer(proc, pki.ca)
+        with pytest.raises(requests.exceptions.SSLError, match="expired"):
+            requests.get(f"https://localhost:{proc.metrics_port}/metrics", verify=pki.ca)
+
+
+def _served_certificate(port: int, alpn: list[str]) -> bytes:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(alpn)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            return tls.getpeercert(binary_form=True)
+
+
+def _der(path: str) -> bytes:
+    return x509.load_pem_x509_certificate(Path(path).read_bytes()).public_bytes(serialization.Encoding.DER)
+
+
+def _replace(src: str, dst: Path) -> None:
+    """Atomically, as the kubelet updates a mounted Secret."""
+    tmp = dst.with_suffix(".new")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+@pytest.mark.parametrize("implementation", ["naiad", "grpcio"])
+def test_certificate_reloaded_when_its_files_change(repo, pki, tmp_path, implementation):
+    other = Pki(tmp_path / "next", "next-ca")
+    first = pki.issue("first")
+    second = other.issue("second")
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    cert, key = mounted / "tls.crt", mounted / "tls.key"
+    shutil.copyfile(first[0], cert)
+    shutil.copyfile(first[1], key)
+    args = ("--grpc-implementation", implementation, *_tls_args(str(cert), str(key)))
+    with NaiadProcess(repo, *args) as proc:
+        ports = {proc.grpc_port: ["h2"], proc.http_port: ["http/1.1"], proc.metrics_port: ["http/1.1"]}
+        for port, alpn in ports.items():
+            assert _served_certificate(port, alpn) == _der(first[0])
+        np.testing.assert_array_equal(_grpc_infer(proc, pki.ca), EXPECTED)
+        # a key that does not match the certificate (half a rotation) is not taken: the old pair stays in use
+        _replace(second[0], cert)
+        time.sleep(3)
+        for port, alpn in ports.items():
+            assert _served_certificate(port, alpn) == _der(first[0])
+        _replace(second[1], key)
+        deadline = time.monotonic() + 20
+        pending = dict(ports)
+        while pending and time.monotonic() < deadline:
+            for port, alpn in list(pending.items()):
+                if _served_certificate(port, alpn) == _der(second[0]):
+                    del pending[port]
+            time.sleep(0.2)
+        assert not pending, f"ports still serving the old certificate: {sorted(pending)}"
+        # real clients that trust only the new CA now connect, without a restart
+        np.testing.assert_array_equal(_grpc_infer(proc, other.ca), EXPECTED)
+        np.testing.assert_array_equal(_http_infer(proc, other.ca), EXPECTED)
+        assert proc.proc.poll() is None
+        assert "certificate reloaded" in proc.output()

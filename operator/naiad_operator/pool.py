@@ -479,13 +479,14 @@ class _Pass:
 
     async def _write_model_status(self, model: _Model, observed: ModelObservation, pool_found: bool) -> None:
         intent, meta = model.intent, model.body["metadata"]
+        tls = tls_secret_name((getattr(self, "server", None) or {}).get("spec") or {}) is not None
         status = model_status(
             generation=meta.get("generation"),
             pool=intent.pool,
             model_name=intent.model_name,
             revision=intent.revision,
             selector=model_selector_string(intent),
-            endpoint=endpoint(intent, self.namespace),
+            endpoint=endpoint(intent, self.namespace, tls),
             problems=model.problems,
             suspended=intent.suspended,
             pool_found=pool_found,

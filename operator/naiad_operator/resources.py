@@ -32,6 +32,7 @@ from .naming import (
 from .quantity import parse_quantity
 from .security import (
     CONTROL_ENV,
+    CONTROL_GROUPS,
     CREDENTIAL_HASH_ANNOTATION,
     CREDENTIAL_KEY,
     TLS_MOUNT,
@@ -153,6 +154,14 @@ def server_spec_problems(name: str, spec: Spec) -> list[str]:
             tls_secret_name(spec) and _flag_name(arg).startswith(RESERVED_PREFIXES)
         ):
             problems.append(f"args: {_flag_name(arg)} is set by the operator and cannot be overridden")
+        elif _flag_name(arg) in ("--http-restricted-api", "--grpc-restricted-protocol"):
+            value = arg.partition("=")[2]
+            groups = {g.strip() for g in value.partition(":")[0].split(",")}
+            if groups & set(CONTROL_GROUPS):
+                problems.append(
+                    f"args: {_flag_name(arg)} may not restrict {', '.join(sorted(groups & set(CONTROL_GROUPS)))}: "
+                    "the operator restricts the control APIs to its own credential"
+                )
     minimum, maximum = spec.get("minReplicas"), spec.get("maxReplicas")
     if minimum is not None and maximum is not None and minimum > maximum:
         problems.append(f"minReplicas ({minimum}) exceeds maxReplicas ({maximum})")

@@ -103,6 +103,14 @@ def test_tls_secret_is_mounted_and_turned_on_for_every_port():
     assert server_spec_problems("pool", {"args": ["--grpc-use-ssl=true"]}) == []
 
 
+def test_user_args_may_restrict_inference_but_not_the_control_groups():
+    assert server_spec_problems("pool", {"args": ["--http-restricted-api=inference:k=env:K"]}) == []
+    assert server_spec_problems("pool", {"args": ["--grpc-restricted-protocol=trace,inference:k=v"]}) == [
+        "args: --grpc-restricted-protocol may not restrict trace: the operator restricts the control APIs to "
+        "its own credential"
+    ]
+
+
 def test_network_policy_admits_only_the_operator_and_prometheus_to_metrics():
     prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     config = OperatorConfig(

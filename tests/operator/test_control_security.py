@@ -129,6 +129,18 @@ def test_network_policy_admits_only_the_operator_and_prometheus_to_metrics():
     ]
 
 
+def test_every_kind_the_operator_writes_has_an_api_path():
+    from naiad_operator.kube import resource_path
+
+    config = OperatorConfig(network_policy=True)
+    spec = {"tls": {"secretName": "c"}, "maxReplicas": 3, "modelRepository": {"create": {"size": "1Gi"}}}
+    for body in render_pool(OWNER, spec, config, True, CREDENTIAL).apply:
+        assert resource_path(body["apiVersion"], body["kind"], NS, body["metadata"]["name"])
+    assert resource_path("v1", "Secret", "naiad-system", INSTALLATION_SECRET).startswith(
+        "/api/v1/namespaces/"
+    )
+
+
 def test_operator_settings_for_the_network_policy():
     config = OperatorConfig.from_env(
         {

@@ -758,7 +758,7 @@ def client_pod(h: Harness, name: str, server_ip: str) -> dict:
 
 def test_control_api_answers_only_the_operator(report):
     h = report
-    h.apply(pool("guarded", replicas=1))
+    h.apply(pool("guarded", replicas=1, modelRepository={"path": str(h.repo)}))
     h.apply(model("guarded-add-sub", serverRef={"name": "guarded"}, modelName="add_sub", replicas=1))
     wait(lambda: h.model_status("guarded-add-sub").get("phase") == "Available", 180, what="model Available")
     (server_pod,) = h.get("pods", selector="naiad.dev/server=guarded")["items"]
@@ -846,7 +846,9 @@ def test_tls_pool_is_served_and_verified_by_the_operator(report):
             "data": {"tls.crt": b64(cert), "tls.key": b64(key), "ca.crt": b64(pki.ca)},
         }
     )
-    h.apply(pool("tlspool", replicas=1, tls={"secretName": "tlspool-tls"}))
+    h.apply(
+        pool("tlspool", replicas=1, modelRepository={"path": str(h.repo)}, tls={"secretName": "tlspool-tls"})
+    )
     h.apply(model("tls-add-sub", serverRef={"name": "tlspool"}, modelName="add_sub", replicas=1))
     # Available: the probes passed over HTTPS and the operator loaded the model over verified HTTPS
     status = wait(

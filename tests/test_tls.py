@@ -210,3 +210,54 @@ def test_certificate_reloaded_when_its_files_change(repo, pki, tmp_path, impleme
         np.testing.assert_array_equal(_http_infer(proc, other.ca), EXPECTED)
         assert proc.proc.poll() is None
         assert "certificate reloaded" in proc.output()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--grpc-use-ssl"], "--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key"),
+        (
+            ["--http-use-ssl-mutual=true", "--http-server-cert", "{cert}", "--http-server-key", "{key}"],
+            "needs --http-root-cert",
+        ),
+        (
+            ["--http-use-ssl", "--http-server-cert", "/nonexistent.crt", "--http-server-key", "{key}"],
+            "does not exist",
+        ),
+        (
+            ["--grpc-use-ssl", "--grpc-server-cert", "{cert}", "--grpc-server-key", "{other_key}"],
+            "cannot use",
+        ),
+        (["--grpc-use-ssl=maybe"], "expected true or false"),
+    ],
+)
+def test_incomplete_or_broken_tls_settings_stop_the_server_with_a_clear_error(repo, pki, args, message):
+    import subprocess
+    import sys
+
+    cert, key = pki.issue("server")
+    _, other_key = pki.issue("other")
+    argv = [a.format(cert=cert, key=key, other_key=other_key) for a in args]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "naiad.cli",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT.parent / "server")},
+    )
+    assert done.returncode != 0
+    assert message in done.stderr, done.stderr[-2000:]

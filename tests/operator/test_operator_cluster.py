@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -819,7 +820,15 @@ def test_credential_rotation_rolls_the_pool_onto_the_new_one(report):
     )
     (after,) = h.get("pods", selector="naiad.dev/server=guarded")["items"]
     assert after["metadata"]["uid"] != before["metadata"]["uid"]
-    assert h.index(after["status"]["podIP"])["add_sub"] == "READY"  # answers the new credential
+    # the model is on the new pod, which answers the new credential (and only it: the old one is refused)
+    ip = after["status"]["podIP"]
+    wait(lambda: h.index(ip).get("add_sub") == "READY", 120, what="model loaded on the rolled pod")
+    request = urllib.request.Request(
+        f"http://{ip}:8000/v2/repository/index", data=b"{}", method="POST", headers={"naiad-control-key": old}
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert refused.value.code == 403
     h.kubectl("-n", NS, "delete", "im", "guarded-add-sub", "--timeout=90s", check=False)
     h.kubectl("-n", NS, "delete", "inferenceserver", "guarded", "--timeout=90s", check=False)
 

@@ -6,7 +6,8 @@ what every test exercises. Covers: CRDs accepted by the API server (structural s
 created with owner references,
 models loaded live into pods and routed through per-model Services, config changes reloaded without pod
 restarts, self-healing after a server restart, scale-up, suspension, deletion with unload, dedicated pools,
-rejected specs, and the operator's own restart.
+rejected specs, the operator's own restart, the control API guarded by the installation's credential (a client
+pod without it is refused load, unload and shm registration while it can infer), its rotation, and a TLS pool.
 
 Slow (a cluster start, about a minute); skipped without the e2e binaries (see find_binaries) or the server's
 dependencies.

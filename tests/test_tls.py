@@ -261,3 +261,12 @@ def test_incomplete_or_broken_tls_settings_stop_the_server_with_a_clear_error(re
     )
     assert done.returncode != 0
     assert message in done.stderr, done.stderr[-2000:]
+
+
+def test_https_on_the_aiohttp_only_path(repo, pki, monkeypatch):
+    """NAIAD_HTTP_FAST=0 serves every HTTP request with aiohttp: the same certificate and reload apply there."""
+    monkeypatch.setenv("NAIAD_HTTP_FAST", "0")
+    cert, key = pki.issue("server")
+    with NaiadProcess(repo, *_tls_args(cert, key)) as proc:
+        np.testing.assert_array_equal(_http_infer(proc, pki.ca), EXPECTED)
+        assert _served_certificate(proc.http_port, ["http/1.1"]) == _der(cert)

@@ -166,6 +166,19 @@ def server_spec_schema(description: str) -> Schema:
             "shmSize": quantity(
                 "Size of a memory-backed /dev/shm (for python-backend models); none when unset."
             ),
+            "tls": obj(
+                "TLS on the HTTP, gRPC and metrics ports from a kubernetes.io/tls Secret (tls.crt, tls.key, and "
+                "ca.crt, which the operator verifies the servers with). Its certificate must name the pool's "
+                "Service, <server>.<namespace>.svc; a rotated Secret (cert-manager) is picked up without restarts.",
+                {
+                    "secretName": string(
+                        "The Secret, in the pool's namespace.",
+                        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                        maxLength=253,
+                    ),
+                },
+                required=["secretName"],
+            ),
             "modelRepository": obj(
                 "The model repository volume, mounted read-only at /models. Without a claim the repository "
                 "must already be in the image at `path`.",

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import requests
@@ -29,11 +30,12 @@ def free_ports(n: int) -> list[int]:
 class NaiadProcess:
     """`naiad serve` in a subprocess; `.http`, `.grpc`, `.metrics` are host:port strings."""
 
-    def __init__(self, repos, *args: str, wait_ready: bool = True, timeout: float = 90.0):
+    def __init__(self, repos, *args: str, wait_ready: bool = True, timeout: float = 90.0, client_cert=None):
         self.repos = [str(r) for r in (repos if isinstance(repos, (list, tuple)) else [repos])]
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.args = list(args)
         self.wait_ready = wait_ready
+        self.client_cert = client_cert  # (cert, key) files for a server that requires a client certificate
         self.timeout = timeout
         self.proc: subprocess.Popen | None = None
         self.log_path = None
@@ -52,7 +54,8 @@ class NaiadProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.http}"
+        scheme = "https" if any(a.startswith("--http-use-ssl") for a in self.args) else "http"
+        return f"{scheme}://{self.http}"
 
     def start(self) -> NaiadProcess:
         cmd = [sys.executable, "-m", "naiad.cli", "serve"]
@@ -89,7 +92,10 @@ class NaiadProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"naiad exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if requests.get(self.url + path, timeout=1).status_code == 200:
+                with warnings.catch_warnings():  # readiness only: a TLS test checks the certificate itself
+                    warnings.simplefilter("ignore")
+                    answer = requests.get(self.url + path, timeout=1, verify=False, cert=self.client_cert)
+                if answer.status_code == 200:
                     return
             except requests.RequestException:
                 pass

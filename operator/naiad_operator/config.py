@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0"
 DEFAULT_QUEUE_METRIC = "naiad_queue_time_per_request_us"
@@ -25,6 +27,11 @@ class OperatorConfig:
     service_monitors: str = "auto"
     # Seconds before retrying a load that failed on a pod with the same revision (doubles up to 16x).
     load_retry_seconds: float = 30.0
+    # Where the installation's control-credential Secret lives (the operator's own namespace).
+    operator_namespace: str = "naiad-system"
+    # A NetworkPolicy per pool: metrics port only from the operator's namespace and `metrics_from` (Prometheus).
+    network_policy: bool = False
+    metrics_from: tuple = field(default_factory=tuple)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -46,7 +53,18 @@ class OperatorConfig:
         monitors = env.get("NAIAD_SERVICE_MONITORS", defaults.service_monitors).lower()
         if monitors not in ("auto", "false"):
             raise ValueError(f"NAIAD_SERVICE_MONITORS must be 'auto' or 'false', got {monitors!r}")
+        namespace = env.get("NAIAD_OPERATOR_NAMESPACE") or _service_account_namespace()
+        try:
+            metrics_from = tuple(json.loads(env.get("NAIAD_NETWORK_POLICY_METRICS_FROM") or "[]"))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"NAIAD_NETWORK_POLICY_METRICS_FROM must be a JSON list: {error}") from error
+        policy = (env.get("NAIAD_NETWORK_POLICY") or "false").lower()
+        if policy not in ("true", "false"):
+            raise ValueError(f"NAIAD_NETWORK_POLICY must be 'true' or 'false', got {policy!r}")
         return cls(
+            operator_namespace=namespace or defaults.operator_namespace,
+            network_policy=policy == "true",
+            metrics_from=metrics_from,
             server_image=env.get("NAIAD_SERVER_IMAGE") or defaults.server_image,
             server_image_pull_policy=env.get("NAIAD_SERVER_IMAGE_PULL_POLICY")
             or defaults.server_image_pull_policy,
@@ -57,3 +75,11 @@ class OperatorConfig:
             service_monitors=monitors,
             load_retry_seconds=number("NAIAD_LOAD_RETRY_SECONDS", defaults.load_retry_seconds),
         )
+
+
+def _service_account_namespace() -> str | None:
+    """The namespace the operator's pod runs in, as the service-account mount tells it."""
+    try:
+        return Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip() or None
+    except OSError:
+        return None

@@ -1,14 +1,18 @@
 """Async client of a Naiad (or Triton) server's model-control API: health, repository index, load, unload.
 
-Each call targets one pod by IP, so the operator can place models pod by pod instead of through a Service.
+Each call targets one pod by IP, so the operator can place models pod by pod instead of through a Service. Calls
+carry the installation's control credential (the servers restrict the control APIs to it) and, for a pool with
+TLS, use HTTPS verified against the pool's CA and its Service's DNS name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import ipaddress
 import json
-from collections.abc import Mapping
+import ssl
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -46,14 +50,14 @@ class IndexEntry:
         return self.state == "READY"
 
 
-def base_url(host: str, port: int = HTTP_PORT) -> str:
-    """http://host:port, bracketing IPv6 addresses."""
+def base_url(host: str, port: int = HTTP_PORT, scheme: str = "http") -> str:
+    """http://host:port (or https), bracketing IPv6 addresses."""
     try:
         if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
             host = f"[{host}]"
     except ValueError:
         pass  # a DNS name
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 def _error_message(status: int, text: str) -> str:
@@ -81,11 +85,26 @@ class ModelControlClient:
         port: int = HTTP_PORT,
         request_timeout: float = 10.0,
         load_timeout: float = 600.0,
+        credentials: Callable[[], Sequence[str]] | None = None,
+        credential_header: str = "naiad-control-key",
     ):
         self._session = session
         self._port = port
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
         self._load_timeout = aiohttp.ClientTimeout(total=load_timeout)
+        # Credentials to try in order: the current one, then the one before a rotation (pods not yet rolled).
+        self._credentials = credentials or (lambda: ())
+        self._credential_header = credential_header
+        self._scheme = "http"
+        self._ssl: ssl.SSLContext | None = None
+        self._server_hostname: str | None = None
+
+    def with_tls(self, context: ssl.SSLContext, server_hostname: str) -> ModelControlClient:
+        """The same client for a pool that serves HTTPS: certificates verified with `context` against
+        `server_hostname` (pods are called by IP, their certificate names the pool's Service)."""
+        client = copy.copy(self)
+        client._scheme, client._ssl, client._server_hostname = "https", context, server_hostname
+        return client
 
     async def _call(
         self,
@@ -96,18 +115,29 @@ class ModelControlClient:
         body: Any = None,
         timeout: aiohttp.ClientTimeout | None = None,
     ) -> tuple[int, str]:
-        url = base_url(host, self._port) + path
+        url = base_url(host, self._port, self._scheme) + path
         kwargs: dict[str, Any] = {"timeout": timeout or self._timeout}
+        headers = {}
         if body is not None:
             kwargs["data"] = json.dumps(body)
-            kwargs["headers"] = {"Content-Type": "application/json"}
-        try:
-            async with self._session.request(method, url, **kwargs) as response:
-                return response.status, await response.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
-            raise ServerUnreachable(
-                f"{method} {url}: {error.__class__.__name__}: {error}".rstrip(": ")
-            ) from error
+            headers["Content-Type"] = "application/json"
+        if self._ssl is not None:
+            kwargs["ssl"] = self._ssl
+            kwargs["server_hostname"] = self._server_hostname
+        status, text = 0, ""
+        for credential in list(self._credentials()) or [None]:
+            if credential is not None:
+                headers[self._credential_header] = credential
+            try:
+                async with self._session.request(method, url, headers=headers, **kwargs) as response:
+                    status, text = response.status, await response.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+                raise ServerUnreachable(
+                    f"{method} {url}: {error.__class__.__name__}: {error}".rstrip(": ")
+                ) from error
+            if status != 403:  # 403: a pod still expecting the credential from before a rotation
+                break
+        return status, text
 
     async def live(self, host: str) -> bool:
         try:

@@ -38,6 +38,7 @@ from .naming import (
 from .pool import LoadBackoff, PoolContext, PoolReport, reconcile_pool
 from .resources import Body, Owner, render_pool, server_spec_problems
 from .runner import PassRunner
+from .security import CONTROL_HEADER, CredentialStore, TrustCache
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,19 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.config = config
     memo.kube = KubeClient(lambda: asyncio.to_thread(connection_info, settings))
     memo.http = aiohttp.ClientSession()
+    memo.credentials = CredentialStore(memo.kube, config.operator_namespace)
+    await memo.credentials.refresh()  # fails the start (and kopf retries it) when the Secret cannot be had
     control = ModelControlClient(
-        memo.http, request_timeout=config.request_timeout_seconds, load_timeout=config.load_timeout_seconds
+        memo.http,
+        request_timeout=config.request_timeout_seconds,
+        load_timeout=config.load_timeout_seconds,
+        credentials=memo.credentials.to_try,
+        credential_header=CONTROL_HEADER,
     )
     memo.backoff = LoadBackoff(config.load_retry_seconds)
-    context = PoolContext(kube=memo.kube, control=control, config=config, backoff=memo.backoff)
+    context = PoolContext(
+        kube=memo.kube, control=control, config=config, backoff=memo.backoff, trust=TrustCache(memo.kube)
+    )
     memo.pools = PassRunner(partial(reconcile_pool, context))
     memo.pod_fingerprints = {}
     log.info(
@@ -159,7 +168,8 @@ async def ensure_pool(memo: kopf.Memo, body: Body, *, events: bool) -> list[str]
     monitoring = config.service_monitors != "false" and await kube.api_available(
         "monitoring.coreos.com/v1", "servicemonitors"
     )
-    objects = render_pool(owner, spec, config, monitoring)
+    credentials = await memo.credentials.refresh()  # also carries out a rotation asked for on the Secret
+    objects = render_pool(owner, spec, config, monitoring, credentials.current)
     rejected = await _apply_all(kube, objects.apply)
     for api_version, kind, name in objects.absent:
         await _delete_if_owned(kube, api_version, kind, owner.namespace, name, owner.uid)

@@ -24,6 +24,8 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Pod"): "pods",
     ("v1", "Service"): "services",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("v1", "Secret"): "secrets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("apps/v1", "Deployment"): "deployments",
     ("apps/v1", "ReplicaSet"): "replicasets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",

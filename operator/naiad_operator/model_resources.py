@@ -341,10 +341,10 @@ def render_model_hpa(owner: Owner, spec: Spec, intent: ModelIntent, config: Oper
     )
 
 
-def endpoint(intent: ModelIntent, namespace: str) -> dict[str, str]:
+def endpoint(intent: ModelIntent, namespace: str, tls: bool = False) -> dict[str, str]:
     host = f"{intent.name}.{namespace}.svc"
     return {
         "service": intent.name,
-        "http": f"http://{host}:{HTTP_PORT}/v2/models/{intent.model_name}",
+        "http": f"{'https' if tls else 'http'}://{host}:{HTTP_PORT}/v2/models/{intent.model_name}",
         "grpc": f"{host}:{GRPC_PORT}",
     }

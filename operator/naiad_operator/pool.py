@@ -34,6 +34,7 @@ from .observe import (
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
 from .quantity import quantity_bytes
 from .resources import autoscaling_active, desired_replicas, pool_selector_string, server_spec_problems
+from .security import TrustCache, server_hostname, tls_secret_name
 from .status import ModelCount, ModelObservation, Placement, model_status, now_rfc3339, server_status
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,17 @@ class PoolContext:
     config: OperatorConfig
     backoff: LoadBackoff
     load_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(16))
+    trust: TrustCache | None = None  # CAs of pools with spec.tls (None: no pool uses TLS, e.g. in tests)
+
+
+async def pool_control(ctx: PoolContext, server: Mapping[str, Any]) -> ModelControlClient:
+    """The model-control client for one pool: HTTPS verified against its TLS Secret's CA when spec.tls is set."""
+    secret = tls_secret_name(server.get("spec") or {})
+    if secret is None or ctx.trust is None:
+        return ctx.control
+    meta = server["metadata"]
+    context = await ctx.trust.context(meta["namespace"], secret)
+    return ctx.control.with_tls(context, server_hostname(meta["name"], meta["namespace"]))
 
 
 @dataclass
@@ -137,11 +149,11 @@ def models_of_pool(models: Sequence[Body], pool: str, server: Mapping[str, Any] 
     return found
 
 
-async def _read_index(ctx: PoolContext, facts: PodFacts) -> list[IndexEntry] | None:
+async def _read_index(control: ModelControlClient, facts: PodFacts) -> list[IndexEntry] | None:
     if not facts.loadable or facts.ip is None:
         return None
     try:
-        return await ctx.control.index(facts.ip)
+        return await control.index(facts.ip)
     except ControlError as error:
         log.info("pod %s: repository index unavailable: %s", facts.name, error)
         return None
@@ -198,6 +210,7 @@ class _Pass:
                     )
             return PoolReport(found=False)
         self.server = server
+        self.control = await pool_control(self.ctx, server)
         self.models = models
         spec = server.get("spec") or {}
         selector = pool_selector_string(self.pool)
@@ -209,7 +222,7 @@ class _Pass:
         )
         self.facts = [pod_facts(p) for p in pods]
         current_hash = current_template_hash(deployment, replicasets)
-        indexes = await asyncio.gather(*(_read_index(self.ctx, f) for f in self.facts))
+        indexes = await asyncio.gather(*(_read_index(self.control, f) for f in self.facts))
         self.index = {f.name: idx for f, idx in zip(self.facts, indexes)}
         intents = [m.intent for m in models]
         self.states = {f.name: pod_state(f, self.index[f.name], intents, current_hash) for f in self.facts}
@@ -309,7 +322,7 @@ class _Pass:
         intent = model.intent
         try:
             async with self.ctx.load_slots:
-                await self.ctx.control.load(pod.ip or "", intent.model_name, intent.load_config)
+                await self.control.load(pod.ip or "", intent.model_name, intent.load_config)
         except ControlError as error:
             return intent.name, pod.name, str(error)
         return intent.name, pod.name, None
@@ -347,7 +360,7 @@ class _Pass:
     async def _unload(self, pod: str, model_name: str) -> str | None:
         ip = self.states[pod].ip
         try:
-            await self.ctx.control.unload(ip or "", model_name)
+            await self.control.unload(ip or "", model_name)
         except ControlError as error:
             return str(error)
         return None
@@ -466,13 +479,14 @@ class _Pass:
 
     async def _write_model_status(self, model: _Model, observed: ModelObservation, pool_found: bool) -> None:
         intent, meta = model.intent, model.body["metadata"]
+        tls = tls_secret_name((getattr(self, "server", None) or {}).get("spec") or {}) is not None
         status = model_status(
             generation=meta.get("generation"),
             pool=intent.pool,
             model_name=intent.model_name,
             revision=intent.revision,
             selector=model_selector_string(intent),
-            endpoint=endpoint(intent, self.namespace),
+            endpoint=endpoint(intent, self.namespace, tls),
             problems=model.problems,
             suspended=intent.suspended,
             pool_found=pool_found,

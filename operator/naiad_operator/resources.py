@@ -5,6 +5,7 @@ Nothing here talks to a cluster; the handlers apply what these functions return 
 
 from __future__ import annotations
 
+import base64
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,21 @@ from .naming import (
     selector_string,
 )
 from .quantity import parse_quantity
+from .security import (
+    CONTROL_ENV,
+    CONTROL_GROUPS,
+    CREDENTIAL_HASH_ANNOTATION,
+    CREDENTIAL_KEY,
+    TLS_MOUNT,
+    TLS_VOLUME,
+    control_env,
+    control_secret_name,
+    credential_hash,
+    restriction_args,
+    server_hostname,
+    tls_args,
+    tls_secret_name,
+)
 
 Body = dict[str, Any]
 Spec = Mapping[str, Any]
@@ -46,6 +62,14 @@ RESERVED_FLAGS = (
     "--allow-grpc",
     "--allow-metrics",
     "--strict-readiness",
+)
+# Prefixes of flags the operator sets from spec.tls and the control credential.
+RESERVED_PREFIXES = (
+    "--http-use-ssl",
+    "--grpc-use-ssl",
+    "--metrics-use-ssl",
+    "--http-server-",
+    "--grpc-server-",
 )
 
 PROBE_DEFAULTS = {
@@ -126,8 +150,18 @@ def server_spec_problems(name: str, spec: Spec) -> list[str]:
     """What in an InferenceServer spec the operator cannot render (reported in status, never retried)."""
     problems = name_problems(name, MAX_SERVER_NAME)
     for arg in spec.get("args") or []:
-        if _flag_name(arg) in RESERVED_FLAGS:
+        if _flag_name(arg) in RESERVED_FLAGS or (
+            tls_secret_name(spec) and _flag_name(arg).startswith(RESERVED_PREFIXES)
+        ):
             problems.append(f"args: {_flag_name(arg)} is set by the operator and cannot be overridden")
+        elif _flag_name(arg) in ("--http-restricted-api", "--grpc-restricted-protocol"):
+            value = arg.partition("=")[2]
+            groups = {g.strip() for g in value.partition(":")[0].split(",")}
+            if groups & set(CONTROL_GROUPS):
+                problems.append(
+                    f"args: {_flag_name(arg)} may not restrict {', '.join(sorted(groups & set(CONTROL_GROUPS)))}: "
+                    "the operator restricts the control APIs to its own credential"
+                )
     minimum, maximum = spec.get("minReplicas"), spec.get("maxReplicas")
     if minimum is not None and maximum is not None and minimum > maximum:
         problems.append(f"minReplicas ({minimum}) exceeds maxReplicas ({maximum})")
@@ -176,9 +210,10 @@ def repository_claim(server: str, spec: Spec) -> str | None:
     return None
 
 
-def server_args(spec: Spec) -> list[str]:
-    """`naiad serve` arguments: explicit model control (the operator loads models live), fixed ports, then the
-    user's extra flags.
+def server_args(spec: Spec, restricted: bool = False) -> list[str]:
+    """`naiad serve` arguments: explicit model control (the operator loads models live), fixed ports, the control
+    APIs restricted to the installation's credential (read from the environment: never in the args), TLS from
+    spec.tls, then the user's extra flags.
 
     Strict readiness is off: with it, one model that failed to load (or, on some servers, one that was unloaded)
     takes the whole pod, and every other model on it, out of service. Per-model availability is what the model
@@ -191,14 +226,18 @@ def server_args(spec: Spec) -> list[str]:
         f"--http-port={HTTP_PORT}",
         f"--grpc-port={GRPC_PORT}",
         f"--metrics-port={METRICS_PORT}",
+        *(restriction_args() if restricted else []),
+        *(tls_args() if tls_secret_name(spec) else []),
         *[str(arg) for arg in spec.get("args") or []],
     ]
 
 
-def _probe(kind: str, overrides: Mapping[str, Any] | None) -> Body:
+def _probe(kind: str, overrides: Mapping[str, Any] | None, tls: bool = False) -> Body:
     defaults = dict(PROBE_DEFAULTS[kind])
     path = defaults.pop("path")
     probe: Body = {"httpGet": {"path": path, "port": "http"}, **defaults}
+    if tls:
+        probe["httpGet"]["scheme"] = "HTTPS"
     for key, value in (overrides or {}).items():
         probe[key] = value
     return probe
@@ -222,29 +261,38 @@ def _tolerations(spec: Spec) -> list[Body]:
     return tolerations
 
 
-def _container(spec: Spec, config: OperatorConfig) -> Body:
+def _container(spec: Spec, config: OperatorConfig, server: str = "", restricted: bool = False) -> Body:
+    tls = tls_secret_name(spec) is not None
+    probes = spec.get("probes") or {}
     container: Body = {
         "name": SERVER_CONTAINER,
         "image": spec.get("image") or config.server_image,
         "imagePullPolicy": spec.get("imagePullPolicy") or config.server_image_pull_policy,
         "command": ["naiad"],
-        "args": server_args(spec),
+        "args": server_args(spec, restricted),
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
-        "startupProbe": _probe("startup", (spec.get("probes") or {}).get("startup")),
-        "readinessProbe": _probe("readiness", (spec.get("probes") or {}).get("readiness")),
-        "livenessProbe": _probe("liveness", (spec.get("probes") or {}).get("liveness")),
+        "startupProbe": _probe("startup", probes.get("startup"), tls),
+        "readinessProbe": _probe("readiness", probes.get("readiness"), tls),
+        "livenessProbe": _probe("liveness", probes.get("liveness"), tls),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
             "runAsNonRoot": True,
         },
     }
-    if spec.get("env"):
-        container["env"] = copy.deepcopy(list(spec["env"]))
+    env = [
+        e
+        for e in copy.deepcopy(list(spec.get("env") or []))
+        if not (restricted and e.get("name") == CONTROL_ENV)
+    ]
+    if restricted:
+        env.append(control_env(server))
+    if env:
+        container["env"] = env
     if spec.get("resources"):
         container["resources"] = copy.deepcopy(dict(spec["resources"]))
     mounts = []
@@ -257,6 +305,8 @@ def _container(spec: Spec, config: OperatorConfig) -> Body:
         mounts.append(mount)
     if spec.get("shmSize") is not None:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if tls:
+        mounts.append({"name": TLS_VOLUME, "mountPath": TLS_MOUNT, "readOnly": True})
     if mounts:
         container["volumeMounts"] = mounts
     return container
@@ -269,24 +319,38 @@ def _volumes(server: str, spec: Spec) -> list[Body]:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
     if spec.get("shmSize") is not None:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["shmSize"]}})
+    secret = tls_secret_name(spec)
+    if secret:
+        # cert-manager (or anyone) may rotate the Secret: the kubelet updates the files and the server reloads them
+        volumes.append({"name": TLS_VOLUME, "secret": {"secretName": secret, "defaultMode": 0o440}})
     return volumes
 
 
-def pod_annotations(spec: Spec) -> dict[str, str]:
-    return {
+def pod_annotations(spec: Spec, credential: str | None = None) -> dict[str, str]:
+    annotations = {
         **{str(k): str(v) for k, v in (spec.get("podAnnotations") or {}).items()},
         "kubectl.kubernetes.io/default-container": SERVER_CONTAINER,
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(METRICS_PORT),
         "prometheus.io/path": "/metrics",
     }
+    if tls_secret_name(spec):
+        annotations["prometheus.io/scheme"] = "https"
+    if credential:
+        # A hash (never the credential): a rotation changes the template, so the pods roll onto the new one.
+        annotations[CREDENTIAL_HASH_ANNOTATION] = credential_hash(credential)
+    return annotations
 
 
-def render_deployment(owner: Owner, spec: Spec, config: OperatorConfig) -> Body:
+def render_deployment(
+    owner: Owner, spec: Spec, config: OperatorConfig, credential: str | None = None
+) -> Body:
+    """`credential`: the installation's control credential; the pods get it through the pool's control Secret
+    (see render_control_secret), and the control APIs are restricted to it."""
     server = owner.name
     labels = pool_labels(server)
     pod_spec: Body = {
-        "containers": [_container(spec, config)],
+        "containers": [_container(spec, config, server, restricted=credential is not None)],
         # Set True by the operator once the models placed on the pod are loaded, so a new pod (a rollout, an
         # autoscaler replica) receives traffic only when it can serve.
         "readinessGates": [{"conditionType": MODELS_READY_CONDITION}],
@@ -322,7 +386,7 @@ def render_deployment(owner: Owner, spec: Spec, config: OperatorConfig) -> Body:
                         **{str(k): str(v) for k, v in (spec.get("podLabels") or {}).items()},
                         **labels,
                     },
-                    "annotations": pod_annotations(spec),
+                    "annotations": pod_annotations(spec, credential),
                 },
                 "spec": pod_spec,
             },
@@ -475,8 +539,56 @@ def render_service_monitor(owner: Owner, spec: Spec) -> Body:
         "spec": {
             "selector": {"matchLabels": {**pool_selector(owner.name), SERVICE_ROLE_LABEL: "pool"}},
             "namespaceSelector": {"matchNames": [owner.namespace]},
-            "endpoints": [
-                {"port": "metrics", "path": "/metrics", "interval": monitoring.get("interval") or "15s"}
+            "endpoints": [_metrics_endpoint(owner, spec, monitoring.get("interval") or "15s")],
+        },
+    }
+
+
+def _metrics_endpoint(owner: Owner, spec: Spec, interval: str) -> Body:
+    endpoint: Body = {"port": "metrics", "path": "/metrics", "interval": interval}
+    secret = tls_secret_name(spec)
+    if secret:
+        endpoint["scheme"] = "https"
+        endpoint["tlsConfig"] = {
+            "ca": {"secret": {"name": secret, "key": "ca.crt"}},
+            "serverName": server_hostname(owner.name, owner.namespace),
+        }
+    return endpoint
+
+
+# --- the control credential and network policy -----------------------------------------------------------------
+
+
+def render_control_secret(owner: Owner, credential: str) -> Body:
+    """The pool's copy of the installation's control credential, read by its pods through CONTROL_ENV."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(control_secret_name(owner.name), owner, pool_labels(owner.name)),
+        "type": "Opaque",
+        "data": {CREDENTIAL_KEY: base64.b64encode(credential.encode()).decode()},
+    }
+
+
+def render_network_policy(owner: Owner, config: OperatorConfig) -> Body:
+    """Ingress to a pool's pods: the HTTP and gRPC ports from anywhere (inference; the control APIs on the same
+    ports need the credential), the metrics port only from the operator's namespace and the configured peers
+    (Prometheus)."""
+    metrics_from: list[Body] = [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": config.operator_namespace}}}
+    ]
+    metrics_from += [copy.deepcopy(dict(peer)) for peer in config.metrics_from]
+    serving: Body = {"ports": [{"port": "http", "protocol": "TCP"}, {"port": "grpc", "protocol": "TCP"}]}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
+        "spec": {
+            "podSelector": {"matchLabels": pool_selector(owner.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                serving,
+                {"from": metrics_from, "ports": [{"port": "metrics", "protocol": "TCP"}]},
             ],
         },
     }
@@ -493,14 +605,19 @@ class PoolObjects:
     absent: list[tuple[str, str, str]]  # (apiVersion, kind, name)
 
 
-def render_pool(owner: Owner, spec: Spec, config: OperatorConfig, monitoring_api: bool) -> PoolObjects:
+def render_pool(
+    owner: Owner, spec: Spec, config: OperatorConfig, monitoring_api: bool, credential: str | None = None
+) -> PoolObjects:
+    """`credential`: the installation's control credential (None: the control APIs stay open)."""
     apply: list[Body] = []
     absent: list[tuple[str, str, str]] = []
     claim = render_claim(owner, spec)
     if claim is not None:
         apply.append(claim)
+    if credential is not None:
+        apply.append(render_control_secret(owner, credential))  # before the Deployment whose pods read it
     apply += [
-        render_deployment(owner, spec, config),
+        render_deployment(owner, spec, config, credential),
         render_pool_service(owner, spec),
         render_headless_service(owner),
     ]
@@ -514,4 +631,8 @@ def render_pool(owner: Owner, spec: Spec, config: OperatorConfig, monitoring_api
             apply.append(render_service_monitor(owner, spec))
         else:
             absent.append(("monitoring.coreos.com/v1", "ServiceMonitor", owner.name))
+    if config.network_policy:
+        apply.append(render_network_policy(owner, config))
+    else:
+        absent.append(("networking.k8s.io/v1", "NetworkPolicy", owner.name))
     return PoolObjects(apply, absent)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from .server import Server, ServerOptions
 
@@ -23,8 +24,30 @@ API_GROUPS = (
 )
 
 
+def restriction_value(value: str) -> str:
+    """A restricted API's value as given, or read from the environment (`env:<VARIABLE>`) or a file
+    (`file:<path>`, one trailing newline dropped), so that a credential need not appear on the command line."""
+    source, sep, ref = value.partition(":")
+    if not sep or source not in ("env", "file"):
+        return value
+    if source == "env":
+        if not os.environ.get(ref):
+            raise ValueError(f"restricted API value env:{ref}: the environment variable is not set or empty")
+        return os.environ[ref]
+    try:
+        with open(ref, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"restricted API value file:{ref}: {exc.strerror or exc}") from exc
+    text = text[:-1] if text.endswith("\n") else text
+    text = text[:-1] if text.endswith("\r") else text
+    if not text:
+        raise ValueError(f"restricted API value file:{ref}: the file is empty")
+    return text
+
+
 def parse_restricted(items: list[str]) -> dict[str, tuple[str, str]]:
-    """`<api>[,<api>...]:<header>=<value>` (repeatable) -> {api: (header, value)}."""
+    """`<api>[,<api>...]:<header>=<value>` (repeatable) -> {api: (header, value)}; see restriction_value."""
     out: dict[str, tuple[str, str]] = {}
     for item in items or []:
         apis, sep, rule = item.partition(":")
@@ -37,7 +60,7 @@ def parse_restricted(items: list[str]) -> dict[str, tuple[str, str]]:
                 raise ValueError(f"unknown API group '{api}' (known: {', '.join(API_GROUPS)})")
             if api in out:
                 raise ValueError(f"API group '{api}' is restricted twice")
-            out[api] = (key.strip().lower(), value)
+            out[api] = (key.strip().lower(), restriction_value(value))
     return out
 
 
@@ -70,10 +93,27 @@ class App:
         self.metrics = None
         self._runners: list = []
         self._grpc = None
+        self._tls_contexts: list = []
         self.endpoints: list[str] = []
 
+    def _tls_context(self, settings, alpn: list[str], name: str):
+        from .frontends import tls
+
+        if settings is None:
+            return None
+        reloading = tls.ReloadingContext(settings, alpn, name)
+        self._tls_contexts.append(reloading)
+        return reloading.context
+
     async def start(self) -> None:
+        from .frontends import tls
+
         a = self.args
+        http_tls = tls.settings_from_args(a, "http")
+        grpc_tls = tls.settings_from_args(a, "grpc")
+        metrics_tls = tls.settings_from_args(a, "metrics", fallback=http_tls)
+        http_restricted = parse_restricted(a.http_restricted_api)
+        grpc_restricted = parse_restricted(a.grpc_restricted_protocol)
         if a.allow_metrics:
             from .metrics import Metrics, parse_metrics_config
 
@@ -107,30 +147,38 @@ class App:
                 self.server,
                 shm=shm,
                 max_input_size=a.http_max_input_size,
-                restricted=parse_restricted(a.http_restricted_api),
+                restricted=http_restricted,
             )
-            self._runners.append(await http.start(a.http_address, a.http_port))
-            self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}")
+            context = self._tls_context(http_tls, ["http/1.1"], "HTTP")
+            self._runners.append(await http.start(a.http_address, a.http_port, ssl=context))
+            self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}{tls.describe(http_tls)}")
         if a.allow_grpc:
             from .frontends.grpc import GrpcFrontend
 
             self._grpc = GrpcFrontend(
                 self.server,
                 shm=shm,
-                restricted=parse_restricted(a.grpc_restricted_protocol),
+                restricted=grpc_restricted,
                 implementation=a.grpc_implementation,
             )
-            await self._grpc.start(a.grpc_address, a.grpc_port)
-            self.endpoints.append(f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port}")
+            await self._grpc.start(a.grpc_address, a.grpc_port, grpc_tls)
+            self.endpoints.append(
+                f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port}{tls.describe(grpc_tls)}"
+            )
         if self.metrics is not None:
             host = a.metrics_address or a.http_address
-            self._runners.append(await self.metrics.start(host, a.metrics_port))
-            self.endpoints.append(f"Metrics Service at {host}:{a.metrics_port}")
+            context = self._tls_context(metrics_tls, ["http/1.1"], "metrics")
+            self._runners.append(await self.metrics.start(host, a.metrics_port, ssl=context))
+            self.endpoints.append(f"Metrics Service at {host}:{a.metrics_port}{tls.describe(metrics_tls)}")
+        for reloading in self._tls_contexts:
+            reloading.start()
 
     def endpoints_banner(self) -> str:
         return "Started " + ", ".join(self.endpoints)
 
     async def stop(self, timeout: float) -> None:
+        for reloading in self._tls_contexts:
+            reloading.close()
         await self.server.stop(timeout)
         if self._grpc is not None:
             await self._grpc.stop(1.0)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--grpc-implementation",
         choices=["naiad", "grpcio"],
         default="naiad",
-        help="naiad: Naiad's own HTTP/2 gRPC server (fast, cleartext h2c); grpcio: grpc.aio",
+        help="naiad: Naiad's own HTTP/2 gRPC server (fast; h2c, or h2 with --grpc-use-ssl); grpcio: grpc.aio",
     )
     s.add_argument("--allow-metrics", type=_bool, default=True)
     s.add_argument("--allow-gpu-metrics", type=_bool, default=True)
@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-restricted-api",
         action="append",
         default=[],
-        help="<api>[,<api>...]:<header>=<value>: only requests with that header may use those APIs",
+        help="<api>[,<api>...]:<header>=<value>: only requests with that header may use those APIs; "
+        "<value> may be env:<VARIABLE> or file:<path> to keep it out of the command line",
     )
     s.add_argument(
         "--grpc-restricted-protocol",
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="response cache: local,size=<bytes> (models opt in with response_cache { enable: true })",
     )
+    from .frontends import tls
+
+    for endpoint in tls.ENDPOINTS:
+        tls.add_arguments(s, endpoint)
     s.add_argument(
         "--log-verbose",
         type=int,

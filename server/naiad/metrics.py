@@ -382,12 +382,12 @@ class Metrics:
     async def handle(self, request: web.Request) -> web.Response:
         return web.Response(body=self.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def start(self, host: str, port: int) -> web.AppRunner:
+    async def start(self, host: str, port: int, ssl=None) -> web.AppRunner:
         app = web.Application()
         app.router.add_get("/metrics", self.handle)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        await web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl).start()
         return runner
 
     def close(self) -> None:

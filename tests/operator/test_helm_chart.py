@@ -6,6 +6,7 @@ helm is found through $NAIAD_HELM, the e2e cache (~/.cache/naiad-e2e/*/bin/helm)
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -79,8 +80,11 @@ def test_default_render():
     (deployment,) = by_kind(docs, "Deployment")
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NAIAD_SERVER_IMAGE"] == "ghcr.io/naiad-dev/naiad-server:0.1.0"
+    assert env["NAIAD_NETWORK_POLICY"] == "false"
+    namespace = next(e for e in container["env"] if e["name"] == "NAIAD_OPERATOR_NAMESPACE")
+    assert namespace["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["NAIAD_QUEUE_METRIC"] == "naiad_queue_time_per_request_us"
     assert env["NAIAD_SERVICE_MONITORS"] == "auto"
     assert container["image"] == "ghcr.io/naiad-dev/naiad-operator:0.1.0"
@@ -107,7 +111,7 @@ def test_optional_monitoring_objects():
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert dashboard["data"]["naiad.json"].strip() == (ROOT / "dashboards" / "naiad.json").read_text().strip()
     env = {
-        e["name"]: e["value"]
+        e["name"]: e.get("value")
         for e in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["NAIAD_SERVICE_MONITORS"] == "false"  # the chart-wide ServiceMonitor replaces per-pool ones
@@ -118,8 +122,21 @@ def test_namespace_scoped_rbac():
         "rbac.scope=namespace", "watchNamespaces={ml,team-a}", "rbac.aggregateToDefaultRoles=false"
     )
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == ["ml", "team-a"]
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == ["ml", "team-a"]
+    # plus the operator's own namespace, for the installation's control-credential Secret
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == [
+        "ml",
+        "naiad-system",
+        "team-a",
+    ]
+    credential = next(r for r in by_kind(docs, "Role") if r["metadata"]["namespace"] == "naiad-system")
+    assert credential["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "update", "patch"]}
+    ]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == [
+        "ml",
+        "naiad-system",
+        "team-a",
+    ]
     args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=ml" in args and "--namespace=team-a" in args
     failed = helm("template", "naiad", str(CHART), "--set", "rbac.scope=namespace")
@@ -141,6 +158,8 @@ NEEDED = [
     ("autoscaling", "horizontalpodautoscalers", {"get", "patch", "create", "delete"}),
     ("monitoring.coreos.com", "servicemonitors", {"get", "patch", "create", "delete"}),
     ("", "events", {"create"}),
+    ("", "secrets", {"get", "create", "patch"}),  # control credential and its per-pool copies; tls ca.crt
+    ("networking.k8s.io", "networkpolicies", {"get", "patch", "create", "delete"}),
 ]
 
 
@@ -157,7 +176,21 @@ def test_rbac_grants_what_the_operator_uses():
     role = next(d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] == "naiad")
     for group, resource, verbs in NEEDED:
         assert grants(role["rules"], group, resource, verbs), (group, resource, verbs)
-    # least privilege: no wildcards, no secrets
+    # least privilege: no wildcards; Secrets only by name (never listed or watched)
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
-        assert "secrets" not in rule["resources"]
+        if "secrets" in rule["resources"]:
+            assert not {"list", "watch"} & set(rule["verbs"])
+
+
+def test_network_policy_settings_reach_the_operator():
+    docs = template(
+        "networkPolicy.enabled=true",
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=observability",
+    )
+    container = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NAIAD_NETWORK_POLICY"] == "true"
+    assert json.loads(env["NAIAD_NETWORK_POLICY_METRICS_FROM"]) == [
+        {"namespaceSelector": {"matchLabels": {"team": "observability"}}}
+    ]

@@ -10,6 +10,7 @@ from operator_fakes import API, NS, FakeKube
 from naiad_operator import handlers
 from naiad_operator.config import OperatorConfig
 from naiad_operator.pool import LoadBackoff, PoolReport
+from naiad_operator.security import CredentialStore
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -36,6 +37,7 @@ def memo(kube, pools=None):
     m.pools = pools or Pools()
     m.backoff = LoadBackoff(30)
     m.pod_fingerprints = {}
+    m.credentials = CredentialStore(kube, "naiad-system")
     return m
 
 
@@ -55,13 +57,15 @@ async def test_ensure_pool_applies_children_and_removes_only_its_own_hpa():
     pool = body("InferenceServer", "gpu", {"replicas": 2, "maxReplicas": 4})
     assert await handlers.ensure_pool(memo(kube), pool, events=False) == []
     assert [o["kind"] for o in kube.applied] == [
+        "Secret",  # the installation's control credential, created on first use
+        "Secret",  # the pool's copy of it
         "Deployment",
         "Service",
         "Service",
         "HorizontalPodAutoscaler",
         "ServiceMonitor",
     ]
-    assert kube.applied[0]["spec"]["template"]["spec"]["containers"][0]["image"] == "img:1"
+    assert kube.applied[2]["spec"]["template"]["spec"]["containers"][0]["image"] == "img:1"
     # autoscaling turned off: the operator's HPA goes, someone else's HPA with the same name would stay
     pool["spec"] = {"replicas": 2}
     await handlers.ensure_pool(memo(kube), pool, events=False)

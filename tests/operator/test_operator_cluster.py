@@ -6,7 +6,8 @@ what every test exercises. Covers: CRDs accepted by the API server (structural s
 created with owner references,
 models loaded live into pods and routed through per-model Services, config changes reloaded without pod
 restarts, self-healing after a server restart, scale-up, suspension, deletion with unload, dedicated pools,
-rejected specs, and the operator's own restart.
+rejected specs, the operator's own restart, the control API guarded by the installation's credential (a client
+pod without it is refused load, unload and shm registration while it can infer), its rotation, and a TLS pool.
 
 Slow (a cluster start, about a minute); skipped without the e2e binaries (see find_binaries) or the server's
 dependencies.
@@ -15,6 +16,8 @@ Run: pytest tests/operator/test_operator_cluster.py -m slow
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
 import os
 import shutil
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -156,12 +160,25 @@ class Harness:
     def model_status(self, name: str) -> dict:
         return self.get("inferencemodel", name).get("status") or {}
 
+    def credential(self) -> str:
+        """The installation's control credential (the servers' control APIs answer only it)."""
+        data = self.kubectl(
+            "-n",
+            OPERATOR_NS,
+            "get",
+            "secret",
+            "naiad-control-credential",
+            "-o",
+            "jsonpath={.data.credential}",
+        ).stdout
+        return base64.b64decode(data).decode()
+
     def index(self, ip: str) -> dict[str, str]:
         request = urllib.request.Request(
             f"http://{ip}:8000/v2/repository/index",
             data=b"{}",
             method="POST",
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", "naiad-control-key": self.credential()},
         )
         with urllib.request.urlopen(request, timeout=5) as response:
             return {e["name"]: e.get("state", "") for e in json.loads(response.read())}
@@ -337,10 +354,10 @@ def test_chart_installs_with_helm(harness):
         check=False,
     )
     assert can.stdout.strip() == "yes"
-    cannot = harness.kubectl(
+    cannot = harness.kubectl(  # Secrets by name only (its credential, the pools' copies, TLS ca.crt)
         "auth",
         "can-i",
-        "get",
+        "list",
         "secrets",
         "-n",
         NS,
@@ -675,3 +692,188 @@ def test_autoscaling_on_queue_time_through_prometheus_adapter(report):
         prometheus.stop()
         h.kubectl("-n", NS, "delete", "im", "busy", "scaled", "--timeout=90s", check=False)
         h.kubectl("-n", NS, "delete", "inferenceserver", "auto", "--timeout=90s", check=False)
+
+
+# --- the guarded control API and TLS ----------------------------------------------------------------------------
+
+OUTSIDER = r"""
+import json, os, sys
+import numpy as np, requests
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+ip = os.environ["SERVER_IP"]
+base = f"http://{ip}:8000"
+out = {}
+for name, path, body in [
+    ("http load", "/v2/repository/models/add_sub/load", {}),
+    ("http unload", "/v2/repository/models/add_sub/unload", {}),
+    ("http index", "/v2/repository/index", {}),
+    ("http shm register", "/v2/systemsharedmemory/region/r/register", {"key": "/r", "offset": 0, "byte_size": 16}),
+    ("http logging", "/v2/logging", {"log_verbose_level": 1}),
+]:
+    r = requests.post(base + path, json=body, timeout=10)
+    out[name] = [r.status_code, r.text]
+grpc = grpcclient.InferenceServerClient(f"{ip}:8001")
+for name, call in [
+    ("grpc load", lambda: grpc.load_model("add_sub")),
+    ("grpc unload", lambda: grpc.unload_model("add_sub")),
+    ("grpc shm register", lambda: grpc.register_system_shared_memory("r", "/r", 16)),
+]:
+    try:
+        call()
+        out[name] = ["OK", ""]
+    except InferenceServerException as e:
+        out[name] = [str(e.status()), e.message()]
+body = {"inputs": [{"name": n, "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]} for n in ("INPUT0", "INPUT1")]}
+r = requests.post(base + "/v2/models/add_sub/infer", json=body, timeout=10)
+out["http infer"] = [r.status_code, r.json()["outputs"][0]["data"] if r.ok else r.text]
+inputs = [grpcclient.InferInput(n, [4], "FP32") for n in ("INPUT0", "INPUT1")]
+for i in inputs:
+    i.set_data_from_numpy(np.array([1, 2, 3, 4], dtype=np.float32))
+out["grpc infer"] = ["OK", grpc.infer("add_sub", inputs).as_numpy("OUTPUT0").tolist()]
+out["ready"] = requests.get(base + "/v2/health/ready", timeout=10).status_code
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def client_pod(h: Harness, name: str, server_ip: str) -> dict:
+    """A pod on the simulated node (a real local process): a client inside the cluster with no credential."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": h.cluster.runner_node_names[0],
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "client",
+                    "image": "python:3.11-slim",
+                    "command": [sys.executable, "-c", OUTSIDER],
+                    "env": [{"name": "SERVER_IP", "value": server_ip}],
+                }
+            ],
+        },
+    }
+
+
+def test_control_api_answers_only_the_operator(report):
+    h = report
+    h.apply(pool("guarded", replicas=1, modelRepository={"path": str(h.repo)}))
+    h.apply(model("guarded-add-sub", serverRef={"name": "guarded"}, modelName="add_sub", replicas=1))
+    wait(lambda: h.model_status("guarded-add-sub").get("phase") == "Available", 180, what="model Available")
+    (server_pod,) = h.get("pods", selector="naiad.dev/server=guarded")["items"]
+    ip = server_pod["status"]["podIP"]
+    credential = h.credential()
+    # the credential reaches the pod through its Secret, never through its spec (args, env values, annotations)
+    assert credential not in json.dumps(server_pod)
+    container = server_pod["spec"]["containers"][0]
+    assert any(a.endswith("naiad-control-key=env:NAIAD_CONTROL_CREDENTIAL") for a in container["args"])
+    assert h.exists("secret", "guarded-control")
+
+    h.apply(client_pod(h, "outsider", ip))
+    wait(
+        lambda: h.get("pod", "outsider").get("status", {}).get("phase") in ("Succeeded", "Failed"),
+        120,
+        what="client pod finished",
+    )
+    logs = h.runner.logs(NS, "outsider")
+    line = next((x for x in logs.splitlines() if x.startswith("RESULT ")), None)
+    assert line, logs[-3000:]
+    results = json.loads(line[len("RESULT ") :])
+    for name in ("http load", "http unload", "http index", "http shm register", "http logging"):
+        status, text = results[name]
+        assert status == 403 and "naiad-control-key" in text, (name, results[name])
+    for name in ("grpc load", "grpc unload", "grpc shm register"):
+        assert results[name][0] == "StatusCode.PERMISSION_DENIED", (name, results[name])
+    # inference and health stay open; the refused unloads changed nothing
+    assert results["http infer"] == [200, [2.0, 4.0, 6.0, 8.0]]
+    assert results["grpc infer"] == ["OK", [2.0, 4.0, 6.0, 8.0]]
+    assert results["ready"] == 200
+    assert h.index(ip)["add_sub"] == "READY"
+    h.kubectl("-n", NS, "delete", "pod", "outsider", "--timeout=60s", check=False)
+
+
+def test_credential_rotation_rolls_the_pool_onto_the_new_one(report):
+    h = report
+    old = h.credential()
+    (before,) = h.get("pods", selector="naiad.dev/server=guarded")["items"]
+    h.kubectl("-n", OPERATOR_NS, "annotate", "secret", "naiad-control-credential", "naiad.dev/rotate=now")
+    wait(lambda: h.credential() != old, 60, what="a new credential")
+    # the pool rolls onto it: a new pod, which the operator (with the new credential) loads and marks ready
+    wait(
+        lambda: (
+            [p["metadata"]["uid"] for p in h.get("pods", selector="naiad.dev/server=guarded")["items"]]
+            not in ([before["metadata"]["uid"]], [])
+        ),
+        120,
+        what="the pool's pod replaced",
+    )
+    wait(
+        lambda: (
+            (s := h.model_status("guarded-add-sub")).get("phase") == "Available"
+            and len(h.get("pods", selector="naiad.dev/server=guarded")["items"]) == 1
+            and s
+        ),
+        180,
+        what="model Available on the rolled pod",
+    )
+    (after,) = h.get("pods", selector="naiad.dev/server=guarded")["items"]
+    assert after["metadata"]["uid"] != before["metadata"]["uid"]
+    # the model is on the new pod, which answers the new credential (and only it: the old one is refused)
+    ip = after["status"]["podIP"]
+    wait(lambda: h.index(ip).get("add_sub") == "READY", 120, what="model loaded on the rolled pod")
+    request = urllib.request.Request(
+        f"http://{ip}:8000/v2/repository/index", data=b"{}", method="POST", headers={"naiad-control-key": old}
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert refused.value.code == 403
+    h.kubectl("-n", NS, "delete", "im", "guarded-add-sub", "--timeout=90s", check=False)
+    h.kubectl("-n", NS, "delete", "inferenceserver", "guarded", "--timeout=90s", check=False)
+
+
+def test_tls_pool_is_served_and_verified_by_the_operator(report):
+    import ssl
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from pki import Pki
+
+    h = report
+    pki = Pki(h.workdir / "pki", "pool-ca")
+    cert, key = pki.issue("tlspool", dns=(f"tlspool.{NS}.svc",))
+
+    def b64(path: str) -> str:
+        return base64.b64encode(Path(path).read_bytes()).decode()
+
+    h.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "tlspool-tls"},
+            "type": "kubernetes.io/tls",
+            "data": {"tls.crt": b64(cert), "tls.key": b64(key), "ca.crt": b64(pki.ca)},
+        }
+    )
+    h.apply(
+        pool("tlspool", replicas=1, modelRepository={"path": str(h.repo)}, tls={"secretName": "tlspool-tls"})
+    )
+    h.apply(model("tls-add-sub", serverRef={"name": "tlspool"}, modelName="add_sub", replicas=1))
+    # Available: the probes passed over HTTPS and the operator loaded the model over verified HTTPS
+    status = wait(
+        lambda: (s := h.model_status("tls-add-sub")).get("phase") == "Available" and s, 180, what="Available"
+    )
+    assert status["endpoint"]["http"] == f"https://tls-add-sub.{NS}.svc:8000/v2/models/add_sub"
+    (pod,) = h.get("pods", selector="naiad.dev/server=tlspool")["items"]
+    ip = pod["status"]["podIP"]
+    context = ssl.create_default_context(cafile=pki.ca)
+    for port, alpn in ((8000, "http/1.1"), (8001, "h2"), (8002, "http/1.1")):
+        context.set_alpn_protocols([alpn])
+        with socket.create_connection((ip, port), timeout=10) as raw:
+            with context.wrap_socket(raw, server_hostname=f"tlspool.{NS}.svc") as tls:
+                assert tls.selected_alpn_protocol() == alpn
+    with pytest.raises((OSError, http.client.HTTPException)):  # cleartext gets no HTTP answer from a TLS port
+        h.index(ip)
+    h.kubectl("-n", NS, "delete", "im", "tls-add-sub", "--timeout=90s", check=False)
+    h.kubectl("-n", NS, "delete", "inferenceserver", "tlspool", "--timeout=90s", check=False)

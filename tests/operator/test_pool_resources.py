@@ -315,12 +315,13 @@ def test_render_pool_lists_children_and_the_ones_to_remove():
         "HorizontalPodAutoscaler",
         "ServiceMonitor",
     ]
-    assert objects.absent == []
+    assert objects.absent == [("networking.k8s.io/v1", "NetworkPolicy", "gpu-pool")]
     plain = render_pool(OWNER, {"monitoring": {"serviceMonitor": False}}, CONFIG, monitoring_api=True)
     assert [o["kind"] for o in plain.apply] == ["Deployment", "Service", "Service"]
     assert plain.absent == [
         ("autoscaling/v2", "HorizontalPodAutoscaler", "gpu-pool"),
         ("monitoring.coreos.com/v1", "ServiceMonitor", "gpu-pool"),
+        ("networking.k8s.io/v1", "NetworkPolicy", "gpu-pool"),
     ]
     no_api = render_pool(OWNER, {}, CONFIG, monitoring_api=False)
     assert ("monitoring.coreos.com/v1", "ServiceMonitor", "gpu-pool") not in no_api.absent

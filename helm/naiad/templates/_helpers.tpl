@@ -77,4 +77,11 @@ app.kubernetes.io/part-of: naiad
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+# Each pool's copy of the control credential (<server>-control), and reading a pool's spec.tls Secret (ca.crt).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, update, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, update, patch, delete]
 {{- end -}}

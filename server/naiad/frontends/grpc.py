@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 import grpc
@@ -15,6 +16,7 @@ from .. import tensors
 from ..errors import InvalidArgument, NaiadError, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..server import Server, parse_version
+from . import tls
 from .common import request_options
 
 log = logging.getLogger("naiad.grpc")
@@ -375,12 +377,18 @@ def api_group(method: str) -> str | None:
     return "shared-memory" if "SharedMemory" in method else _GROUPS.get(method)
 
 
+def _same(given: str | bytes, expected: str) -> bool:
+    """Constant-time comparison of a credential."""
+    given = given if isinstance(given, bytes) else given.encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape"))
+
+
 def _denial(rules: dict[str, tuple[str, str]], group: str | None, metadata) -> str | None:
     rule = rules.get(group)
     if rule is None:
         return None
     key, value = rule
-    if any(k == key and v == value for k, v in metadata):
+    if any(k == key and _same(v, value) for k, v in metadata):
         return None
     return f"This API is restricted, expecting header '{key}'"
 
@@ -455,14 +463,16 @@ class GrpcFrontend:
         self.implementation = implementation
         self._grpc = None
         self._health = None
+        self._tls_context = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, tls_settings=None) -> None:
+        """`tls_settings` (tls.TlsSettings): serve over TLS, reloading the certificate when its files change."""
         if self.implementation == "grpcio":
-            await self._start_grpcio(host, port)
+            await self._start_grpcio(host, port, tls_settings)
         else:
-            await self._start_h2(host, port)
+            await self._start_h2(host, port, tls_settings)
 
-    async def _start_h2(self, host: str, port: int) -> None:
+    async def _start_h2(self, host: str, port: int, tls_settings=None) -> None:
         from . import h2grpc
 
         methods = h2grpc.service_methods(
@@ -487,10 +497,16 @@ class GrpcFrontend:
                 )
 
         self._grpc = h2grpc.H2GrpcServer(methods, authorize)
+        context = None
+        if tls_settings is not None:
+            self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")
+            context = self._tls_context.context
         try:
-            await self._grpc.start(host, port)
+            await self._grpc.start(host, port, ssl=context)
         except OSError as exc:
             raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
+        if self._tls_context is not None:
+            self._tls_context.start()
         await self._set_health("SERVING")
 
     async def _set_health(self, status: str) -> None:
@@ -504,7 +520,7 @@ class GrpcFrontend:
             if asyncio.iscoroutine(result):
                 await result
 
-    async def _start_grpcio(self, host: str, port: int) -> None:
+    async def _start_grpcio(self, host: str, port: int, tls_settings=None) -> None:
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -521,12 +537,18 @@ class GrpcFrontend:
         except ImportError:
             log.warning("grpcio-health-checking is not installed: grpc.health.v1 is not served")
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if self._grpc.add_insecure_port(addr) == 0:
+        if tls_settings is not None:
+            bound = self._grpc.add_secure_port(addr, tls.grpcio_credentials(tls_settings))
+        else:
+            bound = self._grpc.add_insecure_port(addr)
+        if bound == 0:
             raise OSError(f"cannot bind gRPC to {addr}")
         await self._grpc.start()
         await self._set_health("SERVING")
 
     async def stop(self, grace: float) -> None:
         await self._set_health("NOT_SERVING")
+        if self._tls_context is not None:
+            self._tls_context.close()
         if self._grpc is not None:
             await self._grpc.stop(grace)

@@ -768,11 +768,12 @@ class H2GrpcServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, ssl=None) -> None:
+        """`ssl`: an ssl.SSLContext (ALPN "h2") to serve h2 over TLS instead of cleartext h2c."""
         self.loop = asyncio.get_running_loop()
         host = host.strip("[]") or None
         self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True, backlog=1024
+            lambda: _Connection(self), host, port, reuse_address=True, backlog=1024, ssl=ssl
         )
 
     async def stop(self, grace: float) -> None:

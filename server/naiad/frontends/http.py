@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 
@@ -296,7 +297,10 @@ class HttpFrontend:
         rule = self.restricted.get(api_category(request.path))
         if rule is not None:
             key, value = rule
-            if request.headers.get(key) != value:
+            given = request.headers.get(key)
+            if given is None or not hmac.compare_digest(
+                given.encode("utf-8", "surrogateescape"), value.encode("utf-8", "surrogateescape")
+            ):
                 return _json({"error": restricted_message(key)}, status=403)
         return await handler(request)
 
@@ -516,20 +520,21 @@ class HttpFrontend:
         await stream.write_eof()
         return stream
 
-    async def start(self, host: str, port: int) -> HttpListener | web.AppRunner:
+    async def start(self, host: str, port: int, ssl=None) -> HttpListener | web.AppRunner:
         """Listen with the fast HTTP/1.1 protocol (http_fast); it hands the aiohttp app every connection
         that sends anything but a plain infer request. `cleanup()` on the result stops both.
-        NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before."""
+        NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before.
+        `ssl`: an ssl.SSLContext to serve HTTPS (both paths see the decrypted stream)."""
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
         if os.environ.get("NAIAD_HTTP_FAST", "1") == "0":  # escape hatch (and A/B benchmarks): aiohttp only
-            site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+            site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024, ssl_context=ssl)
             await site.start()
             return runner
         fast = FastHttpServer(self, runner.server, self.max_input_size, self.restricted)
         loop = asyncio.get_running_loop()
         try:
-            listener = await loop.create_server(fast, host, port, reuse_address=True, backlog=1024)
+            listener = await loop.create_server(fast, host, port, reuse_address=True, backlog=1024, ssl=ssl)
         except BaseException:
             await runner.cleanup()
             raise

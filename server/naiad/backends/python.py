@@ -60,12 +60,23 @@ def load_module(model_file: Path, model_name: str):
 
 
 def _uses_bls(module) -> bool:
-    """Whether model.py builds BLS requests (then it must never execute on the event loop)."""
+    """Whether model.py builds BLS requests or controls models (then it must never execute on the event loop,
+    which serves those calls)."""
     try:
         source = inspect.getsource(module)
     except (OSError, TypeError):
         return True
-    return "InferenceRequest(" in source or ".exec(" in source or "async_exec" in source
+    return any(
+        call in source
+        for call in (
+            "InferenceRequest(",
+            ".exec(",
+            "async_exec",
+            "load_model(",
+            "unload_model(",
+            "is_model_ready(",
+        )
+    )
 
 
 def auto_complete(config: ModelConfig, model_file: Path) -> None:

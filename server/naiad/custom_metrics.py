@@ -1,0 +1,225 @@
+"""Custom metrics (counters, gauges, histograms with labels) that python models and backends add to `/metrics`.
+
+Models reach this registry through `pb_utils.MetricFamily` (in-process directly, from worker processes through
+their side channel); families and metrics are addressed by small integer ids so that both paths are the same
+calls. A family is shared by every model that creates it with the same name and kind, and a metric by every
+caller that asks for the same labels (as Triton's custom metrics API does). Values are kept here, in the
+server process, for the server's lifetime, so a restarted python worker carries on counting where it left.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import re
+import threading
+
+from .errors import AlreadyExists, InvalidArgument
+
+COUNTER, GAUGE, HISTOGRAM = 0, 1, 2  # the values of pb_utils.MetricFamily.COUNTER / GAUGE / HISTOGRAM
+KIND_NAMES = {COUNTER: "counter", GAUGE: "gauge", HISTOGRAM: "histogram"}
+
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+class _Family:
+    __slots__ = ("description", "kind", "metrics", "name")
+
+    def __init__(self, name: str, description: str, kind: int):
+        self.name = name
+        self.description = description
+        self.kind = kind
+        self.metrics: dict[tuple, int] = {}  # sorted label items -> metric id
+
+
+class _Metric:
+    __slots__ = ("bounds", "counts", "family", "labels", "sum", "value")
+
+    def __init__(self, family: _Family, labels: dict[str, str], bounds: list[float] | None):
+        self.family = family
+        self.labels = labels
+        self.value = 0.0
+        self.bounds = bounds  # histograms: the upper bounds, ascending, without +Inf
+        self.counts = [0] * (len(bounds) + 1) if bounds is not None else None
+        self.sum = 0.0
+
+
+class CustomMetrics:
+    """Thread-safe store of custom metric families; `exposition()` renders them in Prometheus text format."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._families: list[_Family] = []
+        self._by_name: dict[str, int] = {}
+        self._metrics: list[_Metric] = []
+
+    # ---- families and metrics ----
+    def family(self, name: str, description: str, kind: int) -> int:
+        """The id of family `name`, created on first use; the same name with another kind is an error."""
+        if kind not in KIND_NAMES:
+            raise InvalidArgument(f"unknown metric kind {kind!r}: expected COUNTER, GAUGE or HISTOGRAM")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidArgument(f"invalid metric family name {name!r}: it must match {_NAME.pattern}")
+        if not isinstance(description, str):
+            raise InvalidArgument(f"metric family '{name}': description must be a string")
+        with self._lock:
+            fid = self._by_name.get(name)
+            if fid is not None:
+                existing = self._families[fid]
+                if existing.kind != kind:
+                    raise AlreadyExists(
+                        f"metric family '{name}' already exists as a {KIND_NAMES[existing.kind]}, "
+                        f"cannot create it as a {KIND_NAMES[kind]}"
+                    )
+                return fid
+            self._families.append(_Family(name, description, kind))
+            fid = self._by_name[name] = len(self._families) - 1
+            return fid
+
+    def metric(self, family_id: int, labels: dict | None, buckets: list | None = None) -> int:
+        """The id of the metric of `family_id` with these labels (shared with every caller asking for them)."""
+        family = self._family(family_id)
+        labels = dict(labels or {})
+        for key, value in labels.items():
+            if not isinstance(key, str) or not _LABEL.match(key) or key == "le":
+                raise InvalidArgument(f"metric family '{family.name}': invalid label name {key!r}")
+            if not isinstance(value, str):
+                raise InvalidArgument(
+                    f"metric family '{family.name}': label '{key}' must have a string value, "
+                    f"got {type(value).__name__}"
+                )
+        bounds = None
+        if family.kind == HISTOGRAM:
+            if buckets is None:
+                raise InvalidArgument("Failed to create metric. Missing required buckets.")
+            try:
+                bounds = sorted(float(b) for b in buckets)
+            except (TypeError, ValueError):
+                raise InvalidArgument("Failed to create metric. Buckets must be a list of numbers.") from None
+            bounds = [b for b in bounds if not math.isinf(b)]
+        elif buckets is not None:
+            raise InvalidArgument("Failed to create metric. Unexpected buckets found.")
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            mid = family.metrics.get(key)
+            if mid is not None:
+                if bounds is not None and self._metrics[mid].bounds != bounds:
+                    raise AlreadyExists(
+                        f"metric family '{family.name}' already has a histogram with labels "
+                        f"{json.dumps(labels)} and other buckets"
+                    )
+                return mid
+            self._metrics.append(_Metric(family, labels, bounds))
+            mid = family.metrics[key] = len(self._metrics) - 1
+            return mid
+
+    # ---- values ----
+    def update(self, metric_id: int, op: str, value: float) -> None:
+        """`increment`, `set` or `observe`, as the kind of the metric allows."""
+        metric = self._metric(metric_id)
+        value = check_update(metric.family.kind, op, value)
+        with self._lock:
+            if op == "increment":
+                metric.value += value
+            elif op == "set":
+                metric.value = value
+            else:
+                metric.counts[bisect.bisect_left(metric.bounds, value)] += 1
+                metric.sum += value
+
+    def value(self, metric_id: int) -> float:
+        metric = self._metric(metric_id)
+        if metric.family.kind == HISTOGRAM:
+            raise InvalidArgument("Failed to get metric value: a histogram has no single value")
+        with self._lock:
+            return metric.value
+
+    def _family(self, family_id) -> _Family:
+        try:
+            return self._families[family_id]
+        except (IndexError, TypeError):
+            raise InvalidArgument(f"unknown metric family id {family_id!r}") from None
+
+    def _metric(self, metric_id) -> _Metric:
+        try:
+            return self._metrics[metric_id]
+        except (IndexError, TypeError):
+            raise InvalidArgument(f"unknown metric id {metric_id!r}") from None
+
+    # ---- exposition ----
+    def exposition(self) -> bytes:
+        """Prometheus text format; a family without metrics is left out (as prometheus-cpp does)."""
+        lines: list[str] = []
+        with self._lock:
+            for family in self._families:
+                if not family.metrics:
+                    continue
+                lines.append(f"# HELP {family.name} {_escape_help(family.description)}")
+                lines.append(f"# TYPE {family.name} {KIND_NAMES[family.kind]}")
+                for mid in family.metrics.values():
+                    metric = self._metrics[mid]
+                    if family.kind != HISTOGRAM:
+                        lines.append(f"{family.name}{_labels(metric.labels)} {_number(metric.value)}")
+                        continue
+                    running = 0
+                    for bound, count in zip((*metric.bounds, math.inf), metric.counts):
+                        running += count
+                        le = "+Inf" if math.isinf(bound) else _number(bound)
+                        lines.append(f"{family.name}_bucket{_labels({**metric.labels, 'le': le})} {running}")
+                    lines.append(f"{family.name}_sum{_labels(metric.labels)} {_number(metric.sum)}")
+                    lines.append(f"{family.name}_count{_labels(metric.labels)} {running}")
+        return ("\n".join(lines) + "\n").encode() if lines else b""
+
+
+def check_update(kind: int, op: str, value) -> float:
+    """The value as a float when `op` (increment, set, observe) suits a metric of `kind`; else InvalidArgument."""
+    if isinstance(value, bool):
+        value = int(value)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"metric value must be a number, got {type(value).__name__}") from None
+    if op == "increment":
+        if kind == HISTOGRAM:
+            raise InvalidArgument("Failed to increment metric value: histograms support observe only")
+        if kind == COUNTER and value < 0:
+            raise InvalidArgument("Failed to increment metric value: a counter cannot be decremented")
+    elif op == "set":
+        if kind != GAUGE:
+            raise InvalidArgument(
+                f"Failed to set metric value: a {KIND_NAMES[kind]} cannot be set, only a gauge"
+            )
+    elif op == "observe":
+        if kind != HISTOGRAM:
+            raise InvalidArgument(
+                f"Failed to observe metric value: a {KIND_NAMES[kind]} cannot observe, only a histogram"
+            )
+    else:
+        raise InvalidArgument(f"unknown metric operation '{op}'")
+    return value
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(
+        '{}="{}"'.format(k, v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"'))
+        for k, v in labels.items()
+    )
+    return "{" + inner + "}"
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value)

@@ -239,19 +239,37 @@ class Tensor:
 
     @staticmethod
     def from_dlpack(name: str, dlpack_tensor) -> Tensor:
+        """From an object with `__dlpack__` (a torch tensor, a Tensor, ...) or a raw DLPack capsule."""
         if hasattr(dlpack_tensor, "__dlpack__"):
-            return Tensor(name, np.from_dlpack(dlpack_tensor))
-        try:  # a raw PyCapsule, as torch.utils.dlpack.to_dlpack returns
+            source = dlpack_tensor
+            if hasattr(source, "device") and getattr(source.device, "type", "cpu") != "cpu":
+                source = source.cpu()  # Naiad's python models work on CPU tensors
+            return Tensor(name, np.from_dlpack(source))
+        try:  # a raw capsule of CPU memory (what `to_dlpack` returns) needs no framework
+            return Tensor(name, np.from_dlpack(_Capsule(dlpack_tensor)))
+        except (BufferError, TypeError, RuntimeError) as exc:
+            reason = exc
+        try:  # a capsule of device memory, as torch.utils.dlpack.to_dlpack returns for a CUDA tensor
             import torch.utils.dlpack as tdl
         except ImportError:
-            raise TritonModelException("from_dlpack of a raw capsule needs torch installed") from None
-        t = tdl.from_dlpack(dlpack_tensor)
-        if t.device.type != "cpu":
-            t = t.cpu()
-        return Tensor(name, t.numpy())
+            raise TritonModelException(f"Tensor.from_dlpack: cannot read the capsule: {reason}") from None
+        return Tensor(name, tdl.from_dlpack(dlpack_tensor).cpu().numpy())
 
     def __repr__(self) -> str:
         return f"Tensor(name={self._name!r}, datatype={self._datatype}, shape={self.shape()})"
+
+
+class _Capsule:
+    """Lets numpy import a raw DLPack capsule, which it only takes through the `__dlpack__` protocol."""
+
+    def __init__(self, capsule):
+        self._capsule = capsule
+
+    def __dlpack__(self, stream=None, **_):
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
 
 
 # ---- server context for BLS (set on each instance thread) ----
@@ -770,56 +788,106 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
 
 
 class ModelConfig:
-    """The object `TritonPythonModel.auto_complete_config` receives and returns."""
+    """The object `TritonPythonModel.auto_complete_config` receives and returns; the checks and their
+    messages are python_backend's."""
 
     def __init__(self, model_config: dict | str):
         self._config = json.loads(model_config) if isinstance(model_config, str) else model_config
+
+    def _name(self) -> str:
+        return str(self._config.get("name", ""))
 
     def as_dict(self) -> dict:
         return self._config
 
     def set_max_batch_size(self, max_batch_size: int) -> None:
+        """Raise only when the configuration asks for a larger max_batch_size than the model supports."""
         current = int(self._config.get("max_batch_size", 0) or 0)
-        if current and current != max_batch_size:
+        if current > max_batch_size:
             raise ValueError(
                 f"configuration specified max_batch_size {current}, but in auto-complete-config "
-                f"function for model '{self._config.get('name')}' specified max_batch_size {max_batch_size}"
+                f"function for model '{self._name()}' specified max_batch_size {max_batch_size}"
             )
         self._config["max_batch_size"] = max_batch_size
 
     def set_dynamic_batching(self) -> None:
-        if "sequence_batching" in self._config:
-            raise ValueError("configuration specified sequence batching, dynamic batching cannot be added")
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._config:
+                raise ValueError(
+                    f"Configuration specified scheduling_choice as '{other}', but auto-complete-config "
+                    f"function for model '{self._name()}' tries to set scheduling_choice as 'dynamic_batching'"
+                )
         self._config.setdefault("dynamic_batching", {})
 
-    def _add(self, kind: str, spec: dict) -> None:
+    def _add(self, kind: str, spec: dict, valid: tuple[str, ...]) -> None:
         if not isinstance(spec, dict):
-            raise ValueError(f"model {kind} must be specified as a dict")
-        for key in ("name", "data_type", "dims"):
+            raise ValueError(
+                f"{kind} in auto-complete-config function for model '{self._name()}' must be a dict"
+            )
+        label = f"{kind} '{spec.get('name')}'"
+        extra = [key for key in spec if key not in valid]
+        if extra:
+            allowed = ", ".join(f"'{k}'" for k in valid[:-1]) + f" and '{valid[-1]}'"
+            raise ValueError(
+                f"{label} in auto-complete-config function for model '{self._name()}' contains property "
+                f"other than {allowed}."
+            )
+        if "name" not in spec:
+            raise ValueError(
+                f"{kind} in auto-complete-config function for model '{self._name()}' is missing 'name' property."
+            )
+        for key in ("data_type", "dims"):
             if key not in spec:
                 raise ValueError(
-                    f"model {kind} in auto-complete-config for model "
-                    f"'{self._config.get('name')}' must have '{key}'"
+                    f"{label} in auto-complete-config function for model '{self._name()}' is missing "
+                    f"'{key}' property."
                 )
         entries = self._config.setdefault(kind, [])
         for entry in entries:
-            if entry.get("name") == spec["name"]:
-                if entry.get("data_type") and entry["data_type"] != spec["data_type"]:
-                    raise ValueError(f"model {kind} '{spec['name']}' data_type conflicts with config.pbtxt")
-                if entry.get("dims") and list(entry["dims"]) != list(spec["dims"]):
-                    raise ValueError(f"model {kind} '{spec['name']}' dims conflict with config.pbtxt")
-                entry.update({k: v for k, v in spec.items() if k not in entry})
-                return
-        entries.append(dict(spec))
+            if entry.get("name") != spec["name"]:
+                continue
+            current_type = entry.get("data_type", "TYPE_INVALID")
+            if current_type != "TYPE_INVALID" and current_type != spec["data_type"]:
+                raise ValueError(
+                    f"unable to load model '{self._name()}', configuration expects datatype {current_type} "
+                    f"for {kind} '{spec['name']}', model provides {spec['data_type']}"
+                )
+            if entry.get("dims") and list(entry["dims"]) != list(spec["dims"]):
+                raise ValueError(
+                    f"model '{self._name()}', tensor '{spec['name']}': the model expects dims "
+                    f"{list(spec['dims'])} but the model configuration specifies dims {list(entry['dims'])}"
+                )
+            if "optional" in entry and "optional" in spec and entry["optional"] != spec["optional"]:
+                raise ValueError(
+                    f"model '{self._name()}', tensor '{spec['name']}': the model expects optional "
+                    f"{spec['optional']} but the model configuration specifies optional {entry['optional']}"
+                )
+            entry["data_type"] = spec["data_type"]
+            entry["dims"] = spec["dims"]
+            if "optional" in spec:
+                entry["optional"] = spec["optional"]
+            return
+        entries.append(spec)
 
     def add_input(self, input: dict) -> None:
-        self._add("input", input)
+        self._add("input", input, ("name", "data_type", "dims", "optional"))
 
     def add_output(self, output: dict) -> None:
-        self._add("output", output)
+        self._add("output", output, ("name", "data_type", "dims"))
 
     def set_model_transaction_policy(self, transaction_policy_dict: dict) -> None:
-        self._config["model_transaction_policy"] = dict(transaction_policy_dict)
-
-    def add_input_tensor(self, input: dict) -> None:
-        self.add_input(input)
+        for key in transaction_policy_dict:
+            if key != "decoupled":
+                raise ValueError(
+                    f"model transaction property in auto-complete-config function for model '{self._name()}' "
+                    "contains property other than 'decoupled'."
+                )
+        policy = self._config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            wanted = transaction_policy_dict["decoupled"]
+            if "decoupled" in policy and policy["decoupled"] != wanted:
+                raise ValueError(
+                    f"trying to change decoupled property in auto-complete-config for model '{self._name()}', "
+                    f"which is already set to '{policy['decoupled']}'."
+                )
+            policy["decoupled"] = wanted

@@ -258,23 +258,23 @@ class TritonPythonModel:
         assert pb_utils.MetricFamily.COUNTER == pb_utils.MetricKind.COUNTER == pb_utils.COUNTER == 0
         assert pb_utils.MetricFamily.GAUGE == 1 and pb_utils.MetricFamily.HISTOGRAM == 2
         expect_error(lambda: pb_utils.MetricFamily("bad name", "d", pb_utils.MetricFamily.COUNTER),
-                     "invalid metric family name")
+                     "Invalid metric name")
         expect_error(lambda: pb_utils.MetricFamily("api_kind", "d", 7), "unknown metric kind")
         pb_utils.MetricFamily("api_kind_" + self.args["model_name"], "d", pb_utils.MetricFamily.GAUGE)
         expect_error(lambda: pb_utils.MetricFamily("api_kind_" + self.args["model_name"], "d",
-                                                   pb_utils.MetricFamily.COUNTER), "already exists")
+                                                   pb_utils.MetricFamily.COUNTER), "Family name already exists with different type")
 
     def check_Metric(self, request):
         name = self.args["model_name"]
         counter = pb_utils.MetricFamily("api_c_" + name, "c", pb_utils.MetricFamily.COUNTER).Metric({"k": "v"})
         gauge = pb_utils.MetricFamily("api_g_" + name, "g", pb_utils.MetricFamily.GAUGE).Metric()
         hist = pb_utils.MetricFamily("api_h_" + name, "h", pb_utils.MetricFamily.HISTOGRAM)
-        expect_error(lambda: counter.increment(-1), "cannot be decremented")
-        expect_error(lambda: counter.set(3), "cannot be set")
-        expect_error(lambda: gauge.observe(3), "only a histogram")
+        expect_error(lambda: counter.increment(-1), "COUNTER can only be incremented monotonically by non-negative values")
+        expect_error(lambda: counter.set(3), "TRITONSERVER_METRIC_KIND_COUNTER does not support Set")
+        expect_error(lambda: gauge.observe(3), "TRITONSERVER_METRIC_KIND_GAUGE does not support Observe")
         expect_error(lambda: hist.Metric(), "Missing required buckets")
         expect_error(lambda: hist.Metric(labels=["x"]), "Labels must be a dictionary")
-        expect_error(lambda: hist.Metric(buckets=[1.0]).value(), "no single value")
+        expect_error(lambda: hist.Metric(buckets=[1.0]).value(), "TRITONSERVER_METRIC_KIND_HISTOGRAM does not support Value")
         counter.increment(2)
         gauge.set(-4.5)
         gauge.increment(1)

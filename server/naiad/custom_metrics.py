@@ -61,7 +61,9 @@ class CustomMetrics:
         if kind not in KIND_NAMES:
             raise InvalidArgument(f"unknown metric kind {kind!r}: expected COUNTER, GAUGE or HISTOGRAM")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidArgument(f"invalid metric family name {name!r}: it must match {_NAME.pattern}")
+            raise InvalidArgument(
+                f"Error when creating MetricFamily: Invalid metric name {name!r} (it must match {_NAME.pattern})"
+            )
         if not isinstance(description, str):
             raise InvalidArgument(f"metric family '{name}': description must be a string")
         with self._lock:
@@ -70,8 +72,7 @@ class CustomMetrics:
                 existing = self._families[fid]
                 if existing.kind != kind:
                     raise AlreadyExists(
-                        f"metric family '{name}' already exists as a {KIND_NAMES[existing.kind]}, "
-                        f"cannot create it as a {KIND_NAMES[kind]}"
+                        "Error when creating MetricFamily: Family name already exists with different type"
                     )
                 return fid
             self._families.append(_Family(name, description, kind))
@@ -132,7 +133,9 @@ class CustomMetrics:
     def value(self, metric_id: int) -> float:
         metric = self._metric(metric_id)
         if metric.family.kind == HISTOGRAM:
-            raise InvalidArgument("Failed to get metric value: a histogram has no single value")
+            raise InvalidArgument(
+                "Failed to get metric value: TRITONSERVER_METRIC_KIND_HISTOGRAM does not support Value"
+            )
         with self._lock:
             return metric.value
 
@@ -163,41 +166,33 @@ class CustomMetrics:
                     if family.kind != HISTOGRAM:
                         lines.append(f"{family.name}{_labels(metric.labels)} {_number(metric.value)}")
                         continue
+                    lines.append(f"{family.name}_count{_labels(metric.labels)} {sum(metric.counts)}")
+                    lines.append(f"{family.name}_sum{_labels(metric.labels)} {_number(metric.sum)}")
                     running = 0
                     for bound, count in zip((*metric.bounds, math.inf), metric.counts):
                         running += count
                         le = "+Inf" if math.isinf(bound) else _number(bound)
                         lines.append(f"{family.name}_bucket{_labels({**metric.labels, 'le': le})} {running}")
-                    lines.append(f"{family.name}_sum{_labels(metric.labels)} {_number(metric.sum)}")
-                    lines.append(f"{family.name}_count{_labels(metric.labels)} {running}")
         return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
 def check_update(kind: int, op: str, value) -> float:
-    """The value as a float when `op` (increment, set, observe) suits a metric of `kind`; else InvalidArgument."""
+    """The value as a float when `op` (increment, set, observe) suits a metric of `kind`; else InvalidArgument
+    with Triton's message."""
     if isinstance(value, bool):
         value = int(value)
     try:
         value = float(value)
     except (TypeError, ValueError):
         raise InvalidArgument(f"metric value must be a number, got {type(value).__name__}") from None
-    if op == "increment":
-        if kind == HISTOGRAM:
-            raise InvalidArgument("Failed to increment metric value: histograms support observe only")
-        if kind == COUNTER and value < 0:
-            raise InvalidArgument("Failed to increment metric value: a counter cannot be decremented")
-    elif op == "set":
-        if kind != GAUGE:
-            raise InvalidArgument(
-                f"Failed to set metric value: a {KIND_NAMES[kind]} cannot be set, only a gauge"
-            )
-    elif op == "observe":
-        if kind != HISTOGRAM:
-            raise InvalidArgument(
-                f"Failed to observe metric value: a {KIND_NAMES[kind]} cannot observe, only a histogram"
-            )
-    else:
+    allowed = {"increment": (COUNTER, GAUGE), "set": (GAUGE,), "observe": (HISTOGRAM,)}
+    if op not in allowed:
         raise InvalidArgument(f"unknown metric operation '{op}'")
+    prefix = f"Failed to {op} metric value: TRITONSERVER_METRIC_KIND_{KIND_NAMES[kind].upper()}"
+    if kind not in allowed[op]:
+        raise InvalidArgument(f"{prefix} does not support {op.capitalize()}")
+    if op == "increment" and kind == COUNTER and value < 0:
+        raise InvalidArgument(f"{prefix} can only be incremented monotonically by non-negative values")
     return value
 
 

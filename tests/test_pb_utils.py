@@ -795,6 +795,49 @@ def test_custom_metrics_show_on_the_metrics_endpoint(server, mode):
     assert hist[f"custom_model_values_sum{{{labels}}}"] == pytest.approx(5 * 555.5)
 
 
+# ---- auto_complete_config: pb_utils.ModelConfig in its real role ----
+
+AUTO = r"""
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        config = auto_complete_model_config
+        assert isinstance(config, pb_utils.ModelConfig)
+        config.set_max_batch_size(8)
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [3]})
+        config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [3], "optional": False})
+        config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [3]})
+        config.set_dynamic_batching()
+        config.set_model_transaction_policy(dict(decoupled=False))
+        return config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", 2 * r.inputs()[0].as_numpy())]) for r in requests]
+"""
+
+
+def test_auto_complete_config_completes_the_served_config(server, repo):
+    (repo / "auto" / "1").mkdir(parents=True)
+    (repo / "auto" / "1" / "model.py").write_text(AUTO)
+    (repo / "auto" / "config.pbtxt").write_text('backend: "python"\n')
+    client = httpclient.InferenceServerClient(server.http)
+    try:
+        client.load_model("auto")
+        config = client.get_model_config("auto")
+        assert config["max_batch_size"] == 8 and "dynamic_batching" in config
+        assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [("IN", "TYPE_FP32", [3])]
+        assert [(t["name"], t["dims"]) for t in config["output"]] == [("OUT", [3])]
+        inp = httpclient.InferInput("IN", [2, 3], "FP32")
+        inp.set_data_from_numpy(np.ones((2, 3), np.float32))
+        assert client.infer("auto", [inp]).as_numpy("OUT").tolist() == [[2.0] * 3] * 2
+    finally:
+        client.close()
+
+
 # ---- model control from a model ----
 
 

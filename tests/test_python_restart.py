@@ -52,13 +52,46 @@ output [ { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]
 instance_group [ { count: 2 kind: KIND_CPU } ]
 """
 
+FLAKY = r'''
+import os
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """initialize fails while <model dir>/broken exists."""
+
+    def initialize(self, args):
+        if (Path(args["model_repository"]) / "broken").exists():
+            raise pb_utils.TritonModelException("flaky is broken")
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", np.array([os.getpid()], np.int64))])
+                for _ in requests]
+'''
+FLAKY_CONFIG = """
+name: "flaky"
+backend: "python"
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]
+parameters { key: "EXECUTION_ISOLATION" value: { string_value: "process" } }
+"""
+
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def repo(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("restart") / "models"
-    (repo / "slow" / "1").mkdir(parents=True)
-    (repo / "slow" / "1" / "model.py").write_text(SLOW)
-    (repo / "slow" / "config.pbtxt").write_text(SLOW_CONFIG)
+    for name, code, config in (("slow", SLOW, SLOW_CONFIG), ("flaky", FLAKY, FLAKY_CONFIG)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(code)
+        (repo / name / "config.pbtxt").write_text(config)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repo):
     with NaiadProcess(repo, timeout=120) as proc:
         deadline = time.monotonic() + 30  # the metrics endpoint starts after the inference endpoints
         while time.monotonic() < deadline:
@@ -70,10 +103,10 @@ def server(tmp_path_factory):
         yield proc
 
 
-def _request(client) -> int:
+def _request(client, model: str = "slow") -> int:
     x = httpclient.InferInput("X", [1], "INT32")
     x.set_data_from_numpy(np.array([0], np.int32))
-    return int(client.infer("slow", [x]).as_numpy("PID")[0])
+    return int(client.infer(model, [x]).as_numpy("PID")[0])
 
 
 def _restart_counts(server) -> dict[str, float]:
@@ -99,7 +132,7 @@ def test_killed_worker_under_load_restarts(server):
             client.close()
 
     probe = httpclient.InferenceServerClient(server.http)
-    before = _restart_counts(server)
+    before = {labels: n for labels, n in _restart_counts(server).items() if 'model="slow"' in labels}
     assert sorted(before.values()) == [0.0, 0.0]  # one series per instance, from the first start
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
@@ -142,10 +175,45 @@ def test_killed_worker_under_load_restarts(server):
     assert len(new_pids) == 1, new_pids
     assert victim not in {pid for at, pid in served if at > ready_at}
     # counted and logged
-    after = _restart_counts(server)
+    after = {labels: n for labels, n in _restart_counts(server).items() if 'model="slow"' in labels}
     assert sorted(after.values()) == [0.0, 1.0], after
     restarted = next(labels for labels, value in after.items() if value == 1.0)
     assert 'model="slow"' in restarted and 'version="1"' in restarted and "instance=" in restarted
     log = server.output()
     assert f"replaces pid {victim}, which died" in log
     assert f"pid {victim}" in log and "killed by SIGKILL" in log
+
+
+def test_a_restart_that_fails_is_retried_with_back_off(server, repo):
+    client = httpclient.InferenceServerClient(server.http, network_timeout=60)
+    try:
+        pid = _request(client, "flaky")
+        (repo / "flaky" / "broken").write_text("")
+        os.kill(pid, signal.SIGKILL)
+        # initialize fails in the new worker: requests fail at once with why, and the model is not ready
+        deadline = time.monotonic() + 30
+        message = ""
+        while "could not be restarted" not in message and time.monotonic() < deadline:
+            try:
+                _request(client, "flaky")
+            except InferenceServerException as exc:
+                message = exc.message()
+            time.sleep(0.1)
+        assert "could not be restarted" in message and "flaky is broken" in message, message
+        assert not client.is_model_ready("flaky")
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException):
+            _request(client, "flaky")
+        assert time.monotonic() - started < 1.0, "a request waited through the back-off"
+        # once initialize can succeed again, a later attempt brings the instance back by itself
+        (repo / "flaky" / "broken").unlink()
+        deadline = time.monotonic() + 60
+        while not client.is_model_ready("flaky") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert client.is_model_ready("flaky")
+        assert _request(client, "flaky") != pid
+    finally:
+        client.close()
+    counts = {labels: n for labels, n in _restart_counts(server).items() if 'model="flaky"' in labels}
+    assert list(counts.values()) == [1.0], counts  # the failed attempts are logged, not counted
+    assert "flaky is broken" in server.output()

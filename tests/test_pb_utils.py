@@ -795,6 +795,24 @@ def test_custom_metrics_show_on_the_metrics_endpoint(server, mode):
     assert hist[f"custom_model_values_sum{{{labels}}}"] == pytest.approx(5 * 555.5)
 
 
+def test_custom_metrics_go_with_the_model_that_made_them(server, client):
+    """As in Triton, where they die with the model's Python objects: an unloaded model's series leave /metrics."""
+    client.infer("metrics_thread", [_scalar("X", 1.0, "FP32")])
+    client.infer("metrics_process", [_scalar("X", 1.0, "FP32")])
+    assert any('model="metrics_process"' in k for k in _metric_lines(server, "custom_model_requests"))
+    client.unload_model("metrics_process")
+    series = _metric_lines(server, "custom_model_requests")
+    assert not any('model="metrics_process"' in k for k in series), series
+    assert any('model="metrics_thread"' in k for k in series), series  # the family stays while one holds it
+    client.unload_model("metrics_thread")
+    text = requests.get(f"http://{server.metrics}/metrics", timeout=10).text
+    assert "custom_model_" not in text
+    # a model loaded again starts its metrics afresh
+    client.load_model("metrics_thread")
+    result = client.infer("metrics_thread", [_scalar("X", 1.0, "FP32")])
+    assert float(result.as_numpy("COUNT")[0]) == 1
+
+
 # ---- auto_complete_config: pb_utils.ModelConfig in its real role ----
 
 AUTO = r"""

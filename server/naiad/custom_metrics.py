@@ -1,15 +1,19 @@
 """Custom metrics (counters, gauges, histograms with labels) that python models and backends add to `/metrics`.
 
 Models reach this registry through `pb_utils.MetricFamily` (in-process directly, from worker processes through
-their side channel); families and metrics are addressed by small integer ids so that both paths are the same
-calls. A family is shared by every model that creates it with the same name and kind, and a metric by every
-caller that asks for the same labels (as Triton's custom metrics API does). Values are kept here, in the
-server process, for the server's lifetime, so a restarted python worker carries on counting where it left.
+their side channel); families and metrics are addressed by integer ids so that both paths are the same calls.
+A family is shared by every model that creates it with the same name and kind, and a metric by every caller
+that asks for the same labels (as Triton's custom metrics API does). Each family and metric records its
+owners, the model instances that asked for it; when an instance is unloaded it `release`s them, and what no
+owner holds any more leaves /metrics (Triton deletes them with the model's Python objects). A restarted python
+worker is the same owner, so it carries on counting where the dead one stopped. Owner None holds for the
+server's lifetime.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 import re
@@ -25,21 +29,24 @@ _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
 class _Family:
-    __slots__ = ("description", "kind", "metrics", "name")
+    __slots__ = ("description", "kind", "metrics", "name", "owners")
 
     def __init__(self, name: str, description: str, kind: int):
         self.name = name
         self.description = description
         self.kind = kind
         self.metrics: dict[tuple, int] = {}  # sorted label items -> metric id
+        self.owners: set = set()
 
 
 class _Metric:
-    __slots__ = ("bounds", "counts", "family", "labels", "sum", "value")
+    __slots__ = ("bounds", "counts", "family", "key", "labels", "owners", "sum", "value")
 
-    def __init__(self, family: _Family, labels: dict[str, str], bounds: list[float] | None):
+    def __init__(self, family: _Family, key: tuple, labels: dict[str, str], bounds: list[float] | None):
         self.family = family
+        self.key = key
         self.labels = labels
+        self.owners: set = set()
         self.value = 0.0
         self.bounds = bounds  # histograms: the upper bounds, ascending, without +Inf
         self.counts = [0] * (len(bounds) + 1) if bounds is not None else None
@@ -51,12 +58,13 @@ class CustomMetrics:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._families: list[_Family] = []
+        self._ids = itertools.count()
+        self._families: dict[int, _Family] = {}
         self._by_name: dict[str, int] = {}
-        self._metrics: list[_Metric] = []
+        self._metrics: dict[int, _Metric] = {}
 
     # ---- families and metrics ----
-    def family(self, name: str, description: str, kind: int) -> int:
+    def family(self, name: str, description: str, kind: int, owner=None) -> int:
         """The id of family `name`, created on first use; the same name with another kind is an error."""
         if kind not in KIND_NAMES:
             raise InvalidArgument(f"unknown metric kind {kind!r}: expected COUNTER, GAUGE or HISTOGRAM")
@@ -74,12 +82,15 @@ class CustomMetrics:
                     raise AlreadyExists(
                         "Error when creating MetricFamily: Family name already exists with different type"
                     )
+                existing.owners.add(owner)
                 return fid
-            self._families.append(_Family(name, description, kind))
-            fid = self._by_name[name] = len(self._families) - 1
+            family = _Family(name, description, kind)
+            family.owners.add(owner)
+            fid = self._by_name[name] = next(self._ids)
+            self._families[fid] = family
             return fid
 
-    def metric(self, family_id: int, labels: dict | None, buckets: list | None = None) -> int:
+    def metric(self, family_id: int, labels: dict | None, buckets: list | None = None, owner=None) -> int:
         """The id of the metric of `family_id` with these labels (shared with every caller asking for them)."""
         family = self._family(family_id)
         labels = dict(labels or {})
@@ -104,6 +115,8 @@ class CustomMetrics:
             raise InvalidArgument("Failed to create metric. Unexpected buckets found.")
         key = tuple(sorted(labels.items()))
         with self._lock:
+            if self._families.get(family_id) is not family:
+                raise InvalidArgument(f"metric family '{family.name}' has been deleted")
             mid = family.metrics.get(key)
             if mid is not None:
                 if bounds is not None and self._metrics[mid].bounds != bounds:
@@ -111,10 +124,30 @@ class CustomMetrics:
                         f"metric family '{family.name}' already has a histogram with labels "
                         f"{json.dumps(labels)} and other buckets"
                     )
+                self._metrics[mid].owners.add(owner)
                 return mid
-            self._metrics.append(_Metric(family, labels, bounds))
-            mid = family.metrics[key] = len(self._metrics) - 1
+            metric = _Metric(family, key, labels, bounds)
+            metric.owners.add(owner)
+            mid = family.metrics[key] = next(self._ids)
+            self._metrics[mid] = metric
             return mid
+
+    def release(self, owner) -> None:
+        """`owner` (an unloaded model instance) no longer holds anything: drop what nobody else holds."""
+        if owner is None:
+            return
+        with self._lock:
+            for mid, metric in list(self._metrics.items()):
+                if owner in metric.owners:
+                    metric.owners.discard(owner)
+                    if not metric.owners:
+                        del self._metrics[mid]
+                        del metric.family.metrics[metric.key]
+            for fid, family in list(self._families.items()):
+                family.owners.discard(owner)
+                if not family.owners and not family.metrics:
+                    del self._families[fid]
+                    del self._by_name[family.name]
 
     # ---- values ----
     def update(self, metric_id: int, op: str, value: float) -> None:
@@ -140,23 +173,29 @@ class CustomMetrics:
             return metric.value
 
     def _family(self, family_id) -> _Family:
-        try:
-            return self._families[family_id]
-        except (IndexError, TypeError):
-            raise InvalidArgument(f"unknown metric family id {family_id!r}") from None
+        family = self._families.get(family_id) if isinstance(family_id, int) else None
+        if family is None:
+            raise InvalidArgument(
+                "Invalid metric operation as the corresponding 'MetricFamily' has been deleted "
+                "(the model that created it was unloaded)"
+            )
+        return family
 
     def _metric(self, metric_id) -> _Metric:
-        try:
-            return self._metrics[metric_id]
-        except (IndexError, TypeError):
-            raise InvalidArgument(f"unknown metric id {metric_id!r}") from None
+        metric = self._metrics.get(metric_id) if isinstance(metric_id, int) else None
+        if metric is None:
+            raise InvalidArgument(
+                "Invalid metric operation as the corresponding 'Metric' has been deleted "
+                "(the model that created it was unloaded)"
+            )
+        return metric
 
     # ---- exposition ----
     def exposition(self) -> bytes:
         """Prometheus text format; a family without metrics is left out (as prometheus-cpp does)."""
         lines: list[str] = []
         with self._lock:
-            for family in self._families:
+            for family in self._families.values():
                 if not family.metrics:
                     continue
                 lines.append(f"# HELP {family.name} {_escape_help(family.description)}")

@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .. import config as cfg
 from ..config import ModelConfig
+from ..custom_metrics import CustomMetrics
 from ..errors import Internal, InvalidArgument, NaiadError
 from ..inference import InferenceResponse
 from . import python_utils as pb_utils
@@ -108,6 +109,7 @@ class PythonInstance(ModelInstance):
         self.bf16_outputs = {o.name for o in ctx.config.output if o.data_type == mc.TYPE_BF16}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._initialized = False
+        self.metrics_owner = object()  # what owns the custom metrics this instance creates
         # Inline execution on the event loop is for plain synchronous models only: BLS needs the loop to be
         # free, async execute needs its own loop, decoupled models may block until they have sent everything.
         self.inline = InlinePolicy(
@@ -138,7 +140,7 @@ class PythonInstance(ModelInstance):
         self._initialized = True
 
     def warmup_thread_init(self) -> None:
-        pb_utils._bind(self.ctx.server, self.ctx.loop)
+        pb_utils._bind(self.ctx.server, self.ctx.loop, self.metrics_owner)
         if not self._initialized:
             self._initialize()
 
@@ -206,6 +208,9 @@ class PythonInstance(ModelInstance):
         finally:
             if self._loop is not None:
                 self._loop.close()
+            store = getattr(self.ctx.server, "custom_metrics", None)
+            if isinstance(store, CustomMetrics):  # in a worker, the server releases the worker's instance
+                store.release(self.metrics_owner)
 
 
 def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> ModelInstance:

@@ -381,6 +381,7 @@ class ProcessInstance(ModelInstance):
         self._closing = threading.Event()
         self._gone_lock = threading.Lock()
         self._restart_metric: int | None = None
+        self.metrics_owner = object()  # owns the worker's custom metrics and the restart counter
 
     # ---- lifecycle ----
     def warmup_thread_init(self) -> None:
@@ -460,8 +461,13 @@ class ProcessInstance(ModelInstance):
             if self._closed:
                 return
             self._closed = True
-            if self._process is not None:
-                self._finalize()
+            try:
+                if self._process is not None:
+                    self._finalize()
+            finally:
+                store = getattr(self.ctx.server, "custom_metrics", None)
+                if store is not None:
+                    store.release(self.metrics_owner)
 
     def _finalize(self) -> None:
         try:
@@ -561,9 +567,9 @@ class ProcessInstance(ModelInstance):
             return
         try:
             if self._restart_metric is None:
-                family = store.family(RESTART_METRIC, RESTART_METRIC_HELP, COUNTER)
+                family = store.family(RESTART_METRIC, RESTART_METRIC_HELP, COUNTER, self.metrics_owner)
                 labels = {"model": self.ctx.name, "version": str(self.ctx.version), "instance": self.name}
-                self._restart_metric = store.metric(family, labels)
+                self._restart_metric = store.metric(family, labels, None, self.metrics_owner)
             if n:
                 store.update(self._restart_metric, "increment", n)
         except NaiadError:
@@ -749,7 +755,12 @@ class ProcessInstance(ModelInstance):
             reply(None, Internal(f"pb_utils call '{method}' needs a running Naiad server"))
             return
         store = server.custom_metrics
-        metric_calls = {"metric_family": store.family, "metric": store.metric, "metric_value": store.value}
+        owner = self.metrics_owner
+        metric_calls = {
+            "metric_family": lambda name, description, kind: store.family(name, description, kind, owner),
+            "metric": lambda family, labels, buckets: store.metric(family, labels, buckets, owner),
+            "metric_value": store.value,
+        }
         if method in metric_calls:
             try:
                 reply(metric_calls[method](*args), None)

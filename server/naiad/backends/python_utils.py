@@ -278,10 +278,12 @@ _context = threading.local()
 _default: dict[str, Any] = {}
 
 
-def _bind(server, loop) -> None:
-    """Called by the python backend on an instance thread: BLS from this thread goes to `server`."""
+def _bind(server, loop, owner=None) -> None:
+    """Called by the python backend on an instance thread: BLS from this thread goes to `server`, and custom
+    metrics created on it belong to `owner` (the instance; they go when it is unloaded)."""
     _context.server = server
     _context.loop = loop
+    _context.owner = owner
     _default["server"], _default["loop"] = server, loop
 
 
@@ -711,7 +713,8 @@ class MetricFamily:
         self._store = _metric_store()
         self._name = name
         self._kind = int(kind)
-        self._id = _metric_call(self._store.family, name, description, self._kind)
+        owner = getattr(_context, "owner", None)  # other threads' metrics stay for the server's lifetime
+        self._id = _metric_call(self._store.family, name, description, self._kind, owner)
 
     def Metric(self, labels: dict | None = None, buckets: list | None = None) -> Metric:
         if labels is not None and not isinstance(labels, dict):
@@ -727,7 +730,9 @@ class Metric:
     def __init__(self, family: MetricFamily, labels: dict | None, buckets: list | None):
         self._family = family
         self._store = family._store
-        self._id = _metric_call(self._store.metric, family._id, labels, buckets)
+        self._id = _metric_call(
+            self._store.metric, family._id, labels, buckets, getattr(_context, "owner", None)
+        )
 
     def _update(self, op: str, value) -> None:
         # checked here too, so that a worker process can send updates without waiting for an answer

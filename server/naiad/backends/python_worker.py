@@ -173,10 +173,11 @@ class RemoteMetrics:
     def __init__(self, server: RemoteServer):
         self._server = server
 
-    def family(self, name: str, description: str, kind: int) -> int:
+    def family(self, name: str, description: str, kind: int, owner=None) -> int:
+        # the owner is this worker's instance, which the server knows: `owner` is only the in-process one's
         return self._server.call("metric_family", name, description, kind).result()
 
-    def metric(self, family_id: int, labels, buckets) -> int:
+    def metric(self, family_id: int, labels, buckets, owner=None) -> int:
         return self._server.call("metric", family_id, labels, buckets).result()
 
     def update(self, metric_id: int, op: str, value) -> None:

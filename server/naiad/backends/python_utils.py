@@ -379,7 +379,6 @@ class InferenceRequest:
         preferred_memory=None,
         trace=None,
         parameters=None,
-        **_ignored,
     ):
         if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
             raise TritonModelException("Correlation ID must be integer or string")

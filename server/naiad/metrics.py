@@ -377,6 +377,11 @@ class Metrics:
         for name in self._triton_counters:
             text = text.replace(b"# HELP " + name + b"_total ", b"# HELP " + name + b" ", 1)
             text = text.replace(b"# TYPE " + name + b"_total counter", b"# TYPE " + name + b" counter", 1)
+        custom = getattr(
+            self.server, "custom_metrics", None
+        )  # pb_utils.MetricFamily metrics, backend counters
+        if custom is not None:
+            text += custom.exposition()
         return text
 
     async def handle(self, request: web.Request) -> web.Response:

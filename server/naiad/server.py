@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from . import __version__
 from .cache import ResponseCache, request_key
 from .classification import classify
+from .custom_metrics import CustomMetrics
 from .errors import InvalidArgument, NaiadError, Unavailable
 from .inference import InferenceRequest, InferenceResponse, OutputTensor
 from .logsettings import LogSettings
@@ -54,6 +55,7 @@ class Server:
         self.options = options
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats_observers: list = []
+        self.custom_metrics = CustomMetrics()  # pb_utils.MetricFamily and backend counters, on /metrics
         self.repository = ModelRepository(
             options.model_repositories,
             self,
@@ -152,7 +154,12 @@ class Server:
         return mv.metadata([str(v) for v in sorted(rec.versions)])
 
     def model_ready(self, name: str, version: str | int = "") -> bool:
-        return self.repository.is_ready(name, parse_version(version))
+        """Loaded, and every instance can serve (a python worker being restarted cannot)."""
+        v = parse_version(version)
+        if not self.repository.is_ready(name, v):
+            return False
+        pool = self.repository.get(name, v).pool
+        return pool is None or all(inst.ready() for inst in pool.instances)
 
     def model_statistics(self, name: str = "", version: str | int = "") -> list[dict]:
         if not name:

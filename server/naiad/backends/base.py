@@ -110,6 +110,10 @@ class ModelInstance(abc.ABC):
     def warmup_thread_init(self) -> None:
         """Called once on the instance's thread before the first execution."""
 
+    def ready(self) -> bool:
+        """Whether the instance can serve now (the model's readiness asks every instance)."""
+        return True
+
     def close(self) -> None:
         """Release the engine; called once when the model version unloads."""
 

@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .. import config as cfg
 from ..config import ModelConfig
+from ..custom_metrics import CustomMetrics
 from ..errors import Internal, InvalidArgument, NaiadError
 from ..inference import InferenceResponse
 from . import python_utils as pb_utils
@@ -60,12 +61,23 @@ def load_module(model_file: Path, model_name: str):
 
 
 def _uses_bls(module) -> bool:
-    """Whether model.py builds BLS requests (then it must never execute on the event loop)."""
+    """Whether model.py builds BLS requests or controls models (then it must never execute on the event loop,
+    which serves those calls)."""
     try:
         source = inspect.getsource(module)
     except (OSError, TypeError):
         return True
-    return "InferenceRequest(" in source or ".exec(" in source or "async_exec" in source
+    return any(
+        call in source
+        for call in (
+            "InferenceRequest(",
+            ".exec(",
+            "async_exec",
+            "load_model(",
+            "unload_model(",
+            "is_model_ready(",
+        )
+    )
 
 
 def auto_complete(config: ModelConfig, model_file: Path) -> None:
@@ -97,6 +109,7 @@ class PythonInstance(ModelInstance):
         self.bf16_outputs = {o.name for o in ctx.config.output if o.data_type == mc.TYPE_BF16}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._initialized = False
+        self.metrics_owner = object()  # what owns the custom metrics this instance creates
         # Inline execution on the event loop is for plain synchronous models only: BLS needs the loop to be
         # free, async execute needs its own loop, decoupled models may block until they have sent everything.
         self.inline = InlinePolicy(
@@ -127,7 +140,7 @@ class PythonInstance(ModelInstance):
         self._initialized = True
 
     def warmup_thread_init(self) -> None:
-        pb_utils._bind(self.ctx.server, self.ctx.loop)
+        pb_utils._bind(self.ctx.server, self.ctx.loop, self.metrics_owner)
         if not self._initialized:
             self._initialize()
 
@@ -195,6 +208,9 @@ class PythonInstance(ModelInstance):
         finally:
             if self._loop is not None:
                 self._loop.close()
+            store = getattr(self.ctx.server, "custom_metrics", None)
+            if isinstance(store, CustomMetrics):  # in a worker, the server releases the worker's instance
+                store.release(self.metrics_owner)
 
 
 def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> ModelInstance:

@@ -57,9 +57,17 @@ and numpy's own reduction. Messages are tuples:
 `side_sent` (side messages the worker had sent when the execution ended) lets a decoupled model's
 execute return only after the responses it sent during the execution were delivered, as in-process.
 
-A worker that dies fails the in-flight execution, ends open decoupled streams with an error, and
-makes the instance answer every later request with that error (Triton restarts its stub; Naiad asks
-for a reload). Workers are started with multiprocessing's "spawn" context (never fork a server that
+A worker that dies fails the in-flight execution and ends open decoupled streams with an error that
+names its pid and signal; then, as Triton restarts its stub, a new worker is started (and `initialize`
+runs again) on a thread of its own. Until it has started the instance is not ready (so neither is the
+model) and requests for it wait for the restart; a worker that dies within SHORT_LIFE_S of starting, or
+a restart that fails, delays the next attempt (1 s doubling to 30 s), and meanwhile requests fail at
+once with the reason. Restarts are logged and counted in RESTART_METRIC on /metrics.
+
+The side channel also carries a worker's model control calls (`pb_utils.load_model`, ...) and custom
+metric calls (`pb_utils.MetricFamily`, ...): ("call", id, method, args) answered by ("call_reply", id,
+value, error), and ("metric_update", metric id, op, value) without an answer; ("bls_cancel", bls) is
+`ResponseIterator.cancel()` of a decoupled BLS request. Workers are started with multiprocessing's "spawn" context (never fork a server that
 has gRPC and asyncio threads), so a program embedding `naiad.server.Server` needs the usual
 `if __name__ == "__main__":` guard.
 """
@@ -68,6 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import inspect
 import itertools
 import logging
 import multiprocessing
@@ -85,6 +94,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import ModelConfig
+from ..custom_metrics import COUNTER
 from ..errors import Internal, InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
 from .base import ModelContext, ModelInstance, Timing
@@ -324,6 +334,16 @@ def _close_channels_at_exit() -> None:
         inst._close_channels()
 
 
+RESTART_METRIC = "nv_python_backend_stub_restart_count"
+RESTART_METRIC_HELP = (
+    "Number of times the python worker process (Triton's stub) of a python model instance died and was "
+    "restarted"
+)
+RESTART_WAIT_S = 120.0  # how long a request for an instance whose worker is being restarted waits for it
+SHORT_LIFE_S = 5.0  # a worker that dies sooner than this after starting delays the next restart (back-off)
+SERVER_CALLS = ("load_model", "unload_model", "model_ready")  # what a worker may ask the server loop to run
+
+
 class ProcessInstance(ModelInstance):
     """A python model instance whose `TritonPythonModel` lives in a worker process (see module docstring)."""
 
@@ -331,6 +351,7 @@ class ProcessInstance(ModelInstance):
         super().__init__(ctx, group, device_id, index)
         self.decoupled = ctx.config.model_transaction_policy.decoupled
         self.pid: int | None = None
+        self.restarts = 0
         self._process: multiprocessing.process.BaseProcess | None = None
         self._exec: Channel | None = None  # the instance thread's
         self._side: Channel | None = None  # the reader thread's (and anyone's, to send)
@@ -338,16 +359,29 @@ class ProcessInstance(ModelInstance):
         self._lock = threading.Condition()
         self._keys = itertools.count(1)
         self._streams: dict[int, InferenceRequest] = {}  # open decoupled requests by key
+        self._bls_streams: dict[int, InferenceRequest] = {}  # decoupled BLS requests of the worker, by id
         self._in_flight: set[int] = set()  # keys of the execution in progress
         self._cancel_sent: set[int] = set()
         self._side_seen = 0  # side messages the reader has handled
         self._dead: NaiadError | None = None
         self._exit_expected = False  # after finalize, or when initialize failed
-        # Start and close exclude each other: after a failed load the repository may close instances that
-        # are still starting on their own threads.
+        # Each worker started is a generation; the death of one is recorded once (the instance and reader
+        # threads both notice it), and what an older generation's reader reports later is ignored.
+        self._generation = 0
+        self._gone_generation = 0
+        self._starting = False
+        self._restarting = False  # a restart attempt is under way: requests wait for it
+        self._failures = 0  # short-lived workers in a row: the restart back-off
+        self._started_at = 0.0
+        # Start, restart and close exclude each other: after a failed load the repository may close instances
+        # that are still starting on their own threads.
         self._life = threading.Lock()
+        self._exec_lock = threading.Lock()  # held while the exec channel is in use
         self._closed = False
+        self._closing = threading.Event()
         self._gone_lock = threading.Lock()
+        self._restart_metric: int | None = None
+        self.metrics_owner = object()  # owns the worker's custom metrics and the restart counter
 
     # ---- lifecycle ----
     def warmup_thread_init(self) -> None:
@@ -356,7 +390,19 @@ class ProcessInstance(ModelInstance):
             if self._closed:
                 raise Unavailable(f"model '{self.ctx.name}' instance '{self.name}' is unloaded")
             if self._process is None:
-                self._start()
+                self._starting = True
+                try:
+                    self._start()
+                except BaseException:
+                    self._exit_expected = True  # the load fails: nothing to restart
+                    raise
+                finally:
+                    self._starting = False
+                self._count_restarts(0)
+
+    def ready(self) -> bool:
+        """Whether the instance can serve now: its worker runs (not dead, not being restarted)."""
+        return self._process is not None and self._dead is None and not self._closed
 
     def _start(self) -> None:
         from . import python_worker
@@ -389,23 +435,39 @@ class ProcessInstance(ModelInstance):
         finally:
             exec_child.close()
             side_child.close()
+        self._generation += 1
+        self._exit_expected = False
+        self._side_seen = 0
+        self._started_at = time.monotonic()
         self._process = process
         self._exec, self._side = Channel(exec_parent), Channel(side_parent)
         _live.add(self)
         self._reader = threading.Thread(
-            target=self._read_side, daemon=True, name=f"naiad-{self.ctx.name}-{self.name}-reader"
+            target=self._read_side,
+            args=(self._side, self._generation),
+            daemon=True,
+            name=f"naiad-{self.ctx.name}-{self.name}-reader",
         )
         self._reader.start()
         self.pid = self._call(None)
 
     def close(self) -> None:
         """Call `finalize` in the worker and reap it; a finalize error is raised, as PythonInstance does."""
+        self._closing.set()
+        with self._lock:
+            self._restarting = False
+            self._lock.notify_all()
         with self._life:
             if self._closed:
                 return
             self._closed = True
-            if self._process is not None:
-                self._finalize()
+            try:
+                if self._process is not None:
+                    self._finalize()
+            finally:
+                store = getattr(self.ctx.server, "custom_metrics", None)
+                if store is not None:
+                    store.release(self.metrics_owner)
 
     def _finalize(self) -> None:
         try:
@@ -431,7 +493,7 @@ class ProcessInstance(ModelInstance):
             self._process.kill()
             self._process.join(5)
         self._close_channels()
-        if self._reader is not None:
+        if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(5)
         _live.discard(self)
 
@@ -439,6 +501,79 @@ class ProcessInstance(ModelInstance):
         for channel in (self._exec, self._side):
             if channel is not None:
                 channel.close()
+
+    # ---- restarting a worker that died ----
+    def _restart(self, generation: int) -> None:
+        """Start a new worker in place of generation `generation`, which died (own thread). A worker that died
+        young, or a restart that failed, delays the next attempt (1 s doubling to 30 s); meanwhile requests
+        fail at once with the reason, and during an attempt they wait for it."""
+        delay = 0.0 if self._failures == 0 else min(30.0, 2.0 ** (self._failures - 1))
+        if delay:
+            with self._lock:
+                self._restarting = False
+                self._lock.notify_all()
+            if self._closing.wait(delay):
+                return
+            with self._lock:
+                self._restarting = True
+        with self._life:
+            if self._closed or generation != self._generation:
+                return
+            old_pid = self.pid
+            with self._exec_lock:  # the in-flight execution has seen the end of the old worker
+                self._reap()
+            self._starting = True
+            try:
+                self._start()
+            except BaseException as exc:
+                error = Internal(
+                    f"Failed to process the request(s) for model '{self.name}', message: the python worker "
+                    f"process of model '{self.ctx.name}' died and could not be restarted: {exc}"
+                )
+                with self._gone_lock:
+                    self._gone_generation = self._generation
+                    with self._lock:
+                        self._dead = error
+                        self._lock.notify_all()
+                self._failures += 1
+                log.error("%s", error)
+                threading.Thread(
+                    target=self._restart,
+                    args=(self._generation,),
+                    daemon=True,
+                    name=f"naiad-{self.name}-restart",
+                ).start()
+                return
+            finally:
+                self._starting = False
+            with self._lock:
+                self._dead = None
+                self._restarting = False
+                self._lock.notify_all()
+        self.restarts += 1
+        self._count_restarts(1)
+        log.warning(
+            "python worker of model '%s' instance '%s' restarted: pid %s replaces pid %s, which died",
+            self.ctx.name,
+            self.name,
+            self.pid,
+            old_pid,
+        )
+
+    def _count_restarts(self, n: int) -> None:
+        """The restart counter (RESTART_METRIC) on /metrics; created at 0 when the worker first starts."""
+        store = getattr(self.ctx.server, "custom_metrics", None)
+        if store is None:
+            return
+        try:
+            if self._restart_metric is None:
+                family = store.family(RESTART_METRIC, RESTART_METRIC_HELP, COUNTER, self.metrics_owner)
+                labels = {"model": self.ctx.name, "version": str(self.ctx.version), "instance": self.name}
+                self._restart_metric = store.metric(family, labels, None, self.metrics_owner)
+            if n:
+                store.update(self._restart_metric, "increment", n)
+        except NaiadError:
+            log.exception("counting restarts of model '%s' failed", self.ctx.name)
 
     # ---- execution ----
     def execute(self, requests: list[InferenceRequest], timing: Timing) -> list[InferenceResponse | None]:
@@ -448,14 +583,19 @@ class ProcessInstance(ModelInstance):
         ]
         streams = {k: r for k, r in zip(keys, requests) if k is not None}
         with self._lock:
+            if self._dead is not None and self._restarting:
+                deadline = time.monotonic() + RESTART_WAIT_S
+                while self._dead is not None and self._restarting and time.monotonic() < deadline:
+                    self._lock.wait(deadline - time.monotonic())
             if self._dead is not None:
                 raise self._dead
             self._streams.update(streams)
             self._in_flight = set(streams)
         try:
-            encoded, started_ns, done_ns, side_sent = self._call(
-                ("execute", [encode_request(r) for r in requests], keys)
-            )
+            with self._exec_lock:
+                encoded, started_ns, done_ns, side_sent = self._call(
+                    ("execute", [encode_request(r) for r in requests], keys)
+                )
             responses = [decode_response(r) for r in encoded]
             if self.decoupled:
                 self._wait_side(side_sent)
@@ -467,6 +607,8 @@ class ProcessInstance(ModelInstance):
         finally:
             with self._lock:
                 self._in_flight = set()
+        if self._failures and time.monotonic() - self._started_at > SHORT_LIFE_S:
+            self._failures = 0
         end = time.monotonic_ns()
         # CLOCK_MONOTONIC is system-wide: the worker's stamps split the round trip as Triton's stats do.
         timing.input_ns += max(0, started_ns - t0)
@@ -476,6 +618,7 @@ class ProcessInstance(ModelInstance):
 
     def _call(self, message: tuple | None) -> Any:
         """One exchange on the exec channel; None only waits for the worker's greeting (pid or init error)."""
+        generation = self._generation
         try:
             if message is not None:
                 try:
@@ -495,7 +638,7 @@ class ProcessInstance(ModelInstance):
                     f"instance '{self.name}': {type(exc).__name__}: {exc}"
                 ) from None
         except (EOFError, OSError):
-            raise self._worker_gone() from None
+            raise self._worker_gone(None, generation) from None
         _, value, error = reply
         if error is not None:
             if message is None:
@@ -510,21 +653,23 @@ class ProcessInstance(ModelInstance):
                 self._lock.wait()
 
     # ---- the reader thread ----
-    def _read_side(self) -> None:
+    def _read_side(self, channel: Channel, generation: int) -> None:
         reason = None
         try:
             while True:
-                message = self._side.recv()
+                message = channel.recv()
                 self._dispatch(message)
                 with self._lock:
-                    self._side_seen += 1
+                    if generation == self._generation:
+                        self._side_seen += 1
                     self._lock.notify_all()
-        except (EOFError, OSError):
+        except (EOFError, OSError, ValueError):  # ValueError: the channel was closed under the reader
             pass
         except Exception as exc:
             reason = f"undecodable message from the worker: {type(exc).__name__}: {exc}"
-            self._process.kill()
-        self._worker_gone(reason)
+            if generation == self._generation:
+                self._process.kill()
+        self._worker_gone(reason, generation)
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -532,6 +677,19 @@ class ProcessInstance(ModelInstance):
             self._deliver(message[1], decode_response(message[2]))
         elif kind == "bls":
             self._start_bls(*message[1:])
+        elif kind == "bls_cancel":
+            with self._lock:
+                native = self._bls_streams.get(message[1])
+            if native is not None:
+                native.cancelled = True
+        elif kind == "call":
+            self._serve_call(*message[1:])
+        elif kind == "metric_update":
+            _, metric, op, value = message
+            try:
+                self.ctx.server.custom_metrics.update(metric, op, value)
+            except (AttributeError, NaiadError) as exc:
+                log.warning("model '%s': a custom metric update failed: %s", self.ctx.name, exc)
         elif kind == "log":
             _, name, level, text = message
             logger = logging.getLogger(name)
@@ -573,18 +731,59 @@ class ProcessInstance(ModelInstance):
         """Send from the reader or the server loop; a worker that has gone away no longer needs it."""
         try:
             self._side.send(message)
-        except OSError:
+        except (OSError, ValueError):
             pass
         except PICKLE_ERRORS as exc:  # e.g. a BLS response holding objects that do not pickle
-            if message[0] in ("bls_reply", "bls_stream"):
+            if message[0] in ("bls_reply", "bls_stream", "call_reply"):
                 self._send_side(
                     (
-                        "bls_reply",
+                        message[0] if message[0] == "call_reply" else "bls_reply",
                         message[1],
                         None,
-                        Internal(f"cannot send the BLS response to the python worker: {exc}"),
+                        Internal(f"cannot send the answer to the python worker: {exc}"),
                     )
                 )
+
+    def _serve_call(self, call: int, method: str, args: tuple) -> None:
+        """A worker's model control or custom metric call (`pb_utils.load_model`, `MetricFamily`, ...)."""
+        server, loop = self.ctx.server, self.ctx.loop
+
+        def reply(value, error) -> None:
+            self._send_side(("call_reply", call, value, error))
+
+        if server is None or loop is None:
+            reply(None, Internal(f"pb_utils call '{method}' needs a running Naiad server"))
+            return
+        store = server.custom_metrics
+        owner = self.metrics_owner
+        metric_calls = {
+            "metric_family": lambda name, description, kind: store.family(name, description, kind, owner),
+            "metric": lambda family, labels, buckets: store.metric(family, labels, buckets, owner),
+            "metric_value": store.value,
+        }
+        if method in metric_calls:
+            try:
+                reply(metric_calls[method](*args), None)
+            except Exception as exc:
+                reply(None, transferable_error(exc))
+            return
+        if method not in SERVER_CALLS:
+            reply(None, InvalidArgument(f"unknown server call '{method}' from the python worker"))
+            return
+
+        async def run():
+            result = getattr(server, method)(*args)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+
+        def done(future) -> None:
+            try:
+                reply(future.result(), None)
+            except BaseException as exc:
+                reply(None, transferable_error(exc))
+
+        asyncio.run_coroutine_threadsafe(run(), loop).add_done_callback(done)
 
     def _start_bls(self, bls: int, fields: tuple, decoupled: bool) -> None:
         """Run a BLS request of the worker on the server loop; the result goes back as side messages."""
@@ -596,6 +795,8 @@ class ProcessInstance(ModelInstance):
         if decoupled:
             # as in-process: the model's iterator sees what the server hands to the request's callback
             native.response_callback = lambda r: self._send_side(("bls_stream", bls, encode_response(r)))
+            with self._lock:
+                self._bls_streams[bls] = native
 
             async def run_stream() -> None:
                 async for _ in server.infer_stream(native):
@@ -606,6 +807,8 @@ class ProcessInstance(ModelInstance):
             future = asyncio.run_coroutine_threadsafe(server.infer(native), loop)
 
         def done(f) -> None:
+            with self._lock:
+                self._bls_streams.pop(bls, None)
             try:
                 result = f.result()
             except BaseException as exc:
@@ -616,17 +819,26 @@ class ProcessInstance(ModelInstance):
         future.add_done_callback(done)
 
     # ---- the worker going away ----
-    def _worker_gone(self, reason: str | None = None) -> NaiadError:
-        """Record why the worker is gone (once: the instance and reader threads both notice), end open
-        streams, and return the error for requests."""
+    def _worker_gone(self, reason: str | None, generation: int) -> NaiadError:
+        """Record why worker `generation` is gone (once), end open streams, start a new worker when it died
+        unexpectedly, and return the error for requests."""
         with self._gone_lock:
-            if self._dead is not None:
-                return self._dead
+            if generation != self._generation or generation == self._gone_generation:
+                return self._dead or Unavailable(
+                    f"model '{self.ctx.name}' instance '{self.name}' is unloaded"
+                )
+            self._gone_generation = generation
             error = self._exit_error(reason)
+            restart = not self._exit_expected and not self._closed and not self._starting
+            if restart:
+                young = time.monotonic() - self._started_at < SHORT_LIFE_S
+                self._failures = self._failures + 1 if young else 0
             with self._lock:
                 self._dead = error
+                self._restarting = restart
                 ended = [r for k, r in self._streams.items() if k not in self._in_flight]
                 self._streams.clear()
+                self._bls_streams.clear()
                 self._lock.notify_all()
         if isinstance(error, Internal):
             log.error("%s", error)
@@ -643,6 +855,10 @@ class ProcessInstance(ModelInstance):
                 )
             except Exception:
                 log.exception("ending a stream of model '%s' failed", self.ctx.name)
+        if restart:
+            threading.Thread(
+                target=self._restart, args=(generation,), daemon=True, name=f"naiad-{self.name}-restart"
+            ).start()
         return error
 
     def _exit_error(self, reason: str | None) -> NaiadError:
@@ -657,8 +873,9 @@ class ProcessInstance(ModelInstance):
                     reason = f"killed by {signal.Signals(-code).name}"
                 except ValueError:
                     pass
+        then = "" if self._closed or self._starting else "; it is being restarted"
         return Internal(
             f"Failed to process the request(s) for model '{self.name}', message: the python "
             f"worker process (pid {self._process.pid}) of model '{self.ctx.name}' exited "
-            f"unexpectedly ({reason}); reload the model to restart it"
+            f"unexpectedly ({reason}){then}"
         )

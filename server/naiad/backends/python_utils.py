@@ -6,13 +6,16 @@ Models run unmodified: `import triton_python_backend_utils as pb_utils` resolves
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
+import struct
 import threading
 from typing import Any
 
 import numpy as np
 
+from .. import custom_metrics as _cm
 from .. import tensors as _t
 from ..errors import Internal as _Internal
 from ..errors import NaiadError as _NaiadError
@@ -64,17 +67,23 @@ _TYPE_NAMES = [
 _TYPE_BY_NAME = {n: i for i, n in enumerate(_TYPE_NAMES)}
 
 
+class MemoryType:
+    """Where a BLS caller would like its outputs (python_backend's values, not tritonserver.h's)."""
+
+    TRITONSERVER_MEMORY_GPU = 0
+    TRITONSERVER_MEMORY_CPU = 1
+
+
+TRITONSERVER_MEMORY_GPU = MemoryType.TRITONSERVER_MEMORY_GPU
+TRITONSERVER_MEMORY_CPU = MemoryType.TRITONSERVER_MEMORY_CPU
+
+
 class PreferredMemory:
     """Accepted for API compatibility; Naiad's python models always get CPU (numpy) tensors."""
 
-    def __init__(self, preferred_memory_type=0, preferred_device_id=0):
+    def __init__(self, preferred_memory_type=TRITONSERVER_MEMORY_CPU, preferred_device_id=0):
         self.preferred_memory_type = preferred_memory_type
         self.preferred_device_id = preferred_device_id
-
-
-TRITONSERVER_MEMORY_CPU = 0
-TRITONSERVER_MEMORY_CPU_PINNED = 1
-TRITONSERVER_MEMORY_GPU = 2
 
 
 # ---- datatype helpers ----
@@ -99,18 +108,51 @@ def numpy_to_triton_type(data_type) -> int | None:
         return None
 
 
+# config.pbtxt data type -> numpy type (BF16 has no numpy type, as in Triton)
+TRITON_STRING_TO_NUMPY = {
+    "TYPE_BOOL": bool,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+
+
 def triton_string_to_numpy(triton_type_string: str):
     """'TYPE_FP32' (or 'FP32') -> numpy type."""
+    known = TRITON_STRING_TO_NUMPY.get(triton_type_string)
+    if known is not None:
+        return known
     name = triton_type_string[5:] if triton_type_string.startswith("TYPE_") else triton_type_string
     if name in ("STRING", "BYTES"):
         return np.object_
     return _t.numpy_dtype(name).type
 
 
-def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray:
+def serialize_byte_tensor(input_tensor: np.ndarray):
+    """BYTES elements as Triton's wire format (4-byte little-endian length, then the bytes), in C order.
+
+    As python_backend: `bytes` for an object or bytes tensor, an empty tuple for an empty tensor, None for
+    any other dtype; str elements are UTF-8 encoded, other objects by their `str()`."""
     if input_tensor.size == 0:
-        return np.empty([0], dtype=np.object_)
-    return np.frombuffer(_t.serialize_bytes(input_tensor), dtype=np.uint8)
+        return ()
+    if input_tensor.dtype != np.object_ and input_tensor.dtype.type is not np.bytes_:
+        return None
+    parts = []
+    for item in input_tensor.ravel(order="C"):
+        if input_tensor.dtype == np.object_ and not isinstance(item, bytes):
+            item = str(item).encode("utf-8")
+        parts.append(struct.pack("<I", len(item)))
+        parts.append(bytes(item))
+    return b"".join(parts)
 
 
 def deserialize_bytes_tensor(encoded_tensor) -> np.ndarray:
@@ -189,21 +231,45 @@ class Tensor:
     def to_dlpack(self):
         return self._array.__dlpack__()
 
+    def __dlpack__(self, stream=None):
+        return self._array.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
     @staticmethod
     def from_dlpack(name: str, dlpack_tensor) -> Tensor:
+        """From an object with `__dlpack__` (a torch tensor, a Tensor, ...) or a raw DLPack capsule."""
         if hasattr(dlpack_tensor, "__dlpack__"):
-            return Tensor(name, np.from_dlpack(dlpack_tensor))
-        try:  # a raw PyCapsule, as torch.utils.dlpack.to_dlpack returns
+            source = dlpack_tensor
+            if hasattr(source, "device") and getattr(source.device, "type", "cpu") != "cpu":
+                source = source.cpu()  # Naiad's python models work on CPU tensors
+            return Tensor(name, np.from_dlpack(source))
+        try:  # a raw capsule of CPU memory (what `to_dlpack` returns) needs no framework
+            return Tensor(name, np.from_dlpack(_Capsule(dlpack_tensor)))
+        except (BufferError, TypeError, RuntimeError) as exc:
+            reason = exc
+        try:  # a capsule of device memory, as torch.utils.dlpack.to_dlpack returns for a CUDA tensor
             import torch.utils.dlpack as tdl
         except ImportError:
-            raise TritonModelException("from_dlpack of a raw capsule needs torch installed") from None
-        t = tdl.from_dlpack(dlpack_tensor)
-        if t.device.type != "cpu":
-            t = t.cpu()
-        return Tensor(name, t.numpy())
+            raise TritonModelException(f"Tensor.from_dlpack: cannot read the capsule: {reason}") from None
+        return Tensor(name, tdl.from_dlpack(dlpack_tensor).cpu().numpy())
 
     def __repr__(self) -> str:
         return f"Tensor(name={self._name!r}, datatype={self._datatype}, shape={self.shape()})"
+
+
+class _Capsule:
+    """Lets numpy import a raw DLPack capsule, which it only takes through the `__dlpack__` protocol."""
+
+    def __init__(self, capsule):
+        self._capsule = capsule
+
+    def __dlpack__(self, stream=None, **_):
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
 
 
 # ---- server context for BLS (set on each instance thread) ----
@@ -212,10 +278,12 @@ _context = threading.local()
 _default: dict[str, Any] = {}
 
 
-def _bind(server, loop) -> None:
-    """Called by the python backend on an instance thread: BLS from this thread goes to `server`."""
+def _bind(server, loop, owner=None) -> None:
+    """Called by the python backend on an instance thread: BLS from this thread goes to `server`, and custom
+    metrics created on it belong to `owner` (the instance; they go when it is unloaded)."""
     _context.server = server
     _context.loop = loop
+    _context.owner = owner
     _default["server"], _default["loop"] = server, loop
 
 
@@ -234,6 +302,14 @@ def _target():
 
 
 # ---- requests and responses ----
+
+
+class InferenceTrace:
+    """The trace of a request; `get_context()` is the OpenTelemetry context Triton propagates, which Naiad's
+    own trace files do not have: None, as Triton returns without OpenTelemetry tracing."""
+
+    def get_context(self):
+        return None
 
 
 class InferenceResponse:
@@ -303,13 +379,17 @@ class InferenceRequest:
         preferred_memory=None,
         trace=None,
         parameters=None,
-        **_ignored,
     ):
+        if isinstance(correlation_id, bool) or not isinstance(correlation_id, (int, str)):
+            raise TritonModelException("Correlation ID must be integer or string")
         self._model_name = model_name
         self._inputs = list(inputs or [])
         self._requested = list(requested_output_names or [])
         self._model_version = model_version
         self._correlation_id = correlation_id
+        self._preferred_memory = preferred_memory or PreferredMemory()
+        self._trace = trace if isinstance(trace, InferenceTrace) else InferenceTrace()
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         self._request_id = request_id
         self._flags = flags
         self._timeout = timeout
@@ -333,6 +413,9 @@ class InferenceRequest:
         r._parameters = native.parameters
         r._native = native
         r._sender = None
+        r._preferred_memory = PreferredMemory()
+        r._trace = InferenceTrace()
+        r._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return r
 
     def inputs(self) -> list[Tensor]:
@@ -347,8 +430,28 @@ class InferenceRequest:
     def flags(self) -> int:
         return self._flags
 
+    def set_flags(self, flags: int) -> None:
+        """Sequence flags of a BLS request (TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END)."""
+        self._flags = int(flags)
+
     def timeout(self) -> int:
         return self._timeout
+
+    def trace(self) -> InferenceTrace:
+        return self._trace
+
+    def set_release_flags(self, flags: int) -> None:
+        """RELEASE_ALL is what every request gets; RESCHEDULE needs iterative sequence batching, which Naiad's
+        sequence batcher refuses at load, so no model that may reschedule can be loaded."""
+        if flags == TRITONSERVER_REQUEST_RELEASE_ALL:
+            self._release_flags = flags
+            return
+        if flags == TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            raise TritonModelException(
+                "Request rescheduling needs 'sequence_batching { iterative_sequence: true }', "
+                "which Naiad does not support"
+            )
+        raise TritonModelException(f"unknown request release flags {flags}")
 
     def model_name(self) -> str:
         return self._model_name
@@ -393,7 +496,7 @@ class InferenceRequest:
         server, loop = _target()
         native = self._native_request()
         if decoupled:
-            return _ResponseIterator(server, loop, native)
+            return ResponseIterator(server, loop, native)
         fut = asyncio.run_coroutine_threadsafe(server.infer(native), loop)
         return _from_native_result(fut)
 
@@ -401,20 +504,22 @@ class InferenceRequest:
         server, loop = _target()
         native = self._native_request()
         if decoupled:
-            return _ResponseIterator(server, loop, native)
+            return ResponseIterator(server, loop, native)
         fut = asyncio.run_coroutine_threadsafe(server.infer(native), loop)
         await asyncio.wrap_future(fut)
         return _from_native_result(fut)
 
 
-class _ResponseIterator:
-    """BLS on a decoupled model: iterate its responses as they arrive."""
+class ResponseIterator:
+    """BLS on a decoupled model: iterate its responses as they arrive; `cancel()` asks the model to stop."""
 
     def __init__(self, server, loop, native):
         import queue
 
         self._queue: queue.Queue = queue.Queue()
         self._done = False
+        self._server = server
+        self._native = native
 
         def on_response(resp):
             self._queue.put(resp)
@@ -445,6 +550,13 @@ class _ResponseIterator:
             if isinstance(item, Exception):
                 return InferenceResponse(error=TritonError(str(item)))
             return _from_native_response(item)
+
+    def cancel(self) -> None:
+        """Cancel the request: the callee sees `is_cancelled()`; responses already sent still arrive."""
+        self._native.cancelled = True
+        forward = getattr(self._server, "cancel_stream", None)  # a worker process tells the server
+        if forward is not None:
+            forward(self._native)
 
 
 def _from_native_response(resp) -> InferenceResponse:
@@ -511,6 +623,11 @@ def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) 
     return None
 
 
+def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
+    """Whether the (parsed JSON) model config says `model_transaction_policy { decoupled: true }`."""
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
 def get_input_config_by_name(model_config: dict, name: str) -> dict | None:
     for entry in model_config.get("input", []):
         if entry.get("name") == name:
@@ -528,7 +645,14 @@ def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
 # ---- logging ----
 
 
+class LogLevel:
+    INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
+
+
 class Logger:
+    """Log records of the model go to the server's log (`naiad.python_model`); VERBOSE is DEBUG."""
+
+    LogLevel = LogLevel
     INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
 
     @staticmethod
@@ -552,64 +676,222 @@ class Logger:
         _log.debug(message)
 
 
-class LogLevel:
-    INFO, WARNING, ERROR, VERBOSE = 0, 1, 2, 3
+# ---- custom metrics (served on /metrics by the server's registry, see naiad.custom_metrics) ----
+
+
+class MetricKind:
+    COUNTER, GAUGE, HISTOGRAM = _cm.COUNTER, _cm.GAUGE, _cm.HISTOGRAM
+
+
+COUNTER, GAUGE, HISTOGRAM = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM
+
+
+def _metric_store():
+    server = getattr(_context, "server", None) or _default.get("server")
+    store = getattr(server, "custom_metrics", None)
+    if store is None:
+        raise TritonModelException("custom metrics need a running Naiad server")
+    return store
+
+
+def _metric_call(fn, *args):
+    try:
+        return fn(*args)
+    except _NaiadError as exc:
+        raise TritonModelException(exc.message) from None
+
+
+class MetricFamily:
+    """A family of custom metrics: one kind (COUNTER, GAUGE, HISTOGRAM), one name on /metrics."""
+
+    COUNTER, GAUGE, HISTOGRAM = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM
+
+    def __init__(self, name: str, description: str, kind: int):
+        if name is None or description is None or kind is None:
+            raise TritonModelException("MetricFamily needs a name, a description and a kind")
+        self._store = _metric_store()
+        self._name = name
+        self._kind = int(kind)
+        owner = getattr(_context, "owner", None)  # other threads' metrics stay for the server's lifetime
+        self._id = _metric_call(self._store.family, name, description, self._kind, owner)
+
+    def Metric(self, labels: dict | None = None, buckets: list | None = None) -> Metric:
+        if labels is not None and not isinstance(labels, dict):
+            raise TritonModelException("Failed to create metric. Labels must be a dictionary.")
+        if buckets is not None and not isinstance(buckets, list):
+            raise TritonModelException("Failed to create metric. Buckets must be a list.")
+        return Metric(self, labels, buckets)
+
+
+class Metric:
+    """One labelled metric of a family: increment (counter, gauge), set (gauge), observe (histogram)."""
+
+    def __init__(self, family: MetricFamily, labels: dict | None, buckets: list | None):
+        self._family = family
+        self._store = family._store
+        self._id = _metric_call(
+            self._store.metric, family._id, labels, buckets, getattr(_context, "owner", None)
+        )
+
+    def _update(self, op: str, value) -> None:
+        # checked here too, so that a worker process can send updates without waiting for an answer
+        _metric_call(_cm.check_update, self._family._kind, op, value)
+        _metric_call(self._store.update, self._id, op, value)
+
+    def increment(self, value) -> None:
+        self._update("increment", value)
+
+    def set(self, value) -> None:
+        self._update("set", value)
+
+    def observe(self, value) -> None:
+        self._update("observe", value)
+
+    def value(self) -> float:
+        return _metric_call(self._store.value, self._id)
+
+
+# ---- model control from a model (explicit model control mode, as Triton) ----
+
+
+def _control(method: str, *args):
+    server, loop = _target()
+
+    async def run():
+        result = getattr(server, method)(*args)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    try:
+        return asyncio.run_coroutine_threadsafe(run(), loop).result()
+    except _NaiadError as exc:
+        raise TritonModelException(exc.message) from None
+
+
+def load_model(model_name: str, config: str = "", files: dict | None = None) -> None:
+    """Load (or reload) a model; `config` is a JSON model config, `files` maps "file:<path>" to bytes."""
+    if model_name is None:
+        raise TritonModelException("load_model needs a model name")
+    _control("load_model", model_name, config or None, files or None)
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    if model_name is None:
+        raise TritonModelException("unload_model needs a model name")
+    _control("unload_model", model_name, bool(unload_dependents))
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    if model_name is None:
+        raise TritonModelException("is_model_ready needs a model name")
+    return bool(_control("model_ready", model_name, model_version))
 
 
 # ---- auto_complete_config ----
 
 
 class ModelConfig:
-    """The object `TritonPythonModel.auto_complete_config` receives and returns."""
+    """The object `TritonPythonModel.auto_complete_config` receives and returns; the checks and their
+    messages are python_backend's."""
 
     def __init__(self, model_config: dict | str):
         self._config = json.loads(model_config) if isinstance(model_config, str) else model_config
+
+    def _name(self) -> str:
+        return str(self._config.get("name", ""))
 
     def as_dict(self) -> dict:
         return self._config
 
     def set_max_batch_size(self, max_batch_size: int) -> None:
+        """Raise only when the configuration asks for a larger max_batch_size than the model supports."""
         current = int(self._config.get("max_batch_size", 0) or 0)
-        if current and current != max_batch_size:
+        if current > max_batch_size:
             raise ValueError(
                 f"configuration specified max_batch_size {current}, but in auto-complete-config "
-                f"function for model '{self._config.get('name')}' specified max_batch_size {max_batch_size}"
+                f"function for model '{self._name()}' specified max_batch_size {max_batch_size}"
             )
         self._config["max_batch_size"] = max_batch_size
 
     def set_dynamic_batching(self) -> None:
-        if "sequence_batching" in self._config:
-            raise ValueError("configuration specified sequence batching, dynamic batching cannot be added")
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._config:
+                raise ValueError(
+                    f"Configuration specified scheduling_choice as '{other}', but auto-complete-config "
+                    f"function for model '{self._name()}' tries to set scheduling_choice as 'dynamic_batching'"
+                )
         self._config.setdefault("dynamic_batching", {})
 
-    def _add(self, kind: str, spec: dict) -> None:
+    def _add(self, kind: str, spec: dict, valid: tuple[str, ...]) -> None:
         if not isinstance(spec, dict):
-            raise ValueError(f"model {kind} must be specified as a dict")
-        for key in ("name", "data_type", "dims"):
+            raise ValueError(
+                f"{kind} in auto-complete-config function for model '{self._name()}' must be a dict"
+            )
+        label = f"{kind} '{spec.get('name')}'"
+        extra = [key for key in spec if key not in valid]
+        if extra:
+            allowed = ", ".join(f"'{k}'" for k in valid[:-1]) + f" and '{valid[-1]}'"
+            raise ValueError(
+                f"{label} in auto-complete-config function for model '{self._name()}' contains property "
+                f"other than {allowed}."
+            )
+        if "name" not in spec:
+            raise ValueError(
+                f"{kind} in auto-complete-config function for model '{self._name()}' is missing 'name' property."
+            )
+        for key in ("data_type", "dims"):
             if key not in spec:
                 raise ValueError(
-                    f"model {kind} in auto-complete-config for model "
-                    f"'{self._config.get('name')}' must have '{key}'"
+                    f"{label} in auto-complete-config function for model '{self._name()}' is missing "
+                    f"'{key}' property."
                 )
         entries = self._config.setdefault(kind, [])
         for entry in entries:
-            if entry.get("name") == spec["name"]:
-                if entry.get("data_type") and entry["data_type"] != spec["data_type"]:
-                    raise ValueError(f"model {kind} '{spec['name']}' data_type conflicts with config.pbtxt")
-                if entry.get("dims") and list(entry["dims"]) != list(spec["dims"]):
-                    raise ValueError(f"model {kind} '{spec['name']}' dims conflict with config.pbtxt")
-                entry.update({k: v for k, v in spec.items() if k not in entry})
-                return
-        entries.append(dict(spec))
+            if entry.get("name") != spec["name"]:
+                continue
+            current_type = entry.get("data_type", "TYPE_INVALID")
+            if current_type != "TYPE_INVALID" and current_type != spec["data_type"]:
+                raise ValueError(
+                    f"unable to load model '{self._name()}', configuration expects datatype {current_type} "
+                    f"for {kind} '{spec['name']}', model provides {spec['data_type']}"
+                )
+            if entry.get("dims") and list(entry["dims"]) != list(spec["dims"]):
+                raise ValueError(
+                    f"model '{self._name()}', tensor '{spec['name']}': the model expects dims "
+                    f"{list(spec['dims'])} but the model configuration specifies dims {list(entry['dims'])}"
+                )
+            if "optional" in entry and "optional" in spec and entry["optional"] != spec["optional"]:
+                raise ValueError(
+                    f"model '{self._name()}', tensor '{spec['name']}': the model expects optional "
+                    f"{spec['optional']} but the model configuration specifies optional {entry['optional']}"
+                )
+            entry["data_type"] = spec["data_type"]
+            entry["dims"] = spec["dims"]
+            if "optional" in spec:
+                entry["optional"] = spec["optional"]
+            return
+        entries.append(spec)
 
     def add_input(self, input: dict) -> None:
-        self._add("input", input)
+        self._add("input", input, ("name", "data_type", "dims", "optional"))
 
     def add_output(self, output: dict) -> None:
-        self._add("output", output)
+        self._add("output", output, ("name", "data_type", "dims"))
 
     def set_model_transaction_policy(self, transaction_policy_dict: dict) -> None:
-        self._config["model_transaction_policy"] = dict(transaction_policy_dict)
-
-    def add_input_tensor(self, input: dict) -> None:
-        self.add_input(input)
+        for key in transaction_policy_dict:
+            if key != "decoupled":
+                raise ValueError(
+                    f"model transaction property in auto-complete-config function for model '{self._name()}' "
+                    "contains property other than 'decoupled'."
+                )
+        policy = self._config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            wanted = transaction_policy_dict["decoupled"]
+            if "decoupled" in policy and policy["decoupled"] != wanted:
+                raise ValueError(
+                    f"trying to change decoupled property in auto-complete-config for model '{self._name()}', "
+                    f"which is already set to '{policy['decoupled']}'."
+                )
+            policy["decoupled"] = wanted

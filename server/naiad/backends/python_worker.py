@@ -9,6 +9,7 @@ responses go to the parent as messages, and log records are forwarded to the ser
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -50,7 +51,52 @@ class RemoteServer:
         self._calls: dict[
             int, tuple[asyncio.AbstractEventLoop, asyncio.Future | None, asyncio.Queue | None]
         ] = {}
+        self._streams: dict[int, int] = {}  # id() of a request of `infer_stream` -> its bls id
         self._lock = threading.Lock()
+        # server calls (model control, custom metrics): call id -> the future of its answer
+        self._server_calls: dict[int, concurrent.futures.Future] = {}
+        self.custom_metrics = RemoteMetrics(self)
+
+    # ---- model control and custom metrics (`pb_utils.load_model`, `pb_utils.MetricFamily`, ...) ----
+    def call(self, method: str, *args) -> concurrent.futures.Future:
+        """Ask the server to run one of its `SERVER_CALLS`; the future settles with its answer."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            call = next(self._ids)
+            self._server_calls[call] = future
+        try:
+            self._channel.send(("call", call, method, args))
+        except BaseException:
+            with self._lock:
+                self._server_calls.pop(call, None)
+            raise
+        return future
+
+    def call_reply(self, call: int, value, error) -> None:
+        with self._lock:
+            future = self._server_calls.pop(call, None)
+        if future is None:
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    async def load_model(self, name: str, config, files) -> None:
+        await asyncio.wrap_future(self.call("load_model", name, config, files))
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await asyncio.wrap_future(self.call("unload_model", name, unload_dependents))
+
+    async def model_ready(self, name: str, version="") -> bool:
+        return await asyncio.wrap_future(self.call("model_ready", name, version))
+
+    def cancel_stream(self, request: InferenceRequest) -> None:
+        """`ResponseIterator.cancel()` of a decoupled BLS request: the server marks its request cancelled."""
+        with self._lock:
+            bls = self._streams.get(id(request))
+        if bls is not None:
+            self._channel.send(("bls_cancel", bls))
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         loop = asyncio.get_running_loop()
@@ -67,8 +113,12 @@ class RemoteServer:
         loop = asyncio.get_running_loop()
         responses: asyncio.Queue = asyncio.Queue()
         bls = self._open(loop, None, responses)
+        with self._lock:
+            self._streams[id(request)] = bls
         try:
             self._channel.send(("bls", bls, encode_request(request), True))
+            if request.cancelled:
+                self._channel.send(("bls_cancel", bls))
             while True:
                 kind, value = await responses.get()
                 if kind == "response":
@@ -80,6 +130,8 @@ class RemoteServer:
                 else:
                     return
         finally:
+            with self._lock:
+                self._streams.pop(id(request), None)
             self._close(bls)
 
     def _open(self, loop, future, responses) -> int:
@@ -111,6 +163,28 @@ class RemoteServer:
             entry = self._calls.get(bls)
         if entry is not None and entry[2] is not None:
             entry[0].call_soon_threadsafe(entry[2].put_nowait, ("response", response))
+
+
+class RemoteMetrics:
+    """`naiad.custom_metrics.CustomMetrics` of the server, seen from a worker: values live in the server, so that
+    every instance of a model counts into the same metric. Updates are sent without waiting (pb_utils checked
+    them already); creating metrics and reading values wait for the server's answer."""
+
+    def __init__(self, server: RemoteServer):
+        self._server = server
+
+    def family(self, name: str, description: str, kind: int, owner=None) -> int:
+        # the owner is this worker's instance, which the server knows: `owner` is only the in-process one's
+        return self._server.call("metric_family", name, description, kind).result()
+
+    def metric(self, family_id: int, labels, buckets, owner=None) -> int:
+        return self._server.call("metric", family_id, labels, buckets).result()
+
+    def update(self, metric_id: int, op: str, value) -> None:
+        self._server._channel.send(("metric_update", metric_id, op, value))
+
+    def value(self, metric_id: int) -> float:
+        return self._server.call("metric_value", metric_id).result()
 
 
 def _settle(future: asyncio.Future, response, error) -> None:
@@ -244,7 +318,9 @@ class Worker:
                 # the server going away, perhaps while the model waits on a BLS call that will never return.
                 _exit()
             kind = message[0]
-            if kind == "bls_reply":
+            if kind == "call_reply":
+                self.server.call_reply(*message[1:])
+            elif kind == "bls_reply":
                 self.server.reply(*message[1:])
             elif kind == "bls_stream":
                 self.server.stream(*message[1:])

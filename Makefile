@@ -29,7 +29,7 @@ serve: venv examples
 # Everything a tier needs is built first (`tools`: the Kubernetes binaries, helm and every tools/go server; cold
 # ~25 min on 2 cores, warm instant), then the test processes run, then a per-tier summary. Under CI=true a
 # skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
-test: venv test-deps lint tools
+test: venv test-deps lint tools images examples
 	@rm -rf .test-results; status=0; \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests --ignore=tests/operator/test_operator_cluster.py || status=$$?; \
 	$(MAKE) -s e2e-tests || status=$$?; \
@@ -69,10 +69,10 @@ dashboards: venv
 helm-lint:
 	@bin=$$($(MAKE) -s e2e-build | tail -n 1); "$$bin/helm" lint --strict helm/naiad
 
-# Needs a Docker engine (none on the development machines): VARIANT=cuda for the GPU server image.
+# The server (VARIANT=cpu|cuda) and operator images, built with buildah (no Docker engine needed), as
+# docker-archive tarballs in build/images with their image IDs and sizes (tools/images/build.sh).
 images:
-	docker build -f Dockerfile.server --build-arg VARIANT=$${VARIANT:-cpu} -t naiad-server .
-	docker build -f Dockerfile.operator -t naiad-operator .
+	@bash tools/images/build.sh
 
 bench: venv
 	bash bench/setup.sh

@@ -168,3 +168,29 @@ def _ready(url: str) -> bool:
         return requests.get(f"{url}/v2/health/ready", timeout=1).status_code == 200
     except requests.RequestException:
         return False
+
+
+def test_pinned_pool_is_a_budget_with_pageable_fallback():
+    from naiad.memory import MemoryPools
+
+    pools = MemoryPools(pinned_bytes=1000)
+    assert pools.reserve_pinned(600) and not pools.reserve_pinned(600)  # over budget: caller uses pageable
+    pools.release_pinned(600)
+    assert pools.reserve_pinned(1000) and pools.pinned_used == 1000
+    with pytest.raises(ValueError, match="non-negative"):
+        MemoryPools(pinned_bytes=-1)
+
+
+def _gpu_reason() -> str | None:
+    import gpu_models
+
+    return gpu_models.cuda_device_reason()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_cuda_memory_pool_sizes_the_device_pool():
+    from naiad import memory
+
+    assert memory.apply_cuda_pools({0: 12_345_678}) == {}
+    assert memory.cuda_pool_threshold(0) == 12_345_678

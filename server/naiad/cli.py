@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="model to load at startup in explicit mode (repeatable; '*' loads all)",
     )
+    s.add_argument(
+        "--backend-directory",
+        default=None,
+        help="python-based backends: <dir>/<name>/model.py serves every model whose config says backend: <name>",
+    )
     s.add_argument("--repository-poll-secs", type=float, default=15.0)
     s.add_argument("--strict-readiness", type=_bool, default=True)
     s.add_argument("--exit-timeout-secs", type=float, default=30.0)
@@ -162,6 +167,7 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
         cache_size=parse_cache_config(args.cache_config),
         rate_limit=args.rate_limit,
         rate_limit_resources=parse_resources(args.rate_limit_resource),
+        backend_directory=args.backend_directory,
     )
 
 

@@ -355,10 +355,15 @@ class LifecycleInstance(ModelInstance):
         measured = timing.input_ns + timing.infer_ns + timing.output_ns
         if not measured:  # the backend used no helper: all of it was compute
             timing.infer_ns += time.monotonic_ns() - t0
-        if result is None:
-            if not self.model.decoupled:
-                raise Internal(f"model '{self.ctx.name}': execute returned no responses")
+        if self.model.decoupled:
+            if result is not None:
+                raise Internal(
+                    f"model '{self.ctx.name}' is decoupled: instance_execute must return None and send "
+                    "responses with instance.sender(request)"
+                )
             return [None] * len(requests)
+        if result is None:
+            raise Internal(f"model '{self.ctx.name}': instance_execute returned no responses")
         if len(result) != len(requests):
             raise Internal(
                 f"model '{self.ctx.name}': execute returned {len(result)} responses for {len(requests)} requests"

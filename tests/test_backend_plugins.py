@@ -170,6 +170,14 @@ def test_triton_python_model_from_an_installed_package(served):
     np.testing.assert_allclose(infer(served, "rowsum", X).as_numpy("OUTPUT0"), X.sum(axis=1, keepdims=True))
 
 
+def test_triton_python_model_plugin_is_the_first_backend_loaded(plugin_site, tmp_path, monkeypatch):
+    """Its `import triton_python_backend_utils` must work before any python model has loaded."""
+    model(tmp_path, "rowsum", "rowsum")
+    monkeypatch.setenv("PYTHONPATH", str(plugin_site))
+    with NaiadProcess(tmp_path) as server:
+        np.testing.assert_allclose(infer(server, "rowsum", X).as_numpy("OUTPUT0"), [[-0.75]])
+
+
 def test_backend_directory_python_based_and_native(served):
     np.testing.assert_allclose(infer(served, "reverse", X).as_numpy("OUTPUT0"), X[:, ::-1])
     np.testing.assert_allclose(infer(served, "clip", X).as_numpy("OUTPUT0"), np.clip(X, 0, 0.5))

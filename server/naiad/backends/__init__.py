@@ -81,6 +81,7 @@ class BackendRegistry:
             return backend
 
     def _resolve(self, name: str) -> Backend:
+        from . import python  # noqa: F401  (a TritonPythonModel module may `import triton_python_backend_utils`)
         from .discovery import from_directory, from_object
 
         if self.directory is not None and name in self._directory_names():

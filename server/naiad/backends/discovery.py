@@ -107,8 +107,6 @@ def from_object(name: str, obj, where: str) -> Backend:
 
 def from_directory(name: str, model_py: Path) -> Backend:
     """A backend directory's `<name>/model.py`: a native Backend (`backend = ...`) or a TritonPythonModel."""
-    from . import python  # noqa: F401  (makes `import triton_python_backend_utils` work in model.py)
-
     spec = importlib.util.spec_from_file_location(f"naiad_backend_{name}_{next(_module_ids)}", model_py)
     module = importlib.util.module_from_spec(spec)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -154,6 +155,8 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
     from .cache import parse_cache_config
     from .scheduling.ratelimit import parse_resources
 
+    if args.backend_directory and not os.path.isdir(args.backend_directory):
+        raise ValueError(f"--backend-directory {args.backend_directory} is not a directory")
     return ServerOptions(
         model_repositories=args.model_repository,
         model_control_mode=args.model_control_mode,

@@ -138,6 +138,7 @@ def test_per_request_error_does_not_fail_the_batch(served):
     after = client.get_inference_statistics("affine")["model_stats"][0]["execution_count"]
     client.close()
     assert isinstance(results[2], InferenceServerException) and "INPUT0 contains NaN" in str(results[2])
+    assert results[2].status() == "400"  # InvalidArgument, as the backend said
     for i in (0, 1, 3):
         np.testing.assert_allclose(results[i], rows[i] * 2 + 0.5)
     assert after - before == 1  # all four rode in one execution (max_batch_size 4)

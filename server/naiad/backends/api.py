@@ -13,7 +13,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from .. import config as cfg
 from ..config import ModelConfig, data_type_name
-from ..errors import Internal, InvalidArgument, NaiadError, as_naiad_error
+from ..errors import Internal, InvalidArgument, NaiadError, NotFound, Unavailable, Unsupported, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, OutputTensor
 from ..tensors import config_to_wire, datatype_of
 from .base import InlinePolicy, ModelContext, ModelInstance, Timing
@@ -21,14 +21,20 @@ from .base import InlinePolicy, ModelContext, ModelInstance, Timing
 if TYPE_CHECKING:
     from tritonclient.grpc.model_config_pb2 import ModelInstanceGroup
 
+# The errors a backend raises or passes to InstanceState.error(): each maps to its HTTP status and gRPC code.
 __all__ = [
     "Backend",
     "Batch",
     "InferenceRequest",
     "InferenceResponse",
     "InstanceState",
+    "Internal",
+    "InvalidArgument",
     "ModelState",
+    "NotFound",
     "ResponseSender",
+    "Unavailable",
+    "Unsupported",
 ]
 
 

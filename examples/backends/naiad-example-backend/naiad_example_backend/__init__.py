@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from naiad.backends.api import Backend, InstanceState, ModelState
+from naiad.backends.api import Backend, InstanceState, InvalidArgument, ModelState
 
 log = logging.getLogger("naiad_example_backend")
 
@@ -65,7 +65,8 @@ class AffineBackend(Backend):
             # scatter only returns the outputs each request asked for
             responses = dict(zip(map(id, good), instance.scatter(good, batch, outputs)))
         return [
-            responses.get(id(r)) or instance.error(r, ValueError("INPUT0 contains NaN")) for r in requests
+            responses.get(id(r)) or instance.error(r, InvalidArgument("INPUT0 contains NaN"))
+            for r in requests
         ]
 
 

@@ -2,7 +2,7 @@
 """FIL backend: a 500-tree XGBoost model behind Naiad's dynamic batcher vs the library's own batch predict.
 
 One model (XGBoost binary classifier, 500 trees of depth 6, 32 features, `predict_proba`) served with
-`dynamic_batching { }` and one CPU instance. Load: 64 coroutines sending one-row requests back to back
+`dynamic_batching { }` and one CPU instance. Load: 64 coroutines sending one-row requests (`--rows`) back to back
 through the in-process Server API (`Server.infer`), so the figure is the serving stack (batcher,
 instance pool, backend API, FIL post-processing) without a network frontend or client in the way.
 The reference replays the batch sizes Naiad's batcher formed during that run (from the model's
@@ -58,17 +58,22 @@ def train(path: Path) -> xgb.Booster:
     return booster
 
 
-def write_repo(root: Path) -> xgb.Booster:
+def write_repo(root: Path, preferred: int = 0) -> xgb.Booster:
     vdir = root / "fil500" / "1"
     vdir.mkdir(parents=True)
     booster = train(vdir / "xgboost.json")
+    batching = (
+        f"dynamic_batching {{ preferred_batch_size: [ {preferred} ] }}"
+        if preferred
+        else "dynamic_batching { }"
+    )
     (root / "fil500" / "config.pbtxt").write_text(
         f"""backend: "fil"
 max_batch_size: {MAX_BATCH}
 input [ {{ name: "input__0" data_type: TYPE_FP32 dims: [ {FEATURES} ] }} ]
 output [ {{ name: "output__0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
 instance_group [ {{ count: 1 kind: KIND_CPU }} ]
-dynamic_batching {{ }}
+{batching}
 parameters {{ key: "model_type" value: {{ string_value: "xgboost_json" }} }}
 parameters {{ key: "output_class" value: {{ string_value: "true" }} }}
 parameters {{ key: "predict_proba" value: {{ string_value: "true" }} }}
@@ -80,8 +85,10 @@ parameters {{ key: "predict_proba" value: {{ string_value: "true" }} }}
 ROWS = np.random.default_rng(1).normal(size=(4096, FEATURES)).astype(np.float32)
 
 
-async def naiad_run(server: Server, seconds: float, concurrency: int) -> tuple[float, dict[int, int]]:
-    """Rows/s of `concurrency` coroutines sending one-row requests, and the batch sizes formed."""
+async def naiad_run(
+    server: Server, seconds: float, concurrency: int, rows: int = 1
+) -> tuple[float, dict[int, int]]:
+    """Rows/s of `concurrency` coroutines sending `rows`-row requests, and the batch sizes formed."""
     stats = server.repository.get("fil500").stats
     before = {size: b.compute_infer.count for size, b in stats.batch_stats.items()}
     done = 0
@@ -89,13 +96,13 @@ async def naiad_run(server: Server, seconds: float, concurrency: int) -> tuple[f
 
     async def client(k: int) -> None:
         nonlocal done
-        i = k
+        i = k * rows
         while time.monotonic() < deadline:
-            row = ROWS[i % len(ROWS)][None]
-            resp = await server.infer(InferenceRequest("fil500", {"input__0": row}, {"input__0": "FP32"}))
+            x = ROWS[i % (len(ROWS) - rows) :][:rows]
+            resp = await server.infer(InferenceRequest("fil500", {"input__0": x}, {"input__0": "FP32"}))
             assert resp.error is None, resp.error
-            done += 1
-            i += concurrency
+            done += rows
+            i += concurrency * rows
 
     start = time.monotonic()
     await asyncio.gather(*(client(k) for k in range(concurrency)))
@@ -108,18 +115,17 @@ async def naiad_run(server: Server, seconds: float, concurrency: int) -> tuple[f
     return done / elapsed, sizes
 
 
-def raw_run(booster: xgb.Booster, sizes: dict[int, int]) -> float:
-    """Rows/s of inplace_predict over the same batch sizes, in the same proportions, as Naiad formed."""
+def raw_run(booster: xgb.Booster, sizes: dict[int, int], seconds: float) -> float:
+    """Rows/s of inplace_predict over the same batch sizes, in the same proportions, as Naiad formed,
+    repeated for as long as the Naiad round lasted (so both see the same stretch of background load)."""
     batches = [size for size, count in sorted(sizes.items()) for _ in range(count)]
-    rows = sum(batches)
-    offset = 0
+    inputs = [ROWS[(i * 64) % (len(ROWS) - size) :][:size] for i, size in enumerate(batches)]
+    rows = 0
     start = time.perf_counter()
-    for size in batches:
-        x = ROWS[offset % len(ROWS) :][:size]
-        if len(x) < size:
-            x = ROWS[:size]
-        booster.inplace_predict(x, validate_features=False)
-        offset += size
+    while time.perf_counter() - start < seconds:
+        for x in inputs:
+            booster.inplace_predict(x, validate_features=False)
+            rows += len(x)
     return rows / (time.perf_counter() - start)
 
 
@@ -151,19 +157,19 @@ def predictors(booster: xgb.Booster, path: Path, seconds: float) -> None:
 
 async def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="naiad-fil-bench-") as tmp:
-        booster = write_repo(Path(tmp))
+        booster = write_repo(Path(tmp), args.preferred_batch_size)
         booster.set_param({"nthread": os.cpu_count() or 1})  # what the served instance uses (one instance)
         if args.predictors:
             predictors(booster, Path(tmp) / "fil500" / "1" / "xgboost.json", args.seconds)
         server = Server(ServerOptions(model_repositories=[tmp]))
         await server.start()
         try:
-            await naiad_run(server, 1.0, args.concurrency)  # warm up
+            await naiad_run(server, 1.0, args.concurrency, args.rows)  # warm up
             naiad, raw, mean_batch = [], [], []
             for _ in range(args.rounds):
-                rps, sizes = await naiad_run(server, args.seconds, args.concurrency)
+                rps, sizes = await naiad_run(server, args.seconds, args.concurrency, args.rows)
                 naiad.append(rps)
-                raw.append(raw_run(booster, sizes))
+                raw.append(raw_run(booster, sizes, args.seconds))
                 rows = sum(s * c for s, c in sizes.items())
                 mean_batch.append(rows / max(1, sum(sizes.values())))
                 common = collections.Counter(sizes).most_common(3)
@@ -175,7 +181,8 @@ async def run(args: argparse.Namespace) -> None:
             await server.stop()
     ratios = [a / b for a, b in zip(naiad, raw)]
     print(
-        f"fil500 ({TREES} trees, {FEATURES} features), concurrency {args.concurrency}, one-row requests, "
+        f"fil500 ({TREES} trees, {FEATURES} features), concurrency {args.concurrency}, {args.rows}-row requests, "
+        f"preferred batch size {args.preferred_batch_size or 'max'}, "
         f"{args.rounds} x {args.seconds:g} s, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
     print(f"  naiad rows/s   best {max(naiad):9.0f}   median {statistics.median(naiad):9.0f}")
@@ -190,6 +197,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=1, help="rows per request")
+    parser.add_argument("--preferred-batch-size", type=int, default=0, help="dynamic_batching preferred size")
     parser.add_argument("--predictors", action="store_true", help="also compare XGBoost and Treelite GTIL")
     asyncio.run(run(parser.parse_args()))
 

@@ -17,6 +17,9 @@ from helpers import NaiadProcess
 from sklearn import ensemble
 from tritonclient.utils import InferenceServerException
 
+# XGBoost >= 2.1 writes UBJSON to `xgboost.model` (Triton FIL's name for model_type "xgboost") and says so.
+pytestmark = pytest.mark.filterwarnings("ignore:.*Saving model in the UBJSON format as default")
+
 FEATURES = 6
 rng = np.random.default_rng(7)
 X_TRAIN = rng.normal(size=(400, FEATURES)).astype(np.float32)

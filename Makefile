@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 REPO   ?= examples/model_repository
-EXTRAS ?= onnx,torch,operator,test
+EXTRAS ?= onnx,torch,fil,operator,test
 PYTEST_ARGS ?=
 
 .PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests examples bench e2e lint clean crds dashboards helm-lint images
@@ -87,7 +87,7 @@ test-deps:
 	@bash tools/triton/setup.sh >/dev/null || echo "real Triton unavailable: comparison tests will skip"
 
 # GPU tier (needs a CUDA device; skips cleanly without one). Use a separate environment with the GPU extras:
-#   make test-gpu VENV=.venv-gpu EXTRAS=gpu,torch,tensorrt,test
+#   make test-gpu VENV=.venv-gpu EXTRAS=gpu,torch,tensorrt,fil,test
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 

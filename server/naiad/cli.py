@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -44,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="model to load at startup in explicit mode (repeatable; '*' loads all)",
+    )
+    s.add_argument(
+        "--backend-directory",
+        default=None,
+        help="python-based backends: <dir>/<name>/model.py serves every model whose config says backend: <name>",
     )
     s.add_argument("--repository-poll-secs", type=float, default=15.0)
     s.add_argument("--strict-readiness", type=_bool, default=True)
@@ -219,6 +225,8 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
     from .cache import parse_cache_config
     from .scheduling.ratelimit import parse_resources
 
+    if args.backend_directory and not os.path.isdir(args.backend_directory):
+        raise ValueError(f"--backend-directory {args.backend_directory} is not a directory")
     return ServerOptions(
         model_repositories=args.model_repository,
         model_control_mode=args.model_control_mode,
@@ -232,6 +240,7 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
         cache_size=parse_cache_config(args.cache_config),
         rate_limit=args.rate_limit,
         rate_limit_resources=parse_resources(args.rate_limit_resource),
+        backend_directory=args.backend_directory,
     )
 
 

@@ -249,13 +249,13 @@ class ModelRepository:
             )
         available = numeric_versions(model_dir)
         cfg.detect_backend(config, model_dir, available)
-        if config.platform != "ensemble" and self.auto_complete and available:
-            latest = model_dir / str(max(available))
-            module = backends.get(config.backend)
-            filename = config.default_model_filename or cfg.DEFAULT_FILENAME.get(config.backend, "")
-            model_file = latest / filename
-            if model_file.exists():
-                module.auto_complete(config, model_file)
+        if config.platform != "ensemble":
+            backend = backends.get(config.backend)  # an unknown backend fails here, naming the known ones
+            if self.auto_complete and available:
+                filename = backend.model_filename(config)
+                model_file = model_dir / str(max(available)) / filename if filename else None
+                if model_file is None or model_file.exists():
+                    backend.auto_complete_config(config, model_file)
         cfg.normalize(config, self.gpu_count)
         versions = select_versions(config.version_policy, available)
         if not versions:
@@ -295,18 +295,19 @@ class ModelRepository:
             mv = build_ensemble(ctx, stats, self.server)
             self.server.warmup(mv)
             return mv
-        if not ctx.model_file.exists():
+        backend = backends.get(config.backend)
+        filename = backend.model_filename(vconfig)
+        if filename and not (ctx.version_dir / filename).exists():
             raise InvalidArgument(
-                f"model '{config.name}' version {version}: {ctx.model_file.name} not found in {ctx.version_dir}"
+                f"model '{config.name}' version {version}: {filename} not found in {ctx.version_dir}"
             )
-        module = backends.get(config.backend)
         instances = []
         try:
             for group in vconfig.instance_group:
                 devices = list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
                 for device in devices:
                     for _i in range(group.count):
-                        instances.append(module.create_instance(ctx, group, device, len(instances)))
+                        instances.append(backend.create_instance(ctx, group, device, len(instances)))
             pool = InstancePool(instances, stats, vconfig.max_batch_size > 0, self.server.rate_limiter)
             pool.initialize()
             mv = ModelVersion(ctx, pool, stats)

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from . import __version__
+from . import __version__, backends
 from .cache import ResponseCache, request_key
 from .classification import classify
 from .custom_metrics import CustomMetrics
@@ -39,6 +39,7 @@ class ServerOptions:
     cache_size: int = 0  # bytes; 0: no response cache
     rate_limit: str = "off"  # off | execution_count
     rate_limit_resources: dict = field(default_factory=dict)
+    backend_directory: str | None = None  # Triton's python-based backends: <dir>/<name>/model.py
 
 
 class Server:
@@ -53,6 +54,7 @@ class Server:
                 f"(expected one of {', '.join(CONTROL_MODES)})"
             )
         self.options = options
+        self.backends = backends.configure(options.backend_directory)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stats_observers: list = []
         self.custom_metrics = CustomMetrics()  # pb_utils.MetricFamily and backend counters, on /metrics
@@ -125,6 +127,7 @@ class Server:
             except asyncio.TimeoutError:
                 break
         await self.repository.close(max(0.0, deadline - time.monotonic()))
+        self.backends.finalize()
         self.tracer.flush()
 
     # ---- health and metadata ----

@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import ModelConfig
 from ..errors import InvalidArgument, Unavailable
-from .base import ModelContext, TensorInstance
+from .api import Backend, InstanceState, ModelState
 
 # ORT type strings -> config enum
 _ORT_TYPES = {
@@ -89,48 +89,66 @@ def auto_complete(config: ModelConfig, model_file: Path) -> None:
             entry.dims.extend(dims if dims or skip else [1])
 
 
-class OnnxInstance(TensorInstance):
-    def __init__(self, ctx: ModelContext, group, device_id: int, index: int):
-        super().__init__(ctx, group, device_id, index)
+class _Session:
+    """An instance's engine: the InferenceSession and which of its tensors are strings."""
+
+    def __init__(self, session, run_options):
+        self.session = session
+        self.string_inputs = {i.name for i in session.get_inputs() if i.type == "tensor(string)"}
+        self.string_outputs = {o.name for o in session.get_outputs() if o.type == "tensor(string)"}
+        self.run_options = run_options
+
+
+class OnnxBackend(Backend):
+    """One InferenceSession per instance, through the same lifecycle API every plug-in uses."""
+
+    name = "onnxruntime"
+    default_model_filename = "model.onnx"
+
+    def auto_complete_config(self, config, model_file):
+        if model_file is not None:
+            auto_complete(config, model_file)
+
+    def instance_initialize(self, instance: InstanceState) -> None:
         ort = _ort()
+        model = instance.model
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        params = {k: v.string_value for k, v in ctx.config.parameters.items()}
+        params = model.parameters
         intra = int(params.get("intra_op_thread_count", "0") or 0)
         if intra <= 0:
             # Share the cores among the instances instead of letting each grab them all.
-            total = sum(g.count for g in ctx.config.instance_group) or 1
+            total = sum(g.count for g in model.config.instance_group) or 1
             intra = max(1, (os.cpu_count() or 1) // total)
         opts.intra_op_num_threads = intra
         inter = int(params.get("inter_op_thread_count", "0") or 0)
         if inter > 0:
             opts.inter_op_num_threads = inter
-        level = ctx.config.optimization.graph.level
+        level = model.config.optimization.graph.level
         if level == -1:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         elif level == 1:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        providers = self._providers(ort, ctx, group, device_id)
+        providers = self._providers(ort, model, instance)
         try:
-            self.session = ort.InferenceSession(str(ctx.model_file), opts, providers=providers)
+            session = ort.InferenceSession(str(model.model_file), opts, providers=providers)
         except Exception as exc:
-            raise InvalidArgument(f"failed to load ONNX model {ctx.model_file}: {exc}") from None
-        self.string_inputs = {i.name for i in self.session.get_inputs() if i.type == "tensor(string)"}
-        self.string_outputs = {o.name for o in self.session.get_outputs() if o.type == "tensor(string)"}
-        self.run_options = ort.RunOptions()
+            raise InvalidArgument(f"failed to load ONNX model {model.model_file}: {exc}") from None
+        instance.state = _Session(session, ort.RunOptions())
 
     @staticmethod
-    def _providers(ort, ctx: ModelContext, group, device_id: int) -> list:
-        if group.kind != mc.ModelInstanceGroup.KIND_GPU:
+    def _providers(ort, model: ModelState, instance: InstanceState) -> list:
+        if instance.kind != "GPU":
             return ["CPUExecutionProvider"]
         available = ort.get_available_providers()
         if "CUDAExecutionProvider" not in available:
             raise Unavailable(
-                f"model '{ctx.name}' asks for a GPU instance but onnxruntime has no CUDA execution provider "
+                f"model '{model.name}' asks for a GPU instance but onnxruntime has no CUDA execution provider "
                 "(install 'naiad[gpu]')"
             )
+        device_id = instance.device_id
         providers: list = []
-        for acc in ctx.config.optimization.execution_accelerators.gpu_execution_accelerator:
+        for acc in model.config.optimization.execution_accelerators.gpu_execution_accelerator:
             if acc.name == "tensorrt" and "TensorrtExecutionProvider" in available:
                 trt = {"device_id": device_id}
                 p = dict(acc.parameters)
@@ -141,36 +159,38 @@ class OnnxInstance(TensorInstance):
                 cache = p.get("trt_engine_cache_path")
                 if cache or p.get("trt_engine_cache_enable", "").lower() == "true":
                     trt["trt_engine_cache_enable"] = True
-                    trt["trt_engine_cache_path"] = cache or str(ctx.version_dir / "trt_cache")
+                    trt["trt_engine_cache_path"] = cache or str(model.version_path / "trt_cache")
                 providers.append(("TensorrtExecutionProvider", trt))
         providers.append(("CUDAExecutionProvider", {"device_id": device_id}))
         providers.append("CPUExecutionProvider")
         return providers
 
-    def run(self, inputs, outputs):
+    def instance_execute(self, instance: InstanceState, requests):
+        batch = instance.gather(requests)
+        engine: _Session = instance.state
         feed = {}
-        for name, arr in inputs.items():
-            if name in self.string_inputs:
+        for name, arr in batch.inputs.items():
+            if name in engine.string_inputs:
                 arr = np.vectorize(
                     lambda b: b.decode("utf-8", "replace") if isinstance(b, bytes) else b, otypes=[object]
                 )(arr)
             feed[name] = arr
         try:
-            results = self.session.run(outputs, feed, self.run_options)
+            results = engine.session.run(batch.outputs, feed, engine.run_options)
         except Exception as exc:
             raise InvalidArgument(f"onnxruntime execute failure: {exc}") from None
         out = {}
-        for name, arr in zip(outputs, results):
-            if name in self.string_outputs:
+        for name, arr in zip(batch.outputs, results):
+            if name in engine.string_outputs:
                 arr = np.vectorize(lambda s: s.encode("utf-8") if isinstance(s, str) else s, otypes=[object])(
                     arr
                 )
             out[name] = arr
-        return out
+        return instance.scatter(requests, batch, out)
 
-    def close(self):
-        self.session = None
+    def instance_finalize(self, instance: InstanceState) -> None:
+        instance.state = None
 
 
-def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> OnnxInstance:
-    return OnnxInstance(ctx, group, device_id, index)
+# Registered under the entry-point group naiad.backends (pyproject.toml).
+backend = OnnxBackend()

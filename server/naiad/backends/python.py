@@ -20,6 +20,7 @@ from ..errors import Internal, InvalidArgument, NaiadError
 from ..inference import InferenceResponse
 from . import python_utils as pb_utils
 from .base import InlinePolicy, ModelContext, ModelInstance
+from .discovery import ModuleBackend
 
 # Models do `import triton_python_backend_utils as pb_utils`.
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
@@ -220,3 +221,7 @@ def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> Mod
     if execution_isolation(ctx.config) == "process":
         return ProcessInstance(ctx, group, device_id, index)
     return PythonInstance(ctx, group, device_id, index)
+
+
+# Registered under the entry-point group naiad.backends (pyproject.toml).
+backend = ModuleBackend("python", auto_complete, create_instance, "model.py")

@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..config import ModelConfig, data_type_name
 from ..errors import InvalidArgument, Unavailable
 from ..tensors import config_to_wire, numpy_dtype
-from .base import ModelContext, TensorInstance
+from .api import Backend, InstanceState
 
 _INDEXED = re.compile(r"^(.*)__(\d+)$")
 _threads_lock = threading.Lock()
@@ -109,51 +109,81 @@ def auto_complete(config: ModelConfig, model_file: Path) -> None:
         out.dims.extend([-1] * (t.dim() - len(batch)) or [1])
 
 
-class TorchInstance(TensorInstance):
-    def __init__(self, ctx: ModelContext, group, device_id: int, index: int):
-        super().__init__(ctx, group, device_id, index)
-        torch = _torch()
-        self.torch = torch
-        if group.kind == mc.ModelInstanceGroup.KIND_GPU:
-            if not torch.cuda.is_available():
-                raise Unavailable(f"model '{ctx.name}' asks for a GPU instance but torch has no CUDA device")
-            self.device = torch.device(f"cuda:{device_id}")
-        else:
-            self.device = torch.device("cpu")
-            with _threads_lock:
-                total = sum(g.count for g in ctx.config.instance_group) or 1
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // total))
-        self.module = _load(ctx.model_file, str(self.device))
-        args = _forward_args(self.module)
-        self.input_order = _order([i.name for i in ctx.config.input], args)
-        self.output_order = _order([o.name for o in ctx.config.output], [])
+class _Module:
+    """An instance's engine: the TorchScript module on its device, and the positional order of its tensors."""
 
-    def run(self, inputs, outputs):
-        torch = self.torch
+    def __init__(self, torch, device, module, input_order: list[str], output_order: list[str]):
+        self.torch = torch
+        self.device = device
+        self.module = module
+        self.input_order = input_order
+        self.output_order = output_order
+
+
+class TorchBackend(Backend):
+    """One TorchScript module per instance, through the same lifecycle API every plug-in uses."""
+
+    name = "pytorch"
+    default_model_filename = "model.pt"
+
+    def auto_complete_config(self, config, model_file):
+        if model_file is not None:
+            auto_complete(config, model_file)
+
+    def instance_initialize(self, instance: InstanceState) -> None:
+        torch = _torch()
+        model = instance.model
+        if instance.kind == "GPU":
+            if not torch.cuda.is_available():
+                raise Unavailable(
+                    f"model '{model.name}' asks for a GPU instance but torch has no CUDA device"
+                )
+            device = torch.device(f"cuda:{instance.device_id}")
+        else:
+            device = torch.device("cpu")
+            with _threads_lock:
+                total = sum(g.count for g in model.config.instance_group) or 1
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // total))
+        module = _load(model.model_file, str(device))
+        args = _forward_args(module)
+        instance.state = _Module(
+            torch,
+            device,
+            module,
+            _order([i.name for i in model.config.input], args),
+            _order([o.name for o in model.config.output], []),
+        )
+
+    def instance_execute(self, instance: InstanceState, requests):
+        batch = instance.gather(requests)
+        engine: _Module = instance.state
+        torch = engine.torch
         feed = []
-        for name in self.input_order:
-            arr = inputs[name]
+        for name in engine.input_order:
+            arr = batch.inputs[name]
             if arr.dtype == np.object_:
                 raise InvalidArgument(f"input '{name}': the pytorch backend does not take BYTES tensors here")
             if not arr.flags.writeable:
                 arr = arr.copy()  # torch wants writable memory; request bytes are read-only
-            feed.append(torch.from_numpy(arr).to(self.device))
+            feed.append(torch.from_numpy(arr).to(engine.device))
         try:
             with torch.inference_mode():
-                result = self.module(*feed)
+                result = engine.module(*feed)
         except Exception as exc:
             raise InvalidArgument(f"PyTorch execute failure: {exc}") from None
         results = list(result) if isinstance(result, (tuple, list)) else [result]
-        if len(results) < len(self.output_order):
+        if len(results) < len(engine.output_order):
             raise InvalidArgument(
-                f"model '{self.ctx.name}' returned {len(results)} outputs, config declares {len(self.output_order)}"
+                f"model '{instance.model.name}' returned {len(results)} outputs, "
+                f"config declares {len(engine.output_order)}"
             )
-        by_name = dict(zip(self.output_order, results))
-        return {name: by_name[name].detach().cpu().numpy() for name in outputs}
+        by_name = dict(zip(engine.output_order, results))
+        out = {name: by_name[name].detach().cpu().numpy() for name in batch.outputs}
+        return instance.scatter(requests, batch, out)
 
-    def close(self):
-        self.module = None
+    def instance_finalize(self, instance: InstanceState) -> None:
+        instance.state = None
 
 
-def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> TorchInstance:
-    return TorchInstance(ctx, group, device_id, index)
+# Registered under the entry-point group naiad.backends (pyproject.toml).
+backend = TorchBackend()

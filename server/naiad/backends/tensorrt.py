@@ -24,6 +24,7 @@ from .. import gpu, memory
 from ..config import ModelConfig, data_type_name
 from ..errors import Internal, InvalidArgument, Unavailable, Unsupported
 from .base import ModelContext, TensorInstance
+from .discovery import ModuleBackend
 
 log = logging.getLogger("naiad.tensorrt")
 
@@ -443,3 +444,7 @@ class TensorRTInstance(TensorInstance):
 
 def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> TensorRTInstance:
     return TensorRTInstance(ctx, group, device_id, index)
+
+
+# Registered under the entry-point group naiad.backends (pyproject.toml).
+backend = ModuleBackend("tensorrt", auto_complete, create_instance, "model.plan")

@@ -178,6 +178,10 @@ def from_json_data(datatype: str, data, shape) -> np.ndarray:
     if count == 0:
         return np.empty(shape, dtype=dt)
     kind = raw.dtype.kind
+    if kind in "fO" and dt.kind in "iu":
+        exact = _exact_integers(data, dt, datatype)
+        if exact is not None:
+            return exact.reshape(shape)
     if datatype == "BOOL":
         if kind != "b":
             raise InvalidArgument("unable to parse 'data': BOOL tensor data must be true/false")
@@ -211,6 +215,17 @@ def to_json_data(array: np.ndarray, datatype: str) -> list:
     if datatype == "BF16":
         raise InvalidArgument("BF16 outputs can only be returned with the binary tensor data extension")
     return array.reshape(-1).tolist()
+
+
+def _exact_integers(data, dt: np.dtype, datatype: str) -> np.ndarray | None:
+    """JSON integers numpy could only hold as float64 (values past 2**63 next to small ones), kept exact."""
+    flat = _flatten(data)
+    if not all(type(v) is int for v in flat):
+        return None
+    info = np.iinfo(dt)
+    if min(flat) < info.min or max(flat) > info.max:
+        raise InvalidArgument(f"unable to parse 'data': value out of range for {datatype}")
+    return np.array(flat, dtype=dt)
 
 
 def _count_mismatch(got: int, expected: int, shape) -> InvalidArgument:

@@ -62,10 +62,20 @@ def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
             raise InvalidArgument(f"input '{name}' is given more than once")
         tparams = {k: param_value(v) for k, v in t.parameters.items()} if t.parameters else {}
         if "shared_memory_region" in tparams:
+            if t.HasField("contents"):
+                raise InvalidArgument(
+                    f"unexpected 'content' provided when using shared memory for input tensor '{name}' for "
+                    f"model '{req.model_name}'"
+                )
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
             inputs[name] = shm.read_input(name, datatype, shape, tparams)
         elif raw:
+            if t.HasField("contents"):
+                raise InvalidArgument(
+                    f"contents field must not be specified when using raw_input_contents for '{name}' for "
+                    f"model '{req.model_name}'"
+                )
             inputs[name] = tensors.from_buffer(datatype, raw[i], shape)
         else:
             field = _CONTENTS.get(datatype)
@@ -130,13 +140,15 @@ def encode_response(
     wanted = {o.name: o for o in request.outputs} if request is not None else {}
     raws = []
     for t in resp.outputs:
-        o = out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
         req = wanted.get(t.name)
         if req is not None and "shared_memory_region" in req.parameters:
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
-            for k, v in shm.write_output(t, req.parameters).items():
-                _set_param(o.parameters[k], v)
+            shm.write_output(t, req.parameters)
+            # Triton sends one raw_output_contents entry per output, an empty one for an output in shared
+            # memory; C++ clients (perf_analyzer) index raw_output_contents by output position.
+            raws.append(b"")
             continue
         raws.append(bytes(tensors.to_bytes(t.data, t.datatype)))
     if raws:

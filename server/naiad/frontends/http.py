@@ -114,6 +114,23 @@ def decode_infer_request(
         if name in inputs:
             raise InvalidArgument(f"input '{name}' is given more than once")
         iparams = item.get("parameters") or {}
+        if not isinstance(iparams, dict):
+            raise InvalidArgument(f"input '{name}': 'parameters' must be a JSON object")
+        given = [
+            field
+            for field, present in (
+                ("data", "data" in item),
+                ("binary_data_size", "binary_data_size" in iparams),
+                ("shared_memory_region", "shared_memory_region" in iparams),
+            )
+            if present
+        ]
+        if len(given) > 1:
+            raise InvalidArgument(
+                "Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                "'parameters', 'shared_memory_region' in 'parameters'. But set "
+                + " ".join(f"'{f}'" for f in given)
+            )
         if "shared_memory_region" in iparams:
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
@@ -157,12 +174,14 @@ def decode_infer_request(
             )
         )
     req_id = doc.get("id", "")
+    if not isinstance(req_id, str):
+        raise InvalidArgument("Unable to parse 'id': attempt to access JSON non-string as string")
     request = InferenceRequest(
         model_name=model,
         inputs=inputs,
         datatypes=datatypes,
         model_version=_version(version),
-        id=req_id if isinstance(req_id, str) else str(req_id),
+        id=req_id,
         outputs=outputs,
         parameters=params,
     )
@@ -193,7 +212,7 @@ def encode_infer_response(
         if req is not None and "shared_memory_region" in oparams:
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
-            entry["parameters"] = shm.write_output(out, oparams)
+            shm.write_output(out, oparams)  # Triton's entry then has no `parameters` (nor `data`)
         elif req.binary if req is not None and req.binary is not None else default_binary:
             data = tensors.to_bytes(out.data, out.datatype)
             entry["parameters"] = {"binary_data_size": len(data)}
@@ -400,7 +419,8 @@ class HttpFrontend:
         return web.Response(status=200)
 
     async def cuda_shm(self, request):
-        """No CUDA shared memory on this build: status lists no regions, registration is refused clearly."""
+        """No CUDA device: nothing is ever registered, so status lists no regions and unregister succeeds (as
+        Triton answers on a host without a GPU, and as the gRPC path does); registration is refused clearly."""
         if (
             getattr(self.shm, "cuda", None) is not None
         ):  # a GPU is present: naiad.gpu serves CUDA shared memory
@@ -409,6 +429,8 @@ class HttpFrontend:
             if request.match_info.get("region"):
                 raise NotFound(f"Unable to find cuda shared memory region: '{request.match_info['region']}'")
             return _json([])
+        if request.path.endswith("/unregister"):
+            return web.Response(status=200, content_type="application/json")
         raise InvalidArgument("CUDA shared memory is not supported by this server: it needs a CUDA device")
 
     # inference

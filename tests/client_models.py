@@ -1,4 +1,4 @@
-"""A small model repository that both Naiad and the real Triton load: reshape, UINT64 identity, an ensemble."""
+"""A small model repository that both Naiad and the real Triton load: reshape, UINT64 identity, ensembles."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TRITON_MODELS = ROOT / "tools" / "triton" / "models"
 
-#: Every model of the repository, in load order (the ensemble after the model it composes).
+#: The models loaded at start-up (--load-model), in load order (the ensemble after the model it composes).
 CLIENT_MODELS = ("identity_fp32", "add_sub", "reshape_py", "reshape_nobatch", "identity_u64", "ens_identity")
+#: Models left unloaded at start-up: `ens_dep` composes `identity_dep`, which only the ensemble's load brings in.
+LATER_MODELS = ("identity_dep", "ens_dep")
 
 RESHAPE_MODEL = '''
 import json
@@ -59,17 +61,17 @@ output [ { name: "OUTPUT0" data_type: TYPE_UINT64 dims: [ -1 ] } ]
 """
 
 ENSEMBLE_CONFIG = """
-name: "ens_identity"
+name: "{name}"
 platform: "ensemble"
 max_batch_size: 8
-input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
-output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
-ensemble_scheduling {
+input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+ensemble_scheduling {{
   step [
-    { model_name: "identity_fp32" model_version: -1
-      input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "OUT" } }
+    {{ model_name: "{step}" model_version: -1
+      input_map {{ key: "INPUT0" value: "IN" }} output_map {{ key: "OUTPUT0" value: "OUT" }} }}
   ]
-}
+}}
 """
 
 
@@ -87,6 +89,12 @@ def build_client_repo(out: Path) -> Path:
     (out / "identity_u64" / "1").mkdir(parents=True)
     shutil.copy(TRITON_MODELS / "identity_fp32" / "1" / "model.py", out / "identity_u64" / "1" / "model.py")
     (out / "identity_u64" / "config.pbtxt").write_text(IDENTITY_U64_CONFIG)
-    (out / "ens_identity" / "1").mkdir(parents=True)
-    (out / "ens_identity" / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    shutil.copytree(
+        TRITON_MODELS / "identity_fp32", out / "identity_dep", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    config = (out / "identity_dep" / "config.pbtxt").read_text()
+    (out / "identity_dep" / "config.pbtxt").write_text(config.replace('"identity_fp32"', '"identity_dep"'))
+    for name, step in (("ens_identity", "identity_fp32"), ("ens_dep", "identity_dep")):
+        (out / name / "1").mkdir(parents=True)
+        (out / name / "config.pbtxt").write_text(ENSEMBLE_CONFIG.format(name=name, step=step))
     return out

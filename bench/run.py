@@ -1246,7 +1246,9 @@ def render_markdown(ctx: Ctx, meta: dict, summaries: list[dict], targets: list[d
         row += f" {ratio(sc.name, 'naiad', 'raw_ort')} |"
         L.append(row)
     L.append("")
-    L.append("### Latency (ms, median of rounds): HTTP = wrk p50 / p99, gRPC = h2load mean, perf_analyzer = its p50 / p99\n")
+    L.append(
+        "### Latency (ms, median of rounds): HTTP = wrk p50 / p99, gRPC = h2load mean, perf_analyzer = its p50 / p99\n"
+    )
     L.append("| scenario | " + " | ".join(SERVER_TITLES[s] for s in servers) + " |")
     L.append("|---|" + "---|" * len(servers))
     for sc in ctx.scenarios:

@@ -681,7 +681,7 @@ def run_perf_analyzer(sc: Scenario, duration: float) -> dict:
         "--measurement-interval",
         str(window_ms),
         "--stability-percentage",
-        "1000",
+        "100000",
         "--max-trials",
         "3",
         "--percentile",

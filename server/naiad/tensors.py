@@ -186,7 +186,8 @@ def from_json_data(datatype: str, data, shape) -> np.ndarray:
         if kind != "b":
             raise InvalidArgument("unable to parse 'data': BOOL tensor data must be true/false")
     elif kind not in ("i", "u", "f") or (kind == "f" and dt.kind in "iu") or _has_bool(data, raw):
-        expected = "integers" if dt.kind in "iu" else "numbers"
+        # (an integer past 2**64 reaches here as a float: the JSON parser holds at most 64 bits)
+        expected = f"integers within the range of {datatype}" if dt.kind in "iu" else "numbers"
         raise InvalidArgument(f"unable to parse 'data': {datatype} tensor data must be JSON {expected}")
     try:
         arr = raw.astype(dt, copy=False) if raw.dtype != dt else raw

@@ -312,3 +312,23 @@ def test_uint64_round_trips_through_json_up_to_its_maximum(server, http_client, 
     for client, module in ((http_client, httpclient), (grpc_client, grpcclient)):
         out = _infer(client, module, "identity_u64", {"INPUT0": x}, {"INPUT0": "UINT64"}).as_numpy("OUTPUT0")
         np.testing.assert_array_equal(out, x)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_inputs_mixing_shared_memory_and_tensor_data(server, http_client, grpc_client, protocol):
+    """tritonclient puts one raw entry per input NOT in shared memory; the server pairs them up in order."""
+    client, module = (http_client, httpclient) if protocol == "http" else (grpc_client, grpcclient)
+    handle = shm.create_shared_memory_region("in0", f"/naiad_parity_in0_{protocol}", 64)
+    try:
+        shm.set_shared_memory_region(handle, [np.full(16, 2.0, np.float32)])
+        client.register_system_shared_memory("in0", f"/naiad_parity_in0_{protocol}", 64)
+        in0 = module.InferInput("INPUT0", [16], "FP32")
+        in0.set_shared_memory("in0", 64)
+        in1 = module.InferInput("INPUT1", [16], "FP32")
+        in1.set_data_from_numpy(np.arange(16, dtype=np.float32))
+        result = client.infer("add_sub", [in0, in1])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2.0 + np.arange(16, dtype=np.float32))
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), 2.0 - np.arange(16, dtype=np.float32))
+    finally:
+        client.unregister_system_shared_memory("in0")
+        shm.destroy_shared_memory_region(handle)

@@ -1525,3 +1525,44 @@ def test_uint64_json(clients: Pair, case_id: str, data: list[int]):
     _same_http(case_id, t, n, same_body=case_id == "uint64_max")
     if t.status == 200:
         assert n.body == t.body  # the exact integers, not doubles
+
+
+@pytest.fixture
+def shm_input(clients: Pair):
+    """A 64-byte region 'in0' holding sixteen 2.0s, on each server."""
+    import tritonclient.utils.shared_memory as shm
+
+    handles = []
+    for ep in clients.both():
+        key = f"/naiad_cmp_in0_{ep.name}"
+        handle = shm.create_shared_memory_region(f"in0_{ep.name}", key, 64)
+        shm.set_shared_memory_region(handle, [np.full(16, 2.0, np.float32)])
+        handles.append(handle)
+        body = {"key": key, "offset": 0, "byte_size": 64}
+        assert http(ep, "POST", "/v2/systemsharedmemory/region/in0/register", body).status == 200
+    yield
+    for ep in clients.both():
+        http(ep, "POST", "/v2/systemsharedmemory/region/in0/unregister")
+    for handle in handles:
+        shm.destroy_shared_memory_region(handle)
+
+
+@pytest.mark.parametrize("second", ["one_raw_entry", "typed_contents", "no_data"])
+def test_grpc_inputs_mixing_shared_memory_and_tensor_data(clients: Pair, shm_input, second: str):
+    """INPUT0 in shared memory; INPUT1 as the only raw entry (what tritonclient sends), as typed contents, or
+    with no data at all."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="add_sub")
+    i0 = req.inputs.add(name="INPUT0", datatype="FP32", shape=[16])
+    i0.parameters["shared_memory_region"].string_param = "in0"
+    i0.parameters["shared_memory_byte_size"].int64_param = 64
+    i1 = req.inputs.add(name="INPUT1", datatype="FP32", shape=[16])
+    if second == "one_raw_entry":
+        req.raw_input_contents.append(np.arange(16, dtype=np.float32).tobytes())
+    elif second == "typed_contents":
+        i1.contents.fp32_contents.extend(range(16))
+    t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+    _same_grpc(f"mixed_{second}", t, n)
+    if t.response is not None:
+        assert list(n.response.raw_output_contents) == list(t.response.raw_output_contents)

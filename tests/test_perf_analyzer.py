@@ -54,10 +54,15 @@ def _field(out: str, section: str, name: str) -> int:
     return int(m.group(1))
 
 
-def run_perf_analyzer(naiad, model: str, protocol: str, extra: list[str], concurrency: int) -> str:
+@pytest.fixture(scope="module")
+def pa() -> str:
+    return str(perf_analyzer())
+
+
+def run_perf_analyzer(pa: str, naiad, model: str, protocol: str, extra: list[str], concurrency: int) -> str:
     url = naiad.http if protocol == "http" else naiad.grpc
     cmd = [
-        str(perf_analyzer()),
+        pa,
         "-m",
         model,
         "-u",
@@ -87,9 +92,9 @@ def run_perf_analyzer(naiad, model: str, protocol: str, extra: list[str], concur
 @pytest.mark.parametrize(
     ("model", "protocol", "extra", "concurrency"), [m[1:] for m in MODES], ids=[m[0] for m in MODES]
 )
-def test_perf_analyzer_mode(naiad, model, protocol, extra, concurrency):
+def test_perf_analyzer_mode(pa, naiad, model, protocol, extra, concurrency):
     before, failed_before = _success_count(naiad, model)
-    out = run_perf_analyzer(naiad, model, protocol, extra, concurrency)
+    out = run_perf_analyzer(pa, naiad, model, protocol, extra, concurrency)
     after, failed_after = _success_count(naiad, model)
     client = _field(out, "Client", "Request count")
     server = _field(out, "Server", "Successful request count")
@@ -107,8 +112,8 @@ def test_perf_analyzer_mode(naiad, model, protocol, extra, concurrency):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
-def test_perf_analyzer_cuda_shared_memory(naiad):
-    out = run_perf_analyzer(naiad, "add_sub", "grpc", ["--shared-memory", "cuda"], 1)
+def test_perf_analyzer_cuda_shared_memory(pa, naiad):
+    out = run_perf_analyzer(pa, naiad, "add_sub", "grpc", ["--shared-memory", "cuda"], 1)
     assert (
         abs(_field(out, "Server", "Successful request count") - _field(out, "Client", "Request count")) <= 1
     )

@@ -117,3 +117,13 @@ def test_perf_analyzer_cuda_shared_memory(pa, naiad):
     assert (
         abs(_field(out, "Server", "Successful request count") - _field(out, "Client", "Request count")) <= 1
     )
+
+
+def test_missing_perf_analyzer_fails_loudly_under_ci(monkeypatch, tmp_path):
+    monkeypatch.setenv("NAIAD_TOOL_PERF_ANALYZER", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="perf_analyzer is required under CI"):
+        perf_analyzer()
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="does not exist"):
+        perf_analyzer()

@@ -116,20 +116,15 @@ def decode_infer_request(
         iparams = item.get("parameters") or {}
         if not isinstance(iparams, dict):
             raise InvalidArgument(f"input '{name}': 'parameters' must be a JSON object")
-        given = [
-            field
-            for field, present in (
-                ("data", "data" in item),
-                ("binary_data_size", "binary_data_size" in iparams),
-                ("shared_memory_region", "shared_memory_region" in iparams),
-            )
-            if present
-        ]
-        if len(given) > 1:
+        if (
+            iparams
+            and ("data" in item) + ("binary_data_size" in iparams) + ("shared_memory_region" in iparams) > 1
+        ):
+            given = [f for f in ("binary_data_size", "shared_memory_region") if f in iparams]
             raise InvalidArgument(
                 "Input must set only one of the following fields: 'data', 'binary_data_size' in "
                 "'parameters', 'shared_memory_region' in 'parameters'. But set "
-                + " ".join(f"'{f}'" for f in given)
+                + " ".join(f"'{f}'" for f in (["data"] if "data" in item else []) + given)
             )
         if "shared_memory_region" in iparams:
             if shm is None:

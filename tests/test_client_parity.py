@@ -5,6 +5,7 @@ docs/triton-behaviour.md, "Client compatibility")."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import numpy as np
@@ -19,6 +20,10 @@ from helpers import NaiadProcess
 from tritonclient.utils import InferenceServerException
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+WARMUP = """
+model_warmup [ { name: "zeros" batch_size: 2 count: 1
+  inputs { key: "input" value: { data_type: TYPE_FP32 dims: [ 12 ] zero_data: true } } } ]
+"""
 ONLY_ONE = (
     "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
     "'shared_memory_region' in 'parameters'. But set "
@@ -28,8 +33,13 @@ ONLY_ONE = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = build_client_repo(tmp_path_factory.mktemp("clients") / "models")
-    build_reshape_onnx(repo)
-    loads = [x for m in (*CLIENT_MODELS, "reshape_onnx") for x in ("--load-model", m)]
+    onnx_dir = build_reshape_onnx(repo)
+    # The same model warmed up at load: warmup samples are given in `dims` and reshaped like requests.
+    shutil.copytree(onnx_dir, repo / "reshape_onnx_warm")
+    config = (onnx_dir / "config.pbtxt").read_text().replace('"reshape_onnx"', '"reshape_onnx_warm"')
+    (repo / "reshape_onnx_warm" / "config.pbtxt").write_text(config + WARMUP)
+    models = (*CLIENT_MODELS, "reshape_onnx", "reshape_onnx_warm")
+    loads = [x for m in models for x in ("--load-model", m)]
     with NaiadProcess(repo, "--model-control-mode", "explicit", *loads) as proc:
         yield proc
 
@@ -75,11 +85,12 @@ def test_reshape_python_model_sees_reshaped_dims_client_sees_dims(http_client, g
     np.testing.assert_array_equal(result.as_numpy("SEEN"), [3, 4])
 
 
+@pytest.mark.parametrize("model", ["reshape_onnx", "reshape_onnx_warm"])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_reshape_onnx_model_of_rank_three(http_client, grpc_client, protocol):
+def test_reshape_onnx_model_of_rank_three(http_client, grpc_client, protocol, model):
     client, module = (http_client, httpclient) if protocol == "http" else (grpc_client, grpcclient)
     x = np.arange(36, dtype=np.float32).reshape(3, 12)
-    out = _infer(client, module, "reshape_onnx", {"input": x}).as_numpy("output")
+    out = _infer(client, module, model, {"input": x}).as_numpy("output")
     expected = (x.reshape(3, 3, 4) * 2 + np.arange(3, dtype=np.float32).reshape(1, 3, 1)).reshape(3, 12)
     assert out.shape == (3, 12)
     np.testing.assert_array_equal(out, expected)

@@ -85,6 +85,7 @@ test-deps:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	   prometheus >/dev/null) ; } || echo "prometheus not installed: its tests will skip"
 	@bash tools/triton/setup.sh >/dev/null || echo "real Triton unavailable: comparison tests will skip"
+	@PYTHON=$(PY) bash tools/perf_analyzer/setup.sh >/dev/null || echo "perf_analyzer unavailable: its tests will skip (fail under CI=true)"
 
 # GPU tier (needs a CUDA device; skips cleanly without one). Use a separate environment with the GPU extras:
 #   make test-gpu VENV=.venv-gpu EXTRAS=gpu,torch,tensorrt,fil,test

@@ -66,7 +66,13 @@ END_MARK = "<!-- BENCH:RESULTS:END -->"
 SERVERS = ("naiad", "triton", "mlserver")
 SERVER_TITLES = {"naiad": "Naiad", "triton": "Triton 2.51", "mlserver": "MLServer"}
 PROTOCOLS = ("http_json", "http_binary", "grpc")
-PROTO_TITLES = {"http_json": "HTTP JSON", "http_binary": "HTTP binary", "grpc": "gRPC"}
+PROTO_TITLES = {
+    "http_json": "HTTP JSON",
+    "http_binary": "HTTP binary",
+    "grpc": "gRPC",
+    "pa_grpc": "perf_analyzer gRPC",
+}
+PERF_ANALYZER_SETUP = REPO / "tools" / "perf_analyzer" / "setup.sh"
 
 # --------------------------------------------------------------------------------------------
 # Scenarios
@@ -76,7 +82,7 @@ PROTO_TITLES = {"http_json": "HTTP JSON", "http_binary": "HTTP binary", "grpc": 
 @dataclass(frozen=True)
 class Scenario:
     model: str  # model name in the repository
-    proto: str  # http_json | http_binary | grpc
+    proto: str  # http_json | http_binary | grpc | pa_grpc (Triton's perf_analyzer over gRPC)
     conc: int  # concurrent connections
     shape: tuple  # request tensor shape
     kind: str  # identity | mlp
@@ -106,6 +112,8 @@ def all_scenarios() -> list[Scenario]:
     for proto in ("http_json", "grpc"):
         for model, shape in MLP_MODELS.items():
             out.append(Scenario(model, proto, 64, shape, "mlp"))
+    # Triton's own load generator, as its users measure servers (one small scenario).
+    out.append(Scenario("identity_16", "pa_grpc", 8, IDENTITY_MODELS["identity_16"], "identity"))
     return out
 
 
@@ -117,6 +125,7 @@ QUICK_SCENARIOS = [
     "identity_64k/http_binary/c64",
     "mlp/http_json/c64",
     "mlp_batched/http_json/c64",
+    "identity_16/pa_grpc/c8",
 ]
 
 
@@ -126,6 +135,8 @@ def supports(server: str, sc: Scenario) -> str | None:
         return "the nvidia-pytriton wheel ships only the python backend (no onnxruntime backend)"
     if server == "mlserver" and sc.proto == "http_binary":
         return "MLServer's REST API has no binary tensor extension"
+    if server == "mlserver" and sc.proto == "pa_grpc":
+        return "perf_analyzer reads Triton's statistics extension, which MLServer does not serve"
     return None
 
 
@@ -640,7 +651,69 @@ def run_h2load(sc: Scenario, body: Body, duration: float) -> dict:
     }
 
 
+def perf_analyzer_binary() -> str:
+    done = subprocess.run(["bash", str(PERF_ANALYZER_SETUP)], capture_output=True, text=True, timeout=900)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"tools/perf_analyzer/setup.sh failed ({done.returncode}): {done.stderr[-2000:]}")
+    return lines[-1]
+
+
+def run_perf_analyzer(sc: Scenario, duration: float) -> dict:
+    """perf_analyzer at concurrency `sc.conc`: three windows of duration/3 each (stability check off), of which
+    it reports the last; `server_window` is what it read from the server's statistics for that window."""
+    window_ms = max(500, round(duration * 1000 / 3))
+    cmd = [
+        *NICE,
+        "taskset",
+        "-c",
+        LOAD_CPU,
+        perf_analyzer_binary(),
+        "-m",
+        sc.model,
+        "-u",
+        f"127.0.0.1:{GRPC_PORT}",
+        "-i",
+        "grpc",
+        "--async",
+        "--concurrency-range",
+        str(sc.conc),
+        "--measurement-interval",
+        str(window_ms),
+        "--stability-percentage",
+        "100000",
+        "--max-trials",
+        "3",
+        "--percentile",
+        "99",
+    ]
+    p = run_boosted(cmd, duration * 3 + 180)
+    out = p.stdout + p.stderr
+    client = re.search(r"Client:.*?Request count: (\d+).*?Throughput: ([\d.]+) infer/sec", out, re.S)
+    server = re.search(r"Server:.*?Successful request count: (\d+)", out, re.S)
+    lat = {k: re.search(rf"{k} latency: (\d+) usec", out) for k in ("p50", "p90", "p99")}
+    avg = re.search(r"Avg latency: (\d+) usec", out)
+    if p.returncode != 0 or not (client and server):
+        raise RuntimeError(f"perf_analyzer failed ({p.returncode}): {out[-2000:]}")
+    ok, rps = int(client.group(1)), float(client.group(2))
+    return {
+        "tool": "perf_analyzer",
+        "cmd": shlex.join(cmd),
+        "client_ok": ok,
+        "client_total": ok,
+        "elapsed_s": ok / rps if rps else None,
+        "rps": rps,
+        "errors": {},
+        "server_window": int(server.group(1)),
+        "lat_p50_ms": int(lat["p50"].group(1)) / 1e3 if lat["p50"] else None,
+        "lat_p99_ms": int(lat["p99"].group(1)) / 1e3 if lat["p99"] else None,
+        "lat_mean_ms": int(avg.group(1)) / 1e3 if avg else None,
+    }
+
+
 def run_load(sc: Scenario, body: Body, duration: float) -> dict:
+    if sc.proto == "pa_grpc":
+        return run_perf_analyzer(sc, duration)
     return run_h2load(sc, body, duration) if sc.proto == "grpc" else run_wrk(sc, body, duration)
 
 
@@ -802,6 +875,15 @@ def measure_scenario(ctx: Ctx, server: Server, sc: Scenario, rnd: int) -> dict:
     delta = rec["server_delta"]
     if delta is None:
         reasons.append("server success counter unavailable")
+    elif res["tool"] == "perf_analyzer":
+        # It reports its last window only: that window's count must match what it read from the server's
+        # statistics (up to the requests in flight at the window's edges), and the server's own counter must
+        # have seen at least that many.
+        ok, window = res["client_ok"], res["server_window"]
+        if abs(window - ok) > sc.conc + max(2, 0.002 * ok):
+            reasons.append(f"perf_analyzer counted {ok} requests, the server's statistics {window}")
+        if delta < ok:
+            reasons.append(f"server counted {delta:.0f} successes < {ok} perf_analyzer requests")
     else:
         ok = res["client_ok"]
         tol = max(2, 0.002 * ok)
@@ -1164,7 +1246,9 @@ def render_markdown(ctx: Ctx, meta: dict, summaries: list[dict], targets: list[d
         row += f" {ratio(sc.name, 'naiad', 'raw_ort')} |"
         L.append(row)
     L.append("")
-    L.append("### Latency (ms, median of rounds): HTTP = wrk p50 / p99, gRPC = h2load mean\n")
+    L.append(
+        "### Latency (ms, median of rounds): HTTP = wrk p50 / p99, gRPC = h2load mean, perf_analyzer = its p50 / p99\n"
+    )
     L.append("| scenario | " + " | ".join(SERVER_TITLES[s] for s in servers) + " |")
     L.append("|---|" + "---|" * len(servers))
     for sc in ctx.scenarios:
@@ -1173,7 +1257,7 @@ def render_markdown(ctx: Ctx, meta: dict, summaries: list[dict], targets: list[d
             s = by.get((sc.name, srv))
             if s is None or not s["rps"]:
                 cells.append("n/a" if supports(srv, sc) else "–")
-            elif sc.proto == "grpc":
+            elif sc.proto == "grpc" or s.get("lat_p50_ms") is None:
                 cells.append(f"{fmt_ms(s['lat_mean_ms']['median'])} (mean)" if s.get("lat_mean_ms") else "–")
             else:
                 p50 = s["lat_p50_ms"]["median"] if s.get("lat_p50_ms") else None

@@ -2,6 +2,7 @@
 # Install everything `make bench` needs. Idempotent: re-running is cheap.
 #   - wrk (HTTP load) and h2load (nghttp2-client, gRPC load) via apt-get, if missing
 #   - the real Triton 2.51 (nvidia-pytriton wheel) via tools/triton/setup.sh -> .venv-triton
+#   - Triton's perf_analyzer (tritonclient 2.41.1 wheel) via tools/perf_analyzer/setup.sh -> ~/.cache/naiad-tools
 #   - MLServer in its own venv bench/.venv-mlserver (plus onnxruntime for the MLP runtime)
 #   - py-spy in bench/.venv-pyspy (profiling only; skipped with BENCH_NO_PYSPY=1)
 #   - the benchmark model repository bench/models/repo (ONNX MLP exported by models/export_mlp.py)
@@ -27,6 +28,9 @@ fi
 
 # Real Triton (python backend only, CPU).
 bash "$REPO/tools/triton/setup.sh"
+
+# perf_analyzer, for the pa_grpc scenario.
+PYTHON="$REPO/.venv/bin/python" bash "$REPO/tools/perf_analyzer/setup.sh" >/dev/null
 
 # MLServer in its own venv.
 MLV="$HERE/.venv-mlserver"

@@ -65,6 +65,42 @@ def export_onnx(module, path: Path, in_features: int, dynamic_batch: bool = True
         )
 
 
+RESHAPE_ONNX_CONFIG = """
+name: "reshape_onnx"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "input" data_type: TYPE_FP32 dims: [ 12 ] reshape { shape: [ 3, 4 ] } } ]
+output [ { name: "output" data_type: TYPE_FP32 dims: [ 12 ] reshape { shape: [ 3, 4 ] } } ]
+"""
+
+
+def build_reshape_onnx(out: Path) -> Path:
+    """`reshape_onnx`: an ONNX graph of rank-3 [batch, 3, 4] I/O (output = 2 * input + row index), served with
+    `dims: [12] reshape { shape: [3, 4] }` so that only a server applying `reshape` can run it."""
+    import torch
+
+    class RowScale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + torch.arange(3, dtype=x.dtype).reshape(1, 3, 1)
+
+    model_dir = out / "reshape_onnx"
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            RowScale().eval(),
+            (torch.zeros(1, 3, 4),),
+            str(model_dir / "1" / "model.onnx"),
+            input_names=["input"],
+            output_names=["output"],
+            dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
+            opset_version=17,
+            dynamo=False,
+        )
+    (model_dir / "config.pbtxt").write_text(RESHAPE_ONNX_CONFIG)
+    return model_dir
+
+
 class AddMul:
     """Builds the TorchScript module lazily so importing this file does not import torch."""
 
@@ -101,4 +137,5 @@ def build(out: Path) -> Path:
         warnings.simplefilter("ignore")
         torch.jit.save(AddMul.script(), str(out / "add_pt" / "1" / "model.pt"))
     (out / "add_pt" / "config.pbtxt").write_text(ADD_PT_CONFIG)
+    build_reshape_onnx(out)
     return out

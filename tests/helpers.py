@@ -155,3 +155,36 @@ def go_tool(name: str, binary: str | None = None) -> Path | None:
     lines = out.strip().splitlines()
     path = Path(lines[-1]) / binary if lines else None
     return path if path is not None and path.exists() else None
+
+
+def perf_analyzer() -> Path:
+    """Triton's perf_analyzer (a C++ client), fetched once by tools/perf_analyzer/setup.sh into a cache.
+
+    `$NAIAD_TOOL_PERF_ANALYZER` names a binary directly. When it cannot be had (no network, not x86_64, no root to
+    install libb64): the test fails under CI=true and is skipped, with setup.sh's own words, otherwise.
+    """
+    import pytest
+
+    if os.environ.get("NAIAD_TOOL_PERF_ANALYZER"):
+        path = Path(os.environ["NAIAD_TOOL_PERF_ANALYZER"])
+        if path.exists():
+            return path
+        reason = f"NAIAD_TOOL_PERF_ANALYZER={path} does not exist"
+    else:
+        try:
+            done = subprocess.run(
+                ["bash", str(ROOT / "tools" / "perf_analyzer" / "setup.sh")],
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env={**os.environ, "PYTHON": os.environ.get("PYTHON", sys.executable)},
+            )
+            lines = done.stdout.strip().splitlines()
+            if done.returncode == 0 and lines and Path(lines[-1]).exists():
+                return Path(lines[-1])
+            reason = f"tools/perf_analyzer/setup.sh exited {done.returncode}: {done.stderr.strip()[-600:]}"
+        except (OSError, subprocess.SubprocessError) as exc:
+            reason = f"tools/perf_analyzer/setup.sh could not run: {exc}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"perf_analyzer is required under CI: {reason}")
+    pytest.skip(f"perf_analyzer unavailable: {reason}")

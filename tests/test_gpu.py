@@ -746,8 +746,9 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
                 o.parameters["shared_memory_region"].string_param = "out"
                 o.parameters["shared_memory_byte_size"].int64_param = expected.nbytes
                 resp = await stub.ModelInfer(req)
-                assert not resp.raw_output_contents
-                assert resp.outputs[0].parameters["shared_memory_region"].string_param == "out"
+                # As Triton: one empty raw entry per output in shared memory, no output parameters
+                assert list(resp.raw_output_contents) == [b""]
+                assert not resp.outputs[0].parameters
                 got = np.frombuffer(ctypes.string_at(out_ptr, expected.nbytes), np.float32).reshape(3, 8)
                 np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
                 ctypes.memset(out_ptr, 0, expected.nbytes)
@@ -774,10 +775,7 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
                 async with s.post(f"http://127.0.0.1:{http_port}/v2/models/mlp_cpu/infer", json=doc) as r:
                     assert r.status == 200, await r.text()
                     out = (await r.json())["outputs"][0]
-                    assert out["parameters"] == {
-                        "shared_memory_region": "out",
-                        "shared_memory_byte_size": expected.nbytes,
-                    }
+                    assert out == {"name": "output", "datatype": "FP32", "shape": [3, 8]}  # as Triton
                 got = np.frombuffer(ctypes.string_at(out_ptr, expected.nbytes), np.float32).reshape(3, 8)
                 np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
                 await stub.CudaSharedMemoryUnregister(pb.CudaSharedMemoryUnregisterRequest(name="out"))
@@ -850,12 +848,9 @@ def test_cuda_shm_endpoints_without_gpu(cpu_server):
                 match="CUDA shared memory is not supported by this server: it needs a CUDA device",
             ):
                 client.register_cuda_shared_memory("r", raw, 0, 64)
-            if client is grpc_:
-                client.unregister_cuda_shared_memory("r")
-                client.unregister_cuda_shared_memory()
-            else:  # the HTTP endpoint refuses every POST without a GPU
-                with pytest.raises(InferenceServerException, match="it needs a CUDA device"):
-                    client.unregister_cuda_shared_memory("r")
+            # Nothing can be registered, so unregistering succeeds on both protocols, as on Triton.
+            client.unregister_cuda_shared_memory("r")
+            client.unregister_cuda_shared_memory()
         r = requests.get(f"{cpu_server.url}/v2/cudasharedmemory/region/r/status", timeout=10)
         assert r.status_code == 404 and "Unable to find cuda shared memory region: 'r'" in r.json()["error"]
         with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory region: 'r'"):

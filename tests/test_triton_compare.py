@@ -2,7 +2,9 @@
 
 Both servers run on the comparison repository ``tools/triton/models`` (``identity_fp32``,
 ``identity_batched``, ``add_sub``, ``identity_bytes`` and the deliberately ``broken`` model), one pair
-per module. Triton is the oracle: wherever the two disagree and the difference is not listed in one of
+per module; the real-client cases (issue 12: reshape, shared-memory outputs, CUDA shared memory without a GPU,
+model control errors, ambiguous inputs) run on a second pair in explicit model-control mode on the repository of
+``tests/client_models.py``. Triton is the oracle: wherever the two disagree and the difference is not listed in one of
 the tables below (each entry with its reason), the test asserts Triton's behaviour, so it fails until
 Naiad matches.
 
@@ -54,6 +56,8 @@ class Deliberate:
     triton_http: int
     naiad_http: int
     reason: str
+    triton_grpc: str = ""  # grpc.StatusCode names, where the gRPC codes differ too
+    naiad_grpc: str = ""
 
 
 #: Error cases where Naiad deliberately answers differently from Triton (HTTP status codes).
@@ -78,6 +82,37 @@ DELIBERATE_DIFFERENCES: dict[str, Deliberate] = {
     ),
     "data_element_wrong_json_type": Deliberate(
         500, 400, _PARSE + " ('Unable to parse 'data': attempt to access JSON non-number as double')"
+    ),
+    # Issue 12 (real clients), same class: Triton's JSON parser failures.
+    "request_id_not_a_string": Deliberate(
+        500, 400, _PARSE + " ('Unable to parse 'id': attempt to access JSON non-string as string', same text)"
+    ),
+    "uint64_past_max": Deliberate(500, 400, _PARSE + " ('attempt to access JSON non-unsigned-integer ...')"),
+    "uint64_negative": Deliberate(500, 400, _PARSE + " ('attempt to access JSON non-unsigned-integer ...')"),
+    # Model control: Triton answers every load that fails before the model is built with 500/INTERNAL "failed
+    # to load '<m>', failed to poll from model repository". Naiad keeps the prefix clients match on, but the
+    # request is the client's error (a 4xx by the project's guide) and the text says what was wrong.
+    "load_invalid_json_config": Deliberate(
+        500,
+        400,
+        "an override that is not JSON is the client's error; Naiad says what failed to parse after Triton's "
+        "'failed to load '<model>', ' prefix",
+        "INTERNAL",
+        "INVALID_ARGUMENT",
+    ),
+    "load_file_name_too_long": Deliberate(
+        500,
+        400,
+        "a `file:` override the file system cannot hold is the client's error; Naiad names the file",
+        "INTERNAL",
+        "INVALID_ARGUMENT",
+    ),
+    "load_unknown_model": Deliberate(
+        500,
+        400,
+        "a name in no repository is the client's error; same text as Triton",
+        "INTERNAL",
+        "INVALID_ARGUMENT",
     ),
 }
 
@@ -1169,3 +1204,367 @@ def test_metrics_counter_series_and_deltas(servers: Pair, family: str):
         elif t[k] != n[k]:
             problems.append(f"{{{name}}}: triton +{t[k]:g}, naiad +{n[k]:g}")
     assert problems == [], "\n".join(problems)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real clients (issue 12): a second pair, explicit model control, tests/client_models.py's repository
+# --------------------------------------------------------------------------------------------------
+
+ONLY_ONE = (
+    "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+    "'shared_memory_region' in 'parameters'. But set "
+)
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory):
+    import grpc
+    from client_models import CLIENT_MODELS, build_client_repo
+    from tritonclient.grpc import service_pb2_grpc
+
+    repo = build_client_repo(tmp_path_factory.mktemp("clients") / "models")
+    hp, gp, mp = free_ports(3)
+    triton_args = ["--model-control-mode=explicit", *[f"--load-model={m}" for m in CLIENT_MODELS]]
+    naiad_args = [x for m in CLIENT_MODELS for x in ("--load-model", m)]
+    with tritonserver(repo, hp, gp, mp, triton_args, timeout=120) as t:
+        naiad = NaiadProcess(repo, "--model-control-mode", "explicit", *naiad_args)
+        naiad.start()
+        try:
+            pair = Pair(
+                Endpoint("triton", t.http_url, t.grpc_url, t.metrics_url),
+                Endpoint("naiad", naiad.url, naiad.grpc, f"http://{naiad.metrics}/metrics"),
+            )
+            for ep in pair.both():
+                ep.channel = grpc.insecure_channel(ep.grpc_addr)
+                grpc.channel_ready_future(ep.channel).result(timeout=30)
+                ep.stub = service_pb2_grpc.GRPCInferenceServiceStub(ep.channel)
+            yield pair
+            for ep in pair.both():
+                ep.channel.close()
+        finally:
+            naiad.stop()
+
+
+def _same_http(case_id: str, t: HttpAnswer, n: HttpAnswer, same_body: bool = True) -> None:
+    """Status as Triton's (or as listed in DELIBERATE_DIFFERENCES); the body too unless `same_body` is False."""
+    deliberate = DELIBERATE_DIFFERENCES.get(case_id)
+    if deliberate is not None:
+        assert t.status == deliberate.triton_http, (
+            f"Triton changed; update DELIBERATE_DIFFERENCES: {t.describe()}"
+        )
+        assert n.status == deliberate.naiad_http, n.describe()
+    else:
+        assert n.status == t.status, f"triton: {t.describe()}  naiad: {n.describe()}"
+    if same_body:
+        assert (n.json() if n.body else None) == (t.json() if t.body else None), (
+            f"triton: {t.describe()}  naiad: {n.describe()}"
+        )
+
+
+def _same_grpc(case_id: str, t: GrpcAnswer, n: GrpcAnswer, same_details: bool = True) -> None:
+    deliberate = DELIBERATE_DIFFERENCES.get(case_id)
+    if deliberate is not None and deliberate.triton_grpc:
+        assert t.code.name == deliberate.triton_grpc, (
+            f"Triton changed; update DELIBERATE_DIFFERENCES: {t.describe()}"
+        )
+        assert n.code.name == deliberate.naiad_grpc, n.describe()
+    else:
+        assert n.code == t.code, f"triton: {t.describe()}  naiad: {n.describe()}"
+    if same_details:
+        assert n.details == t.details, f"triton: {t.describe()}  naiad: {n.describe()}"
+
+
+# ---- 1. reshape ----
+
+
+def test_reshape_config_and_metadata(clients: Pair):
+    t, n = (http(ep, "GET", "/v2/models/reshape_py/config").json() for ep in clients.both())
+    for key in ("input", "output"):
+        assert [(e["name"], e["dims"], e.get("reshape")) for e in n[key]] == [
+            (e["name"], e["dims"], e.get("reshape")) for e in t[key]
+        ]
+    t, n = (http(ep, "GET", "/v2/models/reshape_py").json() for ep in clients.both())
+    assert n == t
+
+
+@pytest.mark.parametrize(
+    ("model", "shape"),
+    [("reshape_py", [2, 12]), ("reshape_nobatch", [12]), ("reshape_py", [1, 3, 4]), ("reshape_py", [2, 11])],
+    ids=["batched", "no_batch", "reshape_shape_sent", "wrong_shape"],
+)
+def test_reshape_infer(clients: Pair, model: str, shape: list[int]):
+    count = int(np.prod(shape))
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": shape, "data": list(range(count))}]}
+    t, n = (http(ep, "POST", infer_path(model), body) for ep in clients.both())
+    _same_http(f"reshape_{model}_{shape}", t, n)
+    req = _g_infer(model, [("INPUT0", "FP32", shape, [float(v) for v in range(count)])])
+    t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+    _same_grpc(f"reshape_{model}_{shape}", t, n)
+    if t.response is not None:
+        assert normalise_grpc_infer(n) == normalise_grpc_infer(t)
+
+
+# ---- 2. outputs in system shared memory ----
+
+
+@pytest.fixture
+def shm_regions(clients: Pair):
+    """One 128-byte region named 'out' on each server, each over its own POSIX object."""
+    import tritonclient.utils.shared_memory as shm
+
+    handles = {}
+    for ep in clients.both():
+        key = f"/naiad_cmp_{ep.name}"
+        handles[ep.name] = shm.create_shared_memory_region(f"out_{ep.name}", key, 128)
+        body = {"key": key, "offset": 0, "byte_size": 128}
+        assert http(ep, "POST", "/v2/systemsharedmemory/region/out/register", body).status == 200
+    yield handles
+    for ep in clients.both():
+        http(ep, "POST", "/v2/systemsharedmemory/unregister")
+    for handle in handles.values():
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_shared_memory_outputs_http(clients: Pair, shm_regions):
+    import tritonclient.utils.shared_memory as shm
+
+    ones = {"datatype": "FP32", "shape": [16], "data": [1.0] * 16}
+    params = {"shared_memory_region": "out", "shared_memory_byte_size": 64}
+    for second in ({**params, "shared_memory_offset": 64}, {"binary_data": False}):
+        body = {
+            "inputs": [{"name": "INPUT0", **ones}, {"name": "INPUT1", **ones}],
+            "outputs": [{"name": "OUTPUT0", "parameters": params}, {"name": "OUTPUT1", "parameters": second}],
+        }
+        t, n = (http(ep, "POST", infer_path("add_sub"), body) for ep in clients.both())
+        _same_http("shm_outputs_http", t, n)
+    t, n = (shm.get_contents_as_numpy(shm_regions[name], np.float32, [32]) for name in ("triton", "naiad"))
+    np.testing.assert_array_equal(n, t)
+
+
+def test_shared_memory_outputs_grpc(clients: Pair, shm_regions):
+    for both_in_shm in (False, True):
+        req = _g_infer("add_sub", [(name, "FP32", [16], [1.0] * 16) for name in ("INPUT0", "INPUT1")])
+        for i, name in enumerate(("OUTPUT0", "OUTPUT1")):
+            o = req.outputs.add(name=name)
+            if i == 0 or both_in_shm:
+                o.parameters["shared_memory_region"].string_param = "out"
+                o.parameters["shared_memory_byte_size"].int64_param = 64
+                o.parameters["shared_memory_offset"].int64_param = 64 * i
+        t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+        _same_grpc("shm_outputs_grpc", t, n)
+        assert list(n.response.raw_output_contents) == list(t.response.raw_output_contents)
+        assert [dict(o.parameters) for o in n.response.outputs] == [
+            dict(o.parameters) for o in t.response.outputs
+        ]
+
+
+# ---- 3. CUDA shared memory without a GPU ----
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v2/cudasharedmemory/status"),
+        ("GET", "/v2/cudasharedmemory/region/nope/status"),
+        ("POST", "/v2/cudasharedmemory/unregister"),
+        ("POST", "/v2/cudasharedmemory/region/nope/unregister"),
+    ],
+)
+def test_cuda_shared_memory_without_gpu_http(clients: Pair, method: str, path: str):
+    t, n = (http(ep, method, path) for ep in clients.both())
+    _same_http("cuda_shm", t, n)
+
+
+def test_cuda_shared_memory_without_gpu_grpc(clients: Pair):
+    from tritonclient.grpc import service_pb2 as pb
+
+    for rpc, req in (
+        ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest()),
+        ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest(name="nope")),
+        ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest()),
+        ("CudaSharedMemoryUnregister", pb.CudaSharedMemoryUnregisterRequest(name="nope")),
+    ):
+        t, n = (grpc_call(ep, rpc, req) for ep in clients.both())
+        _same_grpc("cuda_shm", t, n)
+
+
+def test_cuda_shared_memory_register_without_gpu_is_refused(clients: Pair):
+    """Same status; the texts differ on purpose: Triton complains about the handle, Naiad says it has no GPU."""
+    body = {"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 16}
+    t, n = (http(ep, "POST", "/v2/cudasharedmemory/region/r/register", body) for ep in clients.both())
+    _same_http("cuda_shm_register", t, n, same_body=False)
+
+
+# ---- 4. model control errors ----
+
+
+def _index_states(ep: Endpoint) -> dict[str, str]:
+    return {e["name"]: e.get("state", "") for e in http(ep, "POST", "/v2/repository/index", {}).json()}
+
+
+def test_load_invalid_json_config(clients: Pair):
+    from tritonclient.grpc import service_pb2 as pb
+
+    t, n = (
+        http(ep, "POST", "/v2/repository/models/identity_fp32/load", {"parameters": {"config": "{not json"}})
+        for ep in clients.both()
+    )
+    _same_http("load_invalid_json_config", t, n, same_body=False)
+    prefix = "failed to load 'identity_fp32', "
+    assert t.json()["error"].startswith(prefix) and n.json()["error"].startswith(prefix), (t.body, n.body)
+    req = pb.RepositoryModelLoadRequest(model_name="identity_fp32")
+    req.parameters["config"].string_param = "{not json"
+    t, n = (grpc_call(ep, "RepositoryModelLoad", req) for ep in clients.both())
+    _same_grpc("load_invalid_json_config", t, n, same_details=False)
+    assert t.details.startswith(prefix) and n.details.startswith(prefix)
+    for ep in clients.both():  # the loaded version keeps serving
+        assert http(ep, "GET", "/v2/models/identity_fp32/ready").status == 200
+
+
+def test_load_file_override_name_too_long(clients: Pair):
+    name = "file:1/" + "x" * 300 + ".py"
+    body = {"parameters": {"config": "{}", name: "AAAA"}}
+    t, n = (http(ep, "POST", "/v2/repository/models/fresh/load", body) for ep in clients.both())
+    _same_http("load_file_name_too_long", t, n, same_body=False)
+    assert n.json()["error"].startswith("failed to load 'fresh', ") and name in n.json()["error"]
+    assert "fresh" not in _index_states(clients.triton) and "fresh" not in _index_states(clients.naiad)
+
+
+def test_load_unknown_model_leaves_no_index_entry(clients: Pair):
+    t, n = (http(ep, "POST", "/v2/repository/models/nope/load") for ep in clients.both())
+    _same_http("load_unknown_model", t, n)
+    from tritonclient.grpc import service_pb2 as pb
+
+    t, n = (
+        grpc_call(ep, "RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name="nope"))
+        for ep in clients.both()
+    )
+    _same_grpc("load_unknown_model", t, n)
+    assert "nope" not in _index_states(clients.triton) and "nope" not in _index_states(clients.naiad)
+
+
+def _settled_index(ep: Endpoint, names: tuple[str, ...], timeout: float = 20.0) -> dict[str, str]:
+    """The index states of `names` once no entry is UNLOADING/LOADING any more."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {k: v for k, v in _index_states(ep).items() if k in names}
+        if not any(v in ("UNLOADING", "LOADING") for v in states.values()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.1)
+
+
+def test_unload_dependents(clients: Pair):
+    names = ("ens_dep", "identity_dep", "ens_identity", "identity_fp32")
+    unload = {"parameters": {"unload_dependents": True}}
+    for ep in clients.both():
+        assert http(ep, "POST", "/v2/repository/models/ens_dep/load").status == 200
+    t, n = (_settled_index(ep, names) for ep in clients.both())
+    assert n == t and t["identity_dep"] == "READY"
+    for ep in clients.both():
+        assert http(ep, "POST", "/v2/repository/models/ens_dep/unload", unload).status == 200
+        assert http(ep, "POST", "/v2/repository/models/ens_identity/unload", unload).status == 200
+    t, n = (_settled_index(ep, names) for ep in clients.both())
+    # The model the ensemble brought in goes with it; the one loaded by name (--load-model) stays.
+    assert n == t and t["identity_dep"] == "UNAVAILABLE" and t["identity_fp32"] == "READY", (t, n)
+    for ep in clients.both():
+        assert http(ep, "POST", "/v2/repository/models/ens_identity/load").status == 200
+
+
+# ---- 5. ambiguous inputs, request ids, UINT64 ----
+
+
+def test_input_with_data_and_binary_data_size(clients: Pair):
+    head = json.dumps(
+        {"inputs": [{**_fp32_input(shape=(1, 4), data=(1, 2, 3, 4)), "parameters": {"binary_data_size": 16}}]}
+    ).encode()
+    body = head + np.arange(4, dtype=np.float32).tobytes()
+    headers = {HEADER_LENGTH: str(len(head))}
+    t, n = (http(ep, "POST", infer_path("identity_fp32"), body, headers) for ep in clients.both())
+    _same_http("data_and_binary_data_size", t, n)
+    assert n.json()["error"] == ONLY_ONE + "'data' 'binary_data_size'"
+
+
+def test_input_with_data_and_shared_memory(clients: Pair, shm_regions):
+    params = {"shared_memory_region": "out", "shared_memory_byte_size": 16}
+    body = {"inputs": [{**_fp32_input(shape=(1, 4), data=(1, 2, 3, 4)), "parameters": params}]}
+    t, n = (http(ep, "POST", infer_path("identity_fp32"), body) for ep in clients.both())
+    _same_http("data_and_shared_memory", t, n)
+    req = _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 4], [1, 2, 3, 4])])
+    req.inputs[0].parameters["shared_memory_region"].string_param = "out"
+    req.inputs[0].parameters["shared_memory_byte_size"].int64_param = 16
+    t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+    _same_grpc("contents_and_shared_memory", t, n)
+
+
+def test_grpc_contents_and_raw_input_contents(clients: Pair):
+    req = _g_infer("identity_fp32", [("INPUT0", "FP32", [1, 4], [1, 2, 3, 4])])
+    req.raw_input_contents.append(np.arange(4, dtype=np.float32).tobytes())
+    t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+    _same_grpc("contents_and_raw_input_contents", t, n)
+    assert t.details == (
+        "contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'identity_fp32'"
+    )
+
+
+@pytest.mark.parametrize("request_id", [5, None, {"a": 1}, ["x"]], ids=repr)
+def test_request_id_not_a_string(clients: Pair, request_id):
+    body = {"id": request_id, "inputs": [_fp32_input(shape=(1, 4), data=(1, 2, 3, 4))]}
+    t, n = (http(ep, "POST", infer_path("identity_fp32"), body) for ep in clients.both())
+    _same_http("request_id_not_a_string", t, n)
+
+
+@pytest.mark.parametrize(
+    ("case_id", "data"),
+    [
+        ("uint64_max", [0, 1, 2**53 + 1, 2**63, 2**64 - 1]),
+        ("uint64_past_max", [2**64]),
+        ("uint64_negative", [-1]),
+    ],
+)
+def test_uint64_json(clients: Pair, case_id: str, data: list[int]):
+    body = {"inputs": [{"name": "INPUT0", "datatype": "UINT64", "shape": [1, len(data)], "data": data}]}
+    t, n = (http(ep, "POST", infer_path("identity_u64"), body) for ep in clients.both())
+    _same_http(case_id, t, n, same_body=case_id == "uint64_max")
+    if t.status == 200:
+        assert n.body == t.body  # the exact integers, not doubles
+
+
+@pytest.fixture
+def shm_input(clients: Pair):
+    """A 64-byte region 'in0' holding sixteen 2.0s, on each server."""
+    import tritonclient.utils.shared_memory as shm
+
+    handles = []
+    for ep in clients.both():
+        key = f"/naiad_cmp_in0_{ep.name}"
+        handle = shm.create_shared_memory_region(f"in0_{ep.name}", key, 64)
+        shm.set_shared_memory_region(handle, [np.full(16, 2.0, np.float32)])
+        handles.append(handle)
+        body = {"key": key, "offset": 0, "byte_size": 64}
+        assert http(ep, "POST", "/v2/systemsharedmemory/region/in0/register", body).status == 200
+    yield
+    for ep in clients.both():
+        http(ep, "POST", "/v2/systemsharedmemory/region/in0/unregister")
+    for handle in handles:
+        shm.destroy_shared_memory_region(handle)
+
+
+@pytest.mark.parametrize("second", ["one_raw_entry", "typed_contents", "no_data"])
+def test_grpc_inputs_mixing_shared_memory_and_tensor_data(clients: Pair, shm_input, second: str):
+    """INPUT0 in shared memory; INPUT1 as the only raw entry (what tritonclient sends), as typed contents, or
+    with no data at all."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="add_sub")
+    i0 = req.inputs.add(name="INPUT0", datatype="FP32", shape=[16])
+    i0.parameters["shared_memory_region"].string_param = "in0"
+    i0.parameters["shared_memory_byte_size"].int64_param = 64
+    i1 = req.inputs.add(name="INPUT1", datatype="FP32", shape=[16])
+    if second == "one_raw_entry":
+        req.raw_input_contents.append(np.arange(16, dtype=np.float32).tobytes())
+    elif second == "typed_contents":
+        i1.contents.fp32_contents.extend(range(16))
+    t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+    _same_grpc(f"mixed_{second}", t, n)
+    if t.response is not None:
+        assert list(n.response.raw_output_contents) == list(t.response.raw_output_contents)

@@ -63,6 +63,9 @@ class ModelVersion:
         self.decoupled = ctx.config.model_transaction_policy.decoupled
         self.is_python = ctx.config.backend == "python"
         self.runner = None  # ensembles replace the scheduler with their own runner
+        # `reshape` (config.pbtxt): the shape the model sees instead of `dims`, batch dimension kept.
+        self.input_reshape = {n: s.reshape for n, s in self.inputs.items() if s.reshape is not None}
+        self.output_reshape = {n: s.dims for n, s in self.outputs.items() if s.reshape is not None}
 
     def metadata(self, versions: list[str]) -> dict:
         def entry(spec: TensorSpec) -> dict:
@@ -114,14 +117,11 @@ class ModelVersion:
                         f"not match other inputs' batch size {batch} for model '{name}'"
                     )
                 shape = shape[1:]
-            expected = spec.reshape if spec.reshape is not None else spec.dims
-            if not _shape_matches(shape, spec.dims) and (
-                spec.reshape is None or not _shape_matches(shape, expected)
-            ):
+            if not _shape_matches(shape, spec.dims):
                 full = ([-1] if self.max_batch_size > 0 else []) + list(spec.dims)
                 got = list(arr.shape)
                 note = ""
-                if self.max_batch_size > 0 and len(arr.shape) == len(spec.dims):
+                if self.max_batch_size > 0:
                     note = (
                         "NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
                         "dimension to be prepended to each input shape. If you want to specify the full "
@@ -161,9 +161,43 @@ class ModelVersion:
         return [s.name for s in self.inputs.values() if not s.optional]
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse | None:
+        if self.input_reshape:
+            self.reshape_inputs(request)
         if self.runner is not None:
             return await self.runner(request)
         return await self.scheduler.submit(request)
+
+    def reshape_inputs(self, request: InferenceRequest) -> None:
+        """Give the model its inputs in their configured `reshape` shape (validation saw `dims`)."""
+        batched = self.max_batch_size > 0
+        for name, shape in self.input_reshape.items():
+            arr = request.inputs.get(name)
+            if arr is not None:
+                target = ((arr.shape[0],) if batched else ()) + shape
+                try:
+                    request.inputs[name] = arr.reshape(target)
+                except ValueError:
+                    raise InvalidArgument(
+                        f"input '{name}' of shape {_fmt(arr.shape)} cannot be reshaped to {_fmt(target)} "
+                        f"for model '{self.name}'"
+                    ) from None
+
+    def reshape_outputs(self, response: InferenceResponse) -> None:
+        """Give the client outputs with `reshape` in their configured `dims` (the model made `reshape`)."""
+        batched = self.max_batch_size > 0
+        for out in response.outputs:
+            dims = self.output_reshape.get(out.name)
+            if dims is None or dims.count(-1) > 1:
+                continue  # more than one variable dimension: no single shape to restore
+            data = out.data
+            target = ((data.shape[0],) if batched and data.ndim else ()) + dims
+            try:
+                out.data = data.reshape(target)
+            except ValueError:
+                raise InvalidArgument(
+                    f"output '{out.name}' of shape {_fmt(data.shape)} from model '{self.name}' cannot be "
+                    f"reshaped to its configured dims {_fmt(target)}"
+                ) from None
 
     async def close(self, timeout: float | None = None) -> None:
         if self.scheduler is not None:

@@ -76,6 +76,7 @@ class ModelRecord:
     signature: tuple = ()
     override_dir: Path | None = None
     load_seconds: float = 0.0
+    explicit: bool = False  # loaded by its own name (startup list, load API), not only as a composing model
 
 
 class ModelRepository:
@@ -178,6 +179,9 @@ class ModelRepository:
                 rec.state = READY if rec.versions else UNAVAILABLE
                 if not rec.versions:
                     found = self.scan().get(name)
+                    if found is None and not rec.version_states and rec.override_dir is None:
+                        # A name in no repository (and never loaded) leaves no entry in the index.
+                        del self.records[name]
                     latest = numeric_versions(found)[-1:] if found is not None else []
                     rec.version_states = {v: (UNAVAILABLE, err.message) for v in latest}
                 log.error("failed to load '%s': %s", name, err.message)
@@ -187,6 +191,7 @@ class ModelRepository:
             rec.versions = built
             rec.config = config
             rec.state, rec.reason = READY, ""
+            rec.explicit = rec.explicit or not _chain
             rec.version_states = {v: (READY, "") for v in built}
             for v in old:
                 if v not in built:
@@ -217,12 +222,22 @@ class ModelRepository:
                 shutil.rmtree(rec.override_dir, ignore_errors=True)
             root = Path(tempfile.mkdtemp(prefix=f"naiad-{name}-"))
             model_dir = root / name
-            for rel, content in files.items():
-                target = (model_dir / rel).resolve()
-                if not str(target).startswith(str(model_dir.resolve()) + os.sep):
-                    raise InvalidArgument(f"file override path '{rel}' escapes the model directory")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(content)
+            try:
+                for rel, content in files.items():
+                    target = (model_dir / rel).resolve()
+                    if not str(target).startswith(str(model_dir.resolve()) + os.sep):
+                        raise InvalidArgument(f"file override path '{rel}' escapes the model directory")
+                    try:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(content)
+                    except OSError as exc:  # e.g. a name too long for the file system: the client's input
+                        raise InvalidArgument(
+                            f"failed to load '{name}', cannot write file override 'file:{rel}': "
+                            f"{exc.strerror or exc}"
+                        ) from None
+            except BaseException:
+                shutil.rmtree(root, ignore_errors=True)
+                raise
             rec.override_dir = root
             return model_dir
         if rec.override_dir is not None:
@@ -237,7 +252,10 @@ class ModelRepository:
     ) -> tuple[mc.ModelConfig, dict[int, ModelVersion]]:
         """Parse, auto-complete and normalise the config, then create every selected version. Worker thread."""
         if config_json:
-            config = cfg.parse_json(config_json, f"config override for model '{name}'")
+            try:
+                config = cfg.parse_json(config_json, "the 'config' parameter")
+            except NaiadError as exc:  # clients match on Triton's "failed to load '<model>', " prefix
+                raise InvalidArgument(f"failed to load '{name}', {exc.message}") from None
         else:
             config = cfg.load_file(model_dir) or mc.ModelConfig()
         if not config.name:
@@ -335,6 +353,7 @@ class ModelRepository:
                 return
             old = rec.versions
             rec.versions = {}
+            rec.explicit = False
             rec.state, rec.reason = UNLOADING, ""
             self._changed(name)
         for mv in old.values():
@@ -346,6 +365,11 @@ class ModelRepository:
             rec.override_dir = None
         log.info("successfully unloaded '%s'", name)
         self._changed(name)
+        if unload_dependents and rec.config is not None and rec.config.platform == "ensemble":
+            # As Triton: the composing models loaded only for this ensemble go with it (nested ones too);
+            # a model loaded by its own name stays.
+            for step in _steps(rec.config):
+                await self._unload_composing(step)
         if unload_dependents:
             for other in list(self.records.values()):
                 if (
@@ -355,6 +379,20 @@ class ModelRepository:
                     and any(s.model_name == name for s in other.config.ensemble_scheduling.step)
                 ):
                     await self.unload(other.name)
+
+    async def _unload_composing(self, name: str) -> None:
+        rec = self.records.get(name)
+        if rec is None or not rec.versions or rec.explicit:
+            return
+        if any(
+            name in _steps(o.config) for o in self.records.values() if o.versions and o.config is not None
+        ):
+            return  # still composes another loaded ensemble
+        config = rec.config
+        await self.unload(name)
+        if config is not None:
+            for step in _steps(config):
+                await self._unload_composing(step)
 
     def _changed(self, name: str) -> None:
         for cb in self.on_change:
@@ -433,6 +471,13 @@ class ModelRepository:
                 await mv.close(timeout)
             if rec.override_dir is not None:
                 shutil.rmtree(rec.override_dir, ignore_errors=True)
+
+
+def _steps(config: mc.ModelConfig) -> list[str]:
+    """The models an ensemble's steps call, in order, each once (empty for other models)."""
+    if config.platform != "ensemble":
+        return []
+    return list(dict.fromkeys(s.model_name for s in config.ensemble_scheduling.step if s.model_name))
 
 
 def decode_file_overrides(parameters: dict) -> dict[str, bytes]:

@@ -250,6 +250,8 @@ class Server:
         response.model_name = mv.name
         response.model_version = str(mv.version)
         response.id = request.id
+        if mv.output_reshape:
+            mv.reshape_outputs(response)
         self._postprocess(mv, request, response)
         if cache_key is not None:
             t0 = time.monotonic_ns()
@@ -294,6 +296,8 @@ class Server:
                     resp = getter.result()
                     resp.model_name, resp.model_version, resp.id = mv.name, str(mv.version), request.id
                     if resp.error is None:
+                        if mv.output_reshape:
+                            mv.reshape_outputs(resp)
                         self._postprocess(mv, request, resp)
                     if user_callback is not None:
                         user_callback(resp)

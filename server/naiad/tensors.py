@@ -178,11 +178,16 @@ def from_json_data(datatype: str, data, shape) -> np.ndarray:
     if count == 0:
         return np.empty(shape, dtype=dt)
     kind = raw.dtype.kind
+    if kind in "fO" and dt.kind in "iu":
+        exact = _exact_integers(data, dt, datatype)
+        if exact is not None:
+            return exact.reshape(shape)
     if datatype == "BOOL":
         if kind != "b":
             raise InvalidArgument("unable to parse 'data': BOOL tensor data must be true/false")
     elif kind not in ("i", "u", "f") or (kind == "f" and dt.kind in "iu") or _has_bool(data, raw):
-        expected = "integers" if dt.kind in "iu" else "numbers"
+        # (an integer past 2**64 reaches here as a float: the JSON parser holds at most 64 bits)
+        expected = f"integers within the range of {datatype}" if dt.kind in "iu" else "numbers"
         raise InvalidArgument(f"unable to parse 'data': {datatype} tensor data must be JSON {expected}")
     try:
         arr = raw.astype(dt, copy=False) if raw.dtype != dt else raw
@@ -211,6 +216,17 @@ def to_json_data(array: np.ndarray, datatype: str) -> list:
     if datatype == "BF16":
         raise InvalidArgument("BF16 outputs can only be returned with the binary tensor data extension")
     return array.reshape(-1).tolist()
+
+
+def _exact_integers(data, dt: np.dtype, datatype: str) -> np.ndarray | None:
+    """JSON integers numpy could only hold as float64 (values past 2**63 next to small ones), kept exact."""
+    flat = _flatten(data)
+    if not all(type(v) is int for v in flat):
+        return None
+    info = np.iinfo(dt)
+    if min(flat) < info.min or max(flat) > info.max:
+        raise InvalidArgument(f"unable to parse 'data': value out of range for {datatype}")
+    return np.array(flat, dtype=dt)
 
 
 def _count_mismatch(got: int, expected: int, shape) -> InvalidArgument:

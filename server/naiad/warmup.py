@@ -74,13 +74,15 @@ def run_warmup(mv) -> None:
             for _ in range(max(1, sample.count)):
                 req = InferenceRequest(
                     model_name=mv.name,
-                    inputs=inputs,
+                    inputs=dict(inputs),
                     datatypes=datatypes,
                     model_version=mv.version,
                     id=f"warmup:{sample.name}",
                     response_callback=_discard,
                 )
                 try:
+                    if mv.input_reshape:  # samples are given in `dims`, as requests are
+                        mv.reshape_inputs(req)
                     mv.pool.execute_on(inst, inst.execute, [req], Timing()).result()
                 except Exception as exc:
                     err = as_naiad_error(exc)

@@ -48,13 +48,11 @@ def param_value(p):
 def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
     """ModelInferRequest -> InferenceRequest; raw contents become numpy views without copies."""
     raw = req.raw_input_contents
-    if raw and len(raw) != len(req.inputs):
-        raise InvalidArgument(
-            f"expected {len(req.inputs)} raw_input_contents entries (one per input), got {len(raw)}"
-        )
+    n_raw = len(raw)
+    used_raw = 0  # as Triton: the inputs not in shared memory take the raw entries in order
     inputs: dict[str, np.ndarray] = {}
     datatypes: dict[str, str] = {}
-    for i, t in enumerate(req.inputs):
+    for t in req.inputs:
         name, datatype, shape = t.name, t.datatype, list(t.shape)
         if datatype not in tensors.DATATYPES:
             raise InvalidArgument(f"input '{name}' has invalid datatype '{datatype}'")
@@ -64,11 +62,26 @@ def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
             raise InvalidArgument(f"input '{name}' is given more than once")
         tparams = {k: param_value(v) for k, v in t.parameters.items()} if t.parameters else {}
         if "shared_memory_region" in tparams:
+            if t.HasField("contents"):
+                raise InvalidArgument(
+                    f"unexpected 'content' provided when using shared memory for input tensor '{name}' for "
+                    f"model '{req.model_name}'"
+                )
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
             inputs[name] = shm.read_input(name, datatype, shape, tparams)
-        elif raw:
-            inputs[name] = tensors.from_buffer(datatype, raw[i], shape)
+        elif n_raw:
+            if t.HasField("contents"):
+                raise InvalidArgument(
+                    f"contents field must not be specified when using raw_input_contents for '{name}' for "
+                    f"model '{req.model_name}'"
+                )
+            if used_raw == n_raw:
+                raise InvalidArgument(
+                    f"unable to find data for input tensor '{name}' for model '{req.model_name}' in request."
+                )
+            inputs[name] = tensors.from_buffer(datatype, raw[used_raw], shape)
+            used_raw += 1
         else:
             field = _CONTENTS.get(datatype)
             if field is None:
@@ -77,6 +90,10 @@ def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
                 )
             values = getattr(t.contents, field)
             count = tensors.element_count(shape)
+            if count and not t.HasField("contents"):
+                raise InvalidArgument(
+                    f"unable to find data for input tensor '{name}' for model '{req.model_name}' in request."
+                )
             if len(values) != count:
                 raise InvalidArgument(
                     f"unexpected number of elements {len(values)} in the contents of input '{name}', "
@@ -89,6 +106,10 @@ def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
                 arr = np.asarray(values, dtype=tensors.numpy_dtype(datatype))
             inputs[name] = arr.reshape(shape)
         datatypes[name] = datatype
+    if used_raw != n_raw:
+        raise InvalidArgument(
+            f"expected {used_raw} raw_input_contents entries (one per input not in shared memory), got {n_raw}"
+        )
     # (protobuf containers cost ~2 us to iterate even when empty: look before iterating)
     params = {k: param_value(v) for k, v in req.parameters.items()} if req.parameters else {}
     outputs = []
@@ -132,13 +153,15 @@ def encode_response(
     wanted = {o.name: o for o in request.outputs} if request is not None else {}
     raws = []
     for t in resp.outputs:
-        o = out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
         req = wanted.get(t.name)
         if req is not None and "shared_memory_region" in req.parameters:
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
-            for k, v in shm.write_output(t, req.parameters).items():
-                _set_param(o.parameters[k], v)
+            shm.write_output(t, req.parameters)
+            # Triton sends one raw_output_contents entry per output, an empty one for an output in shared
+            # memory; C++ clients (perf_analyzer) index raw_output_contents by output position.
+            raws.append(b"")
             continue
         raws.append(bytes(tensors.to_bytes(t.data, t.datatype)))
     if raws:

@@ -115,6 +115,18 @@ def decode_infer_request(
         if name in inputs:
             raise InvalidArgument(f"input '{name}' is given more than once")
         iparams = item.get("parameters") or {}
+        if not isinstance(iparams, dict):
+            raise InvalidArgument(f"input '{name}': 'parameters' must be a JSON object")
+        if (
+            iparams
+            and ("data" in item) + ("binary_data_size" in iparams) + ("shared_memory_region" in iparams) > 1
+        ):
+            given = [f for f in ("binary_data_size", "shared_memory_region") if f in iparams]
+            raise InvalidArgument(
+                "Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                "'parameters', 'shared_memory_region' in 'parameters'. But set "
+                + " ".join(f"'{f}'" for f in (["data"] if "data" in item else []) + given)
+            )
         if "shared_memory_region" in iparams:
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
@@ -158,12 +170,14 @@ def decode_infer_request(
             )
         )
     req_id = doc.get("id", "")
+    if not isinstance(req_id, str):
+        raise InvalidArgument("Unable to parse 'id': attempt to access JSON non-string as string")
     request = InferenceRequest(
         model_name=model,
         inputs=inputs,
         datatypes=datatypes,
         model_version=_version(version),
-        id=req_id if isinstance(req_id, str) else str(req_id),
+        id=req_id,
         outputs=outputs,
         parameters=params,
     )
@@ -194,7 +208,7 @@ def encode_infer_response(
         if req is not None and "shared_memory_region" in oparams:
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
-            entry["parameters"] = shm.write_output(out, oparams)
+            shm.write_output(out, oparams)  # Triton's entry then has no `parameters` (nor `data`)
         elif req.binary if req is not None and req.binary is not None else default_binary:
             data = tensors.to_bytes(out.data, out.datatype)
             entry["parameters"] = {"binary_data_size": len(data)}
@@ -404,7 +418,8 @@ class HttpFrontend:
         return web.Response(status=200)
 
     async def cuda_shm(self, request):
-        """No CUDA shared memory on this build: status lists no regions, registration is refused clearly."""
+        """No CUDA device: nothing is ever registered, so status lists no regions and unregister succeeds (as
+        Triton answers on a host without a GPU, and as the gRPC path does); registration is refused clearly."""
         if (
             getattr(self.shm, "cuda", None) is not None
         ):  # a GPU is present: naiad.gpu serves CUDA shared memory
@@ -413,6 +428,8 @@ class HttpFrontend:
             if request.match_info.get("region"):
                 raise NotFound(f"Unable to find cuda shared memory region: '{request.match_info['region']}'")
             return _json([])
+        if request.path.endswith("/unregister"):
+            return web.Response(status=200, content_type="application/json")
         raise InvalidArgument("CUDA shared memory is not supported by this server: it needs a CUDA device")
 
     # inference

@@ -155,16 +155,12 @@ class SharedMemoryManager:
             )
         return np.frombuffer(region.buffer, dtype=dt, count=count, offset=start).reshape(shape)
 
-    def write_output(self, out: OutputTensor, params: dict) -> dict:
-        """Copy an output into its region; returns the response parameters describing it."""
+    def write_output(self, out: OutputTensor, params: dict) -> None:
+        """Copy an output into its region (the response then describes it by name, datatype and shape only)."""
         self._check_enabled()
         data = tensors.to_bytes(out.data, out.datatype)
         region, start, _size = self._span(params, len(data))
         region.buffer[start : start + len(data)] = data
-        result = {"shared_memory_region": region.name, "shared_memory_byte_size": len(data)}
-        if params.get("shared_memory_offset"):
-            result["shared_memory_offset"] = params["shared_memory_offset"]
-        return result
 
     # ---- gRPC adapters ----
     def register_grpc(self, request):

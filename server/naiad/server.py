@@ -38,6 +38,7 @@ class ServerOptions:
     cache_size: int = 0  # bytes; 0: no response cache
     rate_limit: str = "off"  # off | execution_count
     rate_limit_resources: dict = field(default_factory=dict)
+    storage_cache_dir: str | None = None  # where s3:// and https:// models are copied (None: the default)
 
 
 class Server:
@@ -59,6 +60,7 @@ class Server:
             self,
             auto_complete=options.auto_complete_config,
             gpu_count=options.gpu_count,
+            cache_dir=options.storage_cache_dir,
         )
         self.rate_limiter = (
             RateLimiter(options.rate_limit_resources) if options.rate_limit == "execution_count" else None
@@ -91,6 +93,7 @@ class Server:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         mode = self.options.model_control_mode
+        await self.repository.refresh()
         if mode in ("none", "poll"):
             names = list(self.repository.scan())
         else:

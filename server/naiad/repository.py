@@ -247,7 +247,7 @@ class ModelRepository:
         try:
             return found.fetch(), signature
         except storage.StorageError as exc:
-            raise InvalidArgument(f"failed to load '{name}': {exc}") from None
+            raise InvalidArgument(str(exc)) from None
 
     def _build(
         self, name: str, model_dir: Path, config_json

@@ -159,7 +159,7 @@ class ArchiveRepository(RepositorySource):
             if algo != "sha256" or len(value) != 64:
                 raise StorageError(f"model repository '{uri}': the fragment must be #sha256=<64 hex digits>")
             self.sha256 = value.lower()
-        self.url = parts._replace(fragment="").geturl()
+        self.url = self.uri = parts._replace(fragment="").geturl()  # messages name the URL, not the checksum
         self.cache = Path(cache_root) / ("https-" + hashlib.sha256(self.url.encode()).hexdigest()[:16])
         self.validator: tuple = ()
         self._listed = False

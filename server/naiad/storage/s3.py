@@ -170,7 +170,7 @@ class S3Model(ModelSource):
                     reused += 1
                     progress(size)
                     continue
-                self.repo.download(self.repo.key(self.name, rel), etag, target, progress)
+                self.repo.download(self.repo.key(self.name, rel), target, progress)
                 if target.stat().st_size != size:
                     raise StorageError(
                         f"{self.uri}/{rel}: fetched {target.stat().st_size} bytes, the listing says {size}"
@@ -275,8 +275,9 @@ class S3Repository(RepositorySource):
     def models(self) -> dict[str, ModelSource]:
         return dict(self._models)
 
-    def download(self, key: str, etag: str, target: Path, progress) -> None:
-        """One object to `target`, streamed; parts in parallel above 16 MiB; refused if its ETag changed."""
+    def download(self, key: str, target: Path, progress) -> None:
+        """One object to `target`, streamed to disk; parts in parallel above 16 MiB (s3transfer pins the parts to
+        the ETag it saw first, so an object replaced mid-download fails instead of mixing)."""
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(
@@ -285,7 +286,4 @@ class S3Repository(RepositorySource):
             max_concurrency=8,
             use_threads=True,
         )
-        extra = {"IfMatch": f'"{etag}"'} if etag else None
-        self.client().download_file(
-            self.bucket, key, str(target), ExtraArgs=extra, Callback=progress, Config=config
-        )
+        self.client().download_file(self.bucket, key, str(target), Callback=progress, Config=config)

@@ -418,3 +418,48 @@ def test_https_archive(serve, https_files, tmp_path):
     ):
         control.load_model("tampered")
     control.close()
+
+
+def test_archives_that_escape_are_refused(tmp_path):
+    import zipfile
+
+    from naiad.storage import StorageError
+    from naiad.storage.archive import extract
+
+    cases = {}
+    with zipfile.ZipFile(tmp_path / "up.zip", "w") as zf:
+        zf.writestr("model/config.pbtxt", "")
+        zf.writestr("../outside.txt", "x")
+    cases["up.zip"] = "'../outside.txt' escapes the model folder"
+    with zipfile.ZipFile(tmp_path / "abs.zip", "w") as zf:
+        zf.writestr("/etc/naiad-test", "x")
+    cases["abs.zip"] = "'/etc/naiad-test' escapes the model folder"
+    with tarfile.open(tmp_path / "link.tar", "w") as tf:
+        info = tarfile.TarInfo("model/1/model.py")
+        info.type, info.linkname = tarfile.SYMTYPE, "../../../../etc/passwd"
+        tf.addfile(info)
+    cases["link.tar"] = "'model/1/model.py' links outside the model folder"
+    with tarfile.open(tmp_path / "dev.tar", "w") as tf:
+        info = tarfile.TarInfo("model/dev")
+        info.type = tarfile.CHRTYPE
+        tf.addfile(info)
+    cases["dev.tar"] = "'model/dev' is not a file or folder"
+    (tmp_path / "junk.tar.gz").write_bytes(b"not an archive")
+    cases["junk.tar.gz"] = "not a tar or zip archive"
+    for filename, message in cases.items():
+        dest = tmp_path / ("out-" + filename)
+        dest.mkdir()
+        with pytest.raises(StorageError, match=re.escape(message)):
+            extract(tmp_path / filename, dest, f"https://h/{filename}")
+        assert not (tmp_path / "outside.txt").exists()
+
+
+def test_a_folder_without_config_or_model_file_fails_with_its_reason(serve, minio, bucket):
+    name, client = bucket
+    client.put_object(Bucket=name, Key="repo/stray/1/notes.txt", Body=b"no model here")
+    put_model(client, name, "repo", "fine", factor=3.0)
+    server = serve([f"s3://{minio.host}/{name}/repo"], "--strict-readiness", "false")
+    assert infer(server, "fine") == 3.0
+    entry = next(e for e in index(server) if e["name"] == "stray")
+    assert entry["state"] == "UNAVAILABLE"
+    assert "no backend or platform in config.pbtxt and no model file" in entry["reason"], entry

@@ -12,8 +12,9 @@ __all__ = ["ModelSource", "RepositorySource", "StorageError", "default_cache_dir
 
 
 def default_cache_dir() -> Path:
-    """Where remote models are copied: $NAIAD_STORAGE_CACHE_DIR, else ~/.cache/naiad/storage."""
-    env = os.environ.get("NAIAD_STORAGE_CACHE_DIR")
+    """Where remote models are copied: $NAIAD_STORAGE_CACHE_DIR, tritonserver's $TRITON_AWS_MOUNT_DIRECTORY, else
+    ~/.cache/naiad/storage."""
+    env = os.environ.get("NAIAD_STORAGE_CACHE_DIR") or os.environ.get("TRITON_AWS_MOUNT_DIRECTORY")
     if env:
         return Path(env)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "naiad" / "storage"

@@ -263,7 +263,9 @@ def test_credentials_wrong_missing_and_bad_bucket(serve, minio, bucket, tmp_path
             "--load-model",
             "*",
             env=env,
+            wait_ready=False,
         )
+        wait_for(lambda s=server: ready(s, "other"), what="the local model")
         assert infer(server, "other") == 5.0  # the local model is untouched
         control = httpclient.InferenceServerClient(server.http)
         with pytest.raises(InferenceServerException) as err:
@@ -271,6 +273,8 @@ def test_credentials_wrong_missing_and_bad_bucket(serve, minio, bucket, tmp_path
         assert cause in str(err.value) and repo_uri in str(err.value), str(err.value)
         assert infer(server, "other") == 5.0
         control.close()
+        # strict readiness: a repository that cannot be listed keeps the server not ready
+        assert requests.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 400
         server.stop()
         assert minio.secret_key not in server.output()
 

@@ -133,11 +133,14 @@ class Server:
         return not self._stopping
 
     def ready(self) -> bool:
-        """Ready once started; with strict readiness, only while no model has failed to load."""
+        """Ready once started; with strict readiness, only while no model has failed to load and every remote
+        repository could be listed."""
         if not self._started or self._stopping:
             return False
         if not self.options.strict_readiness:
             return True
+        if self.repository.source_errors:
+            return False
         return not any(
             rec.reason and rec.reason != "unloaded" and not rec.versions
             for rec in self.repository.records.values()

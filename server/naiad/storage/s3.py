@@ -177,7 +177,13 @@ class S3Model(ModelSource):
                     )
                 fetched += 1
             (tmp / MANIFEST).write_text(json.dumps({rel: etag for rel, (etag, _) in self.objects.items()}))
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / MANIFEST).is_file():
+                    raise
+                # another server sharing the cache finished the same copy first
+                shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -30,7 +30,8 @@ serve: venv examples
 # 2 cores; warm: instant); without Go the cluster tiers skip with a reason.
 test: venv test-deps lint
 	@status=0; \
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests --ignore=tests/operator/test_operator_cluster.py || status=$$?; \
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests --ignore=tests/operator/test_operator_cluster.py \
+	  --ignore=tests/operator/test_operator_s3_cluster.py || status=$$?; \
 	$(MAKE) -s e2e-tests || status=$$?; \
 	exit $$status
 
@@ -40,7 +41,7 @@ e2e-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); \
 	if [ -n "$$bin" ] && [ -x "$$bin/kube-apiserver" ]; then export NAIAD_E2E_BIN="$$bin"; \
 	else echo "Kubernetes binaries unavailable: cluster tiers will skip"; fi; \
-	$(PY) -m pytest -q $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py
+	$(PY) -m pytest -q $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py tests/operator/test_operator_s3_cluster.py
 
 # Every server and tool a test tier runs, built or installed before any test starts: the cluster binaries
 # (and helm), and each Go tool pinned under tools/go/ (cached by content in ~/.cache/naiad-tools).

@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 REPO   ?= examples/model_repository
-EXTRAS ?= onnx,torch,fil,operator,test
+EXTRAS ?= onnx,torch,fil,s3,operator,test
 PYTEST_ARGS ?=
 
 .PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests examples bench e2e lint clean crds dashboards helm-lint images
@@ -31,7 +31,8 @@ serve: venv examples
 # skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
 test: venv test-deps lint tools images examples
 	@rm -rf .test-results; status=0; \
-	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests --ignore=tests/operator/test_operator_cluster.py || status=$$?; \
+	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests --ignore=tests/operator/test_operator_cluster.py \
+	  --ignore=tests/operator/test_operator_s3_cluster.py || status=$$?; \
 	$(MAKE) -s e2e-tests || status=$$?; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
 	exit $$status
@@ -42,7 +43,8 @@ e2e-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); \
 	if [ -n "$$bin" ] && [ -x "$$bin/kube-apiserver" ]; then export NAIAD_E2E_BIN="$$bin"; \
 	else echo "Kubernetes binaries unavailable: cluster tiers will skip"; fi; \
-	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py
+	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
+	  tests/operator/test_operator_s3_cluster.py
 
 # Every server and tool a test tier runs, built or installed before any test starts: the cluster binaries
 # (and helm), and each Go tool pinned under tools/go/ (cached by content in ~/.cache/naiad-tools).

@@ -189,6 +189,18 @@ def server_spec_schema(description: str) -> Schema:
                         pattern=r"^/.*$",
                     ),
                     "claimName": string("An existing PersistentVolumeClaim."),
+                    "uri": string(
+                        "An object-store repository instead of a volume: s3://[http(s)://host:port/]bucket[/dir] "
+                        "or https://.../<model>.tar.gz|.zip; models are copied into an emptyDir at load time.",
+                        pattern=r"^(s3://.+|https://.+)$",
+                    ),
+                    "secretRef": obj(
+                        "A Secret whose keys (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, "
+                        "AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, AWS_CA_BUNDLE) become the server's environment; "
+                        "without it the pod's own identity (IRSA) is used.",
+                        {"name": string("Name of the Secret in the same namespace.")},
+                        required=["name"],
+                    ),
                     "subPath": string(
                         "Directory inside the volume that holds the repository.", pattern=r"^[^/].*$"
                     ),
@@ -506,10 +518,19 @@ def inference_model_crd() -> dict[str, Any]:
                 "Where the repository holding the model lives.",
                 {
                     "uri": string(
-                        "pvc://<claim>[/<dir>] (the directory that contains the model's folder) or "
-                        "file:///<dir> (a repository already in the image at that path).",
-                        pattern=r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.*)$",
-                    )
+                        "pvc://<claim>[/<dir>] (the directory that contains the model's folder), "
+                        "file:///<dir> (a repository already in the image at that path), "
+                        "s3://[http(s)://host:port/]<bucket>[/<dir>] (the prefix that contains the model's folder) "
+                        "or https://.../<model>.tar.gz|.zip (an archive of the model's folder, #sha256=<hex> "
+                        "optional).",
+                        pattern=r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?|file:///.*|s3://.+|https://.+)$",
+                    ),
+                    "secretRef": obj(
+                        "For s3:// and https:// only: a Secret whose keys are AWS's variable names "
+                        "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...); without it the pods' own identity.",
+                        {"name": string("Name of the Secret in the same namespace.")},
+                        required=["name"],
+                    ),
                 },
                 required=["uri"],
             ),

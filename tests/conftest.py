@@ -44,3 +44,28 @@ def grpc_client(naiad):
     client = grpcclient.InferenceServerClient(naiad.grpc)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def minio():
+    """A real MinIO on 127.0.0.1 (tools/go/minio), with its own root credentials."""
+    from minio_server import MinioServer
+
+    server = MinioServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(minio, request):
+    """A fresh bucket for one test: (name, boto3 client)."""
+    import re
+
+    client = minio.client()
+    name = (
+        ("t-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower()))[:50].strip("-")
+        + "-"
+        + str(id(request))[-6:]
+    )
+    client.create_bucket(Bucket=name)
+    return name, client

@@ -30,7 +30,16 @@ def free_ports(n: int) -> list[int]:
 class NaiadProcess:
     """`naiad serve` in a subprocess; `.http`, `.grpc`, `.metrics` are host:port strings."""
 
-    def __init__(self, repos, *args: str, wait_ready: bool = True, timeout: float = 90.0, client_cert=None):
+    def __init__(
+        self,
+        repos,
+        *args: str,
+        wait_ready: bool = True,
+        timeout: float = 90.0,
+        client_cert=None,
+        env: dict | None = None,
+    ):
+        self.extra_env = dict(env or {})  # on top of this process's environment (None removes a variable)
         self.repos = [str(r) for r in (repos if isinstance(repos, (list, tuple)) else [repos])]
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.args = list(args)
@@ -77,6 +86,11 @@ class NaiadProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT / "server") + os.pathsep + env.get("PYTHONPATH", "")
         env["PYTHONUNBUFFERED"] = "1"
+        for key, value in self.extra_env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         import tempfile
 
         self.log = tempfile.NamedTemporaryFile(prefix="naiad-", suffix=".log", delete=False)

@@ -39,6 +39,8 @@ from .resources import (
     render_hpa,
     repository_claim,
     repository_path,
+    repository_secret,
+    repository_uri,
     server_spec_problems,
 )
 
@@ -48,11 +50,14 @@ _MODEL_OWNED_SERVER_FIELDS = ("replicas", "minReplicas", "maxReplicas", "autosca
 
 @dataclass(frozen=True)
 class Repository:
-    """Where a model's repository lives: a claim (and directory in it), or a directory already in the image."""
+    """Where a model's repository lives: a claim (and directory in it), a directory already in the image, or an
+    object store (s3://..., https://...archive) read with the credentials of a Secret or of the pod."""
 
     claim: str | None
     sub_path: str  # "" for the volume root
     path: str | None = None  # file:// repositories: the directory in the container
+    uri: str | None = None  # s3:// and https:// repositories, as the server reads them
+    secret: str | None = None  # the Secret holding AWS_* keys for `uri` (None: the pod's own identity)
 
 
 @dataclass(frozen=True)
@@ -85,8 +90,25 @@ def _normal_dir(path: str | None) -> str:
     return "" if normal == "." else normal
 
 
-def parse_storage_uri(uri: str) -> Repository:
-    """pvc://claim[/dir] or file:///dir; raises ValueError otherwise."""
+def parse_storage_uri(uri: str, secret: str | None = None) -> Repository:
+    """pvc://claim[/dir], file:///dir, s3://[host:port/]bucket[/dir] or https://.../<model>.tar.gz|.zip; raises
+    ValueError otherwise."""
+    if uri.startswith("s3://"):
+        if not uri[len("s3://") :].strip("/"):
+            raise ValueError(
+                f"storage.uri {_redacted(uri)!r} names no bucket (expected s3://<bucket>[/<dir>])"
+            )
+        return Repository(claim=None, sub_path="", uri=uri.rstrip("/"), secret=secret)
+    if uri.startswith("https://"):
+        if not uri.split("#", 1)[0].endswith((".tar.gz", ".tgz", ".tar", ".zip")):
+            raise ValueError(
+                f"storage.uri {_redacted(uri)!r}: an https:// model is a .tar.gz, .tgz, .tar or .zip archive"
+            )
+        return Repository(claim=None, sub_path="", uri=uri, secret=secret)
+    if secret:
+        raise ValueError(
+            "storage.secretRef holds object-store credentials: it needs an s3:// or https:// uri"
+        )
     if uri.startswith("pvc://"):
         rest = uri[len("pvc://") :]
         claim, _, sub_path = rest.partition("/")
@@ -95,7 +117,14 @@ def parse_storage_uri(uri: str) -> Repository:
         return Repository(claim=claim, sub_path=_normal_dir(sub_path))
     if uri.startswith("file:///"):
         return Repository(claim=None, sub_path="", path="/" + _normal_dir(uri[len("file://") :]))
-    raise ValueError(f"storage.uri {uri!r} must start with pvc:// or file:///")
+    raise ValueError(f"storage.uri {_redacted(uri)!r} must start with pvc://, file:///, s3:// or https://")
+
+
+def _redacted(uri: str) -> str:
+    """A URI fit for status and events: user:password@ in an https:// URI is dropped."""
+    scheme, sep, rest = uri.partition("://")
+    host, slash, path = rest.partition("/")
+    return f"{scheme}{sep}{host.rpartition('@')[2]}{slash}{path}"
 
 
 def model_name_of(name: str, spec: Spec) -> str:
@@ -128,7 +157,9 @@ def model_intent(name: str, spec: Spec) -> ModelIntent:
     repository: Repository | None = None
     if spec.get("storage"):
         try:
-            repository = parse_storage_uri(str(spec["storage"]["uri"]))
+            storage = spec["storage"]
+            secret = (storage.get("secretRef") or {}).get("name") or None
+            repository = parse_storage_uri(str(storage["uri"]), secret)
         except ValueError as error:
             problems.append(str(error))
     elif spec.get("path"):
@@ -172,7 +203,7 @@ def _dedicated_problems(spec: Spec, repo: Repository | None) -> list[str]:
     """A dedicated pool needs somewhere to read the model from when `path` names a directory in a volume."""
     template = (spec.get("server") or {}).get("modelRepository") or {}
     has_volume = bool(template.get("claimName") or template.get("create"))
-    if repo is not None and repo.claim is None and repo.path is None and not has_volume:
+    if repo is not None and repo.claim is None and repo.path is None and repo.uri is None and not has_volume:
         return ["path needs a volume: set storage.uri to pvc://<claim>/... or server.modelRepository"]
     return []
 
@@ -200,7 +231,18 @@ def pool_problems(intent: ModelIntent, pool: Mapping[str, Any]) -> list[str]:
     if repo is not None and not intent.dedicated:
         pool_claim = repository_claim(intent.pool, pool_spec)
         pool_sub = _normal_dir((pool_spec.get("modelRepository") or {}).get("subPath"))
-        if repo.path is not None:
+        if repo.uri is not None:
+            if repository_uri(pool_spec) != repo.uri:
+                problems.append(
+                    f"InferenceServer {intent.pool} does not serve the repository {_redacted(repo.uri)} "
+                    "(set its modelRepository.uri to it, or use a dedicated pool)"
+                )
+            elif repo.secret and repository_secret(pool_spec) != repo.secret:
+                problems.append(
+                    f"the model reads {_redacted(repo.uri)} with Secret {repo.secret!r} but InferenceServer "
+                    f"{intent.pool} uses {repository_secret(pool_spec) or 'the identity of its pods'}"
+                )
+        elif repo.path is not None:
             if pool_claim is not None or repository_path(pool_spec) != repo.path:
                 problems.append(
                     f"InferenceServer {intent.pool} does not serve the repository {repo.path} from its image"
@@ -235,7 +277,11 @@ def render_dedicated_server(owner: Owner, spec: Spec, intent: ModelIntent) -> Bo
     repo = intent.repository
     if repo is not None:
         repository = dict(server_spec.get("modelRepository") or {})
-        if repo.path is not None:
+        if repo.uri is not None:
+            repository = {"uri": repo.uri}
+            if repo.secret:
+                repository["secretRef"] = {"name": repo.secret}
+        elif repo.path is not None:
             repository = {"path": repo.path}
         else:
             if repo.claim is not None:

@@ -62,6 +62,7 @@ RESERVED_FLAGS = (
     "--allow-grpc",
     "--allow-metrics",
     "--strict-readiness",
+    "--storage-cache-dir",
 )
 # Prefixes of flags the operator sets from spec.tls and the control credential.
 RESERVED_PREFIXES = (
@@ -71,6 +72,9 @@ RESERVED_PREFIXES = (
     "--http-server-",
     "--grpc-server-",
 )
+
+# Where a pool whose repository is an s3:// or https:// URI copies its models (an emptyDir).
+STORAGE_CACHE_PATH = "/var/cache/naiad"
 
 PROBE_DEFAULTS = {
     # The server starts without models (explicit mode), so startup is quick; allow 5 minutes for slow nodes.
@@ -168,6 +172,10 @@ def server_spec_problems(name: str, spec: Spec) -> list[str]:
     repository = spec.get("modelRepository") or {}
     if repository.get("claimName") and repository.get("create"):
         problems.append("modelRepository: set either claimName or create, not both")
+    if repository.get("uri") and (repository.get("claimName") or repository.get("create")):
+        problems.append("modelRepository: set either uri or a claim (claimName, create), not both")
+    if repository.get("secretRef") and not repository.get("uri"):
+        problems.append("modelRepository: secretRef holds object-store credentials; it needs uri")
     for field in ("shmSize",):
         if spec.get(field) is not None:
             try:
@@ -200,9 +208,22 @@ def repository_path(spec: Spec) -> str:
     return (spec.get("modelRepository") or {}).get("path") or MODEL_REPOSITORY_PATH
 
 
+def repository_uri(spec: Spec) -> str | None:
+    """The pool's object-store repository (s3://... or https://...), or None when it reads a path."""
+    uri = (spec.get("modelRepository") or {}).get("uri")
+    return str(uri) if uri else None
+
+
+def repository_secret(spec: Spec) -> str | None:
+    """The Secret whose keys (AWS_ACCESS_KEY_ID, ...) become the server's environment, or None (pod identity)."""
+    return ((spec.get("modelRepository") or {}).get("secretRef") or {}).get("name") or None
+
+
 def repository_claim(server: str, spec: Spec) -> str | None:
     """Name of the PVC that holds the pool's repository, or None when the repository is in the image."""
     repository = spec.get("modelRepository") or {}
+    if repository.get("uri"):
+        return None
     if repository.get("claimName"):
         return str(repository["claimName"])
     if repository.get("create"):
@@ -217,10 +238,15 @@ def server_args(spec: Spec, restricted: bool = False) -> list[str]:
 
     Strict readiness is off: with it, one model that failed to load (or, on some servers, one that was unloaded)
     takes the whole pod, and every other model on it, out of service. Per-model availability is what the model
-    labels and the models-ready readiness gate express instead."""
+    labels and the models-ready readiness gate express instead.
+
+    An s3:// or https:// repository is copied into an emptyDir; its credentials come from the environment
+    (container_env), never from these arguments."""
+    uri = repository_uri(spec)
+    storage = [f"--model-repository={uri}", f"--storage-cache-dir={STORAGE_CACHE_PATH}"] if uri else []
     return [
         "serve",
-        f"--model-repository={repository_path(spec)}",
+        *(storage or [f"--model-repository={repository_path(spec)}"]),
         "--model-control-mode=explicit",
         "--strict-readiness=false",
         f"--http-port={HTTP_PORT}",
@@ -293,11 +319,18 @@ def _container(spec: Spec, config: OperatorConfig, server: str = "", restricted:
         env.append(control_env(server))
     if env:
         container["env"] = env
+    secret = repository_secret(spec)
+    if secret:
+        # Every key of the Secret (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+        # AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, ...) becomes a variable the AWS SDK reads in the server.
+        container["envFrom"] = [{"secretRef": {"name": secret}}]
     if spec.get("resources"):
         container["resources"] = copy.deepcopy(dict(spec["resources"]))
     mounts = []
     repository = spec.get("modelRepository") or {}
-    if repository.get("claimName") or repository.get("create"):
+    if repository.get("uri"):
+        mounts.append({"name": "model-cache", "mountPath": STORAGE_CACHE_PATH})
+    elif repository.get("claimName") or repository.get("create"):
         mount: Body = {"name": "models", "mountPath": repository_path(spec), "readOnly": True}
         sub_path = repository.get("subPath")
         if sub_path:
@@ -317,6 +350,8 @@ def _volumes(server: str, spec: Spec) -> list[Body]:
     claim = repository_claim(server, spec)
     if claim is not None:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    if repository_uri(spec):
+        volumes.append({"name": "model-cache", "emptyDir": {}})
     if spec.get("shmSize") is not None:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["shmSize"]}})
     secret = tls_secret_name(spec)

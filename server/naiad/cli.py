@@ -37,7 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         required=True,
         dest="model_repository",
-        help="path of a model repository (repeatable)",
+        help="a model repository: a path, s3://[host:port/]bucket/path or https://.../model.tar.gz (repeatable)",
+    )
+    s.add_argument(
+        "--storage-cache-dir",
+        default=None,
+        help="where models from s3:// and https:// repositories are copied (default: $NAIAD_STORAGE_CACHE_DIR or "
+        "~/.cache/naiad/storage)",
     )
     s.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none")
     s.add_argument(
@@ -241,6 +247,7 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
         rate_limit=args.rate_limit,
         rate_limit_resources=parse_resources(args.rate_limit_resource),
         backend_directory=args.backend_directory,
+        storage_cache_dir=args.storage_cache_dir,
     )
 
 
@@ -256,10 +263,10 @@ async def serve(args: argparse.Namespace) -> int:
             args.pinned_memory_pool_byte_size,
             memory.parse_cuda_pool(args.cuda_memory_pool_byte_size, options.gpu_count),
         )
-    except ValueError as exc:
+        app = App(options, args)
+    except (ValueError, NaiadError) as exc:
         log.error("invalid arguments: %s", exc)
         return 2
-    app = App(options, args)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,29 +14,18 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from . import backends
+from . import backends, storage
 from . import config as cfg
 from .backends.base import ModelContext
 from .errors import InvalidArgument, NaiadError, NotFound, Unavailable, as_naiad_error
 from .model import ModelVersion
 from .scheduling.pool import InstancePool
 from .stats import ModelStats
+from .storage.local import numeric_versions, tree_signature
 
 log = logging.getLogger("naiad.repository")
 
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
-
-
-def numeric_versions(model_dir: Path) -> list[int]:
-    out = []
-    try:
-        entries = list(os.scandir(model_dir))
-    except OSError:
-        return out
-    for e in entries:
-        if e.is_dir() and e.name.isdigit() and not e.name.startswith("0"):
-            out.append(int(e.name))
-    return sorted(out)
 
 
 def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list[int]:
@@ -46,21 +35,6 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
         return sorted(v for v in policy.specific.versions if v in available)
     n = policy.latest.num_versions or 1
     return sorted(available)[-n:]
-
-
-def _signature(model_dir: Path) -> tuple:
-    """Cheap change detector for poll mode: names, sizes and mtimes of every file under the model."""
-    sig = []
-    for root, dirs, files in os.walk(model_dir):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for f in files:
-            p = os.path.join(root, f)
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            sig.append((os.path.relpath(p, model_dir), st.st_size, st.st_mtime_ns))
-    return tuple(sorted(sig))
 
 
 @dataclass
@@ -82,8 +56,19 @@ class ModelRecord:
 class ModelRepository:
     """Owns every loaded model. All mutation happens on the event loop; builds run in worker threads."""
 
-    def __init__(self, paths: list[str], server, auto_complete: bool = True, gpu_count: int = 0):
-        self.paths = [Path(p).resolve() for p in paths]
+    def __init__(
+        self,
+        paths: list[str],
+        server,
+        auto_complete: bool = True,
+        gpu_count: int = 0,
+        cache_dir: str | None = None,
+    ):
+        try:
+            self.sources = [storage.open_repository(p, Path(cache_dir) if cache_dir else None) for p in paths]
+        except storage.StorageError as exc:
+            raise InvalidArgument(str(exc)) from None
+        self.source_errors: dict[str, str] = {}  # remote repository URI -> why its last listing failed
         self.server = server
         self.auto_complete = auto_complete
         self.gpu_count = gpu_count
@@ -92,27 +77,40 @@ class ModelRepository:
         self.on_change: list = []  # callbacks(name) after load/unload, e.g. metrics
 
     # ---- discovery ----
-    def scan(self) -> dict[str, Path]:
-        found: dict[str, Path] = {}
-        for repo in self.paths:
-            try:
-                entries = sorted(os.scandir(repo), key=lambda e: e.name)
-            except OSError as exc:
-                log.error("cannot read model repository %s: %s", repo, exc)
-                continue
-            for e in entries:
-                if not e.is_dir() or e.name.startswith("."):
-                    continue
-                if e.name in found:
+    def scan(self) -> dict[str, storage.ModelSource]:
+        """Every model in every repository: local folders as they are now, remote ones as last refreshed."""
+        found: dict[str, storage.ModelSource] = {}
+        for source in self.sources:
+            for name, model in source.models().items():
+                if name in found:
                     log.error(
                         "model '%s' appears in more than one repository (%s and %s); using the first",
-                        e.name,
-                        found[e.name],
-                        e.path,
+                        name,
+                        found[name].uri,
+                        model.uri,
                     )
                     continue
-                found[e.name] = Path(e.path)
+                found[name] = model
         return found
+
+    def refresh_sources(self) -> None:
+        """List every remote repository again (blocking: call off the event loop). A failed listing keeps the
+        previous one and is remembered, so that a load of a model that is not listed can say why."""
+        for source in self.sources:
+            if not source.remote:
+                continue
+            try:
+                source.refresh()
+            except storage.StorageError as exc:
+                if self.source_errors.get(source.uri) != str(exc):
+                    log.error("cannot list model repository %s", exc)
+                self.source_errors[source.uri] = str(exc)
+            else:
+                self.source_errors.pop(source.uri, None)
+
+    async def refresh(self) -> None:
+        if any(s.remote for s in self.sources):
+            await asyncio.get_running_loop().run_in_executor(None, self.refresh_sources)
 
     def _lock(self, name: str) -> asyncio.Lock:
         lock = self._locks.get(name)
@@ -155,23 +153,27 @@ class ModelRepository:
         config_json: str | dict | None = None,
         files: dict[str, bytes] | None = None,
         _chain: tuple = (),
+        refresh: bool = True,
     ) -> None:
         """Load (or reload) a model; new versions go live before old ones are drained and unloaded.
 
-        An ensemble's composing models are loaded first when they are not loaded yet (as Triton does).
+        An ensemble's composing models are loaded first when they are not loaded yet (as Triton does). Remote
+        repositories are listed again first (unless the caller just did), so a load sees the bucket as it is now.
         """
-        for step_model in self._composing_models(name, config_json):
+        loop = asyncio.get_running_loop()
+        if refresh:
+            await self.refresh()
+        for step_model in await loop.run_in_executor(None, self._composing_models, name, config_json):
             if step_model in _chain:
                 raise InvalidArgument(f"ensemble '{name}' depends on itself through '{step_model}'")
             if not self.is_ready(step_model):
-                await self.load(step_model, _chain=_chain + (name,))
+                await self.load(step_model, _chain=_chain + (name,), refresh=False)
         async with self._lock(name):
             rec = self.records.setdefault(name, ModelRecord(name))
             rec.state, rec.reason = LOADING, ""
             started = time.monotonic()
             try:
-                model_dir = self._model_dir(name, rec, files)
-                loop = asyncio.get_running_loop()
+                model_dir, signature = await loop.run_in_executor(None, self._model_dir, name, rec, files)
                 config, built = await loop.run_in_executor(None, self._build, name, model_dir, config_json)
             except BaseException as exc:
                 err = as_naiad_error(exc)
@@ -182,7 +184,7 @@ class ModelRepository:
                     if found is None and not rec.version_states and rec.override_dir is None:
                         # A name in no repository (and never loaded) leaves no entry in the index.
                         del self.records[name]
-                    latest = numeric_versions(found)[-1:] if found is not None else []
+                    latest = found.versions()[-1:] if found is not None else []
                     rec.version_states = {v: (UNAVAILABLE, err.message) for v in latest}
                 log.error("failed to load '%s': %s", name, err.message)
                 self._changed(name)
@@ -196,7 +198,7 @@ class ModelRepository:
             for v in old:
                 if v not in built:
                     rec.version_states[v] = (UNAVAILABLE, "unloaded")
-            rec.signature = _signature(model_dir)
+            rec.signature = signature
             rec.load_seconds = time.monotonic() - started
             log.info("successfully loaded '%s' version(s) %s", name, ", ".join(map(str, sorted(built))))
             self._changed(name)
@@ -208,15 +210,22 @@ class ModelRepository:
             if config_json:
                 config = cfg.parse_json(config_json)
             else:
-                path = self.scan().get(name)
-                config = cfg.load_file(path) if path is not None else None
+                config = self._listed_config(name)
         except NaiadError:
             return []  # the load itself reports the error
         if config is None or config.platform != "ensemble":
             return []
         return list(dict.fromkeys(s.model_name for s in config.ensemble_scheduling.step if s.model_name))
 
-    def _model_dir(self, name: str, rec: ModelRecord, files: dict[str, bytes] | None) -> Path:
+    def _listed_config(self, name: str) -> mc.ModelConfig | None:
+        """The config.pbtxt of a model as its repository holds it (may read the network: off the loop)."""
+        source = self.scan().get(name)
+        text = source.config_text() if source is not None else None
+        return cfg.parse_text(text, f"{source.uri}/config.pbtxt") if text is not None else None
+
+    def _model_dir(self, name: str, rec: ModelRecord, files: dict[str, bytes] | None) -> tuple[Path, tuple]:
+        """The local directory to load from (remote models are fetched first) and its change signature.
+        Worker thread."""
         if files:
             if rec.override_dir is not None:
                 shutil.rmtree(rec.override_dir, ignore_errors=True)
@@ -239,13 +248,21 @@ class ModelRepository:
                 shutil.rmtree(root, ignore_errors=True)
                 raise
             rec.override_dir = root
-            return model_dir
+            return model_dir, tree_signature(model_dir)
         if rec.override_dir is not None:
-            return rec.override_dir / name
+            return rec.override_dir / name, rec.signature
         found = self.scan().get(name)
         if found is None:
-            raise InvalidArgument(f"failed to load '{name}', failed to poll from model repository")
-        return found
+            causes = "; ".join(self.source_errors.values())
+            raise InvalidArgument(
+                f"failed to load '{name}', failed to poll from model repository"
+                + (f": {causes}" if causes else "")
+            )
+        signature = found.signature()
+        try:
+            return found.fetch(), signature
+        except storage.StorageError as exc:
+            raise InvalidArgument(str(exc)) from None
 
     def _build(
         self, name: str, model_dir: Path, config_json
@@ -399,44 +416,42 @@ class ModelRepository:
             cb(name)
 
     async def load_many(self, names: list[str]) -> None:
-        """Load models concurrently; failures are recorded and logged, never fatal to the others."""
-        ordered = self._dependency_order(names)
+        """Load models concurrently; failures are recorded and logged, never fatal to the others. The caller has
+        just refreshed the repositories' listings."""
+        ordered = await asyncio.get_running_loop().run_in_executor(None, self._dependency_order, names)
         for wave in ordered:
             await asyncio.gather(*(self._load_quietly(n) for n in wave))
 
     async def _load_quietly(self, name: str) -> None:
         try:
-            await self.load(name)
+            await self.load(name, refresh=False)
         except NaiadError:
             pass
 
     def _dependency_order(self, names: list[str]) -> list[list[str]]:
         """Ensembles load after the models they call: plain models first, ensembles after."""
         plain, ensembles = [], []
-        found = self.scan()
         for n in names:
-            d = found.get(n)
-            is_ens = False
-            if d is not None:
-                try:
-                    c = cfg.load_file(d)
-                    is_ens = c is not None and c.platform == "ensemble"
-                except NaiadError:
-                    pass
-            (ensembles if is_ens else plain).append(n)
+            try:
+                c = self._listed_config(n)
+            except NaiadError:
+                c = None
+            (ensembles if c is not None and c.platform == "ensemble" else plain).append(n)
         return [w for w in (plain, ensembles) if w]
 
     async def poll(self) -> None:
-        """Poll mode: load new models, reload changed ones, unload removed ones."""
+        """Poll mode: load new models, reload changed ones, unload removed ones. A remote repository that cannot
+        be listed keeps its models as they are."""
+        await self.refresh()
         found = self.scan()
         for name in list(self.records):
             rec = self.records[name]
             if name not in found and rec.override_dir is None and rec.versions:
                 await self.unload(name)
         changed = []
-        for name, path in found.items():
+        for name, source in found.items():
             rec = self.records.get(name)
-            if rec is None or (rec.override_dir is None and _signature(path) != rec.signature):
+            if rec is None or (rec.override_dir is None and source.signature() != rec.signature):
                 changed.append(name)
         if changed:
             await self.load_many(changed)

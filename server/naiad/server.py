@@ -40,6 +40,7 @@ class ServerOptions:
     rate_limit: str = "off"  # off | execution_count
     rate_limit_resources: dict = field(default_factory=dict)
     backend_directory: str | None = None  # Triton's python-based backends: <dir>/<name>/model.py
+    storage_cache_dir: str | None = None  # where s3:// and https:// models are copied (None: the default)
 
 
 class Server:
@@ -63,6 +64,7 @@ class Server:
             self,
             auto_complete=options.auto_complete_config,
             gpu_count=options.gpu_count,
+            cache_dir=options.storage_cache_dir,
         )
         self.rate_limiter = (
             RateLimiter(options.rate_limit_resources) if options.rate_limit == "execution_count" else None
@@ -95,6 +97,7 @@ class Server:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         mode = self.options.model_control_mode
+        await self.repository.refresh()
         if mode in ("none", "poll"):
             names = list(self.repository.scan())
         else:
@@ -135,11 +138,14 @@ class Server:
         return not self._stopping
 
     def ready(self) -> bool:
-        """Ready once started; with strict readiness, only while no model has failed to load."""
+        """Ready once started; with strict readiness, only while no model has failed to load and every remote
+        repository could be listed."""
         if not self._started or self._stopping:
             return False
         if not self.options.strict_readiness:
             return True
+        if self.repository.source_errors:
+            return False
         return not any(
             rec.reason and rec.reason != "unloaded" and not rec.versions
             for rec in self.repository.records.values()

@@ -122,7 +122,7 @@ async def test_ensure_model_never_takes_over_a_foreign_pool():
 @on_session_loop
 async def test_ensure_model_with_an_invalid_spec_applies_nothing():
     kube = FakeKube()
-    model = body("InferenceModel", "resnet", {"serverRef": {"name": "gpu"}, "storage": {"uri": "s3://x"}})
+    model = body("InferenceModel", "resnet", {"serverRef": {"name": "gpu"}, "storage": {"uri": "gs://x"}})
     assert await handlers.ensure_model(memo(kube), model, events=True) == "gpu"
     assert kube.applied == []
 

@@ -69,7 +69,7 @@ def test_storage_uris():
     assert parse_storage_uri("pvc://models") == Repository("models", "")
     assert parse_storage_uri("pvc://models/team/a/") == Repository("models", "team/a")
     assert parse_storage_uri("file:///opt/repo/") == Repository(None, "", "/opt/repo")
-    for bad in ("s3://bucket/x", "pvc:///x", "file://relative"):
+    for bad in ("gs://bucket/x", "pvc:///x", "file://relative", "s3://", "https://h/model.txt"):
         with pytest.raises(ValueError):
             parse_storage_uri(bad)
 
@@ -78,7 +78,7 @@ def test_intent_problems():
     assert model_intent("resnet", {"serverRef": {"name": "p"}}).problems == []
     assert model_intent("Res.Net", {"serverRef": {"name": "p"}}).problems
     assert model_intent("resnet", {"serverRef": {"name": "p"}, "server": {}}).problems
-    assert model_intent("resnet", {"serverRef": {"name": "p"}, "storage": {"uri": "s3://x"}}).problems
+    assert model_intent("resnet", {"serverRef": {"name": "p"}, "storage": {"uri": "gs://x"}}).problems
     assert model_intent("resnet", {"serverRef": {"name": "p"}, "memory": "much"}).problems
     mismatch = model_intent("resnet", {"serverRef": {"name": "p"}, "modelName": "a", "path": "dir/b"})
     assert any("directory name" in p for p in mismatch.problems)

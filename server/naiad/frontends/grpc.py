@@ -226,6 +226,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryIndex(self, request, context):
         resp = pb.RepositoryIndexResponse()
+        await self.server.repository.refresh()
         for e in self.server.repository.index(request.ready):
             resp.models.add(
                 name=e["name"],

@@ -363,6 +363,7 @@ class HttpFrontend:
 
     async def index(self, request):
         doc = await self._body_json(request)
+        await self.server.repository.refresh()
         return _json(self.server.repository.index(bool(doc.get("ready", False))))
 
     async def load(self, request):

@@ -1317,10 +1317,12 @@ def shm_regions(clients: Pair):
         key = f"/naiad_cmp_{ep.name}"
         handles[ep.name] = shm.create_shared_memory_region(f"out_{ep.name}", key, 128)
         body = {"key": key, "offset": 0, "byte_size": 128}
-        assert http(ep, "POST", "/v2/systemsharedmemory/region/out/register", body).status == 200
+        answer = http(ep, "POST", "/v2/systemsharedmemory/region/out/register", body)
+        assert answer.status == 200, answer.describe()
     yield handles
     for ep in clients.both():
-        http(ep, "POST", "/v2/systemsharedmemory/unregister")
+        answer = http(ep, "POST", "/v2/systemsharedmemory/region/out/unregister")
+        assert answer.status == 200, answer.describe()
     for handle in handles.values():
         shm.destroy_shared_memory_region(handle)
 
@@ -1544,7 +1546,8 @@ def shm_input(clients: Pair):
         assert http(ep, "POST", "/v2/systemsharedmemory/region/in0/register", body).status == 200
     yield
     for ep in clients.both():
-        http(ep, "POST", "/v2/systemsharedmemory/region/in0/unregister")
+        answer = http(ep, "POST", "/v2/systemsharedmemory/region/in0/unregister")
+        assert answer.status == 200, answer.describe()
     for handle in handles:
         shm.destroy_shared_memory_region(handle)
 

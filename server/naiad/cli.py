@@ -11,19 +11,11 @@ import sys
 
 from . import __version__, memory
 from .errors import NaiadError
+from .flags import parse_bool as _bool
 from .gpu import device_count
 from .server import Server, ServerOptions
 
 log = logging.getLogger("naiad")
-
-
-def _bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
 
 
 def build_parser() -> argparse.ArgumentParser:

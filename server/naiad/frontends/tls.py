@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..flags import parse_bool as _bool
+
 log = logging.getLogger("naiad.tls")
 
 # How often certificate files are looked at (a stat of each; cert-manager and the kubelet swap them atomically).
@@ -22,15 +24,6 @@ ENDPOINTS = {
     "http": "HTTP",
     "metrics": "metrics",
 }
-
-
-def _bool(value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
 
 
 def add_arguments(parser: argparse.ArgumentParser, endpoint: str) -> None:

@@ -78,12 +78,21 @@ def apply_cuda_pools(cuda_bytes: dict[int, int]) -> dict[int, str]:
     for device, nbytes in cuda_bytes.items():
         try:
             pool = gpu.check(rt.cudaDeviceGetDefaultMemPool(device), f"cudaDeviceGetDefaultMemPool({device})")
-            threshold = rt.cuuint64_t(nbytes)
+            threshold = _cuuint64(rt, nbytes)
             attr = rt.cudaMemPoolAttr.cudaMemPoolAttrReleaseThreshold
             gpu.check(rt.cudaMemPoolSetAttribute(pool, attr, threshold), "cudaMemPoolSetAttribute")
         except Exception as exc:  # reported, never fatal: the pool size is a tuning knob
             errors[device] = str(exc)
     return errors
+
+
+def _cuuint64(rt, value: int):
+    """cuda-python 12 has `cuuint64_t` in its runtime module; cuda-bindings 13 only in its driver module."""
+    if hasattr(rt, "cuuint64_t"):
+        return rt.cuuint64_t(value)
+    from cuda.bindings import driver
+
+    return driver.cuuint64_t(value)
 
 
 def cuda_pool_threshold(device: int) -> int:

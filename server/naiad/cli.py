@@ -37,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where models from s3:// and https:// repositories are copied (default: $NAIAD_STORAGE_CACHE_DIR or "
         "~/.cache/naiad/storage)",
     )
-    s.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default="none")
+    s.add_argument(
+        "--model-control-mode",
+        choices=["none", "poll", "explicit"],
+        default="none",
+        help="none: load everything at start; poll: also pick up repository changes; explicit: load/unload through the repository API",
+    )
     s.add_argument(
         "--load-model",
         action="append",
@@ -49,34 +54,52 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="python-based backends: <dir>/<name>/model.py serves every model whose config says backend: <name>",
     )
-    s.add_argument("--repository-poll-secs", type=float, default=15.0)
-    s.add_argument("--strict-readiness", type=_bool, default=True)
-    s.add_argument("--exit-timeout-secs", type=float, default=30.0)
-    s.add_argument("--disable-auto-complete-config", action="store_true")
+    s.add_argument(
+        "--repository-poll-secs", type=float, default=15.0, help="how often poll mode looks for changes"
+    )
+    s.add_argument(
+        "--strict-readiness",
+        type=_bool,
+        default=True,
+        help="/v2/health/ready only while every model is ready",
+    )
+    s.add_argument(
+        "--exit-timeout-secs",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, finish in-flight requests for up to this long, then exit 0",
+    )
+    s.add_argument(
+        "--disable-auto-complete-config",
+        action="store_true",
+        help="do not derive missing configuration from the model files",
+    )
     s.add_argument(
         "--strict-model-config",
         type=_bool,
         default=None,
         help="deprecated tritonserver spelling of --disable-auto-complete-config",
     )
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--metrics-port", type=int, default=8002)
-    s.add_argument("--http-address", default="0.0.0.0")
-    s.add_argument("--grpc-address", default="0.0.0.0")
+    s.add_argument("--http-port", type=int, default=8000, help="HTTP/REST port")
+    s.add_argument("--grpc-port", type=int, default=8001, help="gRPC port")
+    s.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port")
+    s.add_argument("--http-address", default="0.0.0.0", help="address the HTTP port binds")
+    s.add_argument("--grpc-address", default="0.0.0.0", help="address the gRPC port binds")
     s.add_argument("--metrics-address", default=None, help="default: the HTTP address")
-    s.add_argument("--allow-http", type=_bool, default=True)
-    s.add_argument("--allow-grpc", type=_bool, default=True)
+    s.add_argument("--allow-http", type=_bool, default=True, help="serve HTTP/REST")
+    s.add_argument("--allow-grpc", type=_bool, default=True, help="serve gRPC")
     s.add_argument(
         "--grpc-implementation",
         choices=["naiad", "grpcio"],
         default="naiad",
         help="naiad: Naiad's own HTTP/2 gRPC server (fast; h2c, or h2 with --grpc-use-ssl); grpcio: grpc.aio",
     )
-    s.add_argument("--allow-metrics", type=_bool, default=True)
-    s.add_argument("--allow-gpu-metrics", type=_bool, default=True)
-    s.add_argument("--allow-cpu-metrics", type=_bool, default=True)
-    s.add_argument("--metrics-interval-ms", type=int, default=2000)
+    s.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics")
+    s.add_argument("--allow-gpu-metrics", type=_bool, default=True, help="export nv_gpu_* metrics (NVML)")
+    s.add_argument("--allow-cpu-metrics", type=_bool, default=True, help="export nv_cpu_* metrics")
+    s.add_argument(
+        "--metrics-interval-ms", type=int, default=2000, help="how often GPU/CPU metrics are sampled"
+    )
     s.add_argument(
         "--metrics-config",
         action="append",
@@ -84,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="<setting>=<value>: counter_latencies, histogram_latencies, summary_latencies, "
         "summary_quantiles",
     )
-    s.add_argument("--http-max-input-size", type=int, default=64 * 1024 * 1024)
-    s.add_argument("--allow-client-shm", type=_bool, default=True)
+    s.add_argument(
+        "--http-max-input-size", type=int, default=64 * 1024 * 1024, help="largest HTTP request body in bytes"
+    )
+    s.add_argument(
+        "--allow-client-shm", type=_bool, default=True, help="the system (and CUDA) shared-memory extensions"
+    )
     s.add_argument(
         "--http-restricted-api",
         action="append",
@@ -105,7 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="trace setting, e.g. level=TIMESTAMPS, rate=1, file=/tmp/trace.json",
     )
-    s.add_argument("--rate-limit", choices=["off", "execution_count"], default="off")
+    s.add_argument(
+        "--rate-limit",
+        choices=["off", "execution_count"],
+        default="off",
+        help="the rate limiter (instances' rate_limiter resources)",
+    )
     s.add_argument(
         "--rate-limit-resource",
         action="append",
@@ -128,15 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="verbose level; >= 1 logs a line per execution with the batch it ran (grep 'executing')",
     )
-    s.add_argument("--log-info", type=_bool, default=True)
-    s.add_argument("--log-warning", type=_bool, default=True)
-    s.add_argument("--log-error", type=_bool, default=True)
+    s.add_argument("--log-info", type=_bool, default=True, help="log info messages")
+    s.add_argument("--log-warning", type=_bool, default=True, help="log warnings")
+    s.add_argument("--log-error", type=_bool, default=True, help="log errors")
     s.add_argument(
         "--log-file",
         default="",
         help="write the log to this file instead of stderr (reopened when rotated away, and on SIGHUP)",
     )
-    s.add_argument("--log-format", choices=["default", "ISO8601"], default="default")
+    s.add_argument(
+        "--log-format", choices=["default", "ISO8601"], default="default", help="Triton's log line layouts"
+    )
     s.add_argument(
         "--pinned-memory-pool-byte-size",
         type=int,
@@ -149,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="<gpu>:<bytes> kept cached by that device's CUDA memory pool (default 64 MiB per GPU)",
     )
-    s.add_argument("--min-supported-compute-capability", type=float, default=6.0)
+    s.add_argument(
+        "--min-supported-compute-capability",
+        type=float,
+        default=6.0,
+        help="oldest CUDA compute capability a GPU may have (options table)",
+    )
     s.add_argument("--id", dest="server_id", default="naiad", help="server identifier in the options table")
     return p
 

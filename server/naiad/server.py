@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -123,7 +124,7 @@ class Server:
             except asyncio.TimeoutError:
                 break
         await self.repository.close(max(0.0, deadline - time.monotonic()))
-        self.tracer.flush()
+        await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)
 
     # ---- health and metadata ----
     def live(self) -> bool:
@@ -217,11 +218,9 @@ class Server:
                     model_name=mv.name, model_version=str(mv.version), id=request.id, outputs=list(hit)
                 )
             miss_ns = time.monotonic_ns() - t0
-        trace = self.tracer.start(mv.name)
-        if trace is not None:
-            trace.append(("REQUEST_START", request.arrival_ns))
-            request.trace = trace
+        trace = self.tracer.start(mv, request)
         self._inflight += 1
+        response = None
         try:
             response = await mv.infer(request)
         finally:
@@ -229,8 +228,7 @@ class Server:
             if not self._inflight:
                 self._idle.set()
             if trace is not None:
-                trace.append(("REQUEST_END", time.monotonic_ns()))
-                self.tracer.finish(mv.name, str(mv.version), trace)
+                self.tracer.finish(mv, trace, sys.exc_info()[1] if response is None else response.error)
         if response.error is not None:
             raise (
                 response.error

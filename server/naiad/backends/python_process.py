@@ -87,6 +87,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..config import ModelConfig
 from ..errors import Internal, InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
+from ..trace import Nested
 from .base import ModelContext, ModelInstance, Timing
 
 log = logging.getLogger("naiad.python")
@@ -243,7 +244,12 @@ def encode_request(request: InferenceRequest) -> tuple:
         request.timeout_us,
         request.correlation_id,
         request.flags,
+        request.trace.traceparent() if request.trace is not None else _nested(request.traceparent),
     )
+
+
+def _nested(traceparent) -> str | None:
+    return traceparent if isinstance(traceparent, Nested) else None
 
 
 def decode_request(fields: tuple, callback=None) -> InferenceRequest:
@@ -259,6 +265,7 @@ def decode_request(fields: tuple, callback=None) -> InferenceRequest:
         timeout_us,
         correlation_id,
         flags,
+        traceparent,  # the W3C context of the calling model's span, when traced
     ) = fields
     return InferenceRequest(
         model_name=model_name,
@@ -272,6 +279,7 @@ def decode_request(fields: tuple, callback=None) -> InferenceRequest:
         timeout_us=timeout_us,
         correlation_id=correlation_id,
         flags=flags,
+        traceparent=Nested(traceparent) if isinstance(traceparent, str) else None,
         response_callback=callback,
     )
 

@@ -18,6 +18,7 @@ from ..errors import Internal as _Internal
 from ..errors import NaiadError as _NaiadError
 from ..inference import InferenceResponse as _NativeResponse
 from ..inference import OutputTensor as _OutputTensor
+from ..trace import Nested as _Nested
 
 _log = logging.getLogger("naiad.python_model")
 
@@ -236,6 +237,18 @@ def _target():
 # ---- requests and responses ----
 
 
+class InferenceTrace:
+    """A request's trace as its model sees it (`request.trace()`): given to a BLS request (`trace=`), the call
+    becomes a child of this request in the trace."""
+
+    def __init__(self, traceparent: str | None = None):
+        self._traceparent = traceparent
+
+    def get_context(self, mode: str = "opentelemetry") -> str | None:
+        """The OpenTelemetry context as JSON (`{"traceparent": ...}`), or None when the request is not traced."""
+        return json.dumps({"traceparent": self._traceparent}) if self._traceparent else None
+
+
 class InferenceResponse:
     def __init__(self, output_tensors=None, error: TritonError | None = None, parameters=None):
         self._outputs = list(output_tensors or [])
@@ -318,6 +331,7 @@ class InferenceRequest:
         self._parameters = dict(parameters or {})
         self._native = None
         self._sender = None
+        self._trace = trace if isinstance(trace, InferenceTrace) else None
 
     @classmethod
     def _incoming(cls, native, requested: list[str]) -> InferenceRequest:
@@ -333,6 +347,7 @@ class InferenceRequest:
         r._parameters = native.parameters
         r._native = native
         r._sender = None
+        r._trace = None
         return r
 
     def inputs(self) -> list[Tensor]:
@@ -362,6 +377,13 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return bool(self._native is not None and self._native.cancelled)
 
+    def trace(self) -> InferenceTrace:
+        native = self._native
+        if native is None:
+            return self._trace or InferenceTrace()
+        # in the server: the request's own trace; in a worker process: the context its parent sent along
+        return InferenceTrace(native.trace.traceparent() if native.trace is not None else native.traceparent)
+
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
             self._sender = InferenceResponseSender(self)
@@ -387,6 +409,9 @@ class InferenceRequest:
             timeout_us=self._timeout,
             correlation_id=self._correlation_id,
             flags=self._flags,
+            traceparent=_Nested(self._trace._traceparent)
+            if self._trace and self._trace._traceparent
+            else None,
         )
 
     def exec(self, decoupled: bool = False):

@@ -1,0 +1,169 @@
+"""What tracing costs: Naiad's throughput with tracing off, and in OpenTelemetry mode at rate 1000 and rate 1.
+
+Each round starts Naiad once per configuration (order rotated per round) on the bench's identity_16 model,
+pinned to CPU 0, and drives it with `wrk -t1 -c8` (JSON bodies, bench/lua/infer_json.lua) pinned to CPU 1.
+The OpenTelemetry configurations export over OTLP/HTTP to a real OpenTelemetry Collector (tools/go/otelcol,
+file exporter) on CPU 1. Prints the median requests/s per configuration and the change against "off".
+
+    python bench/trace_cost.py                 # 3 rounds x 5 s
+    python bench/trace_cost.py --rounds 5 --duration 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODELS = HERE / "models" / "repo"
+BODY = {"inputs": [{"name": "INPUT0", "shape": [16], "datatype": "FP32", "data": [0.5] * 16}]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_collector(workdir: Path) -> tuple[subprocess.Popen, int]:
+    out = subprocess.run(
+        ["bash", str(ROOT / "tools" / "go" / "build.sh"), "otelcol"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    binary = Path(out.stdout.strip().splitlines()[-1]) / "otelcol"
+    port = free_port()
+    config = workdir / "collector.yaml"
+    config.write_text(
+        f"receivers:\n  otlp:\n    protocols:\n      http:\n        endpoint: 127.0.0.1:{port}\n"
+        f"exporters:\n  file:\n    path: {workdir / 'spans.jsonl'}\n"
+        "service:\n  telemetry:\n    metrics:\n      level: none\n"
+        "  pipelines:\n    traces:\n      receivers: [otlp]\n      exporters: [file]\n"
+    )
+    proc = subprocess.Popen(
+        ["taskset", "-c", "1", str(binary), "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return proc, port
+
+
+def serve(trace_args: list[str]) -> tuple[subprocess.Popen, int]:
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "server"))
+    cmd = [
+        "taskset",
+        "-c",
+        "0",
+        sys.executable,
+        "-m",
+        "naiad.cli",
+        "serve",
+        f"--model-repository={MODELS}",
+        "--model-control-mode=explicit",
+        "--load-model=identity_16",
+        "--http-address=127.0.0.1",
+        f"--http-port={http}",
+        f"--grpc-port={grpc}",
+        f"--metrics-port={metrics}",
+        *trace_args,
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{http}/v2/models/identity_16/ready", timeout=1).ok:
+                return proc, http
+        except requests.RequestException:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("naiad did not become ready")
+
+
+def wrk(port: int, body: Path, duration: float) -> float:
+    env = dict(os.environ, BENCH_BODY=str(body))
+    url = f"http://127.0.0.1:{port}/v2/models/identity_16/infer"
+    lua = str(HERE / "lua" / "infer_json.lua")
+    subprocess.run(
+        ["taskset", "-c", "1", "wrk", "-t1", "-c8", "-d1s", "-s", lua, url], env=env, capture_output=True
+    )
+    out = subprocess.run(
+        ["taskset", "-c", "1", "wrk", "-t1", "-c8", f"-d{round(duration)}s", "-s", lua, url],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    result = json.loads(re.search(r"BENCH_RESULT (\{.*\})", out).group(1))
+    errors = sum(v for k, v in result.items() if k.startswith("err_"))
+    if errors:
+        raise RuntimeError(f"wrk reported {errors} errors: {result}")
+    return result["requests"] / (result["duration_us"] / 1e6)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--duration", type=float, default=5.0)
+    args = p.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="naiad-trace-cost-"))
+    body = workdir / "body.json"
+    body.write_text(json.dumps(BODY))
+    collector, port = start_collector(workdir)
+    otel = [
+        "--trace-config=mode=opentelemetry",
+        "--trace-config=level=TIMESTAMPS",
+        f"--trace-config=opentelemetry,url=http://127.0.0.1:{port}/v1/traces",
+    ]
+    configs = {
+        "off": [],
+        "opentelemetry rate=1000": [*otel, "--trace-config=rate=1000"],
+        "opentelemetry rate=1": [*otel, "--trace-config=rate=1"],
+    }
+    results: dict[str, list[float]] = {name: [] for name in configs}
+    try:
+        for rnd in range(args.rounds):
+            names = list(configs)
+            names = names[rnd % len(names) :] + names[: rnd % len(names)]
+            for name in names:
+                proc, http = serve(configs[name])
+                try:
+                    rps = wrk(http, body, args.duration)
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
+                results[name].append(rps)
+                print(f"round {rnd + 1} {name:26s} {rps:9.1f} req/s", flush=True)
+    finally:
+        collector.terminate()
+        collector.wait(10)
+    spans = workdir / "spans.jsonl"
+    exported = sum(1 for _ in spans.open()) if spans.exists() else 0
+    base = statistics.median(results["off"])
+    print(
+        f"\nmedian of {args.rounds} rounds x {args.duration:g} s, wrk -c8, identity_16 JSON; load {os.getloadavg()}"
+    )
+    for name, values in results.items():
+        med = statistics.median(values)
+        print(
+            f"{name:26s} {med:9.1f} req/s [{min(values):.1f}-{max(values):.1f}]  {100 * (med / base - 1):+5.1f}%"
+        )
+    print(f"collector received {exported} OTLP export requests")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -63,7 +64,10 @@ def start_collector(workdir: Path) -> tuple[subprocess.Popen, int]:
 
 def serve(trace_args: list[str]) -> tuple[subprocess.Popen, int]:
     http, grpc, metrics = free_port(), free_port(), free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "server"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "server"), os.environ.get("PYTHONPATH")])),
+    )
     cmd = [
         "taskset",
         "-c",
@@ -114,15 +118,56 @@ def wrk(port: int, body: Path, duration: float) -> float:
     return result["requests"] / (result["duration_us"] / 1e6)
 
 
+def _client(port: int, body: bytes, start: float, end: float, cpu: int, out) -> None:
+    """One keep-alive connection posting `body` in a loop; counts the 200s answered inside [start, end)."""
+    import http.client
+
+    os.sched_setaffinity(0, {cpu})
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    headers = {"Content-Type": "application/json"}
+    done = 0
+    while (now := time.time()) < end:
+        conn.request("POST", "/v2/models/identity_16/infer", body, headers)
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}")
+        if now >= start:
+            done += 1
+    out.put(done)
+
+
+def pyload(port: int, body: Path, duration: float, connections: int = 8) -> float:
+    """wrk's job where there is no wrk: `connections` processes, one connection each, on CPUs 1.."""
+    import multiprocessing as mp
+
+    cpus = sorted(os.sched_getaffinity(0) - {0})
+    data = body.read_bytes()
+    start = time.time() + 1.0  # one second of warm-up
+    end = start + duration
+    q = mp.Queue()
+    procs = [
+        mp.Process(target=_client, args=(port, data, start, end, cpus[i % len(cpus)], q))
+        for i in range(connections)
+    ]
+    for pr in procs:
+        pr.start()
+    total = sum(q.get() for _ in procs)
+    for pr in procs:
+        pr.join()
+    return total / duration
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--collector", help="an otelcol binary (default: tools/go/build.sh otelcol)")
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="naiad-trace-cost-"))
     body = workdir / "body.json"
     body.write_text(json.dumps(BODY))
-    collector, port = start_collector(workdir)
+    collector, port = start_collector(workdir, args.collector)
     otel = [
         "--trace-config=mode=opentelemetry",
         "--trace-config=level=TIMESTAMPS",
@@ -141,7 +186,7 @@ def main() -> int:
             for name in names:
                 proc, http = serve(configs[name])
                 try:
-                    rps = wrk(http, body, args.duration)
+                    rps = (wrk if shutil.which("wrk") else pyload)(http, body, args.duration)
                 finally:
                     proc.terminate()
                     proc.wait(30)
@@ -153,9 +198,9 @@ def main() -> int:
     spans = workdir / "spans.jsonl"
     exported = sum(1 for _ in spans.open()) if spans.exists() else 0
     base = statistics.median(results["off"])
-    print(
-        f"\nmedian of {args.rounds} rounds x {args.duration:g} s, wrk -c8, identity_16 JSON; load {os.getloadavg()}"
-    )
+    tool = "wrk -c8" if shutil.which("wrk") else "8 python client processes"
+    print(f"\nmedian of {args.rounds} rounds x {args.duration:g} s, {tool}, identity_16 JSON")
+    print(f"load average {os.getloadavg()}")
     for name, values in results.items():
         med = statistics.median(values)
         print(

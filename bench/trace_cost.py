@@ -62,11 +62,11 @@ def start_collector(workdir: Path) -> tuple[subprocess.Popen, int]:
     return proc, port
 
 
-def serve(trace_args: list[str]) -> tuple[subprocess.Popen, int]:
+def serve(trace_args: list[str], server_dir: Path = ROOT / "server") -> tuple[subprocess.Popen, int]:
     http, grpc, metrics = free_port(), free_port(), free_port()
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "server"), os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(server_dir), os.environ.get("PYTHONPATH")])),
     )
     cmd = [
         "taskset",
@@ -163,6 +163,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--collector", help="an otelcol binary (default: tools/go/build.sh otelcol)")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another Naiad's server/ directory (e.g. `git archive <commit> server`) run with tracing off too",
+    )
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="naiad-trace-cost-"))
     body = workdir / "body.json"
@@ -178,13 +183,17 @@ def main() -> int:
         "opentelemetry rate=1000": [*otel, "--trace-config=rate=1000"],
         "opentelemetry rate=1": [*otel, "--trace-config=rate=1"],
     }
+    dirs = {name: ROOT / "server" for name in configs}
+    if args.baseline:
+        configs["off, baseline"] = []
+        dirs["off, baseline"] = args.baseline
     results: dict[str, list[float]] = {name: [] for name in configs}
     try:
         for rnd in range(args.rounds):
             names = list(configs)
             names = names[rnd % len(names) :] + names[: rnd % len(names)]
             for name in names:
-                proc, http = serve(configs[name])
+                proc, http = serve(configs[name], dirs[name])
                 try:
                     rps = (wrk if shutil.which("wrk") else pyload)(http, body, args.duration)
                 finally:

@@ -38,14 +38,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_collector(workdir: Path) -> tuple[subprocess.Popen, int]:
-    out = subprocess.run(
-        ["bash", str(ROOT / "tools" / "go" / "build.sh"), "otelcol"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    binary = Path(out.stdout.strip().splitlines()[-1]) / "otelcol"
+def start_collector(workdir: Path, binary: str | None) -> tuple[subprocess.Popen, int]:
+    if binary is None:
+        out = subprocess.run(
+            ["bash", str(ROOT / "tools" / "go" / "build.sh"), "otelcol"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        binary = str(Path(out.stdout.strip().splitlines()[-1]) / "otelcol")
     port = free_port()
     config = workdir / "collector.yaml"
     config.write_text(

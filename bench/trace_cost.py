@@ -3,7 +3,8 @@
 Each round starts Naiad once per configuration (order rotated per round) on the bench's identity_16 model,
 pinned to CPU 0, and drives it with `wrk -t1 -c8` (JSON bodies, bench/lua/infer_json.lua) pinned to CPU 1.
 The OpenTelemetry configurations export over OTLP/HTTP to a real OpenTelemetry Collector (tools/go/otelcol,
-file exporter) on CPU 1. Prints the median requests/s per configuration and the change against "off".
+file exporter) on CPU 1. Prints the median requests/s per configuration and the server's CPU time per request
+(from /proc: what the other load on a shared machine moves least), each with its change against "off".
 
     python bench/trace_cost.py                 # 3 rounds x 5 s
     python bench/trace_cost.py --rounds 5 --duration 10
@@ -15,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import socket
 import statistics
 import subprocess
@@ -98,13 +98,15 @@ def serve(trace_args: list[str], server_dir: Path = ROOT / "server") -> tuple[su
     raise RuntimeError("naiad did not become ready")
 
 
-def wrk(port: int, body: Path, duration: float) -> float:
+def wrk(port: int, body: Path, duration: float, pid: int) -> tuple[float, float]:
+    """Requests/s, and the server's CPU microseconds per request (what other load on the machine moves least)."""
     env = dict(os.environ, BENCH_BODY=str(body))
     url = f"http://127.0.0.1:{port}/v2/models/identity_16/infer"
     lua = str(HERE / "lua" / "infer_json.lua")
     subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", "-c8", "-d1s", "-s", lua, url], env=env, capture_output=True
     )
+    cpu = cpu_seconds(pid)
     out = subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", "-c8", f"-d{round(duration)}s", "-s", lua, url],
         env=env,
@@ -112,51 +114,18 @@ def wrk(port: int, body: Path, duration: float) -> float:
         text=True,
         check=True,
     ).stdout
+    cpu = cpu_seconds(pid) - cpu
     result = json.loads(re.search(r"BENCH_RESULT (\{.*\})", out).group(1))
     errors = sum(v for k, v in result.items() if k.startswith("err_"))
     if errors:
         raise RuntimeError(f"wrk reported {errors} errors: {result}")
-    return result["requests"] / (result["duration_us"] / 1e6)
+    return result["requests"] / (result["duration_us"] / 1e6), 1e6 * cpu / result["requests"]
 
 
-def _client(port: int, body: bytes, start: float, end: float, cpu: int, out) -> None:
-    """One keep-alive connection posting `body` in a loop; counts the 200s answered inside [start, end)."""
-    import http.client
-
-    os.sched_setaffinity(0, {cpu})
-    conn = http.client.HTTPConnection("127.0.0.1", port)
-    headers = {"Content-Type": "application/json"}
-    done = 0
-    while (now := time.time()) < end:
-        conn.request("POST", "/v2/models/identity_16/infer", body, headers)
-        r = conn.getresponse()
-        r.read()
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}")
-        if now >= start:
-            done += 1
-    out.put(done)
-
-
-def pyload(port: int, body: Path, duration: float, connections: int = 8) -> float:
-    """wrk's job where there is no wrk: `connections` processes, one connection each, on CPUs 1.."""
-    import multiprocessing as mp
-
-    cpus = sorted(os.sched_getaffinity(0) - {0})
-    data = body.read_bytes()
-    start = time.time() + 1.0  # one second of warm-up
-    end = start + duration
-    q = mp.Queue()
-    procs = [
-        mp.Process(target=_client, args=(port, data, start, end, cpus[i % len(cpus)], q))
-        for i in range(connections)
-    ]
-    for pr in procs:
-        pr.start()
-    total = sum(q.get() for _ in procs)
-    for pr in procs:
-        pr.join()
-    return total / duration
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (its threads included), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -189,6 +158,7 @@ def main() -> int:
         configs["off, baseline"] = []
         dirs["off, baseline"] = args.baseline
     results: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}
     try:
         for rnd in range(args.rounds):
             names = list(configs)
@@ -196,25 +166,28 @@ def main() -> int:
             for name in names:
                 proc, http = serve(configs[name], dirs[name])
                 try:
-                    rps = (wrk if shutil.which("wrk") else pyload)(http, body, args.duration)
+                    rps, cpu_us = wrk(http, body, args.duration, proc.pid)
                 finally:
                     proc.terminate()
                     proc.wait(30)
                 results[name].append(rps)
-                print(f"round {rnd + 1} {name:26s} {rps:9.1f} req/s", flush=True)
+                cpu[name].append(cpu_us)
+                print(f"round {rnd + 1} {name:26s} {rps:9.1f} req/s {cpu_us:7.1f} CPU us/request", flush=True)
     finally:
         collector.terminate()
         collector.wait(10)
     spans = workdir / "spans.jsonl"
     exported = sum(1 for _ in spans.open()) if spans.exists() else 0
     base = statistics.median(results["off"])
-    tool = "wrk -c8" if shutil.which("wrk") else "8 python client processes"
-    print(f"\nmedian of {args.rounds} rounds x {args.duration:g} s, {tool}, identity_16 JSON")
+    base_cpu = statistics.median(cpu["off"])
+    print(f"\nmedian of {args.rounds} rounds x {args.duration:g} s, wrk -c8, identity_16 JSON")
     print(f"load average {os.getloadavg()}")
+    print(f"{'':26s} {'req/s [min-max]':>26s} {'vs off':>7s} {'CPU us/req':>11s} {'vs off':>7s}")
     for name, values in results.items():
-        med = statistics.median(values)
+        med, med_cpu = statistics.median(values), statistics.median(cpu[name])
         print(
-            f"{name:26s} {med:9.1f} req/s [{min(values):.1f}-{max(values):.1f}]  {100 * (med / base - 1):+5.1f}%"
+            f"{name:26s} {med:9.1f} [{min(values):6.0f}-{max(values):6.0f}] {100 * (med / base - 1):+6.1f}% "
+            f"{med_cpu:11.1f} {100 * (med_cpu / base_cpu - 1):+6.1f}%"
         )
     print(f"collector received {exported} OTLP export requests")
     return 0

@@ -69,6 +69,7 @@ class Tracer:
         self._seen: dict[str, int] = {}
         self._traced: dict[str, int] = {}
         self._entries: dict[str, list] = {}
+        self._merged: dict[str, dict] = {}
         self._active = False  # any setting asks for TIMESTAMPS: requests skip the tracer entirely otherwise
         self.otel_settings: dict = {}  # `--trace-config opentelemetry,...` (startup only, as in Triton)
         self._otel = None  # OtelExporter, created when the mode is first `opentelemetry`
@@ -107,10 +108,17 @@ class Tracer:
         return out
 
     def get(self, model: str = "") -> dict:
-        with self._lock:
-            merged = dict(self.global_settings)
-            merged.update(self.model_settings.get(model, {}))
-            return merged
+        return dict(self._effective(model))
+
+    def _effective(self, model: str) -> dict:
+        """A model's settings (its overrides on the global ones), cached until the next update; not a copy."""
+        merged = self._merged.get(model)
+        if merged is None:
+            with self._lock:
+                merged = dict(self.global_settings)
+                merged.update(self.model_settings.get(model, {}))
+                self._merged[model] = merged
+        return merged
 
     def update(self, changes: dict, model: str = "") -> dict:
         if not isinstance(changes, dict):
@@ -127,6 +135,7 @@ class Tracer:
                 else:
                     target[key] = value
             self._traced.clear()
+            self._merged = {}
             active = any(
                 "TIMESTAMPS" in s.get("trace_level", ())
                 for s in [self.global_settings, *self.model_settings.values()]
@@ -151,7 +160,7 @@ class Tracer:
         if not self._active:
             return None
         model = mv.name
-        s = self.get(model)
+        s = self._effective(model)
         if "TIMESTAMPS" not in s["trace_level"]:
             return None
         otel = self._otel if self.global_settings["trace_mode"] == "opentelemetry" else None
@@ -198,7 +207,7 @@ class Tracer:
         if record.span is not None:
             self._otel.end(record, error)
             return
-        s = self.get(mv.name)
+        s = self._effective(mv.name)
         if not s["trace_file"]:
             return
         entry = {"id": record.id, "model_name": mv.name, "model_version": int(mv.version)}

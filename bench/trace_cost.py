@@ -128,11 +128,47 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tracer_cost(url: str, n: int = 20000) -> dict[str, float]:
+    """CPU microseconds the tracer adds to one request in this process (start + finish, schedulers' timestamps
+    included), by configuration: a figure the machine's other load does not move."""
+    import types
+
+    sys.path.insert(0, str(ROOT / "server"))
+    from naiad.inference import InferenceRequest
+    from naiad.trace import Tracer
+
+    mv = types.SimpleNamespace(name="identity_16", version=1)
+    otel = {"trace_mode": "opentelemetry", "trace_level": ["TIMESTAMPS"]}
+    out = {}
+    for name, settings in (
+        ("off", {}),
+        ("opentelemetry rate=1000", {**otel, "trace_rate": "1000"}),
+        ("opentelemetry rate=1", {**otel, "trace_rate": "1"}),
+    ):
+        tracer = Tracer()
+        tracer.otel_settings = {"url": url}
+        tracer.update(settings)
+        requests_ = [InferenceRequest("identity_16", {}, {}) for _ in range(n)]
+        t0 = time.process_time()
+        for req in requests_:
+            trace = tracer.start(mv, req)
+            if trace is not None:
+                now = time.monotonic_ns()
+                trace.append(("QUEUE_START", now))
+                trace.extend((("COMPUTE_START", now), ("COMPUTE_INPUT_END", now)))
+                trace.extend((("COMPUTE_OUTPUT_START", now), ("COMPUTE_END", now)))
+                tracer.finish(mv, trace)
+        out[name] = 1e6 * (time.process_time() - t0) / n
+        tracer.shutdown()
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--collector", help="an otelcol binary (default: tools/go/build.sh otelcol)")
+    p.add_argument("--micro", action="store_true", help="only the in-process tracer cost per request")
     p.add_argument(
         "--baseline",
         type=Path,
@@ -142,6 +178,15 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="naiad-trace-cost-"))
     body = workdir / "body.json"
     body.write_text(json.dumps(BODY))
+    if args.micro:
+        collector, port = start_collector(workdir, args.collector)
+        try:
+            micro = tracer_cost(f"http://127.0.0.1:{port}/v1/traces")
+        finally:
+            collector.terminate()
+            collector.wait(10)
+        print("tracer CPU per request, in-process: " + ", ".join(f"{k} {v:.2f} us" for k, v in micro.items()))
+        return 0
     collector, port = start_collector(workdir, args.collector)
     otel = [
         "--trace-config=mode=opentelemetry",
@@ -190,6 +235,13 @@ def main() -> int:
             f"{med_cpu:11.1f} {100 * (med_cpu / base_cpu - 1):+6.1f}%"
         )
     print(f"collector received {exported} OTLP export requests")
+    collector, port = start_collector(workdir, args.collector)
+    try:
+        micro = tracer_cost(f"http://127.0.0.1:{port}/v1/traces")
+    finally:
+        collector.terminate()
+        collector.wait(10)
+    print("tracer CPU per request, in-process: " + ", ".join(f"{k} {v:.2f} us" for k, v in micro.items()))
     return 0
 
 

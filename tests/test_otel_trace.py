@@ -363,6 +363,12 @@ def test_trace_settings_change_sampling_live(server, collector):
     try:
         r = requests.post(url, json={"trace_rate": "0"})
         assert r.status_code == 200 and r.json()["trace_mode"] == "opentelemetry", r.text
+        r = requests.post(
+            f"{server.url}/v2/models/identity_fp32/trace/setting", json={"trace_mode": "triton"}
+        )
+        assert r.status_code == 400 and "global" in r.json()["error"]
+        r = requests.post(url, json={"trace_mode": "jaeger"})
+        assert r.status_code == 400 and "trace_mode" in r.json()["error"]
         before = {s["traceId"] for s in collector.spans()}
         _identity_http(server)
         header, trace_id, _ = _traceparent()
@@ -386,6 +392,8 @@ def test_trace_settings_change_sampling_live(server, collector):
 
 
 def test_otlp_grpc_export(model_repo, traced_repo, collector):
+    import tritonclient.grpc as grpcclient
+
     proc = _serve(
         model_repo,
         traced_repo,
@@ -404,12 +412,21 @@ def test_otlp_grpc_export(model_repo, traced_repo, collector):
         "opentelemetry,resource=test.key=test.value",
         "--trace-config",
         "opentelemetry,bsp_schedule_delay=50",
+        "--grpc-implementation",
+        "grpcio",
     )
     try:
         header, trace_id, span_id = _traceparent()
         _identity_http(proc, {"traceparent": header})  # rate 1000: traced for its context alone
         spans = collector.trace(trace_id, 3)
         _check_request_spans(spans, "identity_fp32", span_id)
+        # and grpc.aio's metadata (this server runs --grpc-implementation grpcio)
+        header, trace_id, span_id = _traceparent()
+        with grpcclient.InferenceServerClient(proc.grpc) as client:
+            inp = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+            inp.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+            client.infer("identity_fp32", [inp], headers={"traceparent": header})
+        _check_request_spans(collector.trace(trace_id, 3), "identity_fp32", span_id)
     finally:
         proc.stop()
 

@@ -124,7 +124,10 @@ class Tracer:
         if not isinstance(changes, dict):
             raise InvalidArgument("trace settings must be a JSON object")
         valid = self._validated(changes)
+        if model and "trace_mode" in valid:
+            raise InvalidArgument("trace_mode is a global trace setting, not a model's")
         with self._lock:
+            before = (dict(self.global_settings), {m: dict(v) for m, v in self.model_settings.items()})
             target = self.model_settings.setdefault(model, {}) if model else self.global_settings
             for key, value in valid.items():
                 if value is None:  # null clears a model override / restores the default
@@ -143,7 +146,11 @@ class Tracer:
             if active and self.global_settings["trace_mode"] == "opentelemetry" and self._otel is None:
                 from .otel import OtelExporter
 
-                self._otel = OtelExporter(self.otel_settings)
+                try:
+                    self._otel = OtelExporter(self.otel_settings)
+                except Exception:  # e.g. no SDK installed: the settings stay as they were
+                    self.global_settings, self.model_settings = before
+                    raise
             self._active = active
         self.flush()
         return self.get(model)

@@ -356,19 +356,31 @@ def test_bls_call_with_trace_is_a_child(server, collector, model):
 
 
 def test_trace_settings_change_sampling_live(server, collector):
-    """rate=0 keeps only requests with a client context; level OFF none; both through the settings API."""
+    """A rate no request reaches keeps only requests with a client context; level OFF none; both through the
+    settings APIs. In this mode the settings read as Triton's (recorded in docs/triton-behaviour.md)."""
     import tritonclient.grpc as grpcclient
 
     url = f"{server.url}/v2/trace/setting"
+    settings = requests.get(url).json()
+    assert settings == {
+        "trace_level": ["TIMESTAMPS"],
+        "trace_rate": "1",
+        "trace_count": "-1",
+        "trace_mode": "opentelemetry",
+        "url": f"http://127.0.0.1:{collector.http_port}/v1/traces",
+        "resource": "service.name=naiad-under-test,test.key=test.value",
+        "bsp_max_export_batch_size": "512",
+        "bsp_schedule_delay": "50",
+        "bsp_max_queue_size": "2048",
+    }
+    # as Triton: rate 0 only at start, the mode and the exporter's settings ignored
+    r = requests.post(url, json={"trace_rate": "0"})
+    assert r.status_code == 400 and "sample rate must be non-zero" in r.json()["error"]
+    r = requests.post(url, json={"trace_mode": "triton", "url": "http://elsewhere:4318"})
+    assert r.status_code == 200 and r.json() == settings
     try:
-        r = requests.post(url, json={"trace_rate": "0"})
-        assert r.status_code == 200 and r.json()["trace_mode"] == "opentelemetry", r.text
-        r = requests.post(
-            f"{server.url}/v2/models/identity_fp32/trace/setting", json={"trace_mode": "triton"}
-        )
-        assert r.status_code == 400 and "global" in r.json()["error"]
-        r = requests.post(url, json={"trace_mode": "jaeger"})
-        assert r.status_code == 400 and "trace_mode" in r.json()["error"]
+        r = requests.post(url, json={"trace_rate": "1000000"})
+        assert r.status_code == 200 and r.json()["trace_rate"] == "1000000", r.text
         before = {s["traceId"] for s in collector.spans()}
         _identity_http(server)
         header, trace_id, _ = _traceparent()
@@ -379,7 +391,8 @@ def test_trace_settings_change_sampling_live(server, collector):
 
         with grpcclient.InferenceServerClient(server.grpc) as client:
             client.update_trace_settings(settings={"trace_level": ["OFF"]})
-            assert client.get_trace_settings(as_json=True)["settings"]["trace_level"]["value"] == ["OFF"]
+            got = client.get_trace_settings(as_json=True)["settings"]
+            assert got["trace_level"]["value"] == ["OFF"] and got["trace_mode"]["value"] == ["opentelemetry"]
         header, trace_id, _ = _traceparent()
         _identity_http(server, {"traceparent": header})
         time.sleep(1.0)
@@ -403,6 +416,8 @@ def test_otlp_grpc_export(model_repo, traced_repo, collector):
         "--trace-config",
         "level=TIMESTAMPS",
         "--trace-config",
+        "rate=0",
+        "--trace-config",
         "opentelemetry,protocol=grpc",
         "--trace-config",
         f"opentelemetry,url=http://127.0.0.1:{collector.grpc_port}",
@@ -417,9 +432,13 @@ def test_otlp_grpc_export(model_repo, traced_repo, collector):
     )
     try:
         header, trace_id, span_id = _traceparent()
-        _identity_http(proc, {"traceparent": header})  # rate 1000: traced for its context alone
+        before = {s["traceId"] for s in collector.spans()}
+        _identity_http(proc)  # rate=0: not traced
+        _identity_http(proc, {"traceparent": header})  # traced for its context alone
         spans = collector.trace(trace_id, 3)
         _check_request_spans(spans, "identity_fp32", span_id)
+        time.sleep(0.5)
+        assert {s["traceId"] for s in collector.spans()} - before == {trace_id}
         # and grpc.aio's metadata (this server runs --grpc-implementation grpcio)
         header, trace_id, span_id = _traceparent()
         with grpcclient.InferenceServerClient(proc.grpc) as client:

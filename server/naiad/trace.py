@@ -30,6 +30,10 @@ DEFAULTS = {
 }
 _LEVELS = {"OFF", "TIMESTAMPS", "TENSORS"}
 _MODES = ("triton", "opentelemetry")
+# settings the trace extension reports in mode opentelemetry but does not change (Triton ignores them too)
+_STARTUP_ONLY = frozenset(
+    ("trace_mode", "url", "resource", "bsp_max_export_batch_size", "bsp_schedule_delay", "bsp_max_queue_size")
+)
 _MAX_KEPT = 100_000
 
 
@@ -74,12 +78,14 @@ class Tracer:
         self.otel_settings: dict = {}  # `--trace-config opentelemetry,...` (startup only, as in Triton)
         self._otel = None  # OtelExporter, created when the mode is first `opentelemetry`
         if settings:
-            self.update(settings)
+            self.update(settings, startup=True)
 
     # ---- settings ----
-    def _validated(self, changes: dict) -> dict:
+    def _validated(self, changes: dict, startup: bool) -> dict:
         out = {}
         for key, value in changes.items():
+            if not startup and key in _STARTUP_ONLY:
+                continue  # as Triton: the mode and the exporter's settings are fixed at start, updates ignored
             if key not in DEFAULTS:
                 raise InvalidArgument(f"unknown trace setting '{key}'")
             if value is None:
@@ -99,7 +105,11 @@ class Tracer:
                     n = int(value)
                 except (TypeError, ValueError):
                     raise InvalidArgument(f"trace setting '{key}' must be an integer") from None
-                # trace_rate 0: no request is sampled, only those carrying a traceparent (opentelemetry mode)
+                if key == "trace_rate" and n == 0 and not startup:
+                    # Triton's words; `--trace-config rate=0` (only requests with a traceparent) is allowed
+                    raise InvalidArgument(
+                        "Attempting to set invalid trace setting :sample rate must be non-zero"
+                    )
                 if n < (-1 if key == "trace_count" else 0):
                     raise InvalidArgument(f"trace setting '{key}' is out of range: {n}")
                 out[key] = str(n)
@@ -108,7 +118,21 @@ class Tracer:
         return out
 
     def get(self, model: str = "") -> dict:
-        return dict(self._effective(model))
+        """The settings as the trace extension reports them; in mode opentelemetry, Triton's set: no file
+        settings, the exporter's instead."""
+        settings = dict(self._effective(model))
+        if settings["trace_mode"] != "opentelemetry":
+            return settings
+        from .otel import DEFAULTS as OTEL_DEFAULTS
+
+        otel = {**OTEL_DEFAULTS, **self.otel_settings}
+        del settings["trace_file"], settings["log_frequency"]
+        settings["url"] = otel["url"]
+        if self.otel_settings.get("resource"):
+            settings["resource"] = ",".join(f"{k}={v}" for k, v in self.otel_settings["resource"].items())
+        for key in ("bsp_max_export_batch_size", "bsp_schedule_delay", "bsp_max_queue_size"):
+            settings[key] = str(otel[key])
+        return settings
 
     def _effective(self, model: str) -> dict:
         """A model's settings (its overrides on the global ones), cached until the next update; not a copy."""
@@ -120,12 +144,11 @@ class Tracer:
                 self._merged[model] = merged
         return merged
 
-    def update(self, changes: dict, model: str = "") -> dict:
+    def update(self, changes: dict, model: str = "", startup: bool = False) -> dict:
+        """Apply settings from the trace extension (or, `startup`, from `--trace-config`)."""
         if not isinstance(changes, dict):
             raise InvalidArgument("trace settings must be a JSON object")
-        valid = self._validated(changes)
-        if model and "trace_mode" in valid:
-            raise InvalidArgument("trace_mode is a global trace setting, not a model's")
+        valid = self._validated(changes, startup)
         with self._lock:
             before = (dict(self.global_settings), {m: dict(v) for m, v in self.model_settings.items()})
             target = self.model_settings.setdefault(model, {}) if model else self.global_settings

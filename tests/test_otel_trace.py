@@ -83,7 +83,24 @@ service:
       exporters: [file]
 """
 
+FAILING_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise pb_utils.TritonModelException("this model always fails")
+"""
+
+FAILING_CONFIG = """
+name: "failing"
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+"""
+
 LOADED = [
+    "failing",
     "identity_fp32",
     "add_sub",
     "bls_traced",
@@ -170,6 +187,9 @@ def traced_repo(tmp_path_factory) -> Path:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text("import numpy as np\n" + BLS_MODEL)
         (repo / name / "config.pbtxt").write_text(BLS_CONFIG.format(name=name, isolation=isolation))
+    (repo / "failing" / "1").mkdir(parents=True)
+    (repo / "failing" / "1" / "model.py").write_text(FAILING_MODEL)
+    (repo / "failing" / "config.pbtxt").write_text(FAILING_CONFIG)
     return repo
 
 
@@ -353,6 +373,25 @@ def test_bls_call_with_trace_is_a_child(server, collector, model):
     }, spans
     by = _by_name(spans)
     assert context["traceparent"].split("-")[2] == by[model][0]["spanId"]
+
+
+def test_failed_request_spans_have_error_status(server, collector):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    header, trace_id, span_id = _traceparent()
+    with httpclient.InferenceServerClient(server.http) as client:
+        inp = httpclient.InferInput("INPUT0", [4], "FP32")
+        inp.set_data_from_numpy(np.ones(4, dtype=np.float32))
+        with pytest.raises(InferenceServerException, match="always fails"):
+            client.infer("failing", [inp], headers={"traceparent": header})
+    spans = collector.trace(trace_id, 3)
+    assert _children(spans) == {"InferRequest": ["failing"], "failing": ["compute"]}, spans
+    by = _by_name(spans)
+    for name in ("InferRequest", "failing"):
+        status = by[name][0]["status"]
+        assert status["code"] in (2, "STATUS_CODE_ERROR") and "always fails" in status["message"], status
+    assert by["InferRequest"][0]["parentSpanId"] == span_id
 
 
 def test_trace_settings_change_sampling_live(server, collector):

@@ -315,8 +315,9 @@ def test_grpc_metadata_traceparent(server, collector):
 
 
 def test_sampled_request_without_context_is_a_root(server, collector):
+    """No usable context (a malformed traceparent counts as none): a trace of its own, when sampled."""
     before = {s["traceId"] for s in collector.spans()}
-    _identity_http(server)
+    _identity_http(server, {"traceparent": "00-not-a-trace-context"})
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         new = [s for s in collector.spans() if s["traceId"] not in before]

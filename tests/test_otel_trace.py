@@ -101,6 +101,7 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 
 LOADED = [
     "failing",
+    "repeat",
     "identity_fp32",
     "add_sub",
     "bls_traced",
@@ -374,6 +375,38 @@ def test_bls_call_with_trace_is_a_child(server, collector, model):
     }, spans
     by = _by_name(spans)
     assert context["traceparent"].split("-")[2] == by[model][0]["spanId"]
+
+
+def test_decoupled_stream_with_metadata_traceparent(server, collector):
+    """A decoupled model over a gRPC stream whose metadata carries the context: one INFER_RESPONSE_COMPLETE
+    event on InferRequest per response, as Triton records them."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    header, trace_id, span_id = _traceparent()
+    results: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        client.start_stream(
+            callback=lambda result, error: results.put(error or result), headers={"traceparent": header}
+        )
+        inputs = [grpcclient.InferInput("IN", [1], "INT32"), grpcclient.InferInput("COUNT", [1], "INT32")]
+        inputs[0].set_data_from_numpy(np.array([7], dtype=np.int32))
+        inputs[1].set_data_from_numpy(np.array([4], dtype=np.int32))
+        client.async_stream_infer("repeat", inputs)
+        got = [results.get(timeout=30) for _ in range(4)]
+        client.stop_stream()
+    assert all(not isinstance(r, Exception) for r in got), got
+    spans = collector.trace(trace_id, 3)
+    assert _children(spans) == {"InferRequest": ["repeat"], "repeat": ["compute"]}, spans
+    by = _by_name(spans)
+    root, span = by["InferRequest"][0], by["repeat"][0]
+    assert root["parentSpanId"] == span_id
+    responses = [t for n, t in _events(root) if n == "INFER_RESPONSE_COMPLETE"]
+    assert len(responses) >= 4 and responses == sorted(responses)
+    events = _events(span)
+    assert [n for n, _ in events] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    assert events[0][1] <= responses[0] and responses[-1] <= events[-1][1]
 
 
 def test_failed_request_spans_have_error_status(server, collector):

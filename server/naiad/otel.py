@@ -3,7 +3,8 @@
 Spans, as Triton names them: `InferRequest` (the request as a frontend received it; a child of the client's span
 when the request carried a W3C `traceparent`), its child `<model name>` with the REQUEST_START, QUEUE_START and
 REQUEST_END events and `model_name`/`model_version`/`request_id` attributes, and that span's child `compute` with
-the COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START and COMPUTE_END events. Ensemble steps and BLS calls
+the COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START and COMPUTE_END events; a decoupled model's
+responses are INFER_RESPONSE_COMPLETE events on `InferRequest`. Ensemble steps and BLS calls
 made with `trace=request.trace()` are model spans under the calling model's span. Spans go through a
 BatchSpanProcessor: a bounded queue that a request never waits on (a full queue drops spans, as the SDK does).
 Needs the `otel` extra (opentelemetry-sdk and the OTLP exporters); imported only when the mode is chosen.
@@ -136,8 +137,11 @@ class OtelExporter:
         span = record.span
         compute = [(n, ns) for n, ns in record if n in COMPUTE_EVENTS]
         for name, ns in record:
-            if name not in COMPUTE_EVENTS:
-                span.add_event(name, timestamp=ns + offset)
+            if name in COMPUTE_EVENTS:
+                continue
+            # Triton records each streamed response on the request's top span
+            target = record.root if name == "INFER_RESPONSE_COMPLETE" and record.root is not None else span
+            target.add_event(name, timestamp=ns + offset)
         if compute:
             times = dict(compute)
             first, last = min(ns for _, ns in compute), max(ns for _, ns in compute)

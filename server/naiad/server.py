@@ -259,10 +259,14 @@ class Server:
         user_callback = request.response_callback
         started = time.monotonic_ns()
         counter = [0]
+        trace = self.tracer.start(mv, request)
+        error = execution = None
 
         def deliver(resp: InferenceResponse) -> None:
             key = str(counter[0])
             counter[0] += 1
+            if trace is not None:
+                trace.append(("INFER_RESPONSE_COMPLETE", time.monotonic_ns()))
             mv.stats.record_response(
                 key,
                 time.monotonic_ns() - started,
@@ -274,13 +278,14 @@ class Server:
         request.response_callback = deliver
         self._inflight += 1
         try:
-            run = loop.create_task(mv.infer(request))
+            run = execution = loop.create_task(mv.infer(request))
             while True:
                 getter = loop.create_task(queue.get())
                 done, _ = await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     resp = getter.result()
                     resp.model_name, resp.model_version, resp.id = mv.name, str(mv.version), request.id
+                    error = resp.error or error
                     if resp.error is None:
                         self._postprocess(mv, request, resp)
                     if user_callback is not None:
@@ -292,6 +297,7 @@ class Server:
                 getter.cancel()
                 exc = run.exception()
                 if exc is not None:
+                    error = exc
                     raise exc
                 # execute returned; keep waiting for responses sent later from the model's own threads
                 run = loop.create_future()
@@ -300,6 +306,12 @@ class Server:
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
+            if trace is not None:
+                # the final response can arrive before the execution has recorded its compute timestamps
+                if execution is None or execution.done():
+                    self.tracer.finish(mv, trace, error)
+                else:
+                    execution.add_done_callback(lambda _: self.tracer.finish(mv, trace, error))
 
     def _postprocess(self, mv, request: InferenceRequest, response: InferenceResponse) -> None:
         """Classification extension: replace outputs asked for with `classification: k` by top-k labels."""

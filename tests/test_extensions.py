@@ -156,6 +156,34 @@ def test_trace_timestamps_written(model_repo, tmp_path):
     assert ns == sorted(ns)
 
 
+def test_trace_config_triton_file_and_ensemble_parent_id(model_repo, tmp_path):
+    """`--trace-config triton,file=...` (Triton's spelling); a traced ensemble's steps carry its id as parent_id."""
+    trace_file = tmp_path / "trace.json"
+    with NaiadProcess(
+        model_repo,
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        "ensemble_mlp",
+        "--trace-config",
+        "level=TIMESTAMPS",
+        "--trace-config",
+        "rate=1",
+        "--trace-config",
+        f"triton,file={trace_file}",
+    ) as proc:
+        client = httpclient.InferenceServerClient(proc.http)
+        inp = httpclient.InferInput("FEATURES", [1, 16], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 16), dtype=np.float32))
+        client.infer("ensemble_mlp", [inp])
+    models = {e["model_name"]: e for e in json.loads(trace_file.read_text()) if "model_name" in e}
+    assert set(models) == {"ensemble_mlp", "mlp_onnx", "scale_python"}
+    assert "parent_id" not in models["ensemble_mlp"]
+    assert (
+        models["mlp_onnx"]["parent_id"] == models["ensemble_mlp"]["id"] == models["scale_python"]["parent_id"]
+    )
+
+
 def test_restricted_apis(model_repo):
     with NaiadProcess(
         model_repo,

@@ -47,7 +47,9 @@ def main() -> int:
     wanted = "\n" + render() + "\n"
     if "--check" in sys.argv[1:]:
         if text[start:end] != wanted:
-            print("README.md's flag table differs from `naiad serve --help`: run python tools/readme_flags.py")
+            print(
+                "README.md's flag table differs from `naiad serve --help`: run python tools/readme_flags.py"
+            )
             return 1
         return 0
     readme.write_text(text[:start] + wanted + text[end:])

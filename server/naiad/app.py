@@ -64,13 +64,29 @@ def parse_restricted(items: list[str]) -> dict[str, tuple[str, str]]:
     return out
 
 
-def parse_trace_config(items: list[str]) -> dict:
-    """`--trace-config key=value` (tritonserver's spelling; `level` may repeat)."""
+def parse_trace_config(items: list[str]) -> tuple[dict, dict]:
+    """`--trace-config [<mode>,]<setting>=<value>` (tritonserver's spelling; `level` may repeat): the trace
+    extension's settings, and the `opentelemetry,...` exporter settings."""
+    from .otel import parse_setting
+
     out: dict = {}
+    otel: dict = {}
     for item in items:
+        mode, comma, rest = item.partition(",")
+        if comma and "=" not in mode:
+            if mode not in ("triton", "opentelemetry"):
+                raise ValueError(f"invalid --trace-config '{item}': unknown trace mode '{mode}'")
+            item = rest
+        else:
+            mode = ""
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"invalid --trace-config '{item}', expected <setting>=<value>")
+            raise ValueError(f"invalid --trace-config '{item}', expected [<mode>,]<setting>=<value>")
+        if mode == "opentelemetry":
+            parse_setting(otel, key, value)
+            continue
+        if mode == "triton" and key not in ("file", "log-frequency"):
+            raise ValueError(f"unknown triton trace setting '{key}' (known: file, log-frequency)")
         key = {
             "level": "trace_level",
             "rate": "trace_rate",
@@ -83,7 +99,7 @@ def parse_trace_config(items: list[str]) -> dict:
             out.setdefault(key, []).append(value.upper())
         else:
             out[key] = value
-    return out
+    return out, otel
 
 
 class App:
@@ -135,7 +151,8 @@ class App:
             }
         )
         if a.trace_config:
-            self.server.tracer.update(parse_trace_config(a.trace_config))
+            settings, self.server.tracer.otel_settings = parse_trace_config(a.trace_config)
+            self.server.tracer.update(settings, startup=True)
         from .gpu import shared_memory_manager  # system shared memory, plus CUDA shared memory with a GPU
 
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)

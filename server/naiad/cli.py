@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-config",
         action="append",
         default=[],
-        help="trace setting, e.g. level=TIMESTAMPS, rate=1, file=/tmp/trace.json",
+        help="[<mode>,]<setting>=<value>, e.g. level=TIMESTAMPS, rate=1, triton,file=/tmp/trace.json, "
+        "mode=opentelemetry, opentelemetry,url=http://localhost:4318/v1/traces",
     )
     s.add_argument(
         "--rate-limit",

@@ -39,8 +39,11 @@ class InferenceRequest:
     # Set by the server for decoupled models: called with each response from any thread.
     response_callback: Callable[[InferenceResponse], None] | None = None
     cancelled: bool = False
-    # (name, monotonic ns) pairs when the trace extension sampled this request
+    # (name, monotonic ns) pairs when the trace extension sampled this request (a trace.RequestTrace)
     trace: list | None = None
+    # The caller's span, when tracing: a W3C traceparent header from a frontend, or the calling request's
+    # trace for ensemble steps and BLS calls
+    traceparent: Any = None
 
     def batch_size(self, batched: bool) -> int:
         if not batched or not self.inputs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -131,7 +132,7 @@ class Server:
                 break
         await self.repository.close(max(0.0, deadline - time.monotonic()))
         self.backends.finalize()
-        self.tracer.flush()
+        await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)
 
     # ---- health and metadata ----
     def live(self) -> bool:
@@ -233,11 +234,9 @@ class Server:
                     model_name=mv.name, model_version=str(mv.version), id=request.id, outputs=list(hit)
                 )
             miss_ns = time.monotonic_ns() - t0
-        trace = self.tracer.start(mv.name)
-        if trace is not None:
-            trace.append(("REQUEST_START", request.arrival_ns))
-            request.trace = trace
+        trace = self.tracer.start(mv, request)
         self._inflight += 1
+        response = None
         try:
             response = await mv.infer(request)
         finally:
@@ -245,8 +244,7 @@ class Server:
             if not self._inflight:
                 self._idle.set()
             if trace is not None:
-                trace.append(("REQUEST_END", time.monotonic_ns()))
-                self.tracer.finish(mv.name, str(mv.version), trace)
+                self.tracer.finish(mv, trace, sys.exc_info()[1] if response is None else response.error)
         if response.error is not None:
             raise (
                 response.error
@@ -279,10 +277,14 @@ class Server:
         user_callback = request.response_callback
         started = time.monotonic_ns()
         counter = [0]
+        trace = self.tracer.start(mv, request)
+        error = execution = None
 
         def deliver(resp: InferenceResponse) -> None:
             key = str(counter[0])
             counter[0] += 1
+            if trace is not None:
+                trace.append(("INFER_RESPONSE_COMPLETE", time.monotonic_ns()))
             mv.stats.record_response(
                 key,
                 time.monotonic_ns() - started,
@@ -294,13 +296,14 @@ class Server:
         request.response_callback = deliver
         self._inflight += 1
         try:
-            run = loop.create_task(mv.infer(request))
+            run = execution = loop.create_task(mv.infer(request))
             while True:
                 getter = loop.create_task(queue.get())
                 done, _ = await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     resp = getter.result()
                     resp.model_name, resp.model_version, resp.id = mv.name, str(mv.version), request.id
+                    error = resp.error or error
                     if resp.error is None:
                         if mv.output_reshape:
                             mv.reshape_outputs(resp)
@@ -314,6 +317,7 @@ class Server:
                 getter.cancel()
                 exc = run.exception()
                 if exc is not None:
+                    error = exc
                     raise exc
                 # execute returned; keep waiting for responses sent later from the model's own threads
                 run = loop.create_future()
@@ -322,6 +326,12 @@ class Server:
             self._inflight -= 1
             if not self._inflight:
                 self._idle.set()
+            if trace is not None:
+                # the final response can arrive before the execution has recorded its compute timestamps
+                if execution is None or execution.done():
+                    self.tracer.finish(mv, trace, error)
+                else:
+                    execution.add_done_callback(lambda _: self.tracer.finish(mv, trace, error))
 
     def _postprocess(self, mv, request: InferenceRequest, response: InferenceResponse) -> None:
         """Classification extension: replace outputs asked for with `classification: k` by top-k labels."""

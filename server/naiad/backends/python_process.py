@@ -97,6 +97,7 @@ from ..config import ModelConfig
 from ..custom_metrics import COUNTER
 from ..errors import Internal, InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
+from ..trace import Nested
 from .base import ModelContext, ModelInstance, Timing
 
 log = logging.getLogger("naiad.python")
@@ -253,7 +254,12 @@ def encode_request(request: InferenceRequest) -> tuple:
         request.timeout_us,
         request.correlation_id,
         request.flags,
+        request.trace.traceparent() if request.trace is not None else _nested(request.traceparent),
     )
+
+
+def _nested(traceparent) -> str | None:
+    return traceparent if isinstance(traceparent, Nested) else None
 
 
 def decode_request(fields: tuple, callback=None) -> InferenceRequest:
@@ -269,6 +275,7 @@ def decode_request(fields: tuple, callback=None) -> InferenceRequest:
         timeout_us,
         correlation_id,
         flags,
+        traceparent,  # the W3C context of the calling model's span, when traced
     ) = fields
     return InferenceRequest(
         model_name=model_name,
@@ -282,6 +289,7 @@ def decode_request(fields: tuple, callback=None) -> InferenceRequest:
         timeout_us=timeout_us,
         correlation_id=correlation_id,
         flags=flags,
+        traceparent=Nested(traceparent) if isinstance(traceparent, str) else None,
         response_callback=callback,
     )
 

@@ -21,6 +21,7 @@ from ..errors import Internal as _Internal
 from ..errors import NaiadError as _NaiadError
 from ..inference import InferenceResponse as _NativeResponse
 from ..inference import OutputTensor as _OutputTensor
+from ..trace import Nested as _Nested
 
 _log = logging.getLogger("naiad.python_model")
 
@@ -305,11 +306,15 @@ def _target():
 
 
 class InferenceTrace:
-    """The trace of a request; `get_context()` is the OpenTelemetry context Triton propagates, which Naiad's
-    own trace files do not have: None, as Triton returns without OpenTelemetry tracing."""
+    """A request's trace as its model sees it (`request.trace()`): given to a BLS request (`trace=`), the call
+    becomes a child of this request in the trace."""
 
-    def get_context(self):
-        return None
+    def __init__(self, traceparent: str | None = None):
+        self._traceparent = traceparent
+
+    def get_context(self, mode: str = "opentelemetry") -> str | None:
+        """The OpenTelemetry context as JSON (`{"traceparent": ...}`), or None when the request is not traced."""
+        return json.dumps({"traceparent": self._traceparent}) if self._traceparent else None
 
 
 class InferenceResponse:
@@ -388,7 +393,6 @@ class InferenceRequest:
         self._model_version = model_version
         self._correlation_id = correlation_id
         self._preferred_memory = preferred_memory or PreferredMemory()
-        self._trace = trace if isinstance(trace, InferenceTrace) else InferenceTrace()
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         self._request_id = request_id
         self._flags = flags
@@ -398,6 +402,7 @@ class InferenceRequest:
         self._parameters = dict(parameters or {})
         self._native = None
         self._sender = None
+        self._trace = trace if isinstance(trace, InferenceTrace) else None
 
     @classmethod
     def _incoming(cls, native, requested: list[str]) -> InferenceRequest:
@@ -414,7 +419,7 @@ class InferenceRequest:
         r._native = native
         r._sender = None
         r._preferred_memory = PreferredMemory()
-        r._trace = InferenceTrace()
+        r._trace = None
         r._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return r
 
@@ -436,9 +441,6 @@ class InferenceRequest:
 
     def timeout(self) -> int:
         return self._timeout
-
-    def trace(self) -> InferenceTrace:
-        return self._trace
 
     def set_release_flags(self, flags: int) -> None:
         """RELEASE_ALL is what every request gets; RESCHEDULE needs iterative sequence batching, which Naiad's
@@ -465,6 +467,13 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return bool(self._native is not None and self._native.cancelled)
 
+    def trace(self) -> InferenceTrace:
+        native = self._native
+        if native is None:
+            return self._trace or InferenceTrace()
+        # in the server: the request's own trace; in a worker process: the context its parent sent along
+        return InferenceTrace(native.trace.traceparent() if native.trace is not None else native.traceparent)
+
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
             self._sender = InferenceResponseSender(self)
@@ -490,6 +499,9 @@ class InferenceRequest:
             timeout_us=self._timeout,
             correlation_id=self._correlation_id,
             flags=self._flags,
+            traceparent=_Nested(self._trace._traceparent)
+            if self._trace and self._trace._traceparent
+            else None,
         )
 
     def exec(self, decoupled: bool = False):

@@ -133,6 +133,11 @@ def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
     return request
 
 
+def _traceparent(context) -> str | None:
+    """The W3C traceparent a client sent in the call's metadata (read only while tracing)."""
+    return next((v for k, v in context.invocation_metadata() or () if k == "traceparent"), None)
+
+
 def _set_param(p, value) -> None:
     if isinstance(value, bool):
         p.bool_param = value
@@ -256,6 +261,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         try:
             req = decode_request(request, self.shm)
+            req.traceparent = _traceparent(context) if self.server.tracer.active else None
             resp = await self.server.infer(req)
             return encode_response(resp, req, self.shm)
         except NaiadError as exc:
@@ -274,6 +280,7 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
             req = None
             try:
                 req = decode_request(msg, self.shm)
+                req.traceparent = _traceparent(context) if self.server.tracer.active else None
                 empty_final = bool(req.parameters.get("triton_enable_empty_final_response", False))
                 mv = self.server.repository.get(req.model_name, req.model_version)
                 if not mv.decoupled:

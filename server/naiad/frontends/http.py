@@ -468,7 +468,7 @@ class HttpFrontend:
         )
 
     async def run_infer(
-        self, model: str, version: str, body: bytes, header_length: str | None
+        self, model: str, version: str, body: bytes, header_length: str | None, traceparent: str | None = None
     ) -> tuple[list, dict]:
         """One infer request from its route and body to the response's (body chunks, headers).
 
@@ -477,14 +477,16 @@ class HttpFrontend:
             req, default_binary = self._raw_binary_request(model, version, body), True
         else:
             req, default_binary = decode_infer_request(model, version, body, header_length, self.shm)
+        req.traceparent = traceparent
         response = await self.server.infer(req)
         return encode_infer_response(response, req, default_binary, self.shm)
 
     async def infer(self, request: web.Request):
         m = request.match_info
         body = await request.read()
+        trace = request.headers.get("traceparent") if self.server.tracer.active else None
         chunks, headers = await self.run_infer(
-            m["model"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH)
+            m["model"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH), trace
         )
         coding = response_coding(request.headers.get("Accept-Encoding", ""))
         if coding is not None:

@@ -357,8 +357,8 @@ class FastHttpProtocol(asyncio.Protocol):
                 self.header_length = value.decode("utf-8", "surrogateescape")
         elif name == _ACCEPT_ENCODING:
             self.coding = response_coding(value.decode("latin-1"))
-        elif name in _HANDOFF_HEADERS:
-            self.handoff = True
+        elif name in _HANDOFF_HEADERS or (name == b"traceparent" and self.srv.frontend.server.tracer.active):
+            self.handoff = True  # (aiohttp's route reads the traceparent)
         elif name == self.srv.restrict_key and self.restricted_value is None:
             self.restricted_value = value.decode("utf-8", "surrogateescape")
 

@@ -119,5 +119,6 @@ async def _run_step(server, parent: InferenceRequest, step, tensors) -> Inferenc
         flags=parent.flags,
         priority=parent.priority,
         timeout_us=parent.timeout_us,
+        traceparent=parent.trace,
     )
     return await server.infer(req)

@@ -110,13 +110,14 @@ class App:
             self._runners.append(await http.start(a.http_address, a.http_port))
             self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}")
         if a.allow_grpc:
-            from .frontends.grpc import GrpcFrontend
+            from .frontends.grpc import GrpcFrontend, h2_settings
 
             self._grpc = GrpcFrontend(
                 self.server,
                 shm=shm,
                 restricted=parse_restricted(a.grpc_restricted_protocol),
                 implementation=a.grpc_implementation,
+                settings=h2_settings(a),
             )
             await self._grpc.start(a.grpc_address, a.grpc_port)
             self.endpoints.append(f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port}")

@@ -257,7 +257,8 @@ _NOT_METADATA = frozenset((b"te", b"content-type", b"grpc-encoding", b"grpc-time
 
 
 class _Head:
-    """A decoded request header block, validated (RFC 9113 section 8.3) and split into what the call uses."""
+    """A decoded header block, validated (RFC 9113 section 8.3) and split into what the call uses. `error`
+    says why it is not a well-formed request header block; `pseudo`: it has pseudo-headers (not trailers)."""
 
     __slots__ = (
         "content_length",
@@ -316,16 +317,10 @@ class _Head:
                 continue
             meta.append((name, value))
         self.metadata = tuple(meta)
-
-    def request_error(self) -> str:
-        """Why this block is not a well-formed request header block ("" when it is)."""
-        if self.error:
-            return self.error
-        if not self.path or self.method is None or not self.scheme:
-            return "a missing or empty request pseudo-header"
-        if self.content_length == -1:
-            return "an invalid content-length"
-        return ""
+        if not self.error and (not self.path or self.method is None or not self.scheme):
+            self.error = "a missing or empty request pseudo-header"
+        if not self.error and self.content_length == -1:
+            self.error = "an invalid content-length"
 
 
 _WBITS = {b"gzip": 31, b"deflate": zlib.MAX_WBITS}
@@ -726,7 +721,7 @@ class _Connection(asyncio.Protocol):
             if self.resets > MAX_RESETS_PER_TICK:
                 raise _ConnectionError(ENHANCE_YOUR_CALM, "too many streams refused")
             return
-        if flags & SELF_DEPENDENT or head.request_error():
+        if flags & SELF_DEPENDENT or head.error:
             self._reset_stream(sid, PROTOCOL_ERROR)
             return
         st = Stream(self, sid, self.peer_initial_window)
@@ -1018,7 +1013,8 @@ class _Connection(asyncio.Protocol):
             out.append(prefix)
             out.append(msg)
             self.transport.writelines(out)
-            self._sent_data()
+            if self.ping_strikes or self.pings_without_data:
+                self._sent_data()
             return
         self._sent_data()
         if out:
@@ -1117,7 +1113,8 @@ class _Connection(asyncio.Protocol):
             out.append(frame(RST_STREAM, 0, st.sid, struct.pack(">I", NO_ERROR)))
             st.remote_closed = True
             self._note_reset(st.sid)
-        self._sent_data()
+        if self.ping_strikes or self.pings_without_data:
+            self._sent_data()
         self._forget(st)
 
     def _note_reset(self, sid: int) -> None:

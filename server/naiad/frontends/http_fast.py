@@ -7,6 +7,12 @@ protocol, the transport is switched over to it and it is fed every raw byte from
 request that triggered the handoff. Both paths answer an infer request through the same function,
 `HttpFrontend.run_infer`, so results and errors are identical.
 
+Slow clients: a request head must arrive within NAIAD_HTTP_HEAD_TIMEOUT seconds (default 30) of its first
+byte, and a body at NAIAD_HTTP_MIN_BODY_RATE bytes/s (default 16 KiB/s) on average once its first
+NAIAD_HTTP_BODY_GRACE seconds (default 10) have passed; a connection that falls behind is closed. A head with
+a field or request line over 8190 bytes or more than 128 header lines is handed to aiohttp, which refuses it
+(its limits).
+
 Requests on one connection are answered in order: one runs at a time, the ones pipelined behind it
 wait in a queue (reading pauses when the queue is long), and a handoff, an error reply or a close
 waits until every earlier response is written.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import zlib
 from collections import deque
 from http import HTTPStatus
@@ -32,6 +39,8 @@ MAX_HEAD = 64 * 1024  # header bytes before the fast path lets aiohttp judge the
 MAX_HANDOFF_BUFFER = 1 << 20  # raw bytes buffered for a pending handoff before reading pauses
 ROUTE_CACHE_SIZE = 1024
 KEEPALIVE_TIMEOUT = 75.0  # aiohttp's default: idle keep-alive connections are closed after it
+MAX_FIELD = 8190  # aiohttp's max_line_size / max_field_size
+MAX_HEADERS = 128  # aiohttp's max_headers (header lines)
 
 # header names (lowercase) the fast path looks at; anything in _HANDOFF_HEADERS sends the request to aiohttp
 _CONTENT_LENGTH = b"content-length"
@@ -167,6 +176,12 @@ class FastHttpServer:
         self.connections: set[FastHttpProtocol] = set()
         self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
+        self.head_timeout = float(os.environ.get("NAIAD_HTTP_HEAD_TIMEOUT", "30"))
+        self.min_body_rate = float(os.environ.get("NAIAD_HTTP_MIN_BODY_RATE", str(16 * 1024)))
+        self.body_grace = float(os.environ.get("NAIAD_HTTP_BODY_GRACE", "10"))
+        self.sweep_interval = min(
+            KEEPALIVE_TIMEOUT / 5, max(0.1, min(self.head_timeout, self.body_grace) / 4)
+        )
 
     def __call__(self) -> FastHttpProtocol:
         return FastHttpProtocol(self)
@@ -183,12 +198,23 @@ class FastHttpServer:
 
     def start_sweeping(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close keep-alive connections idle for KEEPALIVE_TIMEOUT, as aiohttp does for its own."""
-        self._sweeper = loop.call_later(KEEPALIVE_TIMEOUT / 5, self._sweep, loop)
+        self._sweeper = loop.call_later(self.sweep_interval, self._sweep, loop)
 
     def _sweep(self, loop) -> None:
-        deadline = loop.time() - KEEPALIVE_TIMEOUT
+        """Close idle keep-alive connections, and ones whose request head or body comes too slowly."""
+        now = loop.time()
+        deadline = now - KEEPALIVE_TIMEOUT
         for conn in list(self.connections):
-            if conn.task is None and not conn.queue and conn.last_active < deadline:
+            if conn.final is not None:
+                pass  # handing off or closing: aiohttp's own timers take over
+            elif conn.in_head:
+                if now - conn.started > self.head_timeout:
+                    conn.close()
+            elif conn.head_end >= 0:  # in a body
+                elapsed = now - conn.started
+                if elapsed > self.body_grace and len(conn.raw) - conn.head_end < self.min_body_rate * elapsed:
+                    conn.close()
+            elif conn.task is None and not conn.queue and conn.last_active < deadline:
                 conn.close()
         self.start_sweeping(loop)
 
@@ -221,6 +247,7 @@ class FastHttpProtocol(asyncio.Protocol):
         "final",
         "handoff",
         "head_end",
+        "header_count",
         "header_length",
         "in_head",
         "last_active",
@@ -233,6 +260,7 @@ class FastHttpProtocol(asyncio.Protocol):
         "restricted_value",
         "route",
         "srv",
+        "started",
         "task",
         "transport",
         "url",
@@ -253,6 +281,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.reading_paused = False
         self.writing_paused = False
         self.in_head = False
+        self.started = 0.0  # when the request being received began (its head), then its body
         self.error = "malformed HTTP request"  # the 400 message once final is _BAD_REQUEST
         self._reset()
 
@@ -264,6 +293,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.handoff = False
         self.restricted_value = None
         self.head_end = -1
+        self.header_count = 0
         self.route = None
 
     # ---- asyncio.Protocol ----
@@ -341,11 +371,15 @@ class FastHttpProtocol(asyncio.Protocol):
     # ---- httptools callbacks ----
     def on_message_begin(self) -> None:
         self.in_head = True
+        self.started = self.last_active
 
     def on_url(self, url: bytes) -> None:
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_count += 1
+        if len(name) + len(value) > MAX_FIELD or self.header_count > MAX_HEADERS:
+            self.handoff = True  # aiohttp refuses it
         name = name.lower()
         if name == _CONTENT_LENGTH:
             try:
@@ -371,6 +405,7 @@ class FastHttpProtocol(asyncio.Protocol):
             and parser.get_method() == b"POST"
             and parser.get_http_version() == "1.1"
             and self.content_length <= self.srv.max_input_size
+            and len(self.url) <= MAX_FIELD
         ):
             route = self.srv.route(self.url)
         if route is None:
@@ -381,6 +416,7 @@ class FastHttpProtocol(asyncio.Protocol):
         if raw[0] in (10, 13):  # empty lines before a request line are allowed and skipped (RFC 9112 2.2)
             raw = self.raw = raw.lstrip(b"\r\n")
         self.head_end = raw.find(b"\r\n\r\n") + 4  # llhttp (strict by default) requires CRLF line ends
+        self.started = self.loop.time()
 
     def on_message_complete(self) -> None:
         raw = self.raw

@@ -19,8 +19,8 @@ class T:
     def write(self, d):
         self.n += len(d)
 
-    def writelines(self, l):
-        self.n += sum(len(x) for x in l)
+    def writelines(self, chunks):
+        self.n += sum(len(x) for x in chunks)
 
     def get_extra_info(self, *a):
         return None
@@ -78,9 +78,9 @@ async def main(n=20000, batch=32):
         )
 
     best = 1e9
-    for rep in range(7):
+    for _rep in range(7):
         chunks = []
-        for i in range(n // batch):
+        for _i in range(n // batch):
             chunks.append(b"".join(req(sid + 2 * k) for k in range(batch)))
             sid += 2 * batch
         t0 = time.process_time()

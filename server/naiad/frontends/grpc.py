@@ -459,6 +459,7 @@ def grpcio_options(settings) -> list[tuple[str, int]]:
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", s.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", s.keepalive_timeout_ms),
+        ("grpc.http2.ping_timeout_ms", s.keepalive_timeout_ms),  # grpc core's own PING watchdog (1 min)
         ("grpc.keepalive_permit_without_calls", int(s.keepalive_permit_without_calls)),
         ("grpc.http2.max_pings_without_data", s.http2_max_pings_without_data),
         ("grpc.http2.min_ping_interval_without_data_ms", s.http2_min_recv_ping_interval_without_data_ms),

@@ -12,6 +12,7 @@ import struct
 import threading
 import time
 
+import hpack
 import numpy as np
 import psutil
 import pytest
@@ -20,6 +21,7 @@ import tritonclient.grpc as grpcclient
 from h2frames import (
     CONTINUATION,
     DATA,
+    END_HEADERS,
     END_STREAM,
     HEADERS,
     PING,
@@ -105,8 +107,11 @@ def meanwhile(server):
     assert not errors, errors[:3]
     assert done[0] > 0
     rss = server.ps.memory_info().rss
+    print(f"RSS after the attack: {(rss - server.baseline) / 2**20:+.0f} MiB over the baseline")
     assert rss < server.baseline + RSS_BOUND, f"RSS {rss >> 20} MiB, baseline {server.baseline >> 20} MiB"
-    assert "Traceback" not in server.output()
+    # (aiohttp logs its own 400s with a traceback; none may come from Naiad's code)
+    for block in server.output().split("Traceback (most recent call last)")[1:]:
+        assert "/naiad/" not in "\n".join(block.splitlines()[:40]), block[:3000]
 
 
 def _send_until_closed(sock: socket.socket, chunks, seconds: float = 5.0) -> None:
@@ -155,30 +160,34 @@ def test_unknown_method_flood_is_not_echoed(server, meanwhile):
     errors do not repeat the path, and reading pauses once the replies back up."""
     sock = socket.create_connection(server.grpc.rsplit(":", 1))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    path = "/" + "x" * 4000
-    with sock, RawH2.__new__(RawH2) as conn:
-        conn.sock, conn.buf, conn.closed = sock, b"", False
-        import hpack
-
-        conn.enc, conn.dec = hpack.Encoder(), hpack.Decoder()
+    enc = hpack.Encoder()
+    fields = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/" + "x" * 4000),
+        hpack.NeverIndexedHeaderTuple("content-type", "application/grpc"),
+    ]
+    first = enc.encode(fields)  # adds the path to the dynamic table
+    again = enc.encode(fields)  # a few bytes: the path is an index
+    assert len(again) < 40
+    with sock:
         sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(SETTINGS, 0, 0))
-        first = conn.request_headers(path, end_stream=True, sid=1)
+        frames = [frame(HEADERS, END_HEADERS | END_STREAM, 1, first)]
+        frames += [frame(HEADERS, END_HEADERS | END_STREAM, 2 * i + 3, again) for i in range(20_000)]
         _send_until_closed(
-            sock,
-            (first, *(conn.request_headers(path, end_stream=True, sid=2 * i + 3) for i in range(20_000))),
-            seconds=4,
+            sock, (b"".join(frames[i : i + 500]) for i in range(0, len(frames), 500)), seconds=4
         )
         sock.settimeout(2)
         got = b""
         try:
-            while len(got) < 1 << 20:
+            while len(got) < 4 << 20:
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 got += chunk
         except OSError:
             pass
-        assert b"x" * 100 not in got
+        assert got and b"x" * 100 not in got
 
 
 def test_grpc_decompression_bomb(server, meanwhile):
@@ -267,7 +276,8 @@ def test_open_header_block_and_missing_preface_time_out(server, meanwhile):
     with socket.create_connection(server.grpc.rsplit(":", 1)) as sock:
         sock.settimeout(6)
         start = time.monotonic()
-        assert sock.recv(100) == b""
+        while sock.recv(100):  # the server's SETTINGS, then the close
+            pass
         assert time.monotonic() - start < 4
 
 

@@ -825,6 +825,12 @@ class _Connection(asyncio.Protocol):
         elif not self.closed:
             self._ack_conn(held)
 
+    def _give_back(self, st: Stream) -> None:
+        """A stream that ends with window held back: the connection window is the connection's, give it back."""
+        held, st.held = st.held, 0
+        if not self.closed:
+            self._ack_conn(held)
+
     # ---- calls ----
     def _start_call(self, st: Stream, path: bytes, timeout: float | None) -> None:
         server = self.server
@@ -1143,6 +1149,8 @@ class _Connection(asyncio.Protocol):
         if st.deadline is not None:
             st.deadline.cancel()
             st.deadline = None
+        if st.held:
+            self._give_back(st)
         if not streams:
             self.idle_since = self.loop.time()
             if self.draining:
@@ -1158,6 +1166,8 @@ class _Connection(asyncio.Protocol):
         if st.deadline is not None:
             st.deadline.cancel()
             st.deadline = None
+        if st.held:
+            self._give_back(st)
         if not self.streams:
             self.idle_since = self.loop.time()
         if st.task is not None and not st.task.done():

@@ -265,8 +265,8 @@ class FastHttpServer:
         now = loop.time()
         deadline = now - KEEPALIVE_TIMEOUT
         for conn in list(self.connections):
-            if conn.final is not None:
-                pass  # handing off or closing: aiohttp's own timers take over
+            if conn.final is not None or conn.reading_paused:
+                pass  # handing off or closing (aiohttp's own timers take over), or we stopped reading
             elif conn.in_head:
                 if now - conn.started > self.head_timeout:
                     conn.close()

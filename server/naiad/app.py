@@ -170,13 +170,14 @@ class App:
             self._runners.append(await http.start(a.http_address, a.http_port, ssl=context))
             self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}{tls.describe(http_tls)}")
         if a.allow_grpc:
-            from .frontends.grpc import GrpcFrontend
+            from .frontends.grpc import GrpcFrontend, h2_settings
 
             self._grpc = GrpcFrontend(
                 self.server,
                 shm=shm,
                 restricted=grpc_restricted,
                 implementation=a.grpc_implementation,
+                settings=h2_settings(a),
             )
             await self._grpc.start(a.grpc_address, a.grpc_port, grpc_tls)
             self.endpoints.append(

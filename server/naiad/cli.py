@@ -94,6 +94,37 @@ def build_parser() -> argparse.ArgumentParser:
         default="naiad",
         help="naiad: Naiad's own HTTP/2 gRPC server (fast; h2c, or h2 with --grpc-use-ssl); grpcio: grpc.aio",
     )
+    # gRPC connection limits and keepalive (Triton's flags and defaults; times in milliseconds), both
+    # implementations; the last five are Naiad's own (0 turns a limit or timer off)
+    s.add_argument("--grpc-keepalive-time", type=int, default=7_200_000, help="ms between keepalive PINGs")
+    s.add_argument("--grpc-keepalive-timeout", type=int, default=20_000, help="ms to wait for a PING ack")
+    s.add_argument(
+        "--grpc-keepalive-permit-without-calls", type=_bool, default=False, help="keepalive with no call open"
+    )
+    s.add_argument(
+        "--grpc-http2-max-pings-without-data", type=int, default=2, help="PINGs sent before data must follow"
+    )
+    s.add_argument(
+        "--grpc-http2-min-recv-ping-interval-without-data",
+        type=int,
+        default=300_000,
+        help="ms a client must leave between PINGs without data (else a strike)",
+    )
+    s.add_argument(
+        "--grpc-http2-max-ping-strikes", type=int, default=2, help="strikes before GOAWAY too_many_pings"
+    )
+    s.add_argument("--grpc-max-concurrent-streams", type=int, default=100, help="per connection")
+    s.add_argument(
+        "--grpc-max-message-size", type=int, default=2**31 - 1, help="bytes per request message, inflated"
+    )
+    s.add_argument("--grpc-handshake-timeout", type=int, default=10_000, help="preface and header blocks")
+    s.add_argument("--grpc-max-connection-idle", type=int, default=3_600_000, help="no call open: GOAWAY")
+    s.add_argument(
+        "--grpc-stall-timeout",
+        type=int,
+        default=60_000,
+        help="a response the client does not read, or a request that stops coming, is reset after it",
+    )
     s.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics")
     s.add_argument("--allow-gpu-metrics", type=_bool, default=True, help="export nv_gpu_* metrics (NVML)")
     s.add_argument("--allow-cpu-metrics", type=_bool, default=True, help="export nv_cpu_* metrics")

@@ -183,7 +183,11 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _fail(self, context, exc: BaseException):
         err = as_naiad_error(exc)
-        await context.abort(err.grpc_status, err.message)
+        code, message = err.grpc_status, err.message
+        # the traceback holds the frames, and with them the request: drop it now, not at the next full GC
+        exc.__traceback__ = err.__traceback__ = None
+        del err, exc
+        await context.abort(code, message)
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.server.live())
@@ -302,9 +306,12 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
                     queue.put_nowait(pb.ModelStreamInferResponse(infer_response=out))
             except Exception as exc:
                 err = as_naiad_error(exc)
+                message = err.message
+                exc.__traceback__ = err.__traceback__ = None  # it holds this frame and `msg` (the request)
+                del err
                 queue.put_nowait(
                     pb.ModelStreamInferResponse(
-                        error_message=err.message,
+                        error_message=message,
                         infer_response=pb.ModelInferResponse(
                             model_name=msg.model_name, model_version=msg.model_version, id=msg.id
                         ),
@@ -482,12 +489,67 @@ class _Restrict(grpc.aio.ServerInterceptor):
 _SERVING_NAMES = ("", "inference.GRPCInferenceService")
 
 
+def grpcio_options(settings) -> list[tuple[str, int]]:
+    """grpc.aio server options (channel arguments) for the same limits and timers as h2grpc.H2Settings."""
+    s = settings
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        ("grpc.max_receive_message_length", s.max_message),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", s.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", s.keepalive_timeout_ms),
+        ("grpc.http2.ping_timeout_ms", s.keepalive_timeout_ms),  # grpc core's own PING watchdog (1 min)
+        ("grpc.keepalive_permit_without_calls", int(s.keepalive_permit_without_calls)),
+        ("grpc.http2.max_pings_without_data", s.http2_max_pings_without_data),
+        ("grpc.http2.min_ping_interval_without_data_ms", s.http2_min_recv_ping_interval_without_data_ms),
+        ("grpc.http2.max_ping_strikes", s.http2_max_ping_strikes),
+    ]
+    if s.max_concurrent_streams:
+        options.append(("grpc.max_concurrent_streams", s.max_concurrent_streams))
+    if s.max_connection_idle_ms:
+        options.append(("grpc.max_connection_idle_ms", s.max_connection_idle_ms))
+    if s.handshake_timeout_ms:
+        options.append(("grpc.server_handshake_timeout_ms", s.handshake_timeout_ms))
+    return options
+
+
+def h2_settings(args):
+    """H2Settings from `naiad serve`'s --grpc-* flags (absent flags keep their defaults)."""
+    from .h2grpc import H2Settings
+
+    names = {
+        "max_concurrent_streams": "grpc_max_concurrent_streams",
+        "max_message": "grpc_max_message_size",
+        "keepalive_time_ms": "grpc_keepalive_time",
+        "keepalive_timeout_ms": "grpc_keepalive_timeout",
+        "keepalive_permit_without_calls": "grpc_keepalive_permit_without_calls",
+        "http2_max_pings_without_data": "grpc_http2_max_pings_without_data",
+        "http2_min_recv_ping_interval_without_data_ms": "grpc_http2_min_recv_ping_interval_without_data",
+        "http2_max_ping_strikes": "grpc_http2_max_ping_strikes",
+        "handshake_timeout_ms": "grpc_handshake_timeout",
+        "max_connection_idle_ms": "grpc_max_connection_idle",
+        "stall_timeout_ms": "grpc_stall_timeout",
+    }
+    given = {
+        field: getattr(args, flag) for field, flag in names.items() if getattr(args, flag, None) is not None
+    }
+    return H2Settings(**given)
+
+
 class GrpcFrontend:
     """`implementation`: "naiad" (our HTTP/2 server, h2grpc.py) or "grpcio" (grpc.aio)."""
 
     def __init__(
-        self, server: Server, shm=None, restricted: dict | None = None, implementation: str = "naiad"
+        self,
+        server: Server,
+        shm=None,
+        restricted: dict | None = None,
+        implementation: str = "naiad",
+        settings=None,
     ):
+        from .h2grpc import H2Settings
+
+        self.settings = settings or H2Settings()
         self.server = server
         self.servicer = _Servicer(server, shm, server.log_settings, server.tracer)
         self.restricted = restricted or {}
@@ -527,7 +589,7 @@ class GrpcFrontend:
                     rules, method.group, ((k.decode("latin-1"), v.decode("latin-1")) for k, v in metadata)
                 )
 
-        self._grpc = h2grpc.H2GrpcServer(methods, authorize)
+        self._grpc = h2grpc.H2GrpcServer(methods, authorize, self.settings)
         context = None
         if tls_settings is not None:
             self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")
@@ -552,11 +614,7 @@ class GrpcFrontend:
                 await result
 
     async def _start_grpcio(self, host: str, port: int, tls_settings=None) -> None:
-        options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE),
-            ("grpc.max_receive_message_length", MAX_MESSAGE),
-            ("grpc.so_reuseport", 0),
-        ]
+        options = grpcio_options(self.settings)
         interceptors = [_Restrict(self.restricted)] if self.restricted else []
         self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, self._grpc)

@@ -19,7 +19,7 @@ from ..repository import decode_file_overrides
 from ..server import Server
 from . import generate
 from .common import request_options
-from .http_fast import FastHttpServer, compress_response, response_coding
+from .http_fast import FastHttpServer, compress_response, read_body, response_coding
 
 log = logging.getLogger("naiad.http")
 
@@ -350,7 +350,7 @@ class HttpFrontend:
 
     # repository extension
     async def _body_json(self, request) -> dict:
-        body = await request.read()
+        body = await read_body(request, self.max_input_size)
         if not body:
             return {}
         try:
@@ -483,7 +483,7 @@ class HttpFrontend:
 
     async def infer(self, request: web.Request):
         m = request.match_info
-        body = await request.read()
+        body = await read_body(request, self.max_input_size)
         trace = request.headers.get("traceparent") if self.server.tracer.active else None
         chunks, headers = await self.run_infer(
             m["model"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH), trace
@@ -545,7 +545,8 @@ class HttpFrontend:
         that sends anything but a plain infer request. `cleanup()` on the result stops both.
         NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before.
         `ssl`: an ssl.SSLContext to serve HTTPS (both paths see the decrypted stream)."""
-        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # bodies are inflated by read_body (bounded, off the event loop), not by aiohttp
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         if os.environ.get("NAIAD_HTTP_FAST", "1") == "0":  # escape hatch (and A/B benchmarks): aiohttp only
             site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024, ssl_context=ssl)

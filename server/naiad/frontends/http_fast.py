@@ -7,6 +7,12 @@ protocol, the transport is switched over to it and it is fed every raw byte from
 request that triggered the handoff. Both paths answer an infer request through the same function,
 `HttpFrontend.run_infer`, so results and errors are identical.
 
+Slow clients: a request head must arrive within NAIAD_HTTP_HEAD_TIMEOUT seconds (default 30) of its first
+byte, and a body at NAIAD_HTTP_MIN_BODY_RATE bytes/s (default 16 KiB/s) on average once its first
+NAIAD_HTTP_BODY_GRACE seconds (default 10) have passed; a connection that falls behind is closed. A head with
+a field or request line over 8190 bytes or more than 128 header lines is handed to aiohttp, which refuses it
+(its limits).
+
 Requests on one connection are answered in order: one runs at a time, the ones pipelined behind it
 wait in a queue (reading pauses when the queue is long), and a handoff, an error reply or a close
 waits until every earlier response is written.
@@ -16,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import zlib
 from collections import deque
 from http import HTTPStatus
 
 import httptools
 import orjson
+from aiohttp import web
 
 from ..errors import NaiadError
 
@@ -32,6 +40,8 @@ MAX_HEAD = 64 * 1024  # header bytes before the fast path lets aiohttp judge the
 MAX_HANDOFF_BUFFER = 1 << 20  # raw bytes buffered for a pending handoff before reading pauses
 ROUTE_CACHE_SIZE = 1024
 KEEPALIVE_TIMEOUT = 75.0  # aiohttp's default: idle keep-alive connections are closed after it
+MAX_FIELD = 8190  # aiohttp's max_line_size / max_field_size
+MAX_HEADERS = 128  # aiohttp's max_headers (header lines)
 
 # header names (lowercase) the fast path looks at; anything in _HANDOFF_HEADERS sends the request to aiohttp
 _CONTENT_LENGTH = b"content-length"
@@ -120,6 +130,65 @@ async def compress_response(loop, chunks: list, headers: dict, coding: str) -> t
     return [data], {**headers, "Content-Encoding": coding}
 
 
+INLINE_INFLATE = 8192  # compressed request bodies up to this size are inflated on the event loop
+_REQUEST_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": zlib.MAX_WBITS}
+
+
+def inflate_body(data: bytes, coding: str, limit: int) -> bytes:
+    """A request body inflated to at most `limit` bytes (the input beyond that is never inflated)."""
+    wbits = _REQUEST_WBITS[coding]
+    for attempt in (wbits, -zlib.MAX_WBITS) if coding == "deflate" else (wbits,):
+        d = zlib.decompressobj(attempt)
+        try:
+            out = d.decompress(data, limit + 1)
+        except zlib.error as exc:
+            if attempt != -zlib.MAX_WBITS and coding == "deflate":
+                continue  # raw deflate, as some clients send it
+            raise web.HTTPBadRequest(reason=f"cannot decode the {coding} request body: {exc}") from None
+        if len(out) > limit or d.unconsumed_tail:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(out))
+        return out
+    raise web.HTTPBadRequest(reason=f"cannot decode the {coding} request body")
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body for the aiohttp app (which runs with auto_decompress off): at most `limit` bytes on
+    the wire, and, when it is gzip or deflate encoded, at most `limit` bytes inflated, off the event loop
+    when large. aiohttp's own decompression inflates a chunk at a time without such a bound."""
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if coding not in ("identity", "") and coding not in _REQUEST_WBITS:
+        raise web.HTTPUnsupportedMediaType(reason=f"unsupported Content-Encoding '{coding[:32]}'")
+    chunks, size = [], 0
+    while True:
+        chunk = await request.content.read(1 << 20)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        chunks.append(chunk)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    if coding in ("identity", ""):
+        return data
+    if len(data) <= INLINE_INFLATE:
+        return inflate_body(data, coding, limit)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_inflater(), inflate_body, data, coding, limit)
+
+
+_INFLATER = None
+
+
+def _inflater():
+    """One thread for inflating request bodies: bombs are inflated one at a time, never side by side."""
+    global _INFLATER
+    if _INFLATER is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _INFLATER = ThreadPoolExecutor(1, thread_name_prefix="naiad-http-inflate")
+    return _INFLATER
+
+
 def parse_route(url: bytes) -> tuple[str, str] | None:
     """(model, version) for an infer URL the fast path serves as aiohttp's router would; None: hand off."""
     if not url.isascii() or b"%" in url or b"#" in url:
@@ -167,6 +236,12 @@ class FastHttpServer:
         self.connections: set[FastHttpProtocol] = set()
         self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
+        self.head_timeout = float(os.environ.get("NAIAD_HTTP_HEAD_TIMEOUT", "30"))
+        self.min_body_rate = float(os.environ.get("NAIAD_HTTP_MIN_BODY_RATE", str(16 * 1024)))
+        self.body_grace = float(os.environ.get("NAIAD_HTTP_BODY_GRACE", "10"))
+        self.sweep_interval = min(
+            KEEPALIVE_TIMEOUT / 5, max(0.1, min(self.head_timeout, self.body_grace) / 4)
+        )
 
     def __call__(self) -> FastHttpProtocol:
         return FastHttpProtocol(self)
@@ -183,12 +258,23 @@ class FastHttpServer:
 
     def start_sweeping(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close keep-alive connections idle for KEEPALIVE_TIMEOUT, as aiohttp does for its own."""
-        self._sweeper = loop.call_later(KEEPALIVE_TIMEOUT / 5, self._sweep, loop)
+        self._sweeper = loop.call_later(self.sweep_interval, self._sweep, loop)
 
     def _sweep(self, loop) -> None:
-        deadline = loop.time() - KEEPALIVE_TIMEOUT
+        """Close idle keep-alive connections, and ones whose request head or body comes too slowly."""
+        now = loop.time()
+        deadline = now - KEEPALIVE_TIMEOUT
         for conn in list(self.connections):
-            if conn.task is None and not conn.queue and conn.last_active < deadline:
+            if conn.final is not None or conn.reading_paused:
+                pass  # handing off or closing (aiohttp's own timers take over), or we stopped reading
+            elif conn.in_head:
+                if now - conn.started > self.head_timeout:
+                    conn.close()
+            elif conn.head_end >= 0:  # in a body
+                elapsed = now - conn.started
+                if elapsed > self.body_grace and len(conn.raw) - conn.head_end < self.min_body_rate * elapsed:
+                    conn.close()
+            elif conn.task is None and not conn.queue and conn.last_active < deadline:
                 conn.close()
         self.start_sweeping(loop)
 
@@ -221,6 +307,7 @@ class FastHttpProtocol(asyncio.Protocol):
         "final",
         "handoff",
         "head_end",
+        "header_count",
         "header_length",
         "in_head",
         "last_active",
@@ -233,6 +320,7 @@ class FastHttpProtocol(asyncio.Protocol):
         "restricted_value",
         "route",
         "srv",
+        "started",
         "task",
         "transport",
         "url",
@@ -253,6 +341,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.reading_paused = False
         self.writing_paused = False
         self.in_head = False
+        self.started = 0.0  # when the request being received began (its head), then its body
         self.error = "malformed HTTP request"  # the 400 message once final is _BAD_REQUEST
         self._reset()
 
@@ -264,6 +353,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.handoff = False
         self.restricted_value = None
         self.head_end = -1
+        self.header_count = 0
         self.route = None
 
     # ---- asyncio.Protocol ----
@@ -341,11 +431,15 @@ class FastHttpProtocol(asyncio.Protocol):
     # ---- httptools callbacks ----
     def on_message_begin(self) -> None:
         self.in_head = True
+        self.started = self.last_active
 
     def on_url(self, url: bytes) -> None:
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_count += 1
+        if len(name) + len(value) > MAX_FIELD or self.header_count > MAX_HEADERS:
+            self.handoff = True  # aiohttp refuses it
         name = name.lower()
         if name == _CONTENT_LENGTH:
             try:
@@ -371,6 +465,7 @@ class FastHttpProtocol(asyncio.Protocol):
             and parser.get_method() == b"POST"
             and parser.get_http_version() == "1.1"
             and self.content_length <= self.srv.max_input_size
+            and len(self.url) <= MAX_FIELD
         ):
             route = self.srv.route(self.url)
         if route is None:
@@ -381,6 +476,7 @@ class FastHttpProtocol(asyncio.Protocol):
         if raw[0] in (10, 13):  # empty lines before a request line are allowed and skipped (RFC 9112 2.2)
             raw = self.raw = raw.lstrip(b"\r\n")
         self.head_end = raw.find(b"\r\n\r\n") + 4  # llhttp (strict by default) requires CRLF line ends
+        self.started = self.loop.time()
 
     def on_message_complete(self) -> None:
         raw = self.raw

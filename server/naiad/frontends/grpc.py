@@ -37,8 +37,6 @@ _CONTENTS = {
     "BYTES": "bytes_contents",
 }
 
-MAX_MESSAGE = 2**31 - 1
-
 
 def param_value(p):
     kind = p.WhichOneof("parameter_choice")
@@ -491,6 +489,8 @@ _SERVING_NAMES = ("", "inference.GRPCInferenceService")
 
 def grpcio_options(settings) -> list[tuple[str, int]]:
     """grpc.aio server options (channel arguments) for the same limits and timers as h2grpc.H2Settings."""
+    from .h2grpc import MAX_MESSAGE
+
     s = settings
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE),

@@ -34,7 +34,7 @@ def render() -> str:
         if action.choices:
             names += " " + "\\|".join(str(c) for c in action.choices)
         text = (action.help or "").replace("|", "\\|").replace("\n", " ")
-        if action.option_strings[0].startswith("--") and isinstance(action, argparse._AppendAction):
+        if isinstance(action, argparse._AppendAction) and "repeatable" not in text:
             text = (text + " (repeatable)").strip()
         rows.append(f"| {names} | {_default(action)} | {text} |")
     return "\n".join(rows)

@@ -29,7 +29,9 @@ serve: venv examples
 # Everything a tier needs is built first (`tools`: the Kubernetes binaries, helm and every tools/go server; cold
 # ~25 min on 2 cores, warm instant), then the test processes run, then a per-tier summary. Under CI=true a
 # skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
-test: venv test-deps lint tools images examples
+test: venv test-deps lint
+	@# the Go builds are CPU-bound, the image build mostly downloads: run them side by side
+	@$(MAKE) -s -j3 tools images examples
 	@rm -rf .test-results; status=0; \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests --ignore=tests/operator/test_operator_cluster.py \
 	  --ignore=tests/operator/test_operator_s3_cluster.py || status=$$?; \

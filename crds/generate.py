@@ -156,7 +156,21 @@ def server_spec_schema(description: str) -> Schema:
             "tolerations": array("Pod tolerations.", free_object("A core/v1 Toleration.")),
             "affinity": free_object("core/v1 Affinity of the pods."),
             "topologySpreadConstraints": array(
-                "Pod topology spread constraints.", free_object("A core/v1 TopologySpreadConstraint.")
+                "Pod topology spread constraints. Default: spread over nodes (kubernetes.io/hostname, maxSkew "
+                "1, ScheduleAnyway); an empty list turns spreading off.",
+                free_object("A core/v1 TopologySpreadConstraint."),
+            ),
+            "disruptionBudget": obj(
+                "The pool's PodDisruptionBudget: how many of its pods a voluntary disruption (a node drain, an "
+                "eviction) may take at once.",
+                {
+                    "enabled": boolean("Create the PodDisruptionBudget.", default=True),
+                    "maxUnavailable": {
+                        "description": "Pods that may be unavailable at once: a number or a percentage.",
+                        "x-kubernetes-int-or-string": True,
+                        "default": 1,
+                    },
+                },
             ),
             "runtimeClassName": string("RuntimeClass of the pods (e.g. nvidia)."),
             "priorityClassName": string("PriorityClass of the pods."),

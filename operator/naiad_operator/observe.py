@@ -46,6 +46,7 @@ class PodFacts:
     has_record: bool  # the placements annotation exists (even if empty)
     recorded_restarts: int | None
     gate: str | None  # status of the models-ready condition, None when absent
+    node: str | None = None  # spec.nodeName
 
     @property
     def restarted(self) -> bool:
@@ -97,6 +98,7 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
         has_record=PLACEMENTS_ANNOTATION in annotations,
         recorded_restarts=int(recorded_restarts) if str(recorded_restarts or "").isdigit() else None,
         gate=gate,
+        node=(pod.get("spec") or {}).get("nodeName") or None,
     )
 
 
@@ -161,6 +163,7 @@ def pod_state(
         and facts.template_hash != current_hash,
         held=held_models(facts, index or [], intents) if reachable else {},
         loaded_count=len(ready_entries(index or [])),
+        node=facts.node,
     )
 
 

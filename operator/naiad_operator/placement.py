@@ -24,6 +24,9 @@ class PodState:
     held: Mapping[str, str] = field(default_factory=dict)
     # Models READY on the server in total, whoever loaded them (they all take a slot and memory).
     loaded_count: int = 0
+    # The node the pod runs on: copies of one model go to different nodes first, so one node's drain never
+    # takes all of them.
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
         if demand.replicas is None and tier_index >= 3:
             # Every-pod models keep copies on leaving pods (below) but never add new ones there.
             break
+        if tier_index in (2, 5):
+            tier = _spread(tier, chosen)
         for pod in tier:
             if len(chosen) >= wanted:
                 break
@@ -132,6 +137,23 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
             plan.load.append(pod.name)
     plan.unload = [p.name for p in holders if p.name not in chosen_names]
     return plan
+
+
+def _spread(candidates: list[PodState], chosen: Sequence[PodState]) -> list[PodState]:
+    """Candidates reordered so that each next one is on the node with the fewest copies so far (chosen ones and
+    those ahead of it), keeping the given order among equals (fewest models first)."""
+    copies: dict[str | None, int] = {}
+    for pod in chosen:
+        copies[pod.node] = copies.get(pod.node, 0) + 1
+    left = list(candidates)
+    ordered = []
+    while left:
+        best = min(range(len(left)), key=lambda i: (copies.get(left[i].node, 0) if left[i].node else 0, i))
+        pod = left.pop(best)
+        ordered.append(pod)
+        if pod.node:
+            copies[pod.node] = copies.get(pod.node, 0) + 1
+    return ordered
 
 
 def plan_pool(demands: Sequence[Demand], pods: Sequence[PodState], capacity: Capacity) -> dict[str, Plan]:

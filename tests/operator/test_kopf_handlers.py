@@ -58,6 +58,7 @@ async def test_ensure_pool_applies_children_and_removes_only_its_own_hpa():
         "Deployment",
         "Service",
         "Service",
+        "PodDisruptionBudget",
         "HorizontalPodAutoscaler",
         "ServiceMonitor",
     ]

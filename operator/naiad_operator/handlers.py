@@ -21,6 +21,7 @@ from .model_resources import (
     SHARED_POOL_AUTOSCALING,
     model_autoscaling_ignored,
     model_intent,
+    promotion_patch,
     render_dedicated_server,
     render_model_hpa,
     render_model_services,
@@ -28,6 +29,7 @@ from .model_resources import (
 from .naming import (
     API_VERSION,
     GROUP,
+    MODEL_KIND,
     MODEL_PLURAL,
     SERVER_CONTAINER,
     SERVER_KIND,
@@ -38,6 +40,7 @@ from .naming import (
 from .pool import LoadBackoff, PoolContext, PoolReport, reconcile_pool
 from .resources import Body, Owner, render_pool, server_spec_problems
 from .runner import PassRunner
+from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,13 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         memo.http, request_timeout=config.request_timeout_seconds, load_timeout=config.load_timeout_seconds
     )
     memo.backoff = LoadBackoff(config.load_retry_seconds)
-    context = PoolContext(kube=memo.kube, control=control, config=config, backoff=memo.backoff)
+    context = PoolContext(
+        kube=memo.kube,
+        control=control,
+        config=config,
+        backoff=memo.backoff,
+        meter=VariantMeter(memo.http, config.request_timeout_seconds),
+    )
     memo.pools = PassRunner(partial(reconcile_pool, context))
     memo.pod_fingerprints = {}
     log.info(
@@ -230,6 +239,8 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
 async def model_changed(
     body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, old: Mapping[str, Any] | None, **_: Any
 ) -> None:
+    if ((body.get("spec") or {}).get("canary") or {}).get("promote"):
+        await promote(memo, dict(body))
     try:
         pool = await ensure_model(memo, dict(body), events=True)
     except KubeError as error:
@@ -238,6 +249,24 @@ async def model_changed(
     previous = model_intent(name, (old or {}).get("spec") or {}).pool if old else pool
     if previous != pool:
         memo.pools.request(namespace, previous)  # the old pool unloads it (its records are now strays)
+
+
+async def promote(memo: kopf.Memo, body: Body) -> None:
+    """canary.promote: the canary's version and config become the model's and `canary` goes; the update that
+    follows reloads the stable pods with what the canary pods already hold (they keep it)."""
+    meta = body["metadata"]
+    try:
+        await memo.kube.patch(
+            API_VERSION,
+            MODEL_KIND,
+            meta["namespace"],
+            meta["name"],
+            promotion_patch(body.get("spec") or {}),
+            patch_type="json",
+        )
+    except KubeError as error:
+        raise _retry_or_raise(error, f"promoting the canary of InferenceModel {meta['name']}") from error
+    post_event(body, "Normal", "CanaryPromoted", "the canary's version and config are now the model's")
 
 
 @kopf.timer(GROUP, VERSION, MODEL_PLURAL, interval=RESYNC * 2, initial_delay=RESYNC / 2)

@@ -37,6 +37,7 @@ PATCH_TYPES = {
     "merge": "application/merge-patch+json",
     "strategic": "application/strategic-merge-patch+json",
     "apply": "application/apply-patch+yaml",
+    "json": "application/json-patch+json",
 }
 
 

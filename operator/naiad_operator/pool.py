@@ -35,6 +35,7 @@ from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allo
 from .quantity import quantity_bytes
 from .resources import autoscaling_active, desired_replicas, pool_selector_string, server_spec_problems
 from .status import ModelCount, ModelObservation, Placement, model_status, now_rfc3339, server_status
+from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 Body = dict[str, Any]
@@ -83,6 +84,8 @@ class PoolContext:
     config: OperatorConfig
     backoff: LoadBackoff
     load_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(16))
+    # Reads the servers' request counters for models under a canary (None: no traffic figures in status).
+    meter: VariantMeter | None = None
 
 
 @dataclass
@@ -224,7 +227,9 @@ class _Pass:
                 revision=m.intent.revision,
                 replicas=0 if m.deleting else m.intent.wanted_replicas,
                 memory=m.intent.memory,
-                avoid=frozenset(self.ctx.backoff.avoid(self.namespace, m.intent.name, m.intent.revision)),
+                avoid=frozenset(self._avoid(m.intent)),
+                canary_revision=m.intent.canary.revision if m.intent.canary else None,
+                canary_percent=m.intent.canary.percent if m.intent.canary else 0,
             )
             for m in valid
         }
@@ -232,9 +237,10 @@ class _Pass:
 
         for model in valid:
             if plans[model.intent.name].load and not model.deleting:
-                await self._write_model_status(
-                    model, self._observe(model, plans[model.intent.name], loading=True), pool_found=True
-                )
+                observed = self._observe(model, plans[model.intent.name], loading=True)
+                if model.intent.canary is not None:  # traffic figures come after the loads
+                    observed.variants = (model.body.get("status") or {}).get("variants")
+                await self._write_model_status(model, observed, pool_found=True)
         loaded = await self._load_all(valid, plans)
         await self._unload_all(valid, plans, loaded)
         await self._unload_strays()
@@ -245,11 +251,13 @@ class _Pass:
                 truth.gate = True
             await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
 
+        traffic = await self._read_traffic(models)
         counts = []
         for model in models:
             if model.deleting:
                 continue
             observed = self._observe(model, plans.get(model.intent.name), loading=False)
+            observed.variants = self._variants(model, traffic)
             if model.intent.dedicated and not model.intent.suspended and not model.problems:
                 observed.wanted = max(observed.wanted, desired_replicas(spec))
             await self._write_model_status(model, observed, pool_found=True)
@@ -262,6 +270,13 @@ class _Pass:
         return PoolReport(found=True, holders=holders)
 
     # --- steps ------------------------------------------------------------------------------------------------
+
+    def _avoid(self, intent: ModelIntent) -> dict[str, str]:
+        """Pods waiting out a failed load of one of the model's revisions (stable or canary)."""
+        avoid: dict[str, str] = {}
+        for revision in intent.revisions:
+            avoid.update(self.ctx.backoff.avoid(self.namespace, intent.name, revision))
+        return avoid
 
     def _capacity(self, spec: Mapping[str, Any]) -> Capacity:
         capacity = spec.get("capacity") or {}
@@ -305,11 +320,12 @@ class _Pass:
             if lost or facts.restarted:
                 self.facts[i] = await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
 
-    async def _load_one(self, model: _Model, pod: PodState) -> tuple[str, str, str | None]:
+    async def _load_one(self, model: _Model, pod: PodState, revision: str) -> tuple[str, str, str | None]:
         intent = model.intent
+        _, config, _ = intent.variant(revision)
         try:
             async with self.ctx.load_slots:
-                await self.ctx.control.load(pod.ip or "", intent.model_name, intent.load_config)
+                await self.ctx.control.load(pod.ip or "", intent.model_name, config)
         except ControlError as error:
             return intent.name, pod.name, str(error)
         return intent.name, pod.name, None
@@ -317,7 +333,9 @@ class _Pass:
     async def _load_all(self, models: Sequence[_Model], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
         by_name = {m.intent.name: m for m in models}
         jobs = [
-            self._load_one(by_name[name], self.states[pod])
+            self._load_one(
+                by_name[name], self.states[pod], plan.revisions.get(pod, by_name[name].intent.revision)
+            )
             for name, plan in plans.items()
             for pod in plan.load
         ]
@@ -325,19 +343,23 @@ class _Pass:
         for name, pod, error in await asyncio.gather(*jobs):
             model = by_name[name]
             intent = model.intent
+            revision = plans[name].revisions.get(pod, intent.revision)
+            variant = intent.variant(revision)[0]
             if error is None:
-                self.truth[pod].held[name] = Held(intent.model_name, intent.revision)
+                self.truth[pod].held[name] = Held(intent.model_name, revision)
                 self.fresh.add((name, pod))
-                self.ctx.backoff.succeeded(self.namespace, pod, name, intent.revision)
+                self.ctx.backoff.succeeded(self.namespace, pod, name, revision)
                 loaded.setdefault(name, set()).add(pod)
                 post_event(
                     model.body,
                     "Normal",
                     "Loaded",
-                    f"loaded {intent.model_name} (revision {intent.revision}) on pod {pod}",
+                    f"loaded {intent.model_name} (revision {revision}"
+                    + (", canary" if variant == "canary" else "")
+                    + f") on pod {pod}",
                 )
             else:
-                self.ctx.backoff.failed(self.namespace, pod, name, intent.revision, error)
+                self.ctx.backoff.failed(self.namespace, pod, name, revision, error)
                 self.failures.setdefault(name, {})[pod] = error
                 post_event(
                     model.body, "Warning", "LoadFailed", f"loading {intent.model_name} on pod {pod}: {error}"
@@ -409,7 +431,7 @@ class _Pass:
         intent = model.intent
         placements = []
         holding = available = 0
-        avoid = self.ctx.backoff.avoid(self.namespace, intent.name, intent.revision)
+        avoid = self._avoid(intent)
         planned = set(plan.load) if plan is not None and loading else set()
         eligible = 0
         for facts in self.facts:
@@ -417,8 +439,9 @@ class _Pass:
             state, held = self.states[pod], self.truth[pod].held.get(intent.name)
             eligible += 1 if state.ready else 0
             version = version_of(self.index[pod] or [], intent.model_name)
-            if intent.version is not None and (intent.name, pod) in self.fresh:
-                version = intent.version  # the index was read before this load
+            variant = intent.variant(held.revision)[0] if held is not None and intent.canary else None
+            if held is not None and (intent.name, pod) in self.fresh:
+                version = intent.variant(held.revision)[2] or version  # the index was read before this load
             failure = self.failures.get(intent.name, {}).get(pod)
             unload_failure = self.unload_failures.get(intent.name, {}).get(pod)
             if pod in planned:
@@ -436,12 +459,19 @@ class _Pass:
                 continue
             if held is not None:
                 holding += 1
-                current = held.revision == intent.revision
+                current = held.revision in intent.revisions
                 if current and state.ready:
                     available += 1
                 message = unload_failure or failure or (None if current else "older revision; reload pending")
                 placements.append(
-                    Placement(pod, "Unloading" if unload_failure else "Loaded", facts.ip, version, message)
+                    Placement(
+                        pod,
+                        "Unloading" if unload_failure else "Loaded",
+                        facts.ip,
+                        version,
+                        message,
+                        variant=variant if current else None,
+                    )
                 )
             elif failure is not None or pod in avoid:
                 placements.append(Placement(pod, "Failed", facts.ip, None, failure or avoid.get(pod)))
@@ -463,6 +493,63 @@ class _Pass:
             },
             eligible_pods=eligible,
         )
+
+    async def _read_traffic(self, models: Sequence[_Model]) -> dict[str, dict[str, tuple[float, float]]]:
+        """Request counters of the pods holding a model under a canary (pod IP -> model name -> counters)."""
+        if self.ctx.meter is None:
+            return {}
+        canaried = {m.intent.name for m in models if m.intent.canary is not None and not m.deleting}
+        ips = [
+            self.states[f.name].ip or ""
+            for f in self.facts
+            if self.states[f.name].ready and any(n in canaried for n in self.truth[f.name].held)
+        ]
+        return await self.ctx.meter.scrape_all(ip for ip in ips if ip)
+
+    def _variants(
+        self, model: _Model, traffic: Mapping[str, Mapping[str, tuple[float, float]]]
+    ) -> list[dict[str, Any]] | None:
+        """status.variants of a model under a canary: each variant's pods, share and traffic."""
+        intent = model.intent
+        meter = self.ctx.meter
+        if intent.canary is None:
+            if meter is not None:
+                meter.forget(self.namespace, intent.name)
+            return None
+        holders: dict[str, list[str]] = {revision: [] for revision in intent.revisions}
+        for facts in self.facts:
+            held = self.truth[facts.name].held.get(intent.name)
+            if held is not None and held.revision in holders and self.states[facts.name].ready:
+                holders[held.revision].append(facts.name)
+        total = sum(len(pods) for pods in holders.values())
+        out = []
+        for revision, pods in holders.items():
+            name, _, version = intent.variant(revision)
+            entry: dict[str, Any] = {
+                "name": name,
+                "revision": revision,
+                "replicas": len(pods),
+                "pods": sorted(pods),
+                "trafficPercent": round(100 * len(pods) / total) if total else 0,
+            }
+            if version is not None:
+                entry["version"] = version
+            if meter is not None:
+                counters = [
+                    traffic[ip][intent.model_name]
+                    for ip in (self.states[p].ip for p in pods)
+                    if ip in traffic and intent.model_name in traffic[ip]
+                ]
+                figures = meter.traffic(self.namespace, intent.name, revision, counters)
+                entry["requests"] = figures.requests
+                entry["failures"] = figures.failures
+                if figures.request_rate is not None:
+                    entry["requestRate"] = round(figures.request_rate, 3)
+                    entry["failureRate"] = round(figures.failure_rate or 0.0, 3)
+            out.append(entry)
+        if meter is not None:
+            meter.forget(self.namespace, intent.name, keep=intent.revisions)
+        return out
 
     async def _write_model_status(self, model: _Model, observed: ModelObservation, pool_found: bool) -> None:
         intent, meta = model.intent, model.body["metadata"]

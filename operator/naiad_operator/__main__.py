@@ -65,7 +65,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--leader-elect-timing",
         default=os.environ.get("NAIAD_LEADER_ELECT_TIMING", ""),
-        help="lease duration, renew deadline and retry period in seconds, e.g. '8,5,1' (the default)",
+        help="lease duration, renew deadline and retry period in seconds, e.g. '10,7,2' (the default)",
     )
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")

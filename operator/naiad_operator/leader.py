@@ -34,12 +34,12 @@ def micro_time(when: float) -> str:
 @dataclass(frozen=True)
 class ElectionTiming:
     # A standby takes the Lease once it saw no renewal for this long.
-    lease_duration: float = 8.0
+    lease_duration: float = 10.0
     # The leader gives up (and stops reconciling) when it could not renew for this long; < lease_duration, so
     # it stops before anyone else may start.
-    renew_deadline: float = 5.0
+    renew_deadline: float = 7.0
     # Polling and renewal period.
-    retry_period: float = 1.0
+    retry_period: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.retry_period < self.renew_deadline < self.lease_duration:
@@ -72,6 +72,7 @@ class LeaderElector:
         self._observed_at = 0.0
         self.leading = False
         self.transitions = 0
+        self._lease: dict[str, Any] | None = None  # the Lease as this replica last wrote it
 
     def _spec(self, lease: dict[str, Any] | None, acquired: bool) -> dict[str, Any]:
         old = (lease or {}).get("spec") or {}
@@ -85,8 +86,24 @@ class LeaderElector:
             "leaseTransitions": transitions + 1 if acquired and lease is not None else transitions,
         }
 
+    async def _renew(self) -> bool:
+        """The leader's renewal: one PUT of the Lease it wrote last (its resourceVersion proves nobody else wrote
+        it since), no GET. False on any failure; the caller then reads the Lease."""
+        lease = self._lease
+        if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
+            return False
+        lease = {**lease, "spec": self._spec(lease, acquired=False)}
+        try:
+            self._lease = await self.kube.request("PUT", lease_path(self.namespace, self.name), body=lease)
+        except KubeError:
+            self._lease = None
+            return False
+        return True
+
     async def try_acquire_or_renew(self) -> bool:
         """One attempt; True when this replica holds the Lease afterwards."""
+        if self.leading and await self._renew():
+            return True
         try:
             lease = await self.kube.request("GET", lease_path(self.namespace, self.name))
         except KubeError as error:
@@ -101,7 +118,7 @@ class LeaderElector:
                 "spec": self._spec(None, acquired=True),
             }
             try:
-                await self.kube.request("POST", lease_path(self.namespace), body=body)
+                self._lease = await self.kube.request("POST", lease_path(self.namespace), body=body)
             except KubeError as error:
                 if error.status == 409:  # another replica created it first
                     return False
@@ -120,7 +137,7 @@ class LeaderElector:
         lease["spec"] = self._spec(lease, acquired=not mine)
         try:
             # A PUT with the resourceVersion just read: of two replicas racing for an expired Lease, one gets 409.
-            await self.kube.request("PUT", lease_path(self.namespace, self.name), body=lease)
+            self._lease = await self.kube.request("PUT", lease_path(self.namespace, self.name), body=lease)
         except KubeError as error:
             if error.status == 409:
                 return False

@@ -8,9 +8,10 @@ that restarted or were added by the autoscaler, rolls revisions, and cleans up a
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,8 @@ class PoolContext:
     load_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(16))
     # Reads the servers' request counters for models under a canary (None: no traffic figures in status).
     meter: VariantMeter | None = None
+    # The InferenceModels of a pool from the operator's index (None: list them from the API server).
+    models: Callable[[str, str], list[Body]] | None = None
 
 
 @dataclass
@@ -188,10 +191,14 @@ class _Pass:
 
     async def run(self) -> PoolReport:
         kube = self.ctx.kube
-        server, model_bodies = await asyncio.gather(
-            kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool),
-            kube.list(API_VERSION, MODEL_KIND, self.namespace),
-        )
+        if self.ctx.models is not None:
+            server = await kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool)
+            model_bodies = self.ctx.models(self.namespace, self.pool)
+        else:
+            server, model_bodies = await asyncio.gather(
+                kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool),
+                kube.list(API_VERSION, MODEL_KIND, self.namespace),
+            )
         models = models_of_pool(model_bodies, self.pool, server)
         if server is None:
             for model in models:
@@ -567,12 +574,14 @@ class _Pass:
             old_status=model.body.get("status"),
             now=self.now,
         )
+        if not status_changes(model.body.get("status"), status):
+            return  # a steady state writes nothing
         try:
             await self.ctx.kube.apply_status(API_VERSION, MODEL_KIND, self.namespace, meta["name"], status)
         except KubeError as error:
             if error.status != 404:
                 raise
-        model.body["status"] = status
+        model.body["status"] = merged_status(model.body.get("status"), status)
 
     async def _write_server_status(
         self, spec: Mapping[str, Any], deployment: Body | None, hpa: Body | None, counts: Sequence[ModelCount]
@@ -590,11 +599,31 @@ class _Pass:
             old_conditions=(self.server.get("status") or {}).get("conditions"),
             now=self.now,
         )
+        if not status_changes(self.server.get("status"), status):
+            return
         try:
             await self.ctx.kube.apply_status(API_VERSION, SERVER_KIND, self.namespace, self.pool, status)
         except KubeError as error:
             if error.status != 404:
                 raise
+
+
+def merged_status(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> dict[str, Any]:
+    """The status after a merge patch (RFC 7386) of `patch` onto `old`."""
+    out = copy.deepcopy(dict(old or {}))
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged_status(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def status_changes(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
+    """Whether merge-patching `patch` onto the status `old` would change anything."""
+    return old is None or merged_status(old, patch) != dict(old)
 
 
 async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolReport:

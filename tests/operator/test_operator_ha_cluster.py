@@ -1,6 +1,7 @@
 """The operator in production, against the real control plane (see test_operator_cluster.py): two replicas with
-leader election over a Lease, the leader killed during a scale-out, serving without any operator, and
-PodDisruptionBudgets enforced by the API server's eviction subresource, on two GPU nodes.
+leader election over a Lease, the leader killed during a scale-out, serving without any operator,
+PodDisruptionBudgets enforced by the API server's eviction subresource, on two GPU nodes, and a canary placed,
+measured per variant, rolled back and promoted.
 
 Slow (a cluster start, about a minute, then a few minutes of scenarios).
 Run: pytest tests/operator/test_operator_ha_cluster.py -m slow
@@ -9,6 +10,7 @@ Run: pytest tests/operator/test_operator_ha_cluster.py -m slow
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LEASE = "naiad"  # the chart's Lease name: the release's full name
 # The chart's defaults: lease duration, renew deadline, retry period.
-LEASE_SECONDS, RETRY_SECONDS = 8.0, 1.0
+LEASE_SECONDS, RETRY_SECONDS = 10.0, 2.0
 
 
 class Replica:
@@ -79,6 +81,7 @@ class Replica:
 def ha(tmp_path_factory):
     # The chart's defaults: two replicas, leader election on (the Role for the Lease is what the replicas use).
     with running_cluster(tmp_path_factory.mktemp("naiad-ha"), nodes=2, operator=False) as h:
+        shutil.copytree(h.repo / "add_sub" / "1", h.repo / "add_sub" / "2")  # a second version for canaries
         h.replicas = []
         yield h
         for replica in h.replicas:
@@ -295,3 +298,107 @@ def test_pool_disruption_budget_is_created_and_enforced_by_eviction(report):
     wait(lambda: not h.exists("pdb", "guarded"), 60, what="PDB removed")
     h.kubectl("-n", NS, "delete", "im", "guarded-m", "--timeout=90s")
     h.kubectl("-n", NS, "delete", "inferenceserver", "guarded", "--timeout=90s")
+
+
+def post(ip: str, path: str, body: dict | None = None) -> dict | list:
+    request = urllib.request.Request(
+        f"http://{ip}:8000{path}",
+        data=json.dumps(body or {}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def versions_ready(ip: str) -> list[str]:
+    return sorted(e["version"] for e in post(ip, "/v2/repository/index") if e.get("state") == "READY")
+
+
+def served(h, selector: str) -> dict[str, list[str]]:
+    """Pod IP -> versions of add_sub READY there, for the pods holding the model."""
+    return {
+        p["status"]["podIP"]: versions_ready(p["status"]["podIP"])
+        for p in h.get("pods", selector=selector)["items"]
+    }
+
+
+def success_count(ip: str, version: str) -> int:
+    with urllib.request.urlopen(
+        f"http://{ip}:8000/v2/models/add_sub/versions/{version}/stats", timeout=5
+    ) as r:
+        return json.loads(r.read())["model_stats"][0]["inference_stats"]["success"]["count"]
+
+
+def variants(h, name: str) -> dict[str, dict]:
+    return {v["name"]: v for v in h.model_status(name).get("variants") or []}
+
+
+def test_canary_placement_traffic_rollback_and_promotion(report):
+    h = report
+    wait(lambda: leader_of(h, h.replicas), 30, what="a leader")
+    h.apply(pool("cpool", replicas=4, modelRepository={"path": str(h.repo)}))
+    h.apply(model("cm", serverRef={"name": "cpool"}, modelName="add_sub", replicas=4, version=1))
+    wait(lambda: h.model_status("cm").get("availableReplicas") == 4, 180, what="cm on 4 pods")
+    holders = "naiad.dev/server=cpool,naiad.dev/model-cm=loaded"
+    assert sorted(served(h, holders).values()) == [["1"]] * 4
+
+    def patch(body) -> None:
+        kind = "json" if isinstance(body, list) else "merge"
+        h.kubectl("-n", NS, "patch", "im", "cm", f"--type={kind}", "-p", json.dumps(body))
+
+    # Placement: version 2 on a quarter of the pods; the model's Service still selects all four.
+    patch({"spec": {"canary": {"version": 2, "trafficPercent": 25}}})
+    wait(
+        lambda: sorted(served(h, holders).values()) == [["1"]] * 3 + [["2"]], 120, what="canary on 1 pod of 4"
+    )
+    wait(lambda: variants(h, "cm").get("canary", {}).get("replicas") == 1, 60, what="status.variants")
+    assert variants(h, "cm")["stable"]["replicas"] == 3 and variants(h, "cm")["canary"]["version"] == "2"
+    wait(lambda: len(h.endpoints("cm")) == 4, 60, what="Service selects both variants")
+
+    # Traffic counted per variant: 10 requests to each endpoint of the model's Service.
+    before = {v: variants(h, "cm")[v].get("requests", 0) for v in ("stable", "canary")}
+    for ip in h.endpoints("cm"):
+        for _ in range(10):
+            assert h.infer(ip) == [2.0, 3.0, 4.0, 5.0]
+    wait(
+        lambda: (
+            variants(h, "cm")["stable"].get("requests") == before["stable"] + 30
+            and variants(h, "cm")["canary"].get("requests") == before["canary"] + 10
+        ),
+        30,
+        what="per-variant request counts",
+    )
+    shown = variants(h, "cm")
+    print(f"\nstatus.variants: {json.dumps(list(shown.values()))}")
+    assert shown["canary"]["failures"] == 0 and "requestRate" in shown["canary"]
+
+    # Rollback: removing the canary reloads version 1 in place; status.variants goes.
+    patch([{"op": "remove", "path": "/spec/canary"}])
+    wait(lambda: sorted(served(h, holders).values()) == [["1"]] * 4, 120, what="rolled back")
+    wait(lambda: not h.model_status("cm").get("variants"), 60, what="variants gone")
+    assert h.model_status("cm")["availableReplicas"] == 4
+
+    # Promotion: half the pods get version 2, then promote makes it the model's; the canary pods keep their
+    # copy (their request counters survive: no reload), the others reload.
+    patch({"spec": {"canary": {"version": 2, "trafficPercent": 50}}})
+    wait(
+        lambda: sorted(served(h, holders).values()) == [["1"], ["1"], ["2"], ["2"]],
+        120,
+        what="canary on 2 pods",
+    )
+    canary_ips = [ip for ip, v in served(h, holders).items() if v == ["2"]]
+    for ip in canary_ips:
+        h.infer(ip)
+    counts = {ip: success_count(ip, "2") for ip in canary_ips}
+    patch({"spec": {"canary": {"promote": True}}})
+    wait(lambda: h.get("inferencemodel", "cm")["spec"].get("version") == 2, 60, what="spec.version promoted")
+    assert "canary" not in h.get("inferencemodel", "cm")["spec"]
+    wait(lambda: sorted(served(h, holders).values()) == [["2"]] * 4, 120, what="rolled forward")
+    wait(lambda: h.model_status("cm").get("availableReplicas") == 4, 60, what="cm Available on version 2")
+    for ip, count in counts.items():
+        assert success_count(ip, "2") >= count
+    events = h.kubectl("-n", NS, "get", "events", "--field-selector", "involvedObject.name=cm").stdout
+    assert "CanaryPromoted" in events
+    h.kubectl("-n", NS, "delete", "im", "cm", "--timeout=90s")
+    h.kubectl("-n", NS, "delete", "inferenceserver", "cpool", "--timeout=90s")

@@ -73,13 +73,24 @@ def test_default_render():
             "ClusterRoleBinding",
             "ClusterRole",
             "ClusterRole",
+            "Role",
+            "RoleBinding",
             "Deployment",
         ]
     )
     (deployment,) = by_kind(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas with leader election; a rollout never has zero of them.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    assert "--leader-elect" in container["args"] and "--leader-elect-lease=naiad" in container["args"]
+    assert "--leader-elect-timing=10,7,2" in container["args"]
+    (spread,) = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NAIAD_SERVER_IMAGE"] == "ghcr.io/naiad-dev/naiad-server:0.1.0"
     assert env["NAIAD_QUEUE_METRIC"] == "naiad_queue_time_per_request_us"
     assert env["NAIAD_SERVICE_MONITORS"] == "auto"
@@ -107,7 +118,7 @@ def test_optional_monitoring_objects():
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert dashboard["data"]["naiad.json"].strip() == (ROOT / "dashboards" / "naiad.json").read_text().strip()
     env = {
-        e["name"]: e["value"]
+        e["name"]: e.get("value")
         for e in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
     }
     assert env["NAIAD_SERVICE_MONITORS"] == "false"  # the chart-wide ServiceMonitor replaces per-pool ones
@@ -118,8 +129,11 @@ def test_namespace_scoped_rbac():
         "rbac.scope=namespace", "watchNamespaces={ml,team-a}", "rbac.aggregateToDefaultRoles=false"
     )
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == ["ml", "team-a"]
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == ["ml", "team-a"]
+    # a Role per watched namespace, and the leader-election Role in the release's own
+    roles = sorted((r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role"))
+    assert roles == [("ml", "naiad"), ("naiad-system", "naiad-leader-election"), ("team-a", "naiad")]
+    bindings = sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding"))
+    assert bindings == ["ml", "naiad-system", "team-a"]
     args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=ml" in args and "--namespace=team-a" in args
     failed = helm("template", "naiad", str(CHART), "--set", "rbac.scope=namespace")
@@ -141,7 +155,33 @@ NEEDED = [
     ("autoscaling", "horizontalpodautoscalers", {"get", "patch", "create", "delete"}),
     ("monitoring.coreos.com", "servicemonitors", {"get", "patch", "create", "delete"}),
     ("", "events", {"create"}),
+    ("policy", "poddisruptionbudgets", {"get", "watch", "patch", "create", "delete"}),
+    ("apps", "deployments", {"watch"}),
+    ("", "services", {"watch"}),
 ]
+
+
+def test_leader_election_role_and_single_replica_mode():
+    docs = template()
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "naiad-leader-election"]
+    assert role["metadata"]["namespace"] == "naiad-system"
+    assert grants(role["rules"], "coordination.k8s.io", "leases", {"create", "get", "update"})
+    named = next(r for r in role["rules"] if "resourceNames" in r)
+    assert named["resourceNames"] == ["naiad"]  # get/update only its own Lease
+    (deployment,) = by_kind(docs, "Deployment")
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {
+        "name": "NAIAD_LEADER_ELECT_NAMESPACE",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+    } in env
+    single = template("replicaCount=1", "leaderElection.enabled=false")
+    (deployment,) = by_kind(single, "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--leader-elect" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [r for r in by_kind(single, "Role") if r["metadata"]["name"] == "naiad-leader-election"]
+    # two operators without an election would fight: the chart refuses
+    refused = helm("template", "naiad", str(CHART), "--set", "leaderElection.enabled=false")
+    assert refused.returncode != 0 and "leaderElection" in refused.stderr
 
 
 def grants(rules: list[dict], group: str, resource: str, verbs: set[str]) -> bool:

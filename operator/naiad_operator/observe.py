@@ -140,7 +140,9 @@ def held_models(
         if not versions:
             continue
         recorded = None if facts.restarted else facts.recorded.get(intent.name)
-        right_version = intent.version is None or intent.version in versions
+        # The version the recorded variant asks for (a canary's may differ from the model's).
+        wanted = intent.variant(recorded.revision)[2] if recorded is not None else intent.version
+        right_version = wanted is None or wanted in versions
         known = recorded is not None and recorded.model_name == intent.model_name and right_version
         out[intent.name] = recorded.revision if known and recorded is not None else ""
     return out

@@ -91,6 +91,10 @@ async def test_a_pass_places_the_canary_and_reports_both_variants(world):  # noq
     assert variants["canary"]["replicas"] == 1 and variants["canary"]["version"] == "2"
     assert variants["canary"]["trafficPercent"] == 33
     assert {p["variant"] for p in status["placements"]} == {"stable", "canary"}
+    # a steady state: the next pass keeps both variants where they are (no reload resets their counters)
+    loads = len([c for c in servers.calls if c[0] == "load"])
+    await reconcile_pool(ctx, "ml", "gpu")
+    assert len([c for c in servers.calls if c[0] == "load"]) == loads
     # roll back: the canary pod reloads the stable version; status.variants goes away
     kube.obj("naiad.dev/v1alpha1", "InferenceModel", "resnet")["spec"].pop("canary")
     await reconcile_pool(ctx, "ml", "gpu")

@@ -110,6 +110,13 @@ def start(h, name: str) -> Replica:
     return replica
 
 
+def ensure_leader(h) -> None:
+    """A leading replica (started here when this test runs alone)."""
+    if not any(r.process.poll() is None for r in h.replicas):
+        start(h, f"r{len(h.replicas)}")
+    wait(lambda: leader_of(h, h.replicas), 30, what="a leader")
+
+
 def leader_of(h, replicas: list[Replica]) -> Replica | None:
     for replica in replicas:
         if replica.process.poll() is None and replica.health().get("leader"):
@@ -251,7 +258,7 @@ def evict(h, name: str) -> subprocess.CompletedProcess:
 
 def test_pool_disruption_budget_is_created_and_enforced_by_eviction(report):
     h = report
-    wait(lambda: leader_of(h, h.replicas), 30, what="a leader")
+    ensure_leader(h)
     h.apply(
         pool(
             "guarded",
@@ -300,6 +307,21 @@ def test_pool_disruption_budget_is_created_and_enforced_by_eviction(report):
     h.kubectl("-n", NS, "delete", "inferenceserver", "guarded", "--timeout=90s")
 
 
+ADD_SUB = {
+    "name": "add_sub",
+    "backend": "python",
+    "input": [
+        {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]},
+        {"name": "INPUT1", "data_type": "TYPE_FP32", "dims": [4]},
+    ],
+    "output": [
+        {"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]},
+        {"name": "OUTPUT1", "data_type": "TYPE_FP32", "dims": [4]},
+    ],
+    "instance_group": [{"count": 1, "kind": "KIND_CPU"}],
+}
+
+
 def post(ip: str, path: str, body: dict | None = None) -> dict | list:
     request = urllib.request.Request(
         f"http://{ip}:8000{path}",
@@ -336,9 +358,12 @@ def variants(h, name: str) -> dict[str, dict]:
 
 def test_canary_placement_traffic_rollback_and_promotion(report):
     h = report
-    wait(lambda: leader_of(h, h.replicas), 30, what="a leader")
+    ensure_leader(h)
     h.apply(pool("cpool", replicas=4, modelRepository={"path": str(h.repo)}))
-    h.apply(model("cm", serverRef={"name": "cpool"}, modelName="add_sub", replicas=4, version=1))
+    # A load's config override replaces config.pbtxt (as in Triton), so the model brings its whole config.
+    h.apply(
+        model("cm", serverRef={"name": "cpool"}, modelName="add_sub", replicas=4, version=1, config=ADD_SUB)
+    )
     wait(lambda: h.model_status("cm").get("availableReplicas") == 4, 180, what="cm on 4 pods")
     holders = "naiad.dev/server=cpool,naiad.dev/model-cm=loaded"
     assert sorted(served(h, holders).values()) == [["1"]] * 4

@@ -78,7 +78,7 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 def api_metrics(h) -> dict[str, dict[tuple, float]]:
     """The API server's counters we need: requests by verb (all clients), and the operator's flow."""
-    text = h.kubectl("get", "--raw", "/metrics", timeout=60).stdout
+    text = h.cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout
     by_verb: dict[tuple, float] = {}
     operator = 0.0
     seen_flow = False

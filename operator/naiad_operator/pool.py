@@ -40,6 +40,8 @@ from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 Body = dict[str, Any]
+# Model status writes in flight at once during a pass.
+STATUS_WRITES = 16
 
 
 class LoadBackoff:
@@ -242,12 +244,14 @@ class _Pass:
         }
         plans = plan_pool(list(self.demands.values()), list(self.states.values()), self._capacity(spec))
 
+        loading = []
         for model in valid:
             if plans[model.intent.name].load and not model.deleting:
                 observed = self._observe(model, plans[model.intent.name], loading=True)
                 if model.intent.canary is not None:  # traffic figures come after the loads
                     observed.variants = (model.body.get("status") or {}).get("variants")
-                await self._write_model_status(model, observed, pool_found=True)
+                loading.append((model, observed))
+        await self._write_model_statuses(loading)
         loaded = await self._load_all(valid, plans)
         await self._unload_all(valid, plans, loaded)
         await self._unload_strays()
@@ -260,6 +264,7 @@ class _Pass:
 
         traffic = await self._read_traffic(models)
         counts = []
+        observations = []
         for model in models:
             if model.deleting:
                 continue
@@ -267,8 +272,9 @@ class _Pass:
             observed.variants = self._variants(model, traffic)
             if model.intent.dedicated and not model.intent.suspended and not model.problems:
                 observed.wanted = max(observed.wanted, desired_replicas(spec))
-            await self._write_model_status(model, observed, pool_found=True)
+            observations.append((model, observed))
             counts.append(ModelCount(model.intent.name, model.intent.model_name, observed.holding))
+        await self._write_model_statuses(observations)
         await self._write_server_status(spec, deployment, hpa, counts)
         holders: dict[str, list[str]] = {}
         for pod, truth in self.truth.items():
@@ -557,6 +563,17 @@ class _Pass:
         if meter is not None:
             meter.forget(self.namespace, intent.name, keep=intent.revisions)
         return out
+
+    async def _write_model_statuses(self, observations: Sequence[tuple[_Model, ModelObservation]]) -> None:
+        """Write the statuses that changed, several at a time (a pass over a pool of many models otherwise waits
+        on one round trip per model)."""
+        slots = asyncio.Semaphore(STATUS_WRITES)
+
+        async def write(model: _Model, observed: ModelObservation) -> None:
+            async with slots:
+                await self._write_model_status(model, observed, pool_found=True)
+
+        await asyncio.gather(*(write(model, observed) for model, observed in observations))
 
     async def _write_model_status(self, model: _Model, observed: ModelObservation, pool_found: bool) -> None:
         intent, meta = model.intent, model.body["metadata"]

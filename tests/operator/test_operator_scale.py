@@ -189,7 +189,7 @@ def start_operator(h) -> subprocess.Popen:
     log = open(h.workdir / "operator-bench.log", "a")  # the child keeps its own descriptor
     return subprocess.Popen(
         [sys.executable, "-m", "naiad_operator", "--namespace", NS, "--liveness=", "--leader-elect",
-         f"--leader-elect-namespace={OPERATOR_NS}", "--leader-elect-lease=naiad", "--quiet"],
+         f"--leader-elect-namespace={OPERATOR_NS}", "--leader-elect-lease=naiad"],
         env=_env(KUBECONFIG=h.operator_kubeconfig(), NAIAD_SERVER_IMAGE="naiad-server:it"),
         stdout=log, stderr=subprocess.STDOUT, cwd=h.workdir,
     )  # fmt: skip
@@ -198,6 +198,19 @@ def start_operator(h) -> subprocess.Popen:
 def all_available(h, count: int) -> bool:
     items = h.get("inferencemodels")["items"]
     return len(items) >= count and all((m.get("status") or {}).get("phase") == "Available" for m in items)
+
+
+def all_handled(h, count: int) -> bool:
+    """Every model's create handler has finished (kopf recorded what it handled): no backlog left."""
+    items = h.get("inferencemodels")["items"]
+    key = "naiad.dev/last-handled-configuration"
+    return len(items) >= count and all(key in (m["metadata"].get("annotations") or {}) for m in items)
+
+
+def cpu_seconds(process: subprocess.Popen) -> float:
+    """User+system CPU time of the operator process so far."""
+    fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_api_requests_stay_flat_from_10_to_300_models(tmp_path_factory):
@@ -231,13 +244,19 @@ def test_api_requests_stay_flat_from_10_to_300_models(tmp_path_factory):
             )
             sent = apply_models(h, range(SMALL))
             wait(lambda: all_available(h, SMALL), 300, what=f"{SMALL} models Available")
+            wait(lambda: all_handled(h, SMALL), 300, what="create handlers done")
             time.sleep(30)  # settle: the last passes and status writes
+            cpu = cpu_seconds(operator)
             small = window(h, WINDOW)
+            small["cpu"] = {"seconds per minute": round((cpu_seconds(operator) - cpu) / (WINDOW / 60), 2)}
 
             sent.update(apply_models(h, range(SMALL, LARGE)))
             wait(lambda: all_available(h, LARGE), 900, interval=2, what=f"{LARGE} models Available")
+            wait(lambda: all_handled(h, LARGE), 900, interval=2, what="create handlers done")
             time.sleep(30)
+            cpu = cpu_seconds(operator)
             large = window(h, WINDOW)
+            large["cpu"] = {"seconds per minute": round((cpu_seconds(operator) - cpu) / (WINDOW / 60), 2)}
 
             operator.terminate()
             operator.wait(60)
@@ -256,6 +275,10 @@ def test_api_requests_stay_flat_from_10_to_300_models(tmp_path_factory):
             "operator_requests_per_minute": {
                 str(SMALL): small["operator"]["total"],
                 str(LARGE): large["operator"]["total"],
+            },
+            "operator_cpu_seconds_per_minute": {
+                str(SMALL): small["cpu"]["seconds per minute"],
+                str(LARGE): large["cpu"]["seconds per minute"],
             },
             "operator_requests_per_minute_by_verb": {
                 str(n): {v: round(max(0.0, w["verbs"].get(v, 0.0) - baseline["verbs"].get(v, 0.0)), 1) for v in verbs}

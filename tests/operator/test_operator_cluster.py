@@ -226,7 +226,13 @@ def find_binaries() -> Path:
 
 
 @contextlib.contextmanager
-def running_cluster(workdir: Path, nodes: int = 1, helm_sets: Sequence[str] = (), operator: bool = True):
+def running_cluster(
+    workdir: Path,
+    nodes: int = 1,
+    helm_sets: Sequence[str] = (),
+    operator: bool = True,
+    kwokctl_args: Sequence[str] = (),
+):
     """A cluster with the chart installed, a pod runner on `nodes` GPU nodes, and (with `operator`) the operator
     running; yields the Harness and tears everything down afterwards."""
     bin_dir = find_binaries()
@@ -242,7 +248,9 @@ def running_cluster(workdir: Path, nodes: int = 1, helm_sets: Sequence[str] = ()
     launcher.chmod(0o755)
     # Own work directories (not the shared e2e/.work), so other suites' cleanup cannot touch this cluster.
     gpu_nodes = [cluster_mod.GpuNode(f"gpu-node-{i}", f"198.18.{i}.0/24") for i in range(nodes)]
-    cluster = cluster_mod.KwokCluster(bin_dir=bin_dir, workdir=workdir / "cluster", gpu_nodes=gpu_nodes)
+    cluster = cluster_mod.KwokCluster(
+        bin_dir=bin_dir, workdir=workdir / "cluster", gpu_nodes=gpu_nodes, extra_kwokctl_args=kwokctl_args
+    )
     runner = podrunner_mod.PodRunner(
         cluster.kubeconfig,
         cluster.runner_node_names,

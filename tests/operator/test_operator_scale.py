@@ -214,7 +214,11 @@ def cpu_seconds(process: subprocess.Popen) -> float:
 
 
 def test_api_requests_stay_flat_from_10_to_300_models(tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("naiad-scale"), nodes=2, operator=False) as h:
+    # Every model has a ClusterIP Service: the API server's default range (a /24) holds only 254 of them.
+    wide = ["--extra-args", "kube-apiserver=service-cluster-ip-range=10.0.0.0/16"]
+    with running_cluster(
+        tmp_path_factory.mktemp("naiad-scale"), nodes=2, operator=False, kwokctl_args=wide
+    ) as h:
         make_repository(h.repo, LARGE)
         h.cluster.apply(flow_schema())
         operator = start_operator(h)

@@ -36,6 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.bench, pytest.mark.timeout(2400)]
 POOLS = 3
 SMALL, LARGE = 10, 300
 WINDOW = float(os.environ.get("NAIAD_BENCH_WINDOW", "120"))
+# The target for apply -> Available p95.
+P95_SECONDS = float(os.environ.get("NAIAD_BENCH_P95_SECONDS", "5"))
 FLOW_SCHEMA = "naiad-operator"
 
 
@@ -302,4 +304,4 @@ def test_api_requests_stay_flat_from_10_to_300_models(tmp_path_factory):
             Path(os.environ["NAIAD_BENCH_OUT"]).write_text(json.dumps(figures, indent=2) + "\n")
         assert small["operator"]["total"] > 0, "no requests seen from the operator's FlowSchema"
         assert large["operator"]["total"] <= small["operator"]["total"] * 1.10, figures
-        assert figures["apply_to_available_seconds"]["p95"] < 5.0, figures
+        assert figures["apply_to_available_seconds"]["p95"] < P95_SECONDS, figures

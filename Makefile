@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests examples bench e2e lint clean crds dashboards helm-lint images
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench examples bench e2e lint clean crds dashboards helm-lint images
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ $(REPO)/.built: venv examples/build_repository.py $(shell find examples/src -typ
 serve: venv examples
 	$(VENV)/bin/naiad serve --model-repository $(REPO) --http-port 8000 --grpc-port 8001 --metrics-port 8002
 
+CLUSTER_TESTS := tests/operator/test_operator_cluster.py tests/operator/test_operator_ha_cluster.py \
+  tests/operator/test_operator_s3_cluster.py
+SCALE_BENCH := tests/operator/test_operator_scale.py
+
 # Every tier this machine can run: server, Triton side by side, Prometheus, operator and the e2e cluster.
 # Everything a tier needs is built first (`tools`: the Kubernetes binaries, helm and every tools/go server; cold
 # ~25 min on 2 cores, warm instant), then the test processes run, then a per-tier summary. Under CI=true a
@@ -33,8 +37,8 @@ test: venv test-deps lint
 	@# the Go builds are CPU-bound, the image build mostly downloads: run them side by side
 	@$(MAKE) -s -j3 tools images examples
 	@rm -rf .test-results; status=0; \
-	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests --ignore=tests/operator/test_operator_cluster.py \
-	  --ignore=tests/operator/test_operator_s3_cluster.py || status=$$?; \
+	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
+	  --ignore=$(SCALE_BENCH) || status=$$?; \
 	$(MAKE) -s e2e-tests || status=$$?; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
 	exit $$status
@@ -45,8 +49,13 @@ e2e-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); \
 	if [ -n "$$bin" ] && [ -x "$$bin/kube-apiserver" ]; then export NAIAD_E2E_BIN="$$bin"; \
 	else echo "Kubernetes binaries unavailable: cluster tiers will skip"; fi; \
-	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
-	  tests/operator/test_operator_s3_cluster.py
+	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e $(CLUSTER_TESTS)
+
+# The operator's scale benchmark (300 InferenceModels on 3 pools; about 12 minutes): API requests per minute
+# from the API server's own metrics and apply -> Available p50/p95. NAIAD_BENCH_OUT=<file> keeps the figures.
+e2e-bench:
+	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin"; \
+	$(PY) -m pytest -q -s -m bench $(PYTEST_ARGS) $(SCALE_BENCH)
 
 # Every server and tool a test tier runs, built or installed before any test starts: the cluster binaries
 # (and helm), and each Go tool pinned under tools/go/ (cached by content in ~/.cache/naiad-tools).

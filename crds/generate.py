@@ -156,7 +156,21 @@ def server_spec_schema(description: str) -> Schema:
             "tolerations": array("Pod tolerations.", free_object("A core/v1 Toleration.")),
             "affinity": free_object("core/v1 Affinity of the pods."),
             "topologySpreadConstraints": array(
-                "Pod topology spread constraints.", free_object("A core/v1 TopologySpreadConstraint.")
+                "Pod topology spread constraints. Default: spread over nodes (kubernetes.io/hostname, maxSkew "
+                "1, ScheduleAnyway); an empty list turns spreading off.",
+                free_object("A core/v1 TopologySpreadConstraint."),
+            ),
+            "disruptionBudget": obj(
+                "The pool's PodDisruptionBudget: how many of its pods a voluntary disruption (a node drain, an "
+                "eviction) may take at once.",
+                {
+                    "enabled": boolean("Create the PodDisruptionBudget.", default=True),
+                    "maxUnavailable": {
+                        "description": "Pods that may be unavailable at once: a number or a percentage.",
+                        "x-kubernetes-int-or-string": True,
+                        "default": 1,
+                    },
+                },
             ),
             "runtimeClassName": string("RuntimeClass of the pods (e.g. nvidia)."),
             "priorityClassName": string("PriorityClass of the pods."),
@@ -379,8 +393,34 @@ def model_status_schema() -> Schema:
                         ),
                         "version": string("Version reported by the server."),
                         "message": string("Error or detail."),
+                        "variant": string("stable or canary, under a canary.", enum=["stable", "canary"]),
                     },
                     required=["pod", "state"],
+                ),
+            ),
+            "variants": array(
+                "Under a canary: each variant's pods and traffic (from the servers' request counters).",
+                obj(
+                    "One variant of the model.",
+                    {
+                        "name": string("stable or canary.", enum=["stable", "canary"]),
+                        "revision": string("Revision the variant's pods hold."),
+                        "version": string("Model version of the variant."),
+                        "replicas": integer("Ready pods holding the variant."),
+                        "pods": array("Those pods.", {"type": "string"}),
+                        "trafficPercent": integer("Share of the model's ready copies."),
+                        "requests": integer("Requests served by those pods (success and failure)."),
+                        "failures": integer("Failed requests on those pods."),
+                        "requestRate": {
+                            "type": "number",
+                            "description": "Requests per second since the last pass.",
+                        },
+                        "failureRate": {
+                            "type": "number",
+                            "description": "Failures per second since the last pass.",
+                        },
+                    },
+                    required=["name", "revision"],
                 ),
             ),
             "endpoint": obj(
@@ -549,6 +589,35 @@ def inference_model_crd() -> dict[str, Any]:
                 "model (with a dedicated pool only: on a shared pool, autoscale the InferenceServer)"
             ),
             "suspended": boolean("Unload the model everywhere and keep it unloaded.", default=False),
+            "canary": obj(
+                "A canary variant: this version and/or config on trafficPercent of the model's pods (the model's "
+                "Service selects both variants). Remove it to roll back; set promote to roll forward.",
+                {
+                    "version": integer("Model version of the canary.", minimum=1),
+                    "config": free_object(
+                        "ModelConfig override of the canary (replaces the model's config)."
+                    ),
+                    "trafficPercent": integer(
+                        "Share of the model's pods (and so of its traffic) that hold the canary.",
+                        minimum=0,
+                        maximum=100,
+                    ),
+                    "promote": boolean(
+                        "Make the canary the model: its version and config replace the model's and canary is "
+                        "removed.",
+                        default=False,
+                    ),
+                },
+                required=["trafficPercent"],
+                **{
+                    "x-kubernetes-validations": [
+                        {
+                            "rule": "has(self.version) || has(self.config)",
+                            "message": "a canary needs a version or a config",
+                        }
+                    ]
+                },
+            ),
         },
         **{
             "x-kubernetes-validations": [

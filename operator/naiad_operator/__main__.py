@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import os
 import sys
 from collections.abc import Sequence
 
 import kopf
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def _own_namespace() -> str:
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -34,6 +45,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="URL the liveness endpoint listens on ('' to disable)",
     )
     parser.add_argument("--log-format", choices=["plain", "full", "json"], default="full")
+    parser.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("NAIAD_LEADER_ELECT", "false").lower() in ("1", "true", "yes"),
+        help="run as one of several replicas: reconcile only while holding the Lease (default: off, or "
+        "$NAIAD_LEADER_ELECT)",
+    )
+    parser.add_argument(
+        "--leader-elect-namespace",
+        default=os.environ.get("NAIAD_LEADER_ELECT_NAMESPACE") or _own_namespace(),
+        help="namespace of the Lease (default: $NAIAD_LEADER_ELECT_NAMESPACE, else the pod's own namespace)",
+    )
+    parser.add_argument(
+        "--leader-elect-lease",
+        default=os.environ.get("NAIAD_LEADER_ELECT_LEASE", "naiad-operator"),
+        help="name of the Lease (default: naiad-operator)",
+    )
+    parser.add_argument(
+        "--leader-elect-timing",
+        default=os.environ.get("NAIAD_LEADER_ELECT_TIMING", ""),
+        help="lease duration, renew deadline and retry period in seconds, e.g. '10,7,2' (the default)",
+    )
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     verbosity.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
@@ -48,8 +81,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose, quiet=args.quiet, log_format=kopf.LogFormat[args.log_format.upper()])
     # Importing registers the handlers with kopf's default registry.
     importlib.import_module("naiad_operator.handlers")
+    if args.leader_elect:
+        from .elected import run_elected, timing_from
+
+        return asyncio.run(
+            run_elected(
+                namespace=args.leader_elect_namespace,
+                lease=args.leader_elect_lease,
+                timing=timing_from(args.leader_elect_timing),
+                liveness=args.liveness,
+                clusterwide=not namespaces,
+                namespaces=namespaces,
+            )
+        )
     kopf.run(
-        # One replica with a Recreate strategy: no peering objects, no leader election needed.
+        # A single replica: kopf's own peering is off (leader election, above, is how replicas share the work).
         standalone=True,
         clusterwide=not namespaces,
         namespaces=namespaces,

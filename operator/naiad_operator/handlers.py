@@ -1,10 +1,12 @@
 """kopf handlers, kept thin: render the desired children, apply them with server-side apply, and ask for a
-placement pass (which loads models and writes status). Timers re-run both, so the operator converges after its
-own restart, after drift, and after pods restart or scale."""
+placement pass (which loads models and writes status). Everything is event-driven: watches on the two kinds, on
+pool pods and on the children; an index of InferenceModels by pool instead of listing them; one timer per pool
+(not per model) for the self-healing pass; and children applied again only when their rendering changes."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Mapping
 from functools import partial
@@ -13,6 +15,7 @@ from typing import Any
 import aiohttp
 import kopf
 
+from .applied import AppliedCache
 from .config import OperatorConfig
 from .control import ModelControlClient
 from .events import post as post_event
@@ -21,6 +24,7 @@ from .model_resources import (
     SHARED_POOL_AUTOSCALING,
     model_autoscaling_ignored,
     model_intent,
+    promotion_patch,
     render_dedicated_server,
     render_model_hpa,
     render_model_services,
@@ -28,6 +32,7 @@ from .model_resources import (
 from .naming import (
     API_VERSION,
     GROUP,
+    MODEL_KIND,
     MODEL_PLURAL,
     SERVER_CONTAINER,
     SERVER_KIND,
@@ -39,6 +44,7 @@ from .pool import LoadBackoff, PoolContext, PoolReport, reconcile_pool
 from .resources import Body, Owner, render_pool, server_spec_problems
 from .runner import PassRunner
 from .security import CONTROL_HEADER, CredentialStore, TrustCache
+from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +68,21 @@ def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     raise kopf.LoginError("no Kubernetes credentials: neither a service account nor a kubeconfig")
 
 
+@kopf.index(GROUP, VERSION, MODEL_PLURAL)
+def models_by_pool(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, **_: Any) -> dict[Any, Body]:
+    """InferenceModels by (namespace, pool), kept current by the watch: a pass reads its models here instead of
+    listing every InferenceModel of the namespace."""
+    return {(namespace, model_intent(name, dict(spec)).pool): copy.deepcopy(dict(body))}
+
+
+def _models_of_pool(index: kopf.Index, namespace: str, pool: str) -> list[Body]:
+    return [copy.deepcopy(body) for body in index.get((namespace, pool), [])]
+
+
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def startup(
+    settings: kopf.OperatorSettings, memo: kopf.Memo, models_by_pool: kopf.Index, **_: Any
+) -> None:
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -89,10 +108,17 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     )
     memo.backoff = LoadBackoff(config.load_retry_seconds)
     context = PoolContext(
-        kube=memo.kube, control=control, config=config, backoff=memo.backoff, trust=TrustCache(memo.kube)
+        kube=memo.kube,
+        control=control,
+        config=config,
+        backoff=memo.backoff,
+        trust=TrustCache(memo.kube),
+        meter=VariantMeter(memo.http, config.request_timeout_seconds),
+        models=partial(_models_of_pool, models_by_pool),
     )
     memo.pools = PassRunner(partial(reconcile_pool, context))
     memo.pod_fingerprints = {}
+    memo.applied = AppliedCache()
     log.info(
         "naiad-operator started: server image %s, resync every %.0fs",
         config.server_image,
@@ -116,13 +142,18 @@ def _retry_or_raise(error: KubeError, what: str) -> kopf.TemporaryError | kopf.P
     return kopf.PermanentError(f"{what}: {error}")
 
 
-async def _apply_all(kube: KubeClient, objects: list[Body]) -> list[str]:
-    """Apply each object; an object the API rejects does not stop the others. Passing failures raise."""
+async def _apply_all(kube: KubeClient, objects: list[Body], cache: AppliedCache | None = None) -> list[str]:
+    """Apply each object that changed since it was last applied; an object the API rejects does not stop the
+    others. Passing failures raise."""
     rejected = []
     for obj in objects:
         what = f"{obj['kind']} {obj['metadata']['name']}"
+        if cache is not None and cache.unchanged(obj):
+            continue
         try:
             await kube.apply(obj)
+            if cache is not None:
+                cache.applied(obj)
         except KubeError as error:
             if error.retriable:
                 raise kopf.TemporaryError(f"applying {what}: {error}", delay=10) from error
@@ -131,20 +162,31 @@ async def _apply_all(kube: KubeClient, objects: list[Body]) -> list[str]:
 
 
 async def _delete_if_owned(
-    kube: KubeClient, api_version: str, kind: str, namespace: str, name: str, owner_uid: str
+    kube: KubeClient,
+    api_version: str,
+    kind: str,
+    namespace: str,
+    name: str,
+    owner_uid: str,
+    cache: AppliedCache | None = None,
 ) -> None:
     """Remove a child that is no longer wanted, never an object someone else made with the same name."""
+    key = (api_version, kind, namespace, name)
+    if cache is not None and cache.known_absent(key):
+        return
     try:
         existing = await kube.get(api_version, kind, namespace, name)
     except KubeError as error:
         if error.status == 404:  # the API itself is not served (e.g. no monitoring.coreos.com)
             return
         raise
-    if existing is None:
-        return
-    owners = existing["metadata"].get("ownerReferences") or []
-    if any(ref.get("uid") == owner_uid for ref in owners):
+    if existing is not None:
+        owners = existing["metadata"].get("ownerReferences") or []
+        if not any(ref.get("uid") == owner_uid for ref in owners):
+            return  # someone else's: leave it, and look again next time
         await kube.delete(api_version, kind, namespace, name)
+    if cache is not None:
+        cache.absent(key)
 
 
 def _report(body: Body, problems: list[str], reason: str, events: bool) -> None:
@@ -170,9 +212,10 @@ async def ensure_pool(memo: kopf.Memo, body: Body, *, events: bool) -> list[str]
     )
     credentials = await memo.credentials.refresh()  # also carries out a rotation asked for on the Secret
     objects = render_pool(owner, spec, config, monitoring, credentials.current)
-    rejected = await _apply_all(kube, objects.apply)
+    cache = getattr(memo, "applied", None)
+    rejected = await _apply_all(kube, objects.apply, cache)
     for api_version, kind, name in objects.absent:
-        await _delete_if_owned(kube, api_version, kind, owner.namespace, name, owner.uid)
+        await _delete_if_owned(kube, api_version, kind, owner.namespace, name, owner.uid, cache)
     _report(body, rejected, "ApplyFailed", events)
     return rejected
 
@@ -225,10 +268,11 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
     hpa = render_model_hpa(owner, spec, intent, config)
     if hpa is not None:
         objects.append(hpa)
-    rejected = await _apply_all(kube, objects)
+    cache = getattr(memo, "applied", None)
+    rejected = await _apply_all(kube, objects, cache)
     if hpa is None:
         await _delete_if_owned(
-            kube, "autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace, owner.name, owner.uid
+            kube, "autoscaling/v2", "HorizontalPodAutoscaler", owner.namespace, owner.name, owner.uid, cache
         )
     _report(body, rejected, "ApplyFailed", events)
     return intent.pool
@@ -240,6 +284,8 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
 async def model_changed(
     body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, old: Mapping[str, Any] | None, **_: Any
 ) -> None:
+    if ((body.get("spec") or {}).get("canary") or {}).get("promote"):
+        await promote(memo, dict(body))
     try:
         pool = await ensure_model(memo, dict(body), events=True)
     except KubeError as error:
@@ -250,16 +296,22 @@ async def model_changed(
         memo.pools.request(namespace, previous)  # the old pool unloads it (its records are now strays)
 
 
-@kopf.timer(GROUP, VERSION, MODEL_PLURAL, interval=RESYNC * 2, initial_delay=RESYNC / 2)
-async def model_resync(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    """Re-apply the model's objects. Placement is the pool timer's job; without a pool there is no pool timer,
-    so the pass runs from here and reports the model Pending."""
+async def promote(memo: kopf.Memo, body: Body) -> None:
+    """canary.promote: the canary's version and config become the model's and `canary` goes; the update that
+    follows reloads the stable pods with what the canary pods already hold (they keep it)."""
+    meta = body["metadata"]
     try:
-        pool = await ensure_model(memo, dict(body), events=False)
-        if await memo.kube.get(API_VERSION, SERVER_KIND, namespace, pool) is None:
-            await memo.pools.run(namespace, pool)
+        await memo.kube.patch(
+            API_VERSION,
+            MODEL_KIND,
+            meta["namespace"],
+            meta["name"],
+            promotion_patch(body.get("spec") or {}),
+            patch_type="json",
+        )
     except KubeError as error:
-        raise _retry_or_raise(error, f"resync of InferenceModel {name}") from error
+        raise _retry_or_raise(error, f"promoting the canary of InferenceModel {meta['name']}") from error
+    post_event(body, "Normal", "CanaryPromoted", "the canary's version and config are now the model's")
 
 
 @kopf.on.delete(GROUP, VERSION, MODEL_PLURAL)
@@ -323,3 +375,37 @@ async def pod_event(
             return
         memo.pod_fingerprints[uid] = fingerprint
     memo.pools.request(namespace, body["metadata"]["labels"][SERVER_LABEL])
+
+
+# --- children -------------------------------------------------------------------------------------------------
+
+
+@kopf.on.event("", "v1", "services", labels={SERVER_LABEL: kopf.PRESENT})
+@kopf.on.event("apps", "v1", "deployments", labels={SERVER_LABEL: kopf.PRESENT})
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={SERVER_LABEL: kopf.PRESENT})
+async def child_event(
+    event: Mapping[str, Any], body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any
+) -> None:
+    """A child deleted (by hand, or by anything but its owner's deletion): apply it again now, instead of
+    re-applying every child on a timer to find out."""
+    if event.get("type") != "DELETED":
+        return
+    meta = body["metadata"]
+    memo.applied.forget((body.get("apiVersion", ""), body.get("kind", ""), namespace, meta["name"]))
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("apiVersion") != API_VERSION:
+            continue
+        try:
+            owner = await memo.kube.get(API_VERSION, ref["kind"], namespace, ref["name"])
+            if (
+                owner is None
+                or owner["metadata"].get("deletionTimestamp")
+                or owner["metadata"]["uid"] != ref["uid"]
+            ):
+                continue  # the owner is going too: garbage collection, not drift
+            if ref["kind"] == SERVER_KIND:
+                await ensure_pool(memo, owner, events=False)
+            elif ref["kind"] == MODEL_KIND:
+                await ensure_model(memo, owner, events=False)
+        except KubeError as error:
+            raise _retry_or_raise(error, f"restoring {meta['name']}") from error

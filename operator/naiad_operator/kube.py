@@ -29,6 +29,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("apps/v1", "ReplicaSet"): "replicasets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     (API_VERSION, SERVER_KIND): SERVER_PLURAL,
     (API_VERSION, MODEL_KIND): MODEL_PLURAL,
@@ -38,6 +39,7 @@ PATCH_TYPES = {
     "merge": "application/merge-patch+json",
     "strategic": "application/strategic-merge-patch+json",
     "apply": "application/apply-patch+yaml",
+    "json": "application/json-patch+json",
 }
 
 

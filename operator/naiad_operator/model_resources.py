@@ -61,6 +61,17 @@ class Repository:
 
 
 @dataclass(frozen=True)
+class CanaryIntent:
+    """The canary variant of a model: another version and/or config on `percent` of its pods."""
+
+    revision: str
+    load_config: dict[str, Any] | None
+    version: str | None
+    percent: int
+    promote: bool
+
+
+@dataclass(frozen=True)
 class ModelIntent:
     """Everything the placement loop needs to know about one InferenceModel."""
 
@@ -77,10 +88,21 @@ class ModelIntent:
     suspended: bool
     repository: Repository | None
     problems: list[str] = field(default_factory=list)
+    canary: CanaryIntent | None = None
 
     @property
     def wanted_replicas(self) -> int | None:
         return 0 if self.suspended else self.replicas
+
+    def variant(self, revision: str) -> tuple[str, dict[str, Any] | None, str | None]:
+        """(variant name, load config, version) of a revision this model wants on some pod."""
+        if self.canary is not None and revision == self.canary.revision:
+            return "canary", self.canary.load_config, self.canary.version
+        return "stable", self.load_config, self.version
+
+    @property
+    def revisions(self) -> tuple[str, ...]:
+        return (self.revision,) if self.canary is None else (self.revision, self.canary.revision)
 
 
 def _normal_dir(path: str | None) -> str:
@@ -151,6 +173,53 @@ def revision_of(model_name: str, config: Mapping[str, Any] | None) -> str:
     )
 
 
+def canary_spec(spec: Spec) -> dict[str, Any]:
+    """The model spec as the canary variant sees it: the canary's version and config replace the model's."""
+    canary = spec.get("canary") or {}
+    merged = dict(spec)
+    for key in ("version", "config"):
+        if key in canary:
+            merged[key] = canary[key]
+    return merged
+
+
+def promotion_patch(spec: Spec) -> list[dict[str, Any]]:
+    """JSON patch that promotes a canary: its version and config become the model's, `canary` goes."""
+    canary = spec.get("canary") or {}
+    ops: list[dict[str, Any]] = [{"op": "remove", "path": "/spec/canary"}]
+    for key in ("version", "config"):
+        if key in canary:
+            ops.append({"op": "add", "path": f"/spec/{key}", "value": copy.deepcopy(canary[key])})
+    return ops
+
+
+def _canary_intent(
+    model_name: str, spec: Spec, stable_revision: str, problems: list[str]
+) -> CanaryIntent | None:
+    canary = spec.get("canary")
+    if not canary:
+        return None
+    percent = canary.get("trafficPercent")
+    if not isinstance(percent, int) or isinstance(percent, bool) or not 0 <= percent <= 100:
+        problems.append(f"canary.trafficPercent must be an integer from 0 to 100, got {percent!r}")
+        return None
+    if "version" not in canary and "config" not in canary:
+        problems.append("canary needs a version or a config that differs from the model's")
+        return None
+    merged = canary_spec(spec)
+    config = load_config(merged)
+    revision = revision_of(model_name, config)
+    if revision == stable_revision:
+        return None  # the canary is what already runs: nothing to split
+    return CanaryIntent(
+        revision=revision,
+        load_config=config,
+        version=str(merged["version"]) if merged.get("version") is not None else None,
+        percent=percent,
+        promote=bool(canary.get("promote", False)),
+    )
+
+
 def model_intent(name: str, spec: Spec) -> ModelIntent:
     problems = name_problems(name, MAX_MODEL_NAME)
     model_name = model_name_of(name, spec)
@@ -182,12 +251,15 @@ def model_intent(name: str, spec: Spec) -> ModelIntent:
         problems.append(f"memory: {error}")
     if dedicated:
         problems += _dedicated_problems(spec, repository)
+    revision = revision_of(model_name, config)
+    canary = _canary_intent(model_name, spec, revision, problems)
     return ModelIntent(
+        canary=canary,
         name=name,
         model_name=model_name,
         pool=pool,
         dedicated=dedicated,
-        revision=revision_of(model_name, config),
+        revision=revision,
         load_config=config,
         version=str(spec["version"]) if spec.get("version") is not None else None,
         replicas=None if dedicated else desired_replicas(spec),

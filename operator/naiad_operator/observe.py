@@ -46,6 +46,7 @@ class PodFacts:
     has_record: bool  # the placements annotation exists (even if empty)
     recorded_restarts: int | None
     gate: str | None  # status of the models-ready condition, None when absent
+    node: str | None = None  # spec.nodeName
 
     @property
     def restarted(self) -> bool:
@@ -97,6 +98,7 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
         has_record=PLACEMENTS_ANNOTATION in annotations,
         recorded_restarts=int(recorded_restarts) if str(recorded_restarts or "").isdigit() else None,
         gate=gate,
+        node=(pod.get("spec") or {}).get("nodeName") or None,
     )
 
 
@@ -138,7 +140,9 @@ def held_models(
         if not versions:
             continue
         recorded = None if facts.restarted else facts.recorded.get(intent.name)
-        right_version = intent.version is None or intent.version in versions
+        # The version the recorded variant asks for (a canary's may differ from the model's).
+        wanted = intent.variant(recorded.revision)[2] if recorded is not None else intent.version
+        right_version = wanted is None or wanted in versions
         known = recorded is not None and recorded.model_name == intent.model_name and right_version
         out[intent.name] = recorded.revision if known and recorded is not None else ""
     return out
@@ -161,6 +165,7 @@ def pod_state(
         and facts.template_hash != current_hash,
         held=held_models(facts, index or [], intents) if reachable else {},
         loaded_count=len(ready_entries(index or [])),
+        node=facts.node,
     )
 
 

@@ -24,6 +24,9 @@ class PodState:
     held: Mapping[str, str] = field(default_factory=dict)
     # Models READY on the server in total, whoever loaded them (they all take a slot and memory).
     loaded_count: int = 0
+    # The node the pod runs on: copies of one model go to different nodes first, so one node's drain never
+    # takes all of them.
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,13 @@ class Demand:
     memory: int = 0
     # Pods where loading this revision failed recently; no new attempt there until the back-off passes.
     avoid: frozenset[str] = frozenset()
+    # A canary: this revision on `canary_percent` of the model's copies (see canary_count), `revision` on the rest.
+    canary_revision: str | None = None
+    canary_percent: int = 0
+
+    @property
+    def revisions(self) -> tuple[str, ...]:
+        return (self.revision,) if self.canary_revision is None else (self.revision, self.canary_revision)
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,8 @@ class Plan:
     load: list[str] = field(default_factory=list)  # load (new copy) or reload (stale revision)
     unload: list[str] = field(default_factory=list)  # surplus copies, unloaded after the loads succeed
     shortfall: int = 0  # wanted copies no pod could take
+    # Revision each kept or loaded pod holds afterwards (the canary's on its share of the pods).
+    revisions: dict[str, str] = field(default_factory=dict)
 
     @property
     def chosen(self) -> list[str]:
@@ -85,7 +97,7 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
         return Plan(unload=[p.name for p in holders])
 
     def current(p: PodState) -> bool:
-        return p.held.get(demand.name) == demand.revision
+        return p.held.get(demand.name) in demand.revisions
 
     def empties(group: Iterable[PodState]) -> list[PodState]:
         candidates = [p for p in group if demand.name not in p.held and p.name not in demand.avoid]
@@ -107,6 +119,8 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
         if demand.replicas is None and tier_index >= 3:
             # Every-pod models keep copies on leaving pods (below) but never add new ones there.
             break
+        if tier_index in (2, 5):
+            tier = _spread(tier, chosen)
         for pod in tier:
             if len(chosen) >= wanted:
                 break
@@ -122,8 +136,9 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
     plan = Plan(
         shortfall=max(0, wanted - len([p for p in chosen if not (demand.replicas is None and p.leaving)]))
     )
+    plan.revisions = _variants(demand, chosen)
     for pod in chosen:
-        if current(pod):
+        if pod.held.get(demand.name) == plan.revisions[pod.name]:
             plan.keep.append(pod.name)
         elif pod.name in demand.avoid:
             # A reload that failed recently: keep serving the copy it has until the back-off passes.
@@ -132,6 +147,59 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
             plan.load.append(pod.name)
     plan.unload = [p.name for p in holders if p.name not in chosen_names]
     return plan
+
+
+def canary_count(copies: int, percent: int) -> int:
+    """Copies that hold the canary: `percent` of them rounded, but at least one of each variant when there are two
+    or more copies (a model with one copy gets the canary only at 100%)."""
+    if copies <= 0 or percent <= 0:
+        return 0
+    if percent >= 100:
+        return copies
+    if copies == 1:
+        return 0
+    return min(max((copies * percent + 50) // 100, 1), copies - 1)
+
+
+def _variants(demand: Demand, chosen: Sequence[PodState]) -> dict[str, str]:
+    """Which revision each chosen pod should hold. The canary goes first to pods that already hold it, then to
+    pods holding neither variant, and only then replaces stable copies, so changing the share moves few copies."""
+    if demand.canary_revision is None:
+        return {p.name: demand.revision for p in chosen}
+    serving = [p for p in chosen if not (demand.replicas is None and p.leaving)]
+
+    def rank(p: PodState) -> int:
+        held = p.held.get(demand.name)
+        return 0 if held == demand.canary_revision else 2 if held == demand.revision else 1
+
+    canary = {p.name for p in sorted(serving, key=rank)[: canary_count(len(serving), demand.canary_percent)]}
+    out = {}
+    for pod in chosen:
+        held = pod.held.get(demand.name)
+        if pod.name in canary:
+            out[pod.name] = demand.canary_revision
+        elif pod not in serving and held in demand.revisions:
+            out[pod.name] = held  # a copy on a pod that is leaving keeps serving what it has
+        else:
+            out[pod.name] = demand.revision
+    return out
+
+
+def _spread(candidates: list[PodState], chosen: Sequence[PodState]) -> list[PodState]:
+    """Candidates reordered so that each next one is on the node with the fewest copies so far (chosen ones and
+    those ahead of it), keeping the given order among equals (fewest models first)."""
+    copies: dict[str | None, int] = {}
+    for pod in chosen:
+        copies[pod.node] = copies.get(pod.node, 0) + 1
+    left = list(candidates)
+    ordered = []
+    while left:
+        best = min(range(len(left)), key=lambda i: (copies.get(left[i].node, 0) if left[i].node else 0, i))
+        pod = left.pop(best)
+        ordered.append(pod)
+        if pod.node:
+            copies[pod.node] = copies.get(pod.node, 0) + 1
+    return ordered
 
 
 def plan_pool(demands: Sequence[Demand], pods: Sequence[PodState], capacity: Capacity) -> dict[str, Plan]:

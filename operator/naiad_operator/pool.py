@@ -8,9 +8,10 @@ that restarted or were added by the autoscaler, rolls revisions, and cleans up a
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +37,12 @@ from .quantity import quantity_bytes
 from .resources import autoscaling_active, desired_replicas, pool_selector_string, server_spec_problems
 from .security import TrustCache, server_hostname, tls_secret_name
 from .status import ModelCount, ModelObservation, Placement, model_status, now_rfc3339, server_status
+from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 Body = dict[str, Any]
+# Model status writes in flight at once during a pass.
+STATUS_WRITES = 16
 
 
 class LoadBackoff:
@@ -85,6 +89,10 @@ class PoolContext:
     backoff: LoadBackoff
     load_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(16))
     trust: TrustCache | None = None  # CAs of pools with spec.tls (None: no pool uses TLS, e.g. in tests)
+    # Reads the servers' request counters for models under a canary (None: no traffic figures in status).
+    meter: VariantMeter | None = None
+    # The InferenceModels of a pool from the operator's index (None: list them from the API server).
+    models: Callable[[str, str], list[Body]] | None = None
 
 
 async def pool_control(ctx: PoolContext, server: Mapping[str, Any]) -> ModelControlClient:
@@ -197,10 +205,14 @@ class _Pass:
 
     async def run(self) -> PoolReport:
         kube = self.ctx.kube
-        server, model_bodies = await asyncio.gather(
-            kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool),
-            kube.list(API_VERSION, MODEL_KIND, self.namespace),
-        )
+        if self.ctx.models is not None:
+            server = await kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool)
+            model_bodies = self.ctx.models(self.namespace, self.pool)
+        else:
+            server, model_bodies = await asyncio.gather(
+                kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool),
+                kube.list(API_VERSION, MODEL_KIND, self.namespace),
+            )
         models = models_of_pool(model_bodies, self.pool, server)
         if server is None:
             for model in models:
@@ -237,17 +249,22 @@ class _Pass:
                 revision=m.intent.revision,
                 replicas=0 if m.deleting else m.intent.wanted_replicas,
                 memory=m.intent.memory,
-                avoid=frozenset(self.ctx.backoff.avoid(self.namespace, m.intent.name, m.intent.revision)),
+                avoid=frozenset(self._avoid(m.intent)),
+                canary_revision=m.intent.canary.revision if m.intent.canary else None,
+                canary_percent=m.intent.canary.percent if m.intent.canary else 0,
             )
             for m in valid
         }
         plans = plan_pool(list(self.demands.values()), list(self.states.values()), self._capacity(spec))
 
+        loading = []
         for model in valid:
             if plans[model.intent.name].load and not model.deleting:
-                await self._write_model_status(
-                    model, self._observe(model, plans[model.intent.name], loading=True), pool_found=True
-                )
+                observed = self._observe(model, plans[model.intent.name], loading=True)
+                if model.intent.canary is not None:  # traffic figures come after the loads
+                    observed.variants = (model.body.get("status") or {}).get("variants")
+                loading.append((model, observed))
+        await self._write_model_statuses(loading)
         loaded = await self._load_all(valid, plans)
         await self._unload_all(valid, plans, loaded)
         await self._unload_strays()
@@ -258,15 +275,19 @@ class _Pass:
                 truth.gate = True
             await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
 
+        traffic = await self._read_traffic(models)
         counts = []
+        observations = []
         for model in models:
             if model.deleting:
                 continue
             observed = self._observe(model, plans.get(model.intent.name), loading=False)
+            observed.variants = self._variants(model, traffic)
             if model.intent.dedicated and not model.intent.suspended and not model.problems:
                 observed.wanted = max(observed.wanted, desired_replicas(spec))
-            await self._write_model_status(model, observed, pool_found=True)
+            observations.append((model, observed))
             counts.append(ModelCount(model.intent.name, model.intent.model_name, observed.holding))
+        await self._write_model_statuses(observations)
         await self._write_server_status(spec, deployment, hpa, counts)
         holders: dict[str, list[str]] = {}
         for pod, truth in self.truth.items():
@@ -275,6 +296,13 @@ class _Pass:
         return PoolReport(found=True, holders=holders)
 
     # --- steps ------------------------------------------------------------------------------------------------
+
+    def _avoid(self, intent: ModelIntent) -> dict[str, str]:
+        """Pods waiting out a failed load of one of the model's revisions (stable or canary)."""
+        avoid: dict[str, str] = {}
+        for revision in intent.revisions:
+            avoid.update(self.ctx.backoff.avoid(self.namespace, intent.name, revision))
+        return avoid
 
     def _capacity(self, spec: Mapping[str, Any]) -> Capacity:
         capacity = spec.get("capacity") or {}
@@ -318,11 +346,12 @@ class _Pass:
             if lost or facts.restarted:
                 self.facts[i] = await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
 
-    async def _load_one(self, model: _Model, pod: PodState) -> tuple[str, str, str | None]:
+    async def _load_one(self, model: _Model, pod: PodState, revision: str) -> tuple[str, str, str | None]:
         intent = model.intent
+        _, config, _ = intent.variant(revision)
         try:
             async with self.ctx.load_slots:
-                await self.control.load(pod.ip or "", intent.model_name, intent.load_config)
+                await self.control.load(pod.ip or "", intent.model_name, config)
         except ControlError as error:
             return intent.name, pod.name, str(error)
         return intent.name, pod.name, None
@@ -330,7 +359,9 @@ class _Pass:
     async def _load_all(self, models: Sequence[_Model], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
         by_name = {m.intent.name: m for m in models}
         jobs = [
-            self._load_one(by_name[name], self.states[pod])
+            self._load_one(
+                by_name[name], self.states[pod], plan.revisions.get(pod, by_name[name].intent.revision)
+            )
             for name, plan in plans.items()
             for pod in plan.load
         ]
@@ -338,19 +369,23 @@ class _Pass:
         for name, pod, error in await asyncio.gather(*jobs):
             model = by_name[name]
             intent = model.intent
+            revision = plans[name].revisions.get(pod, intent.revision)
+            variant = intent.variant(revision)[0]
             if error is None:
-                self.truth[pod].held[name] = Held(intent.model_name, intent.revision)
+                self.truth[pod].held[name] = Held(intent.model_name, revision)
                 self.fresh.add((name, pod))
-                self.ctx.backoff.succeeded(self.namespace, pod, name, intent.revision)
+                self.ctx.backoff.succeeded(self.namespace, pod, name, revision)
                 loaded.setdefault(name, set()).add(pod)
                 post_event(
                     model.body,
                     "Normal",
                     "Loaded",
-                    f"loaded {intent.model_name} (revision {intent.revision}) on pod {pod}",
+                    f"loaded {intent.model_name} (revision {revision}"
+                    + (", canary" if variant == "canary" else "")
+                    + f") on pod {pod}",
                 )
             else:
-                self.ctx.backoff.failed(self.namespace, pod, name, intent.revision, error)
+                self.ctx.backoff.failed(self.namespace, pod, name, revision, error)
                 self.failures.setdefault(name, {})[pod] = error
                 post_event(
                     model.body, "Warning", "LoadFailed", f"loading {intent.model_name} on pod {pod}: {error}"
@@ -422,7 +457,7 @@ class _Pass:
         intent = model.intent
         placements = []
         holding = available = 0
-        avoid = self.ctx.backoff.avoid(self.namespace, intent.name, intent.revision)
+        avoid = self._avoid(intent)
         planned = set(plan.load) if plan is not None and loading else set()
         eligible = 0
         for facts in self.facts:
@@ -430,8 +465,9 @@ class _Pass:
             state, held = self.states[pod], self.truth[pod].held.get(intent.name)
             eligible += 1 if state.ready else 0
             version = version_of(self.index[pod] or [], intent.model_name)
-            if intent.version is not None and (intent.name, pod) in self.fresh:
-                version = intent.version  # the index was read before this load
+            variant = intent.variant(held.revision)[0] if held is not None and intent.canary else None
+            if held is not None and (intent.name, pod) in self.fresh:
+                version = intent.variant(held.revision)[2] or version  # the index was read before this load
             failure = self.failures.get(intent.name, {}).get(pod)
             unload_failure = self.unload_failures.get(intent.name, {}).get(pod)
             if pod in planned:
@@ -449,12 +485,19 @@ class _Pass:
                 continue
             if held is not None:
                 holding += 1
-                current = held.revision == intent.revision
+                current = held.revision in intent.revisions
                 if current and state.ready:
                     available += 1
                 message = unload_failure or failure or (None if current else "older revision; reload pending")
                 placements.append(
-                    Placement(pod, "Unloading" if unload_failure else "Loaded", facts.ip, version, message)
+                    Placement(
+                        pod,
+                        "Unloading" if unload_failure else "Loaded",
+                        facts.ip,
+                        version,
+                        message,
+                        variant=variant if current else None,
+                    )
                 )
             elif failure is not None or pod in avoid:
                 placements.append(Placement(pod, "Failed", facts.ip, None, failure or avoid.get(pod)))
@@ -477,6 +520,74 @@ class _Pass:
             eligible_pods=eligible,
         )
 
+    async def _read_traffic(self, models: Sequence[_Model]) -> dict[str, dict[str, tuple[float, float]]]:
+        """Request counters of the pods holding a model under a canary (pod IP -> model name -> counters)."""
+        if self.ctx.meter is None:
+            return {}
+        canaried = {m.intent.name for m in models if m.intent.canary is not None and not m.deleting}
+        ips = [
+            self.states[f.name].ip or ""
+            for f in self.facts
+            if self.states[f.name].ready and any(n in canaried for n in self.truth[f.name].held)
+        ]
+        return await self.ctx.meter.scrape_all(ip for ip in ips if ip)
+
+    def _variants(
+        self, model: _Model, traffic: Mapping[str, Mapping[str, tuple[float, float]]]
+    ) -> list[dict[str, Any]] | None:
+        """status.variants of a model under a canary: each variant's pods, share and traffic."""
+        intent = model.intent
+        meter = self.ctx.meter
+        if intent.canary is None:
+            if meter is not None:
+                meter.forget(self.namespace, intent.name)
+            return None
+        holders: dict[str, list[str]] = {revision: [] for revision in intent.revisions}
+        for facts in self.facts:
+            held = self.truth[facts.name].held.get(intent.name)
+            if held is not None and held.revision in holders and self.states[facts.name].ready:
+                holders[held.revision].append(facts.name)
+        total = sum(len(pods) for pods in holders.values())
+        out = []
+        for revision, pods in holders.items():
+            name, _, version = intent.variant(revision)
+            entry: dict[str, Any] = {
+                "name": name,
+                "revision": revision,
+                "replicas": len(pods),
+                "pods": sorted(pods),
+                "trafficPercent": round(100 * len(pods) / total) if total else 0,
+            }
+            if version is not None:
+                entry["version"] = version
+            if meter is not None:
+                counters = [
+                    traffic[ip][intent.model_name]
+                    for ip in (self.states[p].ip for p in pods)
+                    if ip in traffic and intent.model_name in traffic[ip]
+                ]
+                figures = meter.traffic(self.namespace, intent.name, revision, counters)
+                entry["requests"] = figures.requests
+                entry["failures"] = figures.failures
+                if figures.request_rate is not None:
+                    entry["requestRate"] = round(figures.request_rate, 3)
+                    entry["failureRate"] = round(figures.failure_rate or 0.0, 3)
+            out.append(entry)
+        if meter is not None:
+            meter.forget(self.namespace, intent.name, keep=intent.revisions)
+        return out
+
+    async def _write_model_statuses(self, observations: Sequence[tuple[_Model, ModelObservation]]) -> None:
+        """Write the statuses that changed, several at a time (a pass over a pool of many models otherwise waits
+        on one round trip per model)."""
+        slots = asyncio.Semaphore(STATUS_WRITES)
+
+        async def write(model: _Model, observed: ModelObservation) -> None:
+            async with slots:
+                await self._write_model_status(model, observed, pool_found=True)
+
+        await asyncio.gather(*(write(model, observed) for model, observed in observations))
+
     async def _write_model_status(self, model: _Model, observed: ModelObservation, pool_found: bool) -> None:
         intent, meta = model.intent, model.body["metadata"]
         tls = tls_secret_name((getattr(self, "server", None) or {}).get("spec") or {}) is not None
@@ -494,12 +605,14 @@ class _Pass:
             old_status=model.body.get("status"),
             now=self.now,
         )
+        if not status_changes(model.body.get("status"), status):
+            return  # a steady state writes nothing
         try:
             await self.ctx.kube.apply_status(API_VERSION, MODEL_KIND, self.namespace, meta["name"], status)
         except KubeError as error:
             if error.status != 404:
                 raise
-        model.body["status"] = status
+        model.body["status"] = merged_status(model.body.get("status"), status)
 
     async def _write_server_status(
         self, spec: Mapping[str, Any], deployment: Body | None, hpa: Body | None, counts: Sequence[ModelCount]
@@ -517,11 +630,31 @@ class _Pass:
             old_conditions=(self.server.get("status") or {}).get("conditions"),
             now=self.now,
         )
+        if not status_changes(self.server.get("status"), status):
+            return
         try:
             await self.ctx.kube.apply_status(API_VERSION, SERVER_KIND, self.namespace, self.pool, status)
         except KubeError as error:
             if error.status != 404:
                 raise
+
+
+def merged_status(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> dict[str, Any]:
+    """The status after a merge patch (RFC 7386) of `patch` onto `old`."""
+    out = copy.deepcopy(dict(old or {}))
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged_status(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def status_changes(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
+    """Whether merge-patching `patch` onto the status `old` would change anything."""
+    return old is None or merged_status(old, patch) != dict(old)
 
 
 async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolReport:

@@ -150,6 +150,14 @@ def _flag_name(arg: str) -> str:
     return arg.split("=", 1)[0]
 
 
+def _int_or_percent(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0
+    return isinstance(value, str) and value.endswith("%") and value[:-1].isdigit()
+
+
 def server_spec_problems(name: str, spec: Spec) -> list[str]:
     """What in an InferenceServer spec the operator cannot render (reported in status, never retried)."""
     problems = name_problems(name, MAX_SERVER_NAME)
@@ -182,6 +190,11 @@ def server_spec_problems(name: str, spec: Spec) -> list[str]:
                 parse_quantity(spec[field])
             except ValueError as error:
                 problems.append(f"{field}: {error}")
+    max_unavailable = (spec.get("disruptionBudget") or {}).get("maxUnavailable")
+    if max_unavailable is not None and not _int_or_percent(max_unavailable):
+        problems.append(
+            f"disruptionBudget.maxUnavailable: {max_unavailable!r} is neither a count nor a percentage like '25%'"
+        )
     capacity = spec.get("capacity") or {}
     if capacity.get("memory") is not None:
         try:
@@ -377,6 +390,20 @@ def pod_annotations(spec: Spec, credential: str | None = None) -> dict[str, str]
     return annotations
 
 
+def default_spread(server: str) -> list[Body]:
+    """Spread a pool's pods over nodes (soft, so a one-node cluster still schedules them all); pods of the
+    ReplicaSet being rolled out are counted on their own (matchLabelKeys), as the scheduler docs advise."""
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": pool_selector(server)},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+    ]
+
+
 def render_deployment(
     owner: Owner, spec: Spec, config: OperatorConfig, credential: str | None = None
 ) -> Body:
@@ -402,6 +429,8 @@ def render_deployment(
     for field in ("nodeSelector", "affinity", "topologySpreadConstraints", "imagePullSecrets"):
         if spec.get(field):
             pod_spec[field] = copy.deepcopy(spec[field])
+    if spec.get("topologySpreadConstraints") is None:
+        pod_spec["topologySpreadConstraints"] = default_spread(server)
     for field in ("runtimeClassName", "priorityClassName", "serviceAccountName"):
         if spec.get(field):
             pod_spec[field] = spec[field]
@@ -640,6 +669,26 @@ class PoolObjects:
     absent: list[tuple[str, str, str]]  # (apiVersion, kind, name)
 
 
+def render_disruption_budget(owner: Owner, spec: Spec) -> Body | None:
+    """policy/v1 PodDisruptionBudget over the pool's pods (None when turned off)."""
+    budget = spec.get("disruptionBudget") or {}
+    if budget.get("enabled") is False:
+        return None
+    max_unavailable = budget.get("maxUnavailable", 1)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
+        "spec": {
+            "maxUnavailable": max_unavailable,
+            "selector": {"matchLabels": pool_selector(owner.name)},
+            # A pod that is not Ready (still loading, or broken) may always be evicted: it serves nothing, and
+            # keeping it would block a drain forever.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 def render_pool(
     owner: Owner, spec: Spec, config: OperatorConfig, monitoring_api: bool, credential: str | None = None
 ) -> PoolObjects:
@@ -656,6 +705,11 @@ def render_pool(
         render_pool_service(owner, spec),
         render_headless_service(owner),
     ]
+    budget = render_disruption_budget(owner, spec)
+    if budget is not None:
+        apply.append(budget)
+    else:
+        absent.append(("policy/v1", "PodDisruptionBudget", owner.name))
     hpa = render_server_hpa(owner, spec, config)
     if hpa is not None:
         apply.append(hpa)

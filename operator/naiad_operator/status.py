@@ -134,9 +134,12 @@ class Placement:
     ip: str | None = None
     version: str | None = None
     message: str | None = None
+    variant: str | None = None  # stable or canary, for a model under a canary
 
     def as_dict(self) -> dict[str, str]:
         out = {"pod": self.pod, "state": self.state}
+        if self.variant:
+            out["variant"] = self.variant
         if self.ip:
             out["ip"] = self.ip
         if self.version:
@@ -160,6 +163,8 @@ class ModelObservation:
     # Pods where an earlier load of this revision failed and the retry waits out its back-off: pod -> error.
     retrying: dict[str, str] = field(default_factory=dict)
     eligible_pods: int = 0
+    # status.variants of a model under a canary; None without one (the field is then removed).
+    variants: list[dict[str, Any]] | None = None
 
 
 def model_phase(
@@ -291,4 +296,8 @@ def model_status(
     failure = observed.failure or old_status.get("lastFailure")
     if failure:
         status["lastFailure"] = dict(failure)
+    if observed.variants is not None:
+        status["variants"] = observed.variants
+    elif "variants" in old_status:
+        status["variants"] = None  # merge patch: the canary is gone
     return status

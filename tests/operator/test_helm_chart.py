@@ -74,12 +74,23 @@ def test_default_render():
             "ClusterRoleBinding",
             "ClusterRole",
             "ClusterRole",
+            "Role",
+            "RoleBinding",
             "Deployment",
         ]
     )
     (deployment,) = by_kind(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas with leader election; a rollout never has zero of them.
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--leader-elect" in container["args"] and "--leader-elect-lease=naiad" in container["args"]
+    assert "--leader-elect-timing=10,7,2" in container["args"]
+    (spread,) = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NAIAD_SERVER_IMAGE"] == "ghcr.io/naiad-dev/naiad-server:0.1.0"
     assert env["NAIAD_NETWORK_POLICY"] == "false"
@@ -122,21 +133,20 @@ def test_namespace_scoped_rbac():
         "rbac.scope=namespace", "watchNamespaces={ml,team-a}", "rbac.aggregateToDefaultRoles=false"
     )
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
-    # plus the operator's own namespace, for the installation's control-credential Secret
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == [
-        "ml",
-        "naiad-system",
-        "team-a",
-    ]
-    credential = next(r for r in by_kind(docs, "Role") if r["metadata"]["namespace"] == "naiad-system")
+    # a Role per watched namespace; in the release's own: the control credential's and the leader election's
+    roles = sorted((r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role"))
+    assert [ns for ns, _ in roles] == ["ml", "naiad-system", "naiad-system", "team-a"]
+    assert ("naiad-system", "naiad-leader-election") in roles
+    credential = next(
+        r
+        for r in by_kind(docs, "Role")
+        if r["metadata"]["namespace"] == "naiad-system" and r["metadata"]["name"] != "naiad-leader-election"
+    )
     assert credential["rules"] == [
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "update", "patch"]}
     ]
-    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == [
-        "ml",
-        "naiad-system",
-        "team-a",
-    ]
+    bindings = sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding"))
+    assert bindings == ["ml", "naiad-system", "naiad-system", "team-a"]
     args = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=ml" in args and "--namespace=team-a" in args
     failed = helm("template", "naiad", str(CHART), "--set", "rbac.scope=namespace")
@@ -160,7 +170,33 @@ NEEDED = [
     ("", "events", {"create"}),
     ("", "secrets", {"get", "create", "patch"}),  # control credential and its per-pool copies; tls ca.crt
     ("networking.k8s.io", "networkpolicies", {"get", "patch", "create", "delete"}),
+    ("policy", "poddisruptionbudgets", {"get", "watch", "patch", "create", "delete"}),
+    ("apps", "deployments", {"watch"}),
+    ("", "services", {"watch"}),
 ]
+
+
+def test_leader_election_role_and_single_replica_mode():
+    docs = template()
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "naiad-leader-election"]
+    assert role["metadata"]["namespace"] == "naiad-system"
+    assert grants(role["rules"], "coordination.k8s.io", "leases", {"create", "get", "update"})
+    named = next(r for r in role["rules"] if "resourceNames" in r)
+    assert named["resourceNames"] == ["naiad"]  # get/update only its own Lease
+    (deployment,) = by_kind(docs, "Deployment")
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {
+        "name": "NAIAD_LEADER_ELECT_NAMESPACE",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+    } in env
+    single = template("replicaCount=1", "leaderElection.enabled=false")
+    (deployment,) = by_kind(single, "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--leader-elect" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [r for r in by_kind(single, "Role") if r["metadata"]["name"] == "naiad-leader-election"]
+    # two operators without an election would fight: the chart refuses
+    refused = helm("template", "naiad", str(CHART), "--set", "leaderElection.enabled=false")
+    assert refused.returncode != 0 and "leaderElection" in refused.stderr
 
 
 def grants(rules: list[dict], group: str, resource: str, verbs: set[str]) -> bool:

@@ -8,6 +8,7 @@ import pytest
 from operator_fakes import API, NS, FakeKube
 
 from naiad_operator import handlers
+from naiad_operator.applied import AppliedCache
 from naiad_operator.config import OperatorConfig
 from naiad_operator.pool import LoadBackoff, PoolReport
 from naiad_operator.security import CredentialStore
@@ -62,6 +63,7 @@ async def test_ensure_pool_applies_children_and_removes_only_its_own_hpa():
         "Deployment",
         "Service",
         "Service",
+        "PodDisruptionBudget",
         "HorizontalPodAutoscaler",
         "ServiceMonitor",
     ]
@@ -182,12 +184,47 @@ async def test_pod_events_start_a_pass_only_when_placement_would_see_a_change():
 
 
 @on_session_loop
-async def test_model_resync_runs_a_pass_only_without_a_pool():
-    kube, pools = FakeKube(), Pools()
-    m = memo(kube, pools)
-    model = body("InferenceModel", "bert", {"serverRef": {"name": "gpu"}})
-    await handlers.model_resync(body=model, name="bert", namespace=NS, memo=m)
-    assert pools.requested == [(NS, "gpu")]
-    kube.add(body("InferenceServer", "gpu", {}))
-    await handlers.model_resync(body=model, name="bert", namespace=NS, memo=m)
-    assert pools.requested == [(NS, "gpu")]  # the pool's own timer places it
+async def test_unchanged_children_are_not_applied_again():
+    kube = FakeKube()
+    m = memo(kube)
+    m.applied = AppliedCache()
+    pool = body("InferenceServer", "gpu", {"replicas": 2})
+    await handlers.ensure_pool(m, pool, events=False)
+    first = len(kube.applied)
+    kinds = sorted(o["kind"] for o in kube.applied)
+    # the installation's control credential and the pool's copy, the Deployment, two Services, the budget
+    assert kinds == ["Deployment", "PodDisruptionBudget", "Secret", "Secret", "Service", "Service"], kinds
+    await handlers.ensure_pool(m, pool, events=False)
+    assert len(kube.applied) == first  # a resync of an unchanged pool sends nothing
+    pool["spec"]["replicas"] = 3
+    await handlers.ensure_pool(m, pool, events=False)
+    assert [o["kind"] for o in kube.applied[first:]] == ["Deployment"]  # only what changed
+
+
+@on_session_loop
+async def test_a_deleted_child_is_applied_again_from_its_watch_event():
+    kube = FakeKube()
+    m = memo(kube)
+    m.applied = AppliedCache()
+    pool = kube.add(body("InferenceServer", "gpu", {"replicas": 2}))
+    await handlers.ensure_pool(m, pool, events=False)
+    deployment = next(o for o in kube.applied if o["kind"] == "Deployment")
+    applied = len(kube.applied)
+    await handlers.child_event(event={"type": "DELETED"}, body=deployment, namespace=NS, memo=m)
+    assert [o["kind"] for o in kube.applied[applied:]] == ["Deployment"]
+    # an update, or a deletion because the owner is going, applies nothing
+    await handlers.child_event(event={"type": "MODIFIED"}, body=deployment, namespace=NS, memo=m)
+    kube.obj(API, "InferenceServer", "gpu")["metadata"]["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+    await handlers.child_event(event={"type": "DELETED"}, body=deployment, namespace=NS, memo=m)
+    assert len(kube.applied) == applied + 1
+
+
+def test_models_are_indexed_by_pool():
+    shared = body("InferenceModel", "bert", {"serverRef": {"name": "gpu"}})
+    own = body("InferenceModel", "solo", {})
+    assert list(handlers.models_by_pool(name="bert", namespace=NS, spec=shared["spec"], body=shared)) == [
+        (NS, "gpu")
+    ]
+    assert list(handlers.models_by_pool(name="solo", namespace=NS, spec={}, body=own)) == [
+        (NS, "solo-server")
+    ]

@@ -17,6 +17,7 @@ Run: pytest tests/operator/test_operator_cluster.py -m slow
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -29,6 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -240,12 +242,19 @@ def find_binaries() -> Path:
     pytest.skip("no e2e cluster binaries: build them (e2e/cluster/build.sh, or NAIAD_E2E_BUILD=1) first")
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory):
+@contextlib.contextmanager
+def running_cluster(
+    workdir: Path,
+    nodes: int = 1,
+    helm_sets: Sequence[str] = (),
+    operator: bool = True,
+    kwokctl_args: Sequence[str] = (),
+):
+    """A cluster with the chart installed, a pod runner on `nodes` GPU nodes, and (with `operator`) the operator
+    running; yields the Harness and tears everything down afterwards."""
     bin_dir = find_binaries()
     if not _server_importable():
         pytest.skip("the naiad server's dependencies are not installed in this interpreter")
-    workdir = tmp_path_factory.mktemp("naiad-it")
     repo = workdir / "models"
     shutil.copytree(ROOT / "tests" / "models" / "add_sub", repo / "add_sub")
     launcher = workdir / "naiad"
@@ -255,7 +264,10 @@ def harness(tmp_path_factory):
     )
     launcher.chmod(0o755)
     # Own work directories (not the shared e2e/.work), so other suites' cleanup cannot touch this cluster.
-    cluster = cluster_mod.KwokCluster(bin_dir=bin_dir, workdir=workdir / "cluster")
+    gpu_nodes = [cluster_mod.GpuNode(f"gpu-node-{i}", f"198.18.{i}.0/24") for i in range(nodes)]
+    cluster = cluster_mod.KwokCluster(
+        bin_dir=bin_dir, workdir=workdir / "cluster", gpu_nodes=gpu_nodes, extra_kwokctl_args=kwokctl_args
+    )
     runner = podrunner_mod.PodRunner(
         cluster.kubeconfig,
         cluster.runner_node_names,
@@ -280,6 +292,7 @@ def harness(tmp_path_factory):
             "--create-namespace",
             "--set-string",
             "nodeSelector.naiad\\.dev/unschedulable=true",
+            *(arg for value in helm_sets for arg in ("--set", value)),
         )
         cluster.kubectl(
             "wait",
@@ -290,7 +303,8 @@ def harness(tmp_path_factory):
         )
         cluster.kubectl("create", "namespace", NS)
         runner.start()
-        h.start_operator()
+        if operator:
+            h.start_operator()
         yield h
     except BaseException:
         print(h.diagnostics())
@@ -299,6 +313,15 @@ def harness(tmp_path_factory):
         h.stop_operator()
         runner.stop()
         cluster.delete()
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    # One replica without leader election: the tests below stop and start it at will.
+    with running_cluster(
+        tmp_path_factory.mktemp("naiad-it"), helm_sets=["replicaCount=1", "leaderElection.enabled=false"]
+    ) as h:
+        yield h
 
 
 @pytest.fixture

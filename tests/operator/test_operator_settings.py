@@ -66,3 +66,18 @@ def test_quantity_bytes_and_errors():
     for bad in ("lots", "1GB", "", "1.2.3"):
         with pytest.raises(ValueError):
             parse_quantity(bad)
+
+
+def test_leader_election_flags_and_timing():
+    from naiad_operator.elected import timing_from
+    from naiad_operator.leader import ElectionTiming
+
+    args = parse_args(["--leader-elect", "--leader-elect-namespace=ops", "--leader-elect-lease=l"])
+    assert args.leader_elect and args.leader_elect_namespace == "ops" and args.leader_elect_lease == "l"
+    assert parse_args([]).leader_elect is False
+    assert timing_from("") == ElectionTiming(10.0, 7.0, 2.0)
+    assert timing_from("4,3,1") == ElectionTiming(4.0, 3.0, 1.0)
+    # the leader must stop before a standby may start: retry < renew deadline < lease duration
+    for bad in ("4,5,1", "4,3,3", "a,b,c", "1,2"):
+        with pytest.raises(SystemExit):
+            timing_from(bad)

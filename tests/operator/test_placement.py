@@ -5,7 +5,7 @@ from __future__ import annotations
 from naiad_operator.placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
 
 
-def pod(name, held=None, ready=True, leaving=False, loaded=None, ip="10.0.0.1"):
+def pod(name, held=None, ready=True, leaving=False, loaded=None, ip="10.0.0.1", node=None):
     held = held or {}
     return PodState(
         name=name,
@@ -14,6 +14,7 @@ def pod(name, held=None, ready=True, leaving=False, loaded=None, ip="10.0.0.1"):
         leaving=leaving,
         held=held,
         loaded_count=len(held) if loaded is None else loaded,
+        node=node,
     )
 
 
@@ -133,3 +134,16 @@ def test_unloads_wait_for_the_loads_they_replace():
 def test_wanted_counts_placed_and_missing_copies():
     result = plan([Demand("m", "r", 3)], [pod("a", {"m": "r"}), pod("b")])["m"]
     assert result.wanted == 3 and result.chosen == ["a", "b"] and result.shortfall == 1
+
+
+def test_copies_of_a_model_go_to_different_nodes_first():
+    pods = [pod("a", node="n1"), pod("b", node="n1"), pod("c", node="n2", loaded=1), pod("d", node="n2")]
+    assert sorted(plan([Demand("m", "r1", 2)], pods)["m"].load) == ["a", "d"]
+    # a copy already on n1 makes the new one go to n2, even to a fuller pod
+    pods = [pod("a", {"m": "r1"}, node="n1"), pod("b", node="n1"), pod("c", {"x": "r"}, node="n2")]
+    result = plan([Demand("m", "r1", 2)], pods)["m"]
+    assert result.keep == ["a"] and result.load == ["c"]
+    # more copies than nodes: spread evenly, then fill
+    pods = [pod(f"p{i}", node=f"n{i % 2}") for i in range(4)]
+    chosen = plan([Demand("m", "r1", 3)], pods)["m"].load
+    assert sorted(p.node for p in pods if p.name in chosen) == ["n0", "n0", "n1"]

@@ -332,3 +332,23 @@ def test_backoff_doubles_and_forgets_old_failures():
     clock[0] = 10_000
     backoff.failed(NS, "q", "m", "new", "y")
     assert ("ml", "p", "m", "old") not in backoff._failures
+
+
+@on_session_loop
+async def test_a_steady_state_pass_writes_nothing(world):
+    kube, servers, ctx, _ = world
+    kube.add(model("resnet", {"serverRef": {"name": "gpu"}, "modelName": "resnet50", "replicas": 2}))
+    await reconcile_pool(ctx, NS, "gpu")
+    await reconcile_pool(ctx, NS, "gpu")  # the first pass's writes settle (gates, pool status)
+    writes, pods = (
+        len(kube.status_writes),
+        copy.deepcopy([kube.obj("v1", "Pod", f"gpu-{i}") for i in range(3)]),
+    )
+    await reconcile_pool(ctx, NS, "gpu")
+    assert len(kube.status_writes) == writes
+    assert [kube.obj("v1", "Pod", f"gpu-{i}") for i in range(3)] == pods
+    # models come from the operator's index when it has one, not from a list of every InferenceModel
+    only_indexed = model("bert", {"serverRef": {"name": "gpu"}, "modelName": "bert", "replicas": 1})
+    ctx.models = lambda namespace, pool: [copy.deepcopy(only_indexed)] if pool == "gpu" else []
+    await reconcile_pool(ctx, NS, "gpu")
+    assert sum("bert" in models for models in servers.loaded.values()) == 1

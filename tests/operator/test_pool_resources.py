@@ -312,13 +312,20 @@ def test_render_pool_lists_children_and_the_ones_to_remove():
         "Deployment",
         "Service",
         "Service",
+        "PodDisruptionBudget",
         "HorizontalPodAutoscaler",
         "ServiceMonitor",
     ]
     assert objects.absent == [("networking.k8s.io/v1", "NetworkPolicy", "gpu-pool")]
-    plain = render_pool(OWNER, {"monitoring": {"serviceMonitor": False}}, CONFIG, monitoring_api=True)
+    plain = render_pool(
+        OWNER,
+        {"monitoring": {"serviceMonitor": False}, "disruptionBudget": {"enabled": False}},
+        CONFIG,
+        monitoring_api=True,
+    )
     assert [o["kind"] for o in plain.apply] == ["Deployment", "Service", "Service"]
     assert plain.absent == [
+        ("policy/v1", "PodDisruptionBudget", "gpu-pool"),
         ("autoscaling/v2", "HorizontalPodAutoscaler", "gpu-pool"),
         ("monitoring.coreos.com/v1", "ServiceMonitor", "gpu-pool"),
         ("networking.k8s.io/v1", "NetworkPolicy", "gpu-pool"),
@@ -329,6 +336,37 @@ def test_render_pool_lists_children_and_the_ones_to_remove():
     assert all(o["kind"] != "ServiceMonitor" for o in off.apply)
     with_claim = render_pool(OWNER, {"modelRepository": {"create": {"size": "1Gi"}}}, CONFIG, False)
     assert with_claim.apply[0]["kind"] == "PersistentVolumeClaim"
+
+
+def test_disruption_budget_per_pool_with_configurable_max_unavailable():
+    (budget,) = [o for o in render_pool(OWNER, {}, CONFIG, False).apply if o["kind"] == "PodDisruptionBudget"]
+    assert budget["apiVersion"] == "policy/v1"
+    assert budget["metadata"]["name"] == "gpu-pool"
+    assert budget["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert budget["spec"]["selector"] == {"matchLabels": {SERVER_LABEL: "gpu-pool"}}
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    spec = {"disruptionBudget": {"maxUnavailable": "25%"}}
+    (budget,) = [
+        o for o in render_pool(OWNER, spec, CONFIG, False).apply if o["kind"] == "PodDisruptionBudget"
+    ]
+    assert budget["spec"]["maxUnavailable"] == "25%"
+    assert server_spec_problems("gpu-pool", spec) == []
+    for bad in ("half", -1, "x%"):
+        problems = server_spec_problems("gpu-pool", {"disruptionBudget": {"maxUnavailable": bad}})
+        assert any("disruptionBudget.maxUnavailable" in p for p in problems), bad
+
+
+def test_pods_spread_over_nodes_by_default_and_the_spec_overrides_it():
+    (spread,) = deployment({})["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread["labelSelector"] == {"matchLabels": {SERVER_LABEL: "gpu-pool"}}
+    assert spread["matchLabelKeys"] == ["pod-template-hash"]
+    own = deployment()["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert own == FULL_SPEC["topologySpreadConstraints"]
+    off = deployment({"topologySpreadConstraints": []})["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in off
 
 
 @pytest.mark.parametrize(

@@ -273,7 +273,12 @@ class ContainerSpec:
             cmd.append("--die-with-parent")
         for m in sorted(self.mounts, key=lambda m: len(m.target.rstrip("/"))):
             target = "/" + m.target.strip("/")
-            if not (target == "/tmp" or target.startswith("/tmp/") or target.startswith("/dev/")):
+            if target.startswith("/tmp/") or target.startswith("/dev/"):
+                # inside a fresh tmpfs: bwrap would create the parents 0700 (unreadable for a non-root user)
+                parts = target.split("/")[2:-1]
+                for i in range(len(parts)):
+                    cmd += ["--perms", "0755", "--dir", "/".join(target.split("/")[:2] + parts[: i + 1])]
+            elif target != "/tmp":
                 # mount points inside the read-only root: created (empty) in the cached unpacked copy
                 target = _mkdir_in_root(rootfs, target)
             cmd += ["--ro-bind" if m.read_only else "--bind", str(m.source), target]
@@ -284,6 +289,18 @@ class ContainerSpec:
         if not argv:
             raise ImageError(f"{self.image.name}: no command, args, ENTRYPOINT or CMD to run")
         return cmd + argv
+
+
+def exec_argv(spec: ContainerSpec, bwrap_pid: int, process: Sequence[str]) -> list[str]:
+    """``kubectl exec`` / an exec probe: ``process`` inside the running container (its mount namespace and
+    root, as its user), or in a fresh view of the image when the container has no process yet."""
+    procs = container_processes(bwrap_pid)
+    if not procs:
+        return spec.argv(process)
+    uid, gid = spec.user()
+    pid = str(procs[0].pid)
+    cmd = ["nsenter", "-t", pid, "-m", "-r", "-w", "--", "/usr/bin/setpriv", "--reuid", str(uid)]
+    return cmd + ["--regid", str(gid), "--clear-groups", "--", *process]
 
 
 def container_processes(bwrap_pid: int) -> list:

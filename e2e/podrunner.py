@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from e2e.images import ContainerSpec, ImageError, ImageStore, Mount, signal_container
+from e2e.images import ContainerSpec, ImageError, ImageStore, Mount, exec_argv, signal_container
 
 log = logging.getLogger("naiad.e2e.podrunner")
 
@@ -626,8 +626,8 @@ class _PodWorker(threading.Thread):
                     return True
             if "exec" in spec:
                 argv = [self._remap(expand(a, c.env)) for a in spec["exec"].get("command") or []]
-                if c.image is not None:  # run in the container's view (a new process of the same image)
-                    argv = c.image.argv(argv)
+                if c.image is not None and c.proc is not None:  # inside the running container
+                    argv = exec_argv(c.image, c.proc.pid, argv)
                 r = subprocess.run(
                     argv,
                     env=c.env,

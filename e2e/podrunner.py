@@ -4,7 +4,7 @@ kwok fakes kubelets: it sets a pod's phase to Running and gives it an IP, but
 runs nothing.  ``PodRunner`` watches the pods bound to the given node(s) (the
 simulated GPU node of e2e/cluster.py) and, for every pod that kwok has marked
 Running with a pod IP, starts the container's ``command`` + ``args`` as a real
-local process (the image is ignored), then reports container state and
+local process (the image is ignored unless image mode is on, below), then reports container state and
 readiness back to the API server the way a kubelet would.  When the pod is
 deleted (deletionTimestamp set, or the object gone) the process group gets
 SIGTERM, then SIGKILL after min(terminationGracePeriodSeconds, grace_cap).
@@ -47,8 +47,17 @@ What is emulated (kubelet semantics, simplified):
   container); containers that are not run are reported running and ready.
   Init containers are reported Completed without running.
 
-Not emulated: images, resource limits/cgroups, network isolation (every pod
-shares the host's network namespace), service env vars / in-cluster
+* image mode (``images=ImageStore``, see e2e/images.py): a container whose
+  ``image`` is one of the built images runs from that unpacked image under
+  bubblewrap instead: read-only root, command/args over ENTRYPOINT/CMD, the
+  image's env under the container's (no host env), volumes bound at their
+  mount paths (no path rewriting), the image's user or securityContext's
+  runAsUser/runAsGroup (runAsNonRoot enforced), exec probes run inside the
+  running container.  SIGTERM goes to the container's main process.  Other
+  images still run as host processes (e.g. a test's client pod).
+
+Not emulated: resource limits/cgroups, network isolation (every pod
+shares the runner's network namespace), service env vars / in-cluster
 credentials, postStart/preStop hooks, ``kubectl logs/exec`` (logs are files:
 ``PodRunner.log_path``).
 """

@@ -13,8 +13,8 @@ container fields into a ``bwrap`` command line:
   the host's leaks in, and Secret values stay off command lines);
 * volumes bound at their mount paths (read-only where the mount says so); the mount point directories are
   created, empty, in the cached root file system (as runc creates them in a container's root);
-* the image's user, or ``securityContext.runAsUser/runAsGroup``, set with ``setpriv`` (supplementary groups
-  cleared) after the namespace setup, the working directory from ``workingDir`` or the image's ``WorkingDir``.
+* the image's user, or ``securityContext.runAsUser/runAsGroup``, set with ``setpriv`` (supplementary groups:
+  fsGroup and supplementalGroups only) after the namespace setup, the working directory from ``workingDir`` or the image's ``WorkingDir``.
 
 The network namespace is the caller's: bwrap is not asked for a new one, so a container started from a process
 inside e2e/podnet.py's private namespace shares it (its pod IP is bindable there), as host processes do.
@@ -241,6 +241,7 @@ class ContainerSpec:
     working_dir: str | None = None
     run_as_user: int | None = None
     run_as_group: int | None = None
+    supplemental_groups: Sequence[int] = ()  # fsGroup and supplementalGroups, as the kubelet adds them
     hostname: str | None = None
 
     def process_argv(self) -> list[str]:
@@ -260,6 +261,10 @@ class ContainerSpec:
         uid = self.image.uid if self.run_as_user is None else int(self.run_as_user)
         gid = self.image.gid if self.run_as_group is None else int(self.run_as_group)
         return uid, gid
+
+    def groups_args(self) -> list[str]:
+        groups = sorted({int(g) for g in self.supplemental_groups})
+        return ["--groups", ",".join(map(str, groups))] if groups else ["--clear-groups"]
 
     def argv(self, process: Sequence[str] | None = None, die_with_parent: bool = True) -> list[str]:
         """The bwrap command line that runs ``process`` (default: the container's own argv) in the container.
@@ -284,7 +289,7 @@ class ContainerSpec:
             cmd += ["--ro-bind" if m.read_only else "--bind", str(m.source), target]
         cmd += ["--chdir", self.working_dir or self.image.cwd or "/"]
         uid, gid = self.user()
-        cmd += ["--", "/usr/bin/setpriv", "--reuid", str(uid), "--regid", str(gid), "--clear-groups", "--"]
+        cmd += ["--", "/usr/bin/setpriv", "--reuid", str(uid), "--regid", str(gid), *self.groups_args(), "--"]
         argv = list(self.process_argv() if process is None else process)
         if not argv:
             raise ImageError(f"{self.image.name}: no command, args, ENTRYPOINT or CMD to run")
@@ -300,7 +305,7 @@ def exec_argv(spec: ContainerSpec, bwrap_pid: int, process: Sequence[str]) -> li
     uid, gid = spec.user()
     pid = str(procs[0].pid)
     cmd = ["nsenter", "-t", pid, "-m", "-r", "-w", "--", "/usr/bin/setpriv", "--reuid", str(uid)]
-    return cmd + ["--regid", str(gid), "--clear-groups", "--", *process]
+    return cmd + ["--regid", str(gid), *spec.groups_args(), "--", *process]
 
 
 def container_processes(bwrap_pid: int) -> list:

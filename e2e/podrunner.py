@@ -340,12 +340,25 @@ class _PodWorker(threading.Thread):
             )
             data = {k: base64.b64decode(s) for k, s in (obj or {}).get("data", {}).items()}
         items = src.get("items")
-        pairs = [(it["key"], it["path"]) for it in items] if items else [(k, k) for k in data]
-        for key, rel in pairs:
+        default_mode = src.get("defaultMode")
+        default_mode = 0o644 if default_mode is None else int(default_mode)
+        pairs = (
+            [(it["key"], it["path"], it.get("mode")) for it in items]
+            if items
+            else [(k, k, None) for k in data]
+        )
+        # as the kubelet writes them: root-owned with defaultMode/mode, group fsGroup (and group-readable) if set
+        fs_group = (self.pod["spec"].get("securityContext") or {}).get("fsGroup")
+        for key, rel, mode in pairs:
             if key in data:
                 p = dest / rel
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.write_bytes(data[key])
+                mode = default_mode if mode is None else int(mode)
+                if fs_group is not None:
+                    os.chown(p, -1, int(fs_group))
+                    mode |= 0o040
+                p.chmod(mode)
 
     def _env_for(self, c: dict) -> dict[str, str]:
         env: dict[str, str] = {}  # the container's own env, for $(VAR) expansion
@@ -503,6 +516,10 @@ class _PodWorker(threading.Thread):
             working_dir=spec.get("workingDir") or None,
             run_as_user=sc.get("runAsUser"),
             run_as_group=sc.get("runAsGroup"),
+            supplemental_groups=[
+                *([pod_sc["fsGroup"]] if pod_sc.get("fsGroup") is not None else []),
+                *(pod_sc.get("supplementalGroups") or []),
+            ],
             hostname=self.name,
         )
         if sc.get("runAsNonRoot") and container.user()[0] == 0:

@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench examples bench e2e lint clean crds dashboards helm-lint images
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images examples bench e2e lint clean crds dashboards helm-lint images
 
 venv: $(VENV)/.installed
 
@@ -72,6 +72,12 @@ e2e-build:
 
 e2e: venv test-deps
 	$(MAKE) -s e2e-tests
+
+# The cluster tiers in image mode: the pod runner starts the server pods from the built server image and the
+# operator runs from its image with a ServiceAccount token (e2e/images.py); the default stays the faster
+# host-virtualenv mode.
+e2e-images: venv test-deps images
+	NAIAD_E2E_IMAGES=1 $(MAKE) -s e2e-tests
 
 crds: venv
 	$(PY) crds/generate.py

@@ -4,7 +4,7 @@ kwok fakes kubelets: it sets a pod's phase to Running and gives it an IP, but
 runs nothing.  ``PodRunner`` watches the pods bound to the given node(s) (the
 simulated GPU node of e2e/cluster.py) and, for every pod that kwok has marked
 Running with a pod IP, starts the container's ``command`` + ``args`` as a real
-local process (the image is ignored), then reports container state and
+local process (the image is ignored unless image mode is on, below), then reports container state and
 readiness back to the API server the way a kubelet would.  When the pod is
 deleted (deletionTimestamp set, or the object gone) the process group gets
 SIGTERM, then SIGKILL after min(terminationGracePeriodSeconds, grace_cap).
@@ -47,8 +47,17 @@ What is emulated (kubelet semantics, simplified):
   container); containers that are not run are reported running and ready.
   Init containers are reported Completed without running.
 
-Not emulated: images, resource limits/cgroups, network isolation (every pod
-shares the host's network namespace), service env vars / in-cluster
+* image mode (``images=ImageStore``, see e2e/images.py): a container whose
+  ``image`` is one of the built images runs from that unpacked image under
+  bubblewrap instead: read-only root, command/args over ENTRYPOINT/CMD, the
+  image's env under the container's (no host env), volumes bound at their
+  mount paths (no path rewriting), the image's user or securityContext's
+  runAsUser/runAsGroup (runAsNonRoot enforced), exec probes run inside the
+  running container.  SIGTERM goes to the container's main process.  Other
+  images still run as host processes (e.g. a test's client pod).
+
+Not emulated: resource limits/cgroups, network isolation (every pod
+shares the runner's network namespace), service env vars / in-cluster
 credentials, postStart/preStop hooks, ``kubectl logs/exec`` (logs are files:
 ``PodRunner.log_path``).
 """
@@ -74,6 +83,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+from e2e.images import ContainerSpec, ImageError, ImageStore, Mount, exec_argv, signal_container
 
 log = logging.getLogger("naiad.e2e.podrunner")
 
@@ -206,6 +217,7 @@ class ProcessInfo:
     restart_count: int
     log_path: Path
     exit_code: int | None = None
+    image_id: str = ""  # the unpacked image the container runs from; "" for a host process
 
 
 @dataclass
@@ -255,6 +267,7 @@ class _Container:
     waiting_reason: str | None = "ContainerCreating"
     waiting_message: str | None = None
     probes: dict[str, _Probe] = field(default_factory=dict)
+    image: ContainerSpec | None = None  # image mode: the container as started from its unpacked image
 
     @property
     def name(self) -> str:
@@ -303,8 +316,10 @@ class _PodWorker(threading.Thread):
             elif "configMap" in v or "secret" in v:
                 local = self.dir / "volumes" / name
                 self._materialise(v, local)
-            else:  # emptyDir and anything else: a fresh per-pod dir
+            else:  # emptyDir and anything else: a fresh per-pod dir, world-writable as the kubelet makes it
                 local = self.dir / "volumes" / name
+                local.mkdir(parents=True, exist_ok=True)
+                local.chmod(0o777)
             local.mkdir(parents=True, exist_ok=True)
             vols[name] = local
         return vols
@@ -325,12 +340,25 @@ class _PodWorker(threading.Thread):
             )
             data = {k: base64.b64decode(s) for k, s in (obj or {}).get("data", {}).items()}
         items = src.get("items")
-        pairs = [(it["key"], it["path"]) for it in items] if items else [(k, k) for k in data]
-        for key, rel in pairs:
+        default_mode = src.get("defaultMode")
+        default_mode = 0o644 if default_mode is None else int(default_mode)
+        pairs = (
+            [(it["key"], it["path"], it.get("mode")) for it in items]
+            if items
+            else [(k, k, None) for k in data]
+        )
+        # as the kubelet writes them: root-owned with defaultMode/mode, group fsGroup (and group-readable) if set
+        fs_group = (self.pod["spec"].get("securityContext") or {}).get("fsGroup")
+        for key, rel, mode in pairs:
             if key in data:
                 p = dest / rel
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.write_bytes(data[key])
+                mode = default_mode if mode is None else int(mode)
+                if fs_group is not None:
+                    os.chown(p, -1, int(fs_group))
+                    mode |= 0o040
+                p.chmod(mode)
 
     def _env_for(self, c: dict) -> dict[str, str]:
         env: dict[str, str] = {}  # the container's own env, for $(VAR) expansion
@@ -410,6 +438,7 @@ class _PodWorker(threading.Thread):
         spec = c.spec
         env = self._env_for(spec)
         mounts: list[tuple[str, Path]] = []
+        read_only: dict[str, bool] = {}
         for vm in spec.get("volumeMounts") or []:
             base = vols.get(vm["name"])
             if base is None:
@@ -418,7 +447,18 @@ class _PodWorker(threading.Thread):
             if vm.get("subPath"):
                 local.mkdir(parents=True, exist_ok=True)
             mounts.append((vm["mountPath"].rstrip("/") or "/", local))
+            read_only[mounts[-1][0]] = bool(vm.get("readOnly"))
         mounts.sort(key=lambda m: len(m[0]), reverse=True)
+        for kind in ("readiness", "liveness", "startup"):
+            p = spec.get(f"{kind}Probe")
+            if p:
+                c.probes[kind] = _Probe(p, kind)
+        c.log_path = self.runner.workdir / "logs" / f"{self.ns}_{self.name}_{self.uid[:8]}" / f"{c.name}.log"
+        c.log_path.parent.mkdir(parents=True, exist_ok=True)
+        images = self.runner.images
+        if images is not None and images.knows(spec.get("image") or ""):
+            self._prepare_image(c, env, mounts, read_only)
+            return
 
         def remap(s: str) -> str:
             for mp, local in mounts:
@@ -445,21 +485,63 @@ class _PodWorker(threading.Thread):
         if not cwd or not os.path.isdir(cwd):
             cwd = str(self.dir)
         c.argv, c.env, c.cwd = argv, full_env, cwd
-        for kind in ("readiness", "liveness", "startup"):
-            p = spec.get(f"{kind}Probe")
-            if p:
-                c.probes[kind] = _Probe(p, kind)
-        c.log_path = self.runner.workdir / "logs" / f"{self.ns}_{self.name}_{self.uid[:8]}" / f"{c.name}.log"
-        c.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._remap = remap
+
+    def _prepare_image(
+        self, c: _Container, env: dict[str, str], mounts: list[tuple[str, Path]], read_only: dict[str, bool]
+    ) -> None:
+        """Image mode: the container runs from its unpacked image (see e2e/images.py), volumes at their paths."""
+        spec = c.spec
+        try:
+            image = self.runner.images.get(spec["image"])
+        except ImageError as e:
+            c.waiting_reason, c.waiting_message = "ErrImagePull", str(e)
+            return
+        command = [expand(a, env) for a in spec.get("command") or []] or None
+        args = [expand(a, env) for a in spec.get("args") or []] if "args" in spec else None
+        if self.runner.extra_args is not None:
+            extra = list(self.runner.extra_args(self.pod, spec, self.pod_ip))
+            if extra:
+                args = [*(image.cmd if args is None and command is None else args or []), *extra]
+        pod_sc = self.pod["spec"].get("securityContext") or {}
+        sc = {**pod_sc, **(spec.get("securityContext") or {})}
+        binds = [Mount(Path(local), mp, read_only.get(mp, False)) for mp, local in mounts]
+        binds += [Mount(Path(src), dst, True) for dst, src in self.runner.image_binds.items()]
+        container = ContainerSpec(
+            image,
+            command=command,
+            args=args,
+            env={**self.runner.extra_env, **env},
+            mounts=binds,
+            working_dir=spec.get("workingDir") or None,
+            run_as_user=sc.get("runAsUser"),
+            run_as_group=sc.get("runAsGroup"),
+            supplemental_groups=[
+                *([pod_sc["fsGroup"]] if pod_sc.get("fsGroup") is not None else []),
+                *(pod_sc.get("supplementalGroups") or []),
+            ],
+            hostname=self.name,
+        )
+        if sc.get("runAsNonRoot") and container.user()[0] == 0:
+            c.waiting_reason = "CreateContainerConfigError"
+            c.waiting_message = "container has runAsNonRoot and image will run as root"
+            return
+        try:
+            c.argv = container.argv()
+        except (ImageError, OSError) as e:
+            c.waiting_reason, c.waiting_message = "CreateContainerError", str(e)
+            return
+        c.image, c.env, c.cwd = container, container.full_env(), str(self.dir)
+        self._remap = lambda s: s
 
     # ------------------------------------------------------------ processes
     def _start_proc(self, c: _Container) -> None:
         if not c.argv:
-            c.waiting_reason, c.waiting_message = (
-                "CreateContainerError",
-                "no command/args: images are not run",
-            )
+            if not c.waiting_message:
+                c.waiting_reason, c.waiting_message = (
+                    "CreateContainerError",
+                    "no command/args: images are not run",
+                )
             self.error = c.waiting_message
             return
         with open(c.log_path, "ab") as logf:
@@ -499,7 +581,9 @@ class _PodWorker(threading.Thread):
         if p is None or p.poll() is not None:
             return
         try:
-            os.killpg(p.pid, signal.SIGTERM)
+            # image mode: the container's main process gets the SIGTERM (bwrap would die of it at once)
+            if c.image is None or not signal_container(p.pid, signal.SIGTERM):
+                os.killpg(p.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
         try:
@@ -568,6 +652,8 @@ class _PodWorker(threading.Thread):
                     return True
             if "exec" in spec:
                 argv = [self._remap(expand(a, c.env)) for a in spec["exec"].get("command") or []]
+                if c.image is not None and c.proc is not None:  # inside the running container
+                    argv = exec_argv(c.image, c.proc.pid, argv)
                 r = subprocess.run(
                     argv,
                     env=c.env,
@@ -624,7 +710,7 @@ class _PodWorker(threading.Thread):
         st: dict = {
             "name": c.name,
             "image": image,
-            "imageID": "",
+            "imageID": f"docker-archive://sha256:{c.image.image.image_id}" if c.image is not None else "",
             "restartCount": c.restart_count,
             "ready": c.ready if c.run else True,
             "started": c.started if c.run else True,
@@ -781,6 +867,7 @@ class _PodWorker(threading.Thread):
                     restart_count=c.restart_count,
                     log_path=c.log_path or Path(os.devnull),
                     exit_code=c.exit_code,
+                    image_id=c.image.image.image_id if c.image is not None else "",
                 )
             )
         return out
@@ -802,6 +889,10 @@ class PodRunner:
     extra_args        hook (pod, container, pod_ip) -> extra argv, e.g. bind_to_pod_ip
     extra_env         env added under the container's own env (e.g. {"CUDA_VISIBLE_DEVICES": ""})
     containers        "first" (default) or "all"
+    images            an e2e.images.ImageStore: containers whose ``image`` it knows run from that unpacked
+                      image (bubblewrap) instead of as host processes; other images still run on the host
+    image_binds       {path in the container: local dir} bound read-only into every image container (what a
+                      real node would have to provide, e.g. a model repository named by a plain path)
     max_probe_period  cap on probes' periodSeconds (None: as in the spec)
     grace_cap         cap in seconds on terminationGracePeriodSeconds when stopping
     """
@@ -821,6 +912,8 @@ class PodRunner:
         grace_cap: float = 10.0,
         poll_interval: float = 0.2,
         keep_workdir: bool = False,
+        images: ImageStore | None = None,
+        image_binds: Mapping[str, str | os.PathLike] | None = None,
     ) -> None:
         if containers not in ("first", "all"):
             raise ValueError("containers must be 'first' or 'all'")
@@ -840,6 +933,8 @@ class PodRunner:
         self.grace_cap = grace_cap
         self.poll_interval = poll_interval
         self.keep_workdir = keep_workdir
+        self.images = images
+        self.image_binds = {str(k): str(v) for k, v in (image_binds or {}).items()}
         self._api: _Api | None = None
         self._workers: dict[str, _PodWorker] = {}  # uid -> worker
         self._lock = threading.Lock()

@@ -200,3 +200,140 @@ def test_restart_and_exec_probe(kwok_cluster: KwokCluster, pod_runner: PodRunner
     finally:
         c.kubectl("delete", "namespace", ns2, "--wait=false", check=False)
     _wait(lambda: not pod_runner.running(ns2), timeout=30, what="crashy stopped")
+
+
+SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0"
+
+IMAGE_SCRIPT = (
+    "import json, os, sys\n"
+    "e = os.environ\n"
+    "try:\n"
+    "    open('/opt/written-by-container', 'w')\n"
+    "    rootfs = 'writable'\n"
+    "except OSError as err:\n"
+    "    rootfs = type(err).__name__\n"
+    "out = {'argv': sys.argv[1:], 'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(),\n"
+    "       'greeting': e['GREETING'], 'home': e.get('HOME'), 'host_env': 'NAIAD_TEST_HOST_ONLY' in e,\n"
+    "       'cfg': open('/etc/app/mode').read(), 'cwd': os.getcwd(), 'rootfs': rootfs,\n"
+    "       'python': sys.executable}\n"
+    "json.dump(out, open('/out/result.json', 'w'))\n"
+    "sys.exit(3)\n"
+)
+
+
+def test_image_mode_runs_the_container_from_its_image(kwok_cluster: KwokCluster, tmp_path: Path, monkeypatch):
+    """Image mode: the pod's image (the built server image) is unpacked and the container runs from it: command
+    and args with $(VAR) expansion, the image's env under the pod's (nothing of the host's), volumes at their
+    mount paths, securityContext's user over the image's, a read-only root, the exit code in the pod status,
+    and an exec probe run inside the running container."""
+    from e2e.images import ImageError, ImageStore, missing_tools
+
+    if missing_tools():
+        import pytest
+
+        pytest.skip(missing_tools())
+    store = ImageStore.from_build()
+    try:
+        image = store.get(SERVER_IMAGE)
+    except ImageError as e:
+        import pytest
+
+        pytest.fail(f"{e} (make test runs `make images` first)")
+    c = kwok_cluster
+    ns = NS + "-image"
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    monkeypatch.setenv("NAIAD_TEST_HOST_ONLY", "1")
+    job = _spec(
+        "imagejob",
+        IMAGE_SCRIPT,
+        container={
+            "image": SERVER_IMAGE,
+            "command": ["python", "-c", IMAGE_SCRIPT],
+            "args": ["$(GREETING)", "$$(ESCAPED)", "$(UNDEFINED)"],
+            "env": [
+                {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "GREETING", "value": "hello $(POD)"},
+            ],
+            "securityContext": {"runAsUser": 10002, "runAsGroup": 10003},
+            "volumeMounts": [
+                {"name": "cfg", "mountPath": "/etc/app", "readOnly": True},
+                {"name": "out", "mountPath": "/out"},
+            ],
+        },
+        restartPolicy="Never",
+        volumes=[
+            {"name": "cfg", "configMap": {"name": "app"}},
+            {"name": "out", "hostPath": {"path": "/data/out"}},
+        ],
+    )
+    probed = _spec(
+        "probed",
+        "",
+        container={
+            "image": SERVER_IMAGE,
+            "command": ["sh", "-c", "sleep 1; touch /tmp/ready; exec sleep 600"],
+            "readinessProbe": {"exec": {"command": ["test", "-f", "/tmp/ready"]}, "periodSeconds": 1},
+        },
+    )
+    for pod in (job, probed):
+        pod["metadata"]["namespace"] = ns
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "app", "namespace": ns}}
+    cm["data"] = {"mode": "fast"}
+    runner = PodRunner(
+        c.kubeconfig,
+        c.runner_node_names,
+        images=store,
+        volumes={"/data/out": out},
+        workdir=tmp_path / "runner",
+        max_probe_period=1.0,
+    )
+    with runner:
+        c.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}, cm, job, probed])
+        try:
+
+            def get(name):
+                p = c.kubectl("get", "pod", name, "-n", ns, "-o", "json", check=False)
+                return json.loads(p.stdout) if p.returncode == 0 else {}
+
+            pod = _wait(
+                lambda: (
+                    get("imagejob").get("status", {}).get("phase") in ("Succeeded", "Failed")
+                    and get("imagejob")
+                ),
+                timeout=90,
+                what="imagejob to finish",
+            )
+            assert pod["status"]["phase"] == "Failed", runner.logs(ns, "imagejob")
+            status = pod["status"]["containerStatuses"][0]
+            assert status["state"]["terminated"]["exitCode"] == 3
+            assert status["imageID"] == f"docker-archive://sha256:{image.image_id}"
+            result = json.loads((out / "result.json").read_text())
+            assert result == {
+                "argv": ["hello imagejob", "$(ESCAPED)", "$(UNDEFINED)"],
+                "uid": 10002,
+                "gid": 10003,
+                "groups": [],
+                "greeting": "hello imagejob",
+                "home": "/home/naiad",  # the image's ENV
+                "host_env": False,
+                "cfg": "fast",
+                "cwd": "/home/naiad",  # the image's WORKDIR
+                "rootfs": "OSError",
+                "python": "/opt/naiad/bin/python",
+            }, runner.logs(ns, "imagejob")
+            assert not (image.rootfs / "opt" / "written-by-container").exists()
+
+            def ready():
+                conds = {
+                    x["type"]: x["status"] for x in get("probed").get("status", {}).get("conditions", [])
+                }
+                return conds.get("Ready") == "True"
+
+            _wait(ready, timeout=60, what="probed Ready (exec probe inside the container's own /tmp)")
+            info = runner.get(ns, "probed")
+            assert info is not None and info.image_id == image.image_id and info.ready
+        finally:
+            c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        _wait(lambda: not runner.running(ns), timeout=30, what="image pods stopped")

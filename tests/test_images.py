@@ -4,9 +4,7 @@ container runtime would start it."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -18,68 +16,39 @@ import pytest
 import requests
 from helpers import ROOT, free_ports
 
+from e2e.images import ContainerSpec, ImageError, ImageStore, Mount, container_processes, missing_tools
+
 IMAGES = Path(os.environ.get("NAIAD_IMAGES_OUT", ROOT / "build" / "images"))
-TOOLS = ("skopeo", "umoci", "bwrap")
+SERVER = "ghcr.io/naiad-dev/naiad-server:0.1.0"
+OPERATOR = "ghcr.io/naiad-dev/naiad-operator:0.1.0"
 
 
 def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return (
-            "unpacking and running an image's root file system needs root (CI and the dev machines are root)"
-        )
-    missing = [t for t in TOOLS if shutil.which(t) is None]
-    if missing:
-        return f"{', '.join(missing)} missing: `make images` installs them"
-    return None
-
-
-def unpack(archive: Path, dest: Path) -> tuple[Path, dict]:
-    """docker-archive -> OCI layout -> runtime bundle; returns (rootfs, the OCI runtime config's process)."""
-    if not archive.exists():
-        pytest.fail(f"{archive} missing: `make images` builds it (make test runs it first)")
-    subprocess.run(
-        ["skopeo", "copy", "--quiet", f"docker-archive:{archive}", f"oci:{dest}/oci:img"], check=True
-    )
-    subprocess.run(["umoci", "unpack", "--image", f"{dest}/oci:img", str(dest / "bundle")], check=True)
-    process = json.loads((dest / "bundle" / "config.json").read_text())["process"]
-    inspect = ["skopeo", "inspect", "--config", f"docker-archive:{archive}"]
-    image = json.loads(subprocess.run(inspect, check=True, capture_output=True).stdout)["config"]
-    # the image's ENTRYPOINT and CMD kept apart: a pod's `args` replace CMD only
-    process["entrypoint"], process["cmd"] = image.get("Entrypoint") or [], image.get("Cmd") or []
-    return dest / "bundle" / "rootfs", process
+    return missing_tools()
 
 
 class Container:
-    """One process of an unpacked image: its args, env, cwd and uid/gid, bind mounts like a pod's volumes."""
+    """One process of an unpacked image (e2e/images.py starts it as the e2e pod runner does)."""
 
-    def __init__(self, rootfs: Path, process: dict, args: list[str] | None = None, mounts=()):
-        self.rootfs, self.process = rootfs, process
-        # a pod's `args` replace the image's CMD and keep its ENTRYPOINT
-        argv = [*process["entrypoint"], *(process["cmd"] if args is None else args)]
-        user = process["user"]
-        cmd = ["bwrap", "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-        cmd += ["--die-with-parent", "--clearenv", "--chdir", process.get("cwd", "/")]
-        for src, dst in mounts:
-            cmd += ["--ro-bind", str(src), dst]
-        for item in process.get("env", []):
-            key, _, value = item.partition("=")
-            cmd += ["--setenv", key, value]
-        cmd += ["--", "/usr/bin/setpriv", "--reuid", str(user["uid"]), "--regid", str(user["gid"])]
-        cmd += ["--clear-groups", "--", *argv]
-        self.cmd = cmd
-        self.log = open(rootfs.parent.parent / "container.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+    def __init__(self, image, args: list[str] | None = None, mounts=(), log_dir: Path | None = None):
+        self.image = image
+        spec = ContainerSpec(image, args=args, mounts=[Mount(Path(s), d, True) for s, d in mounts])
+        self.log_path = (log_dir or image.rootfs.parent.parent) / "container.log"
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            spec.argv(), env=spec.full_env(), stdout=self.log, stderr=subprocess.STDOUT
+        )
 
     def output(self) -> str:
-        return (self.rootfs.parent.parent / "container.log").read_text(errors="replace")
+        return self.log_path.read_text(errors="replace")
 
     def main_process(self) -> psutil.Process:
         """The image's entrypoint process (bwrap's child, after setpriv exec'd it)."""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
+            children = container_processes(self.proc.pid)
             if children:
-                return children[-1]
+                return children[0]
             time.sleep(0.05)
         raise AssertionError(f"no process inside the container:\n{self.output()}")
 
@@ -102,8 +71,20 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
 
 
 @pytest.fixture(scope="module")
-def server_image(tmp_path_factory):
-    return unpack(IMAGES / "naiad-server.tar", tmp_path_factory.mktemp("server-image"))
+def store():
+    return ImageStore.from_build(IMAGES)  # unpacked once per image ID (~/.cache/naiad-e2e-images)
+
+
+def _get(store: ImageStore, name: str):
+    try:
+        return store.get(name)
+    except ImageError as e:
+        pytest.fail(f"{e} (make test runs `make images` first)")
+
+
+@pytest.fixture(scope="module")
+def server_image(store):
+    return _get(store, SERVER)
 
 
 @pytest.fixture(scope="module")
@@ -114,16 +95,16 @@ def example_repo() -> Path:
     return repo
 
 
-def test_server_image_serves_the_example_repository_as_non_root(server_image, example_repo):
-    rootfs, process = server_image
-    assert process["user"]["uid"] == 10001 and process["cwd"] == "/home/naiad"
-    assert process["args"][0] == "naiad" and "--model-repository=/models" in process["args"]
+def test_server_image_serves_the_example_repository_as_non_root(server_image, example_repo, tmp_path):
+    image = server_image
+    assert (image.uid, image.cwd) == (10001, "/home/naiad")
+    assert image.entrypoint == ["naiad"] and "--model-repository=/models" in image.cmd
     http, grpc, metrics = free_ports(3)
     # What the chart passes: the image's entrypoint, its own flags, the repository at /models.
     args = ["serve", "--model-repository=/models", "--model-control-mode=explicit"]
     args += ["--load-model=simple_onnx", "--load-model=identity_python", "--log-verbose=1"]
     args += [f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"]
-    c = Container(rootfs, process, args, mounts=[(example_repo, "/models")])
+    c = Container(image, args, mounts=[(example_repo, "/models")], log_dir=tmp_path)
     try:
         url = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 120
@@ -172,8 +153,7 @@ def test_server_image_serves_the_example_repository_as_non_root(server_image, ex
 
 
 def test_server_image_contents(server_image):
-    rootfs, process = server_image
-    env = dict(item.partition("=")[::2] for item in process["env"])
+    rootfs, env = server_image.rootfs, server_image.env_dict
     assert env["PATH"].startswith("/opt/naiad/bin") and env["PYTHONDONTWRITEBYTECODE"] == "1"
     for tool in ("gcc", "cc", "make", "pip", "pip3"):
         for d in ("usr/bin", "usr/local/bin", "opt/naiad/bin"):
@@ -183,10 +163,10 @@ def test_server_image_contents(server_image):
     assert not list(rootfs.glob("opt/naiad/lib/python3*/site-packages/naiad/**/__pycache__"))
 
 
-def test_operator_image_starts(tmp_path_factory):
-    rootfs, process = unpack(IMAGES / "naiad-operator.tar", tmp_path_factory.mktemp("operator-image"))
-    assert process["user"]["uid"] == 10001 and process["args"][0] == "naiad-operator"
-    c = Container(rootfs, process, ["--help"])
+def test_operator_image_starts(store, tmp_path):
+    image = _get(store, OPERATOR)
+    assert image.uid == 10001 and image.entrypoint == ["naiad-operator"]
+    c = Container(image, ["--help"], log_dir=tmp_path)
     c.proc.wait(60)
     c.stop()
     assert c.proc.returncode == 0, c.output()

@@ -300,6 +300,9 @@ def _tolerations(spec: Spec) -> list[Body]:
     return tolerations
 
 
+SERVER_FS_GROUP = 10001  # the server image's group (Dockerfile.server)
+
+
 def _container(spec: Spec, config: OperatorConfig, server: str = "", restricted: bool = False) -> Body:
     tls = tls_secret_name(spec) is not None
     probes = spec.get("probes") or {}
@@ -418,7 +421,13 @@ def render_deployment(
         "readinessGates": [{"conditionType": MODELS_READY_CONDITION}],
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        # fsGroup: the image's group (Dockerfile.server's naiad, 10001) owns the Secret volumes, whose files are
+        # 0440 (the TLS key): without it the non-root server could not read them.
+        "securityContext": {
+            "runAsNonRoot": True,
+            "fsGroup": SERVER_FS_GROUP,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
     }
     volumes = _volumes(server, spec)
     if volumes:

@@ -43,6 +43,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 cluster_mod = pytest.importorskip("e2e.cluster")
 podrunner_mod = pytest.importorskip("e2e.podrunner")
+images_mod = pytest.importorskip("e2e.images")
+
+# NAIAD_E2E_IMAGES=1 (`make e2e-images`): the server pods and the operator run from the built images
+# (`make images`) instead of this interpreter's virtualenv.
+IMAGE_MODE = images_mod.image_mode()
+SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0"
+OPERATOR_IMAGE = "ghcr.io/naiad-dev/naiad-operator:0.1.0"
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def _server_importable() -> bool:
@@ -79,11 +87,12 @@ def free_port() -> int:
 
 
 class Harness:
-    def __init__(self, cluster, runner, repo: Path, workdir: Path):
+    def __init__(self, cluster, runner, repo: Path, workdir: Path, images=None):
         self.cluster = cluster
         self.runner = runner
         self.repo = repo
         self.workdir = workdir
+        self.images = images  # image mode: the ImageStore the operator and the pods run from
         self.operator: subprocess.Popen | None = None
         self.operator_log = workdir / "operator.log"
         self.health_port = free_port()
@@ -126,7 +135,58 @@ class Harness:
         )
         return str(path)
 
+    def service_account_volume(self) -> Path:
+        """What the kubelet mounts at /var/run/secrets/kubernetes.io/serviceaccount: the ServiceAccount's token
+        (TokenRequest), the cluster's CA and the namespace."""
+        from kubernetes import client as kclient
+        from kubernetes import config as kconfig
+
+        path = self.workdir / "serviceaccount"
+        path.mkdir(exist_ok=True)
+        token = self.kubectl("-n", OPERATOR_NS, "create", "token", "naiad", "--duration=2h").stdout.strip()
+        cfg = kclient.Configuration()
+        kconfig.load_kube_config(config_file=self.cluster.kubeconfig, client_configuration=cfg)
+        assert cfg.ssl_ca_cert, "the cluster's kubeconfig names no CA: in-cluster config needs one"
+        (path / "token").write_text(token)
+        (path / "ca.crt").write_bytes(Path(cfg.ssl_ca_cert).read_bytes())
+        (path / "namespace").write_text(OPERATOR_NS)
+        for f in path.iterdir():
+            f.chmod(0o644)
+        return path
+
+    def start_operator_image(self) -> None:
+        """The operator from its image, as its pod would run: in-cluster config (KUBERNETES_SERVICE_HOST/PORT and
+        the ServiceAccount volume), the image's user and entrypoint, the chart's flags."""
+        from urllib.parse import urlsplit
+
+        from kubernetes import client as kclient
+        from kubernetes import config as kconfig
+
+        cfg = kclient.Configuration()
+        kconfig.load_kube_config(config_file=self.cluster.kubeconfig, client_configuration=cfg)
+        api = urlsplit(cfg.host)  # the apiserver; kube-proxy would route the kubernetes Service's IP to it
+        spec = images_mod.ContainerSpec(
+            self.images.get(OPERATOR_IMAGE),
+            args=["--namespace", NS, f"--liveness=http://127.0.0.1:{self.health_port}/healthz", "--verbose"],
+            env={
+                "KUBERNETES_SERVICE_HOST": api.hostname,
+                "KUBERNETES_SERVICE_PORT": str(api.port or 443),
+                "NAIAD_RESYNC_SECONDS": "2",
+                "NAIAD_LOAD_RETRY_SECONDS": "2",
+                "NAIAD_SERVER_IMAGE": SERVER_IMAGE,
+            },
+            mounts=[images_mod.Mount(self.service_account_volume(), SA_MOUNT, read_only=True)],
+            hostname="naiad-operator",
+        )
+        with open(self.operator_log, "a") as log:
+            self.operator = subprocess.Popen(
+                spec.argv(), env=spec.full_env(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir
+            )
+
     def start_operator(self) -> None:
+        if self.images is not None:
+            self.start_operator_image()
+            return
         kubeconfig = self.operator_kubeconfig()
         with open(self.operator_log, "a") as log:  # the child keeps its own copy of the descriptor
             self.operator = subprocess.Popen(
@@ -152,7 +212,8 @@ class Harness:
 
     def stop_operator(self) -> None:
         if self.operator and self.operator.poll() is None:
-            self.operator.send_signal(signal.SIGINT)
+            if self.images is None or not images_mod.signal_container(self.operator.pid, signal.SIGINT):
+                self.operator.send_signal(signal.SIGINT)
             try:
                 self.operator.wait(30)
             except subprocess.TimeoutExpired:
@@ -257,28 +318,50 @@ def running_cluster(
         pytest.skip("the naiad server's dependencies are not installed in this interpreter")
     repo = workdir / "models"
     shutil.copytree(ROOT / "tests" / "models" / "add_sub", repo / "add_sub")
-    launcher = workdir / "naiad"
-    launcher.write_text(
-        f"#!/bin/sh\nexec {sys.executable} -c 'import sys; from naiad.cli import main; "
-        f'sys.exit(main())\' "$@"\n'
-    )
-    launcher.chmod(0o755)
     # Own work directories (not the shared e2e/.work), so other suites' cleanup cannot touch this cluster.
     gpu_nodes = [cluster_mod.GpuNode(f"gpu-node-{i}", f"198.18.{i}.0/24") for i in range(nodes)]
     cluster = cluster_mod.KwokCluster(
         bin_dir=bin_dir, workdir=workdir / "cluster", gpu_nodes=gpu_nodes, extra_kwokctl_args=kwokctl_args
     )
-    runner = podrunner_mod.PodRunner(
-        cluster.kubeconfig,
-        cluster.runner_node_names,
-        workdir=workdir / "pods",
-        executables={"naiad": str(launcher)},
-        extra_args=podrunner_mod.bind_to_pod_ip,
-        extra_env={"PYTHONPATH": _env()["PYTHONPATH"]},
-        max_probe_period=1.0,
-        grace_cap=5.0,
-    )
-    h = Harness(cluster, runner, repo, workdir)
+    common = {
+        "workdir": workdir / "pods",
+        "extra_args": podrunner_mod.bind_to_pod_ip,
+        "max_probe_period": 1.0,
+    }
+    if IMAGE_MODE:
+        missing = images_mod.missing_tools()
+        if missing:
+            pytest.fail(f"NAIAD_E2E_IMAGES=1: {missing}")
+        images = images_mod.ImageStore.from_build()
+        for name in (SERVER_IMAGE, OPERATOR_IMAGE):
+            images.get(name)  # unpacked up front (once per image ID), not inside a pod's start
+        # The pools name their repository by a plain path (and models by file://): a node would need it there,
+        # so every image container gets it read-only at that path.
+        runner = podrunner_mod.PodRunner(
+            cluster.kubeconfig,
+            cluster.runner_node_names,
+            images=images,
+            image_binds={str(repo): str(repo)},
+            grace_cap=5.0,
+            **common,
+        )
+    else:
+        images = None
+        launcher = workdir / "naiad"
+        launcher.write_text(
+            f"#!/bin/sh\nexec {sys.executable} -c 'import sys; from naiad.cli import main; "
+            f'sys.exit(main())\' "$@"\n'
+        )
+        launcher.chmod(0o755)
+        runner = podrunner_mod.PodRunner(
+            cluster.kubeconfig,
+            cluster.runner_node_names,
+            executables={"naiad": str(launcher)},
+            extra_env={"PYTHONPATH": _env()["PYTHONPATH"]},
+            grace_cap=5.0,
+            **common,
+        )
+    h = Harness(cluster, runner, repo, workdir, images)
     try:
         cluster.create()
         # The chart installs the CRDs, the ServiceAccount and its RBAC. Its operator pod must not be scheduled
@@ -424,6 +507,9 @@ def test_pool_children_are_created_and_owned(report):
         180,
         what="2 ready pods",
     )
+    if IMAGE_MODE:  # the pods run from the server image, not from this virtualenv
+        procs = [p for p in h.runner.processes() if p.namespace == NS and p.pod.startswith("pool-")]
+        assert len(procs) == 2 and all(p.image_id for p in procs), procs
     status = h.get("inferenceserver", "pool")["status"]
     assert status["selector"] == "naiad.dev/server=pool"
     conditions = {c["type"]: c["status"] for c in status["conditions"]}

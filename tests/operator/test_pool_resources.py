@@ -233,6 +233,8 @@ def test_pod_labels_and_annotations_merge_with_ours_winning():
 def test_security_context_is_non_root():
     d = deployment()
     assert d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    # the image's group owns Secret volumes (the TLS key is 0440), so the non-root server can read them
+    assert d["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
     sc = d["spec"]["template"]["spec"]["containers"][0]["securityContext"]
     assert sc == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True}
 

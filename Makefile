@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images examples bench e2e lint clean crds dashboards helm-lint images
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images e2e-image-tests examples bench e2e lint clean crds dashboards helm-lint images
 
 venv: $(VENV)/.installed
 
@@ -40,6 +40,7 @@ test: venv test-deps lint
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) || status=$$?; \
 	$(MAKE) -s e2e-tests || status=$$?; \
+	$(MAKE) -s e2e-image-tests || status=$$?; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
 	exit $$status
 
@@ -50,6 +51,13 @@ e2e-tests:
 	if [ -n "$$bin" ] && [ -x "$$bin/kube-apiserver" ]; then export NAIAD_E2E_BIN="$$bin"; \
 	else echo "Kubernetes binaries unavailable: cluster tiers will skip"; fi; \
 	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e $(CLUSTER_TESTS)
+
+# The e2e scenarios and the operator's cluster scenarios again with every pod (and the operator) started from the
+# built images (`make images`), as a node would run them.
+e2e-image-tests:
+	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
+	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
+	  tests/operator/test_operator_s3_cluster.py
 
 # The operator's scale benchmark (300 InferenceModels on 3 pools; about 12 minutes): API requests per minute
 # from the API server's own metrics and apply -> Available p50/p95. NAIAD_BENCH_OUT=<file> keeps the figures.
@@ -77,7 +85,7 @@ e2e: venv test-deps
 # operator runs from its image with a ServiceAccount token (e2e/images.py); the default stays the faster
 # host-virtualenv mode.
 e2e-images: venv test-deps images
-	NAIAD_E2E_IMAGES=1 $(MAKE) -s e2e-tests
+	$(MAKE) -s e2e-image-tests
 
 crds: venv
 	$(PY) crds/generate.py

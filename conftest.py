@@ -16,6 +16,8 @@ RESULTS = Path(os.environ.get("NAIAD_TEST_RESULTS", ROOT / ".test-results"))
 # Tier of a test file, by path prefix (first match wins): what a reader of the summary wants to see ran.
 TIERS = [
     ("tests/operator/test_operator_cluster.py", "operator on a cluster"),
+    ("tests/operator/test_operator_ha_cluster.py", "operator on a cluster"),
+    ("tests/operator/test_operator_s3_cluster.py", "operator on a cluster"),
     ("e2e/", "e2e cluster"),
     ("tests/operator/", "operator"),
     ("tests/test_triton_compare.py", "triton side by side"),
@@ -27,7 +29,10 @@ TIERS = [
 
 def tier_of(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
-    return next((name for prefix, name in TIERS if path.startswith(prefix)), "other")
+    tier = next((name for prefix, name in TIERS if path.startswith(prefix)), "other")
+    if os.environ.get("NAIAD_E2E_IMAGES") == "1" and tier in ("e2e cluster", "operator on a cluster"):
+        tier += " (images)"  # the same scenarios with every pod started from the built images
+    return tier
 
 
 class TierCounter:

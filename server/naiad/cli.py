@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--min-supported-compute-capability", type=float, default=6.0)
     s.add_argument("--id", dest="server_id", default="naiad", help="server identifier in the options table")
+    from .analyze.cli import add_parser as add_analyze_parser
+
+    add_analyze_parser(sub)
     return p
 
 
@@ -284,6 +287,10 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "analyze":
+        from .analyze.cli import run as analyze
+
+        return analyze(args)
     configure_logging(args.log_verbose, args.log_info, args.log_format)
     try:
         import uvloop

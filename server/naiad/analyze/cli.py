@@ -82,6 +82,11 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401  (checked before the sweep, not after it)
+    except ImportError:
+        print("naiad analyze: the chart needs matplotlib: pip install 'naiad[analyze]'", file=sys.stderr)
+        return 2
     model_dir = args.model_repository / args.model
     if not model_dir.is_dir():
         print(f"naiad analyze: no model '{args.model}' in {args.model_repository}", file=sys.stderr)

@@ -36,7 +36,8 @@ echo "model_analyzer/setup.sh: installing triton-model-analyzer==$MODEL_ANALYZER
 # importlib_metadata: imported by model_analyzer.cli but missing from its requirements; setuptools<81 for
 # pkg_resources (tritonclient.utils.shared_memory).
 "$bin/pip" install --quiet "triton-model-analyzer==$MODEL_ANALYZER_VERSION" importlib_metadata "setuptools<81" >&2
-ln -sf "$perf_analyzer" "$bin/perf_analyzer"
+printf '#!/bin/sh\n# perf_analyzer of tools/perf_analyzer/setup.sh\nexec "%s" "$@"\n' "$perf_analyzer" >"$bin/perf_analyzer"
+chmod 755 "$bin/perf_analyzer"
 "$bin/model-analyzer" --help >/dev/null
 touch "$dest/.complete"
 echo "$bin"

@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             cpu, mem = [], []
             cpu0, _ = server.usage()
+            own0 = time.process_time()
             t0 = time.monotonic()
             for c in args.concurrency:
                 m = loadgen.measure(
@@ -133,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
                 mem.append(b)
                 progress.step(f"{v.name} c={c}: {m.throughput:.0f}/s p99 {m.p99_ms:.1f} ms")
             cpu1, result.server_rss = server.usage()
-            result.server_cpu = (cpu1 - cpu0) / (time.monotonic() - t0)
+            wall = time.monotonic() - t0
+            result.server_cpu = (cpu1 - cpu0) / wall
+            result.client_cpu = (time.process_time() - own0) / wall
             result.cpu_utilization = _mean(cpu)
             result.memory_bytes = _mean(mem)
     finally:
@@ -169,6 +172,9 @@ def write(args: argparse.Namespace, results: list[Result]) -> int:
         report.html_report(results, args.latency_budget_ms, png, winner, title)
     )
     print(text)
+    busy = report.busy_host(results)
+    if busy:
+        print(f"\nwarning: {report.busy_warning(busy)}", file=sys.stderr)
     if winner is None:
         print(f"\nno configuration met a p99 of {args.latency_budget_ms:g} ms; reports in {args.output}")
         return 1

@@ -21,6 +21,7 @@ COLUMNS = (
     "p99 ms",
     "server cores",
     "server MiB",
+    "client cores",
     "host cpu",
     "host MiB",
     "within budget",
@@ -39,7 +40,7 @@ def rows(results: list[Result], budget_ms: float) -> list[tuple]:
     out = []
     for r in results:
         if r.error:
-            out.append((r.variant.name, *("-" * 8), f"failed: {r.error[:80]}"))
+            out.append((r.variant.name, *("-" * 9), f"failed: {r.error[:80]}"))
             continue
         for m in r.measurements:
             out.append(
@@ -51,12 +52,23 @@ def rows(results: list[Result], budget_ms: float) -> list[tuple]:
                     f"{m.p99_ms:.2f}",
                     _num(r.server_cpu, "{:.2f}"),
                     _num(r.server_rss / 2**20, "{:.0f}"),
+                    _num(r.client_cpu, "{:.2f}"),
                     _num(r.cpu_utilization, "{:.2f}"),
                     _num(r.memory_bytes / 2**20, "{:.0f}"),
                     "yes" if m.errors == 0 and m.p99_ms <= budget_ms else "no",
                 )
             )
     return out
+
+
+# Cores busy with other work (host nv_cpu_utilization x cores - server - load generator) above which a variant's
+# figures measure the contention as much as the variant.
+BUSY_CORES = 0.5
+
+
+def busy_host(results: list[Result]) -> list[str]:
+    """Variants measured while other work kept the host's CPUs busy: their ranking is not to be trusted."""
+    return [r.variant.name for r in results if not r.error and r.other_cpu > BUSY_CORES]
 
 
 def _num(value: float, fmt: str) -> str:
@@ -105,6 +117,14 @@ def config_pbtxt(config: dict) -> str:
     return text_format.MessageToString(model_config.parse_json(json.dumps(config)))
 
 
+def busy_warning(names: list[str]) -> str:
+    return (
+        f"other work kept more than {BUSY_CORES:g} core busy while {len(names)} variant(s) were measured "
+        f"({', '.join(names)}): it competed with the server and the load generator, so rerun on a quiet "
+        "machine before trusting their ranking"
+    )
+
+
 def html_report(results: list[Result], budget_ms: float, png: Path, winner: Result | None, title: str) -> str:
     img = base64.b64encode(png.read_bytes()).decode()
     head = "".join(f"<th>{html.escape(c)}</th>" for c in COLUMNS)
@@ -121,6 +141,9 @@ def html_report(results: list[Result], budget_ms: float, png: Path, winner: Resu
         )
     else:
         verdict = f"<p>No configuration met a p99 of {budget_ms:g} ms.</p>"
+    busy = busy_host(results)
+    if busy:
+        verdict += f"<p><b>Warning:</b> {html.escape(busy_warning(busy))}</p>"
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"

@@ -74,6 +74,13 @@ class Result:
         "nan"
     )  # cores the server's processes (python stubs included) used while measuring
     server_rss: float = float("nan")  # their resident memory after the sweep, bytes
+    client_cpu: float = float("nan")  # cores the load generator (this process) used while measuring
+
+    @property
+    def other_cpu(self) -> float:
+        """Cores busy with neither the server nor the load generator: other work on the host."""
+        return self.cpu_utilization * (os.cpu_count() or 1) - self.server_cpu - self.client_cpu
+
     error: str = ""
 
     def best(self, budget_ms: float) -> loadgen.Measurement | None:

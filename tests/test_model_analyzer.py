@@ -181,3 +181,25 @@ def test_remote_mode_quick_search_onnx(ma_bin, repo, tmp_path):
     assert {"1:CPU", "2:CPU"} <= groups, rows
     assert len(batch_sizes) >= 2, rows
     assert log.count("successfully loaded 'mlp_onnx'") >= 3, log[-3000:]
+
+
+def test_triton_server_flags_model_analyzer_offers(repo, tritonserver, tmp_path):
+    """Of the tritonserver flags Model Analyzer lets `triton_server_flags` set, the deprecated trace spellings map
+    onto --trace-config, and the ones Naiad has no use for are refused by name (docs/model-analyzer.md)."""
+    trace = tmp_path / "trace.json"
+    args = [f"--trace-file={trace}", "--trace-level=TIMESTAMPS", "--trace-rate=1", "--exit-timeout-secs=5"]
+    with NaiadProcess(repo, "--model-control-mode", "explicit", *args) as naiad:
+        import requests
+
+        settings = requests.get(f"{naiad.url}/v2/trace/setting", timeout=10).json()
+    assert settings["trace_file"] == str(trace) and settings["trace_level"] == ["TIMESTAMPS"], settings
+    assert settings["trace_rate"] == "1", settings
+    done = subprocess.run(
+        [str(tritonserver), f"--model-repository={repo}", "--http-thread-count=4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "unrecognized arguments: --http-thread-count=4" in done.stderr, (
+        done.stderr
+    )

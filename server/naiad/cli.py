@@ -107,6 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="trace setting, e.g. level=TIMESTAMPS, rate=1, file=/tmp/trace.json",
     )
+    # tritonserver's older spellings of --trace-config, still offered by Model Analyzer's `triton_server_flags`
+    s.add_argument(
+        "--trace-file", default=None, help="deprecated tritonserver spelling of --trace-config file="
+    )
+    s.add_argument(
+        "--trace-level",
+        action="append",
+        default=[],
+        help="deprecated tritonserver spelling of --trace-config level= (repeatable)",
+    )
+    s.add_argument(
+        "--trace-rate", default=None, help="deprecated tritonserver spelling of --trace-config rate="
+    )
     s.add_argument("--rate-limit", choices=["off", "execution_count"], default="off")
     s.add_argument(
         "--rate-limit-resource",
@@ -291,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
         from .analyze.cli import run as analyze
 
         return analyze(args)
+    legacy_trace = [f"level={v}" for v in args.trace_level]
+    legacy_trace += [
+        f"{k}={v}" for k, v in (("file", args.trace_file), ("rate", args.trace_rate)) if v is not None
+    ]
+    args.trace_config = legacy_trace + args.trace_config
     configure_logging(args.log_verbose, args.log_info, args.log_format)
     try:
         import uvloop

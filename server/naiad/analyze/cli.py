@@ -58,7 +58,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a.add_argument(
         "--shape", type=_shape, action="append", default=[], help="<input>:<dims> for variable dims"
     )
-    a.add_argument("--server-arg", action="append", default=[], help="extra `naiad serve` flag (repeatable)")
+    a.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `naiad serve` flag, written --server-arg=--flag=value (repeatable)",
+    )
     return a
 
 

@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 REPO   ?= examples/model_repository
-EXTRAS ?= onnx,torch,fil,s3,otel,operator,test
+EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
 .PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images e2e-image-tests examples bench e2e lint clean crds dashboards helm-lint images

@@ -170,6 +170,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="off",
         help="the rate limiter (instances' rate_limiter resources)",
     )
+    # tritonserver's older spellings of --trace-config, still offered by Model Analyzer's `triton_server_flags`
+    s.add_argument(
+        "--trace-file", default=None, help="deprecated tritonserver spelling of --trace-config file="
+    )
+    s.add_argument(
+        "--trace-level",
+        action="append",
+        default=[],
+        help="deprecated tritonserver spelling of --trace-config level= (repeatable)",
+    )
+    s.add_argument(
+        "--trace-rate", default=None, help="deprecated tritonserver spelling of --trace-config rate="
+    )
     s.add_argument(
         "--rate-limit-resource",
         action="append",
@@ -222,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="oldest CUDA compute capability a GPU may have (options table)",
     )
     s.add_argument("--id", dest="server_id", default="naiad", help="server identifier in the options table")
+    from .analyze.cli import add_parser as add_analyze_parser
+
+    add_analyze_parser(sub)
     return p
 
 
@@ -354,6 +370,15 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "analyze":
+        from .analyze.cli import run as analyze
+
+        return analyze(args)
+    legacy_trace = [f"level={v}" for v in args.trace_level]
+    legacy_trace += [
+        f"{k}={v}" for k, v in (("file", args.trace_file), ("rate", args.trace_rate)) if v is not None
+    ]
+    args.trace_config = legacy_trace + args.trace_config
     configure_logging(args.log_verbose, args.log_info, args.log_format)
     try:
         import uvloop

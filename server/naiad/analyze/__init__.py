@@ -1,0 +1,1 @@
+"""`naiad analyze`: find the model configuration with the most throughput within a p99 latency budget."""

@@ -261,7 +261,7 @@ def _error(client, model: str, inputs) -> InferenceServerException:
 def test_default_rule_and_parameter():
     from tritonclient.grpc import model_config_pb2 as mc
 
-    from naiad.backends.python_process import execution_isolation
+    from naiad.backends.python.isolation import execution_isolation
     from naiad.errors import InvalidArgument
 
     def config(count: int, value: str | None = None) -> mc.ModelConfig:

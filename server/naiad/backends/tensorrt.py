@@ -23,8 +23,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from .. import gpu, memory
 from ..config import ModelConfig, data_type_name
 from ..errors import Internal, InvalidArgument, Unavailable, Unsupported
+from .api import ModuleBackend
 from .base import ModelContext, TensorInstance
-from .discovery import ModuleBackend
 
 log = logging.getLogger("naiad.tensorrt")
 

@@ -136,7 +136,7 @@ class App:
         )
         if a.trace_config:
             self.server.tracer.update(parse_trace_config(a.trace_config))
-        from .gpu import shared_memory_manager  # system shared memory, plus CUDA shared memory with a GPU
+        from .shared_memory import shared_memory_manager  # system shared memory, plus CUDA with a GPU
 
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
         await self.server.start()

@@ -20,6 +20,7 @@ from .backends.base import ModelContext
 from .errors import InvalidArgument, NaiadError, NotFound, Unavailable, as_naiad_error
 from .model import ModelVersion
 from .scheduling.pool import InstancePool
+from .scheduling.scheduler import create_scheduler
 from .stats import ModelStats
 from .storage.local import numeric_versions, tree_signature
 
@@ -325,9 +326,7 @@ class ModelRepository:
         for hook in self.server.stats_observers:
             stats.observers.append(hook)
         if config.platform == "ensemble":
-            from .scheduling.ensemble import build_ensemble
-
-            mv = build_ensemble(ctx, stats, self.server)
+            mv = ModelVersion(ctx, None, create_scheduler(ctx, None, stats, self.server))
             self.server.warmup(mv)
             return mv
         backend = backends.get(config.backend)
@@ -345,7 +344,7 @@ class ModelRepository:
                         instances.append(backend.create_instance(ctx, group, device, len(instances)))
             pool = InstancePool(instances, stats, vconfig.max_batch_size > 0, self.server.rate_limiter)
             pool.initialize()
-            mv = ModelVersion(ctx, pool, stats)
+            mv = ModelVersion(ctx, pool, create_scheduler(ctx, pool, stats, self.server))
         except BaseException:
             for inst in instances:
                 try:

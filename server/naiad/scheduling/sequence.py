@@ -48,6 +48,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -143,11 +144,13 @@ class _Worker:
         self.task: asyncio.Task | None = None
 
 
-class SequenceScheduler:
-    """Sequence batcher in front of an InstancePool (same interface as `Scheduler`)."""
+class SequenceBatchScheduler:
+    """Sequence batcher in front of an InstancePool (a `scheduling.scheduler.Scheduler`); `model_dir` is where
+    `initial_state` data files are found."""
 
-    def __init__(self, pool: InstancePool, config: mc.ModelConfig, model_dir=None):
+    def __init__(self, pool: InstancePool, config: mc.ModelConfig, model_dir: Path | None):
         self.pool = pool
+        self.stats = pool.stats
         self.config = config
         try:
             self._configure(config, model_dir)
@@ -163,7 +166,7 @@ class SequenceScheduler:
         self._closed = False
 
     # ---- configuration ----
-    def _configure(self, config: mc.ModelConfig, model_dir) -> None:
+    def _configure(self, config: mc.ModelConfig, model_dir: Path | None) -> None:
         sb = config.sequence_batching
         name = config.name
         if sb.iterative_sequence:
@@ -190,8 +193,6 @@ class SequenceScheduler:
         self.idle_s = (sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US) / 1e6
         self.control_shape = (1, 1) if self.batched else (1,)
         self.controls = _parse_controls(config)
-        if model_dir is None and self.pool.instances:
-            model_dir = getattr(self.pool.instances[0].ctx, "model_dir", None)
         self.states = _parse_states(config, model_dir)
         self.ragged = {i.name for i in config.input if i.allow_ragged_batch}
         self.config_outputs = [o.name for o in config.output]
@@ -729,7 +730,6 @@ def _initial_state(config, st, init, model_dir) -> np.ndarray:
         )
     if model_dir is None:
         raise InvalidArgument(f"model '{config.name}': no model directory to read initial state from")
-    from pathlib import Path
 
     path = Path(model_dir) / "initial_state" / init.data_file
     try:

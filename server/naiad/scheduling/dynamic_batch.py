@@ -1,4 +1,4 @@
-"""The request scheduler: Triton's default scheduler (one request per execution) and its dynamic batcher.
+"""Triton's dynamic batch scheduler, and the default scheduler (one request per execution) as its degenerate case.
 
 Both are one queue and one dispatcher: the dispatcher takes a free instance, then as many queued requests as
 the policy allows (1 for the default scheduler; up to max_batch_size, preferring `preferred_batch_size`, waiting
@@ -49,11 +49,12 @@ class _Entry:
         self.timer = None
 
 
-class Scheduler:
-    """Queue + dispatcher in front of an InstancePool."""
+class DynamicBatchScheduler:
+    """Queue + dispatcher in front of an InstancePool (a `scheduling.scheduler.Scheduler`)."""
 
     def __init__(self, pool: InstancePool, config: mc.ModelConfig):
         self.pool = pool
+        self.stats = pool.stats
         self.config = config
         self.batched = config.max_batch_size > 0
         self.dynamic = config.HasField("dynamic_batching")

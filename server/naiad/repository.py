@@ -16,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from . import backends, storage
 from . import config as cfg
-from .backends.base import ModelContext
+from .backends.base import ModelContext, ModelInstance
 from .errors import InvalidArgument, NaiadError, NotFound, Unavailable, as_naiad_error
 from .model import ModelVersion
 from .scheduling.pool import InstancePool
@@ -221,7 +221,9 @@ class ModelRepository:
     def _listed_config(self, name: str) -> mc.ModelConfig | None:
         """The config.pbtxt of a model as its repository holds it (may read the network: off the loop)."""
         source = self.scan().get(name)
-        text = source.config_text() if source is not None else None
+        if source is None:
+            return None
+        text = source.config_text()
         return cfg.parse_text(text, f"{source.uri}/config.pbtxt") if text is not None else None
 
     def _model_dir(self, name: str, rec: ModelRecord, files: dict[str, bytes] | None) -> tuple[Path, tuple]:
@@ -335,7 +337,7 @@ class ModelRepository:
             raise InvalidArgument(
                 f"model '{config.name}' version {version}: {filename} not found in {ctx.version_dir}"
             )
-        instances = []
+        instances: list[ModelInstance] = []
         try:
             for group in vconfig.instance_group:
                 devices = list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
@@ -355,7 +357,7 @@ class ModelRepository:
         try:
             self.server.warmup(mv)
         except BaseException:
-            mv.pool.close()
+            pool.close()
             raise
         return mv
 
@@ -429,7 +431,8 @@ class ModelRepository:
 
     def _dependency_order(self, names: list[str]) -> list[list[str]]:
         """Ensembles load after the models they call: plain models first, ensembles after."""
-        plain, ensembles = [], []
+        plain: list[str] = []
+        ensembles: list[str] = []
         for n in names:
             try:
                 c = self._listed_config(n)
@@ -449,8 +452,8 @@ class ModelRepository:
                 await self.unload(name)
         changed = []
         for name, source in found.items():
-            rec = self.records.get(name)
-            if rec is None or (rec.override_dir is None and source.signature() != rec.signature):
+            known = self.records.get(name)
+            if known is None or (known.override_dir is None and source.signature() != known.signature):
                 changed.append(name)
         if changed:
             await self.load_many(changed)

@@ -7,18 +7,22 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from . import __version__, backends
 from .cache import ResponseCache, request_key
 from .classification import classify
 from .custom_metrics import CustomMetrics
-from .errors import InvalidArgument, NaiadError, Unavailable
+from .errors import Internal, InvalidArgument, NaiadError, Unavailable
 from .inference import InferenceRequest, InferenceResponse, OutputTensor
 from .logsettings import LogSettings
 from .repository import ModelRepository
 from .scheduling.ratelimit import RateLimiter
 from .trace import Tracer
 from .warmup import run_warmup
+
+if TYPE_CHECKING:
+    from .model import ModelVersion
 
 log = logging.getLogger("naiad.server")
 
@@ -154,7 +158,7 @@ class Server:
     def metadata(self) -> dict:
         return {"name": self.name, "version": __version__, "extensions": list(self.extensions)}
 
-    def model(self, name: str, version: str | int = "") -> ModelVersion:  # noqa: F821
+    def model(self, name: str, version: str | int = "") -> ModelVersion:
         return self.repository.get(name, parse_version(version))
 
     def model_metadata(self, name: str, version: str | int = "") -> dict:
@@ -247,6 +251,8 @@ class Server:
             if trace is not None:
                 trace.append(("REQUEST_END", time.monotonic_ns()))
                 self.tracer.finish(mv.name, str(mv.version), trace)
+        if response is None:  # only decoupled models answer through the callback, and they were refused above
+            raise Internal(f"model '{mv.name}' returned no response")
         if response.error is not None:
             raise (
                 response.error
@@ -259,7 +265,7 @@ class Server:
         if mv.output_reshape:
             mv.reshape_outputs(response)
         self._postprocess(mv, request, response)
-        if cache_key is not None:
+        if cache_key is not None and self.cache is not None:
             t0 = time.monotonic_ns()
             self.cache.put(cache_key, response)
             mv.stats.record_cache(False, miss_ns + time.monotonic_ns() - t0)
@@ -294,7 +300,7 @@ class Server:
         request.response_callback = deliver
         self._inflight += 1
         try:
-            run = loop.create_task(mv.infer(request))
+            run: asyncio.Future[InferenceResponse | None] = loop.create_task(mv.infer(request))
             while True:
                 getter = loop.create_task(queue.get())
                 done, _ = await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)

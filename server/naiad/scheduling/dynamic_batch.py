@@ -71,9 +71,9 @@ class DynamicBatchScheduler:
                 if 1 <= lvl <= self.levels:
                     self.policies[lvl] = QueuePolicy.from_config(p)
         self.ragged = {i.name for i in config.input if i.allow_ragged_batch}
-        self.queues = [collections.deque() for _ in range(self.levels + 1)]  # index 0 unused
+        self.queues: list[collections.deque[_Entry]] = [collections.deque() for _ in range(self.levels + 1)]
         self.queued = 0
-        self._wakeup: asyncio.Event | None = None
+        self._wakeup = asyncio.Event()  # binds to the loop at its first wait (Python >= 3.10)
         self._task: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
         self._direct = 0  # executions started by the fast path, not yet finished
@@ -89,7 +89,6 @@ class DynamicBatchScheduler:
             if inst is not None:
                 return await self._run_now(inst, request)
         if self._task is None:
-            self._wakeup = asyncio.Event()
             self._task = loop.create_task(self._dispatch_loop())
         level = self._level(request)
         policy = self.policies[level]
@@ -177,7 +176,7 @@ class DynamicBatchScheduler:
         self._direct -= 1
         self.pool.stats.pending -= 1
         self.pool.release(inst)
-        if self.queued and self._wakeup is not None:
+        if self.queued:
             self._wakeup.set()
 
     # ---- dispatch ----

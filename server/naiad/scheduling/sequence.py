@@ -113,7 +113,7 @@ class _Seq:
 
     __slots__ = ("busy", "closed", "key", "queue", "slot", "states", "timer", "worker")
 
-    def __init__(self, key):
+    def __init__(self, key) -> None:
         self.key = key
         self.worker: _Worker | None = None
         self.slot = -1
@@ -127,7 +127,7 @@ class _Seq:
 class _Entry:
     __slots__ = ("future", "request", "seq", "wanted")
 
-    def __init__(self, request, future, seq):
+    def __init__(self, request, future, seq) -> None:
         self.request = request
         self.future = future
         self.seq = seq
@@ -267,7 +267,7 @@ class SequenceBatchScheduler:
     def _place(self, seq: _Seq) -> None:
         """Give a new sequence the lowest free slot over all instances, or put it in the backlog."""
         for slot in range(self.slot_count):
-            for w in self.workers:
+            for w in self.workers or ():
                 if w.slots[slot] is None:
                     self._assign(seq, w, slot)
                     return

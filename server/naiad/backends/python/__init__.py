@@ -1,8 +1,9 @@
 """The python backend: `model.py` with `TritonPythonModel`, in-process or in worker processes (`isolation`).
 
 Modules: `instance` (the in-process instance), `wire` (the format both sides of a worker speak), `process` (the
-server side of a worker), `worker` (the worker process), `triton_python_backend_utils` (the public API models
-import), `context` and `convert` (its glue to the server). `process` and `worker` know each other only through
+server side of a worker), `serving` (what the server does for a worker's requests), `worker` (the worker
+process), `triton_python_backend_utils` (the public API models import), `context` and `convert` (its glue to the
+server). `process` and `worker` know each other only through
 `wire`; this package joins them by handing `worker.main` to each `ProcessInstance`.
 """
 

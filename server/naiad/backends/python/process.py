@@ -14,9 +14,7 @@ threads), so a program embedding `naiad.server.Server` needs the usual `if __nam
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import inspect
 import itertools
 import logging
 import multiprocessing
@@ -29,17 +27,15 @@ from collections.abc import Callable
 from typing import Any
 
 from ...custom_metrics import COUNTER
-from ...errors import Internal, InvalidArgument, NaiadError, Unavailable
+from ...errors import Internal, NaiadError, Unavailable
 from ...inference import InferenceRequest, InferenceResponse
 from ..base import ModelContext, ModelInstance, Timing
+from .serving import log_record, serve_call, start_bls
 from .wire import (
     PICKLE_ERRORS,
     Channel,
-    decode_request,
     decode_response,
     encode_request,
-    encode_response,
-    transferable_error,
 )
 
 log = logging.getLogger("naiad.python")
@@ -62,7 +58,6 @@ RESTART_METRIC_HELP = (
 )
 RESTART_WAIT_S = 120.0  # how long a request for an instance whose worker is being restarted waits for it
 SHORT_LIFE_S = 5.0  # a worker that dies sooner than this after starting delays the next restart (back-off)
-SERVER_CALLS = ("load_model", "unload_model", "model_ready")  # what a worker may ask the server loop to run
 
 
 class ProcessInstance(ModelInstance):
@@ -404,14 +399,14 @@ class ProcessInstance(ModelInstance):
         if kind == "response":
             self._deliver(message[1], decode_response(message[2]))
         elif kind == "bls":
-            self._start_bls(*message[1:])
+            start_bls(self.ctx, self._send_side, self._bls_streams, self._lock, *message[1:])
         elif kind == "bls_cancel":
             with self._lock:
                 native = self._bls_streams.get(message[1])
             if native is not None:
                 native.cancelled = True
         elif kind == "call":
-            self._serve_call(*message[1:])
+            serve_call(self.ctx, self.metrics_owner, self._send_side, *message[1:])
         elif kind == "metric_update":
             _, metric, op, value = message
             try:
@@ -419,20 +414,7 @@ class ProcessInstance(ModelInstance):
             except (AttributeError, NaiadError) as exc:
                 log.warning("model '%s': a custom metric update failed: %s", self.ctx.name, exc)
         elif kind == "log":
-            _, name, level, text = message
-            logger = logging.getLogger(name)
-            if logger.isEnabledFor(level):
-                logger.handle(
-                    logging.makeLogRecord(
-                        {
-                            "name": name,
-                            "levelno": level,
-                            "msg": text,
-                            "args": None,
-                            "levelname": logging.getLevelName(level),
-                        }
-                    )
-                )
+            log_record(*message[1:])
 
     def _deliver(self, key: int, response: InferenceResponse) -> None:
         """A decoupled response: hand it to the request's callback; tell the worker once it is cancelled."""
@@ -471,80 +453,6 @@ class ProcessInstance(ModelInstance):
                         Internal(f"cannot send the answer to the python worker: {exc}"),
                     )
                 )
-
-    def _serve_call(self, call: int, method: str, args: tuple) -> None:
-        """A worker's model control or custom metric call (`pb_utils.load_model`, `MetricFamily`, ...)."""
-        server, loop = self.ctx.server, self.ctx.loop
-
-        def reply(value, error) -> None:
-            self._send_side(("call_reply", call, value, error))
-
-        if server is None or loop is None:
-            reply(None, Internal(f"pb_utils call '{method}' needs a running Naiad server"))
-            return
-        store = server.custom_metrics
-        owner = self.metrics_owner
-        metric_calls = {
-            "metric_family": lambda name, description, kind: store.family(name, description, kind, owner),
-            "metric": lambda family, labels, buckets: store.metric(family, labels, buckets, owner),
-            "metric_value": store.value,
-        }
-        if method in metric_calls:
-            try:
-                reply(metric_calls[method](*args), None)
-            except Exception as exc:
-                reply(None, transferable_error(exc))
-            return
-        if method not in SERVER_CALLS:
-            reply(None, InvalidArgument(f"unknown server call '{method}' from the python worker"))
-            return
-
-        async def run():
-            result = getattr(server, method)(*args)
-            if inspect.isawaitable(result):
-                result = await result
-            return result
-
-        def done(future) -> None:
-            try:
-                reply(future.result(), None)
-            except BaseException as exc:
-                reply(None, transferable_error(exc))
-
-        asyncio.run_coroutine_threadsafe(run(), loop).add_done_callback(done)
-
-    def _start_bls(self, bls: int, fields: tuple, decoupled: bool) -> None:
-        """Run a BLS request of the worker on the server loop; the result goes back as side messages."""
-        server, loop = self.ctx.server, self.ctx.loop
-        if server is None or loop is None:
-            self._send_side(("bls_reply", bls, None, Internal("BLS requests need a running Naiad server")))
-            return
-        native = decode_request(fields)
-        if decoupled:
-            # as in-process: the model's iterator sees what the server hands to the request's callback
-            native.response_callback = lambda r: self._send_side(("bls_stream", bls, encode_response(r)))
-            with self._lock:
-                self._bls_streams[bls] = native
-
-            async def run_stream() -> None:
-                async for _ in server.infer_stream(native):
-                    pass
-
-            future = asyncio.run_coroutine_threadsafe(run_stream(), loop)
-        else:
-            future = asyncio.run_coroutine_threadsafe(server.infer(native), loop)
-
-        def done(f) -> None:
-            with self._lock:
-                self._bls_streams.pop(bls, None)
-            try:
-                result = f.result()
-            except BaseException as exc:
-                self._send_side(("bls_reply", bls, None, transferable_error(exc)))
-                return
-            self._send_side(("bls_reply", bls, None if decoupled else encode_response(result), None))
-
-        future.add_done_callback(done)
 
     # ---- the worker going away ----
     def _worker_gone(self, reason: str | None, generation: int) -> NaiadError:

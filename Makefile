@@ -123,6 +123,7 @@ test-gpu: venv
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) $(REPO) .pytest_cache

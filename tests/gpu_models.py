@@ -96,9 +96,9 @@ def tensorrt_reason() -> str | None:
     except ImportError:
         return "tensorrt is not installed (pip install 'naiad[tensorrt]')"
     try:
-        from naiad import gpu
+        from naiad import cuda_runtime
 
-        gpu.cudart()
+        cuda_runtime.cudart()
     except Exception as exc:
         return str(exc)
     return None
@@ -223,14 +223,15 @@ class DeviceRegion:
     """`byte_size` bytes of device memory exported with cudaIpcGetMemHandle, for the server to map."""
 
     def __init__(self, byte_size: int, device_id: int = 0):
-        from naiad import gpu
+        from naiad import cuda_runtime
+        from naiad.shared_memory.cuda import IPC_HANDLE_SIZE
 
-        self.gpu, self.rt = gpu, gpu.cudart()
+        self.gpu, self.rt = cuda_runtime, cuda_runtime.cudart()
         self.byte_size, self.device_id = byte_size, device_id
-        gpu.set_device(device_id)
-        self.ptr = int(gpu.check(self.rt.cudaMalloc(byte_size), "cudaMalloc"))
-        handle = gpu.check(self.rt.cudaIpcGetMemHandle(self.ptr), "cudaIpcGetMemHandle")
-        self.raw = ctypes.string_at(int(handle.getPtr()), gpu.IPC_HANDLE_SIZE)
+        cuda_runtime.set_device(device_id)
+        self.ptr = int(cuda_runtime.check(self.rt.cudaMalloc(byte_size), "cudaMalloc"))
+        handle = cuda_runtime.check(self.rt.cudaIpcGetMemHandle(self.ptr), "cudaIpcGetMemHandle")
+        self.raw = ctypes.string_at(int(handle.getPtr()), IPC_HANDLE_SIZE)
 
     @property
     def b64(self) -> bytes:

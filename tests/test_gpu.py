@@ -29,10 +29,11 @@ from helpers import NaiadProcess, free_ports
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
-from naiad import backends, gpu
+from naiad import backends, cuda_runtime, gpu, shared_memory
 from naiad.backends.base import ModelContext
 from naiad.config import normalize, parse_text
 from naiad.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from naiad.shared_memory import cuda as cuda_shm
 
 GPU_REASON = gm.cuda_device_reason()
 
@@ -307,9 +308,9 @@ def _fake_plan(path: Path, profiles=((1, 8, 16), (17, 24, 32))) -> Path:
 @pytest.fixture()
 def fake_cuda(monkeypatch):
     rt = FakeCudart()
-    monkeypatch.setattr(gpu, "cudart", lambda: rt)
+    monkeypatch.setattr(cuda_runtime, "cudart", lambda: rt)
     monkeypatch.setattr(gpu, "device_count", lambda: rt.devices)
-    monkeypatch.setattr(gpu, "_allocation_size", lambda ptr: None)
+    monkeypatch.setattr(cuda_runtime, "allocation_size", lambda ptr: None)
     return rt
 
 
@@ -420,10 +421,10 @@ def test_tensorrt_backend_reports_missing_cuda_python_and_gpu(monkeypatch, tmp_p
     def no_cuda():
         raise Unavailable("CUDA support needs the 'cuda-python' package: pip install 'naiad[tensorrt]'")
 
-    monkeypatch.setattr(gpu, "cudart", no_cuda)
+    monkeypatch.setattr(cuda_runtime, "cudart", no_cuda)
     with pytest.raises(Unavailable, match="cuda-python"):
         module.auto_complete(parse_text('name: "m"'), plan)
-    monkeypatch.setattr(gpu, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(cuda_runtime, "cudart", lambda: FakeCudart())
     monkeypatch.setattr(gpu, "device_count", lambda: 0)
     with pytest.raises(Unavailable, match="needs a CUDA GPU and none is available"):
         module.auto_complete(parse_text('name: "m"'), plan)
@@ -561,10 +562,10 @@ def test_tensorrt_instance_validates_config_against_engine(fake_trt, tmp_path):
 def _client_region(rt: FakeCudart, data: bytes | int):
     """A 'client' allocation and its raw IPC handle."""
     size = data if isinstance(data, int) else len(data)
-    ptr = gpu.check(rt.cudaMalloc(size), "cudaMalloc")
+    ptr = cuda_runtime.check(rt.cudaMalloc(size), "cudaMalloc")
     if not isinstance(data, int):
         ctypes.memmove(ptr, data, size)
-    handle = gpu.check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
+    handle = cuda_runtime.check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
     return ptr, ctypes.string_at(handle.getPtr(), 64)
 
 
@@ -572,7 +573,7 @@ def test_cuda_shm_manager_register_read_write_unregister(fake_cuda):
     from naiad import tensors
     from naiad.inference import OutputTensor
 
-    mgr = gpu.SharedMemoryManagerWithCuda(enabled=True, reason=None)
+    mgr = cuda_shm.SharedMemoryManagerWithCuda(enabled=True, reason=None)
     cuda = mgr.cuda
     x = np.arange(6, dtype=np.float32)
     strings = tensors.serialize_bytes(np.array([b"ab", b"cde"], dtype=object))
@@ -649,32 +650,32 @@ def test_cuda_shm_manager_register_read_write_unregister(fake_cuda):
 
 
 def test_cuda_shm_manager_bounds_registration_by_the_allocation(fake_cuda, monkeypatch):
-    monkeypatch.setattr(gpu, "_allocation_size", lambda ptr: 16)
+    monkeypatch.setattr(cuda_runtime, "allocation_size", lambda ptr: 16)
     _, raw = _client_region(fake_cuda, 16)
     with pytest.raises(InvalidArgument, match="byte_size 32 exceeds the 16-byte allocation"):
-        gpu.CudaSharedMemoryManager().register("r", raw, 0, 32)
+        cuda_shm.CudaSharedMemoryManager().register("r", raw, 0, 32)
     assert len(fake_cuda.closed) == 1
 
 
 def test_shared_memory_manager_wiring(monkeypatch, fake_cuda):
-    from naiad.frontends.shm import SharedMemoryManager
+    from naiad.shared_memory.system import SharedMemoryManager
 
     server = types.SimpleNamespace(extensions=["a", "system_shared_memory", "b"])
     monkeypatch.setattr(gpu, "device_count", lambda: 0)
-    mgr = gpu.shared_memory_manager(server)
+    mgr = shared_memory.shared_memory_manager(server)
     assert type(mgr) is SharedMemoryManager and not hasattr(mgr, "cuda")
-    assert gpu.EXTENSION not in server.extensions
+    assert shared_memory.EXTENSION not in server.extensions
     monkeypatch.setattr(gpu, "device_count", lambda: 1)
-    monkeypatch.setattr(gpu, "cuda_unavailable_reason", lambda: "CUDA broken here")
-    mgr = gpu.shared_memory_manager(server)
-    assert mgr.cuda.reason == "CUDA broken here" and gpu.EXTENSION not in server.extensions
+    monkeypatch.setattr(cuda_runtime, "cuda_unavailable_reason", lambda: "CUDA broken here")
+    mgr = shared_memory.shared_memory_manager(server)
+    assert mgr.cuda.reason == "CUDA broken here" and shared_memory.EXTENSION not in server.extensions
     with pytest.raises(InvalidArgument, match="CUDA broken here"):
         mgr.cuda.register("r", bytes(64), 0, 8)
-    monkeypatch.setattr(gpu, "cuda_unavailable_reason", lambda: None)
-    mgr = gpu.shared_memory_manager(server)
+    monkeypatch.setattr(cuda_runtime, "cuda_unavailable_reason", lambda: None)
+    mgr = shared_memory.shared_memory_manager(server)
     assert mgr.cuda.available
     assert server.extensions == ["a", "system_shared_memory", "cuda_shared_memory", "b"]
-    disabled = gpu.shared_memory_manager(types.SimpleNamespace(extensions=[]), enabled=False)
+    disabled = shared_memory.shared_memory_manager(types.SimpleNamespace(extensions=[]), enabled=False)
     assert type(disabled) is SharedMemoryManager and not disabled.enabled
 
 
@@ -696,7 +697,7 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
         gm.MLP_CONFIG.format(name="mlp_cpu", kind="KIND_CPU", extra="")
     )
     server = Server(ServerOptions(model_repositories=[str(repo)]))
-    shm = gpu.SharedMemoryManagerWithCuda(enabled=True, reason=None)
+    shm = cuda_shm.SharedMemoryManagerWithCuda(enabled=True, reason=None)
     await server.start()
     http_port, grpc_port = free_ports(2)
     runner = await HttpFrontend(server, shm=shm).start("127.0.0.1", http_port)
@@ -916,7 +917,7 @@ def _infer(client_mod, addr, model, x, output="output", input_name="input"):
 @gpu_test
 def test_gpu_is_visible_to_the_server(gpu_server):
     meta = requests.get(f"{gpu_server.url}/v2", timeout=10).json()
-    reason = gpu.cuda_unavailable_reason()
+    reason = cuda_runtime.cuda_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     assert "cuda_shared_memory" in meta["extensions"]
@@ -1042,7 +1043,7 @@ def test_cuda_shared_memory_roundtrip_tritonclient(gpu_server, gpu_repo, proto):
 @gpu_test
 @pytest.mark.parametrize("model", ["mlp_gpu", "mlp_plan"])
 def test_cuda_shared_memory_roundtrip_cuda_python(gpu_server, gpu_repo, model):
-    reason = gpu.cuda_unavailable_reason()
+    reason = cuda_runtime.cuda_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     _, built = gpu_repo

@@ -637,7 +637,7 @@ def test_pb_utils_name(client, mode, check):
 def test_every_public_name_of_python_backend_is_there():
     """The names python_backend's module and its C++ module define, all importable from Naiad's."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
-    from naiad.backends import python_utils as pb_utils
+    from naiad.backends.python import triton_python_backend_utils as pb_utils
 
     names = """TRITON_STRING_TO_NUMPY serialize_byte_tensor deserialize_bytes_tensor get_input_tensor_by_name
     get_output_tensor_by_name get_input_config_by_name get_output_config_by_name

@@ -149,7 +149,7 @@ NAIAD_ONLY_FAMILIES: dict[str, str] = {
     "nv_model_load_duration_secs": "model load time per model version, a gauge Naiad adds on purpose "
     "(server/naiad/metrics.py); Triton 2.51 does not print it",
     "nv_python_backend_stub_restart_count": "restarts of python worker processes that died, per instance "
-    "(server/naiad/backends/python_process.py); Triton 2.51 does not restart a stub that died",
+    "(server/naiad/backends/python/process.py); Triton 2.51 does not restart a stub that died",
 }
 
 

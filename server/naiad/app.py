@@ -153,7 +153,7 @@ class App:
         if a.trace_config:
             settings, self.server.tracer.otel_settings = parse_trace_config(a.trace_config)
             self.server.tracer.update(settings, startup=True)
-        from .gpu import shared_memory_manager  # system shared memory, plus CUDA shared memory with a GPU
+        from .shared_memory import shared_memory_manager  # system shared memory, plus CUDA with a GPU
 
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
         await self.server.start()

@@ -9,10 +9,9 @@ from pathlib import Path
 from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc.model_config_pb2 import ModelConfig
 
 from .errors import InvalidArgument
-
-ModelConfig = mc.ModelConfig
 
 # platform -> backend, and each backend's default model file name (as Triton).
 PLATFORM_BACKEND = {

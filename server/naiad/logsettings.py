@@ -9,6 +9,7 @@ import logging.handlers
 import os
 import sys
 import time
+from typing import Any
 
 from .errors import InvalidArgument
 
@@ -64,7 +65,7 @@ class LogSettings:
         log_file: str = "",
         log_format: str = "default",
     ):
-        self.settings = {
+        self.settings: dict[str, Any] = {  # values checked by `update`, so typed per key there
             "log_file": log_file,
             "log_info": info,
             "log_warning": warning,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from . import cuda_runtime
+
 DEFAULT_PINNED_BYTES = 268_435_456  # Triton's default: 256 MiB
 DEFAULT_CUDA_BYTES = 67_108_864  # Triton's default per GPU: 64 MiB
 
@@ -69,18 +71,18 @@ def apply_cuda_pools(cuda_bytes: dict[int, int]) -> dict[int, str]:
     """Set each device's default CUDA memory pool to keep up to its byte size cached between stream-ordered
     allocations (cudaMemPoolAttrReleaseThreshold), as Triton sizes its CUDA pool. Returns {gpu: error} for the
     devices where that failed (none without a CUDA runtime: there is nothing to set)."""
-    from . import gpu
-
     errors: dict[int, str] = {}
-    if not cuda_bytes or gpu.cuda_unavailable_reason() is not None:
+    if not cuda_bytes or cuda_runtime.cuda_unavailable_reason() is not None:
         return errors
-    rt = gpu.cudart()
+    rt = cuda_runtime.cudart()
     for device, nbytes in cuda_bytes.items():
         try:
-            pool = gpu.check(rt.cudaDeviceGetDefaultMemPool(device), f"cudaDeviceGetDefaultMemPool({device})")
+            pool = cuda_runtime.check(
+                rt.cudaDeviceGetDefaultMemPool(device), f"cudaDeviceGetDefaultMemPool({device})"
+            )
             threshold = _cuuint64(rt, nbytes)
             attr = rt.cudaMemPoolAttr.cudaMemPoolAttrReleaseThreshold
-            gpu.check(rt.cudaMemPoolSetAttribute(pool, attr, threshold), "cudaMemPoolSetAttribute")
+            cuda_runtime.check(rt.cudaMemPoolSetAttribute(pool, attr, threshold), "cudaMemPoolSetAttribute")
         except Exception as exc:  # reported, never fatal: the pool size is a tuning knob
             errors[device] = str(exc)
     return errors
@@ -97,9 +99,9 @@ def _cuuint64(rt, value: int):
 
 def cuda_pool_threshold(device: int) -> int:
     """The release threshold of `device`'s default CUDA memory pool (what apply_cuda_pools set)."""
-    from . import gpu
-
-    rt = gpu.cudart()
-    pool = gpu.check(rt.cudaDeviceGetDefaultMemPool(device), f"cudaDeviceGetDefaultMemPool({device})")
+    rt = cuda_runtime.cudart()
+    pool = cuda_runtime.check(
+        rt.cudaDeviceGetDefaultMemPool(device), f"cudaDeviceGetDefaultMemPool({device})"
+    )
     attr = rt.cudaMemPoolAttr.cudaMemPoolAttrReleaseThreshold
-    return int(gpu.check(rt.cudaMemPoolGetAttribute(pool, attr), "cudaMemPoolGetAttribute"))
+    return int(cuda_runtime.check(rt.cudaMemPoolGetAttribute(pool, attr), "cudaMemPoolGetAttribute"))

@@ -10,8 +10,8 @@ from .backends.base import ModelContext
 from .config import data_type_name
 from .errors import InvalidArgument
 from .inference import InferenceRequest, InferenceResponse
-from .scheduling.batcher import Scheduler
 from .scheduling.pool import InstancePool
+from .scheduling.scheduler import Scheduler
 from .stats import ModelStats
 from .tensors import config_to_wire
 
@@ -40,29 +40,22 @@ def _specs(tensors) -> dict[str, TensorSpec]:
 
 
 class ModelVersion:
-    """One servable version. `infer` validates the request and hands it to the scheduler."""
+    """One servable version. `infer` validates the request and hands it to the scheduler (`pool` is None for
+    an ensemble, whose scheduler runs other models)."""
 
-    def __init__(self, ctx: ModelContext, pool: InstancePool | None, stats: ModelStats):
+    def __init__(self, ctx: ModelContext, pool: InstancePool | None, scheduler: Scheduler):
         self.ctx = ctx
         self.name = ctx.name
         self.version = ctx.version
         self.config: mc.ModelConfig = ctx.config
         self.pool = pool
-        self.stats = stats
-        self.scheduler = None
-        if pool is not None:
-            if ctx.config.HasField("sequence_batching"):
-                from .scheduling.sequence import SequenceScheduler
-
-                self.scheduler = SequenceScheduler(pool, ctx.config)
-            else:
-                self.scheduler = Scheduler(pool, ctx.config)
+        self.scheduler = scheduler
+        self.stats: ModelStats = scheduler.stats
         self.inputs = _specs(ctx.config.input)
         self.outputs = _specs(ctx.config.output)
         self.max_batch_size = ctx.config.max_batch_size
         self.decoupled = ctx.config.model_transaction_policy.decoupled
         self.is_python = ctx.config.backend == "python"
-        self.runner = None  # ensembles replace the scheduler with their own runner
         # `reshape` (config.pbtxt): the shape the model sees instead of `dims`, batch dimension kept.
         self.input_reshape = {n: s.reshape for n, s in self.inputs.items() if s.reshape is not None}
         self.output_reshape = {n: s.dims for n, s in self.outputs.items() if s.reshape is not None}
@@ -163,8 +156,6 @@ class ModelVersion:
     async def infer(self, request: InferenceRequest) -> InferenceResponse | None:
         if self.input_reshape:
             self.reshape_inputs(request)
-        if self.runner is not None:
-            return await self.runner(request)
         return await self.scheduler.submit(request)
 
     def reshape_inputs(self, request: InferenceRequest) -> None:
@@ -200,8 +191,7 @@ class ModelVersion:
                 ) from None
 
     async def close(self, timeout: float | None = None) -> None:
-        if self.scheduler is not None:
-            await self.scheduler.close(timeout)
+        await self.scheduler.close(timeout)
         if self.pool is not None:
             self.pool.close()
 

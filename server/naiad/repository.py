@@ -16,10 +16,11 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from . import backends, storage
 from . import config as cfg
-from .backends.base import ModelContext
+from .backends.base import ModelContext, ModelInstance
 from .errors import InvalidArgument, NaiadError, NotFound, Unavailable, as_naiad_error
 from .model import ModelVersion
 from .scheduling.pool import InstancePool
+from .scheduling.scheduler import create_scheduler
 from .stats import ModelStats
 from .storage.local import numeric_versions, tree_signature
 
@@ -220,7 +221,9 @@ class ModelRepository:
     def _listed_config(self, name: str) -> mc.ModelConfig | None:
         """The config.pbtxt of a model as its repository holds it (may read the network: off the loop)."""
         source = self.scan().get(name)
-        text = source.config_text() if source is not None else None
+        if source is None:
+            return None
+        text = source.config_text()
         return cfg.parse_text(text, f"{source.uri}/config.pbtxt") if text is not None else None
 
     def _model_dir(self, name: str, rec: ModelRecord, files: dict[str, bytes] | None) -> tuple[Path, tuple]:
@@ -325,9 +328,7 @@ class ModelRepository:
         for hook in self.server.stats_observers:
             stats.observers.append(hook)
         if config.platform == "ensemble":
-            from .scheduling.ensemble import build_ensemble
-
-            mv = build_ensemble(ctx, stats, self.server)
+            mv = ModelVersion(ctx, None, create_scheduler(ctx, None, stats, self.server))
             self.server.warmup(mv)
             return mv
         backend = backends.get(config.backend)
@@ -336,7 +337,7 @@ class ModelRepository:
             raise InvalidArgument(
                 f"model '{config.name}' version {version}: {filename} not found in {ctx.version_dir}"
             )
-        instances = []
+        instances: list[ModelInstance] = []
         try:
             for group in vconfig.instance_group:
                 devices = list(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU else [0]
@@ -345,7 +346,7 @@ class ModelRepository:
                         instances.append(backend.create_instance(ctx, group, device, len(instances)))
             pool = InstancePool(instances, stats, vconfig.max_batch_size > 0, self.server.rate_limiter)
             pool.initialize()
-            mv = ModelVersion(ctx, pool, stats)
+            mv = ModelVersion(ctx, pool, create_scheduler(ctx, pool, stats, self.server))
         except BaseException:
             for inst in instances:
                 try:
@@ -356,7 +357,7 @@ class ModelRepository:
         try:
             self.server.warmup(mv)
         except BaseException:
-            mv.pool.close()
+            pool.close()
             raise
         return mv
 
@@ -430,7 +431,8 @@ class ModelRepository:
 
     def _dependency_order(self, names: list[str]) -> list[list[str]]:
         """Ensembles load after the models they call: plain models first, ensembles after."""
-        plain, ensembles = [], []
+        plain: list[str] = []
+        ensembles: list[str] = []
         for n in names:
             try:
                 c = self._listed_config(n)
@@ -450,8 +452,8 @@ class ModelRepository:
                 await self.unload(name)
         changed = []
         for name, source in found.items():
-            rec = self.records.get(name)
-            if rec is None or (rec.override_dir is None and source.signature() != rec.signature):
+            known = self.records.get(name)
+            if known is None or (known.override_dir is None and source.signature() != known.signature):
                 changed.append(name)
         if changed:
             await self.load_many(changed)

@@ -8,18 +8,22 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from . import __version__, backends
 from .cache import ResponseCache, request_key
 from .classification import classify
 from .custom_metrics import CustomMetrics
-from .errors import InvalidArgument, NaiadError, Unavailable
+from .errors import Internal, InvalidArgument, NaiadError, Unavailable
 from .inference import InferenceRequest, InferenceResponse, OutputTensor
 from .logsettings import LogSettings
 from .repository import ModelRepository
 from .scheduling.ratelimit import RateLimiter
 from .trace import Tracer
 from .warmup import run_warmup
+
+if TYPE_CHECKING:
+    from .model import ModelVersion
 
 log = logging.getLogger("naiad.server")
 
@@ -155,7 +159,7 @@ class Server:
     def metadata(self) -> dict:
         return {"name": self.name, "version": __version__, "extensions": list(self.extensions)}
 
-    def model(self, name: str, version: str | int = "") -> ModelVersion:  # noqa: F821
+    def model(self, name: str, version: str | int = "") -> ModelVersion:
         return self.repository.get(name, parse_version(version))
 
     def model_metadata(self, name: str, version: str | int = "") -> dict:
@@ -245,6 +249,8 @@ class Server:
                 self._idle.set()
             if trace is not None:
                 self.tracer.finish(mv, trace, sys.exc_info()[1] if response is None else response.error)
+        if response is None:  # only decoupled models answer through the callback, and they were refused above
+            raise Internal(f"model '{mv.name}' returned no response")
         if response.error is not None:
             raise (
                 response.error
@@ -257,7 +263,7 @@ class Server:
         if mv.output_reshape:
             mv.reshape_outputs(response)
         self._postprocess(mv, request, response)
-        if cache_key is not None:
+        if cache_key is not None and self.cache is not None:
             t0 = time.monotonic_ns()
             self.cache.put(cache_key, response)
             mv.stats.record_cache(False, miss_ns + time.monotonic_ns() - t0)
@@ -296,7 +302,8 @@ class Server:
         request.response_callback = deliver
         self._inflight += 1
         try:
-            run = execution = loop.create_task(mv.infer(request))
+            run: asyncio.Future[InferenceResponse | None] = loop.create_task(mv.infer(request))
+            execution = run
             while True:
                 getter = loop.create_task(queue.get())
                 done, _ = await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)

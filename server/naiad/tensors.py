@@ -146,7 +146,7 @@ def to_bytes(array: np.ndarray, datatype: str):
         array = np.ascontiguousarray(array)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    return memoryview(array).cast("B")
+    return array.data.cast("B")
 
 
 def from_json_data(datatype: str, data, shape) -> np.ndarray:

@@ -115,7 +115,7 @@ def _warm_ensemble(mv, samples) -> None:
                 id=f"warmup:{sample.name}",
             )
             try:
-                asyncio.run_coroutine_threadsafe(mv.runner(req), loop).result()
+                asyncio.run_coroutine_threadsafe(mv.scheduler.submit(req), loop).result()
             except Exception as exc:
                 err = as_naiad_error(exc)
                 raise InvalidArgument(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -409,3 +410,28 @@ def _call_hook(hook, arg, what: str) -> None:
         raise
     except Exception as exc:
         raise InvalidArgument(f"{what} failed: {type(exc).__name__}: {exc}") from None
+
+
+class ModuleBackend(Backend):
+    """A backend that creates its own ModelInstance objects (the built-ins whose engines own threads,
+    processes or GPU buffers): `auto_complete(config, model_file)` and `create_instance(ctx, group, device,
+    index)` replace the lifecycle hooks."""
+
+    def __init__(
+        self,
+        name: str,
+        auto_complete: Callable[[ModelConfig, Path], None],
+        create_instance: Callable[..., ModelInstance],
+        default_model_filename: str,
+    ):
+        self.name = name
+        self.auto_complete = auto_complete
+        self._create = create_instance
+        self.default_model_filename = default_model_filename
+
+    def auto_complete_config(self, config, model_file):
+        if model_file is not None:
+            self.auto_complete(config, model_file)
+
+    def create_instance(self, ctx, group, device_id, index):
+        return self._create(ctx, group, device_id, index)

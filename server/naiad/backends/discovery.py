@@ -6,41 +6,14 @@ import importlib.util
 import inspect
 import itertools
 import types
-from collections.abc import Callable
 from pathlib import Path
 
-from .. import config as cfg
-from ..config import ModelConfig
 from ..errors import InvalidArgument
 from .api import Backend
 from .base import ModelContext, ModelInstance
+from .python.instance import PythonInstance, load_module, run_auto_complete
 
 _module_ids = itertools.count()
-
-
-class ModuleBackend(Backend):
-    """A backend that creates its own ModelInstance objects (the built-ins whose engines own threads,
-    processes or GPU buffers): `auto_complete(config, model_file)` and `create_instance(ctx, group, device,
-    index)` replace the lifecycle hooks."""
-
-    def __init__(
-        self,
-        name: str,
-        auto_complete: Callable[[ModelConfig, Path], None],
-        create_instance: Callable[..., ModelInstance],
-        default_model_filename: str,
-    ):
-        self.name = name
-        self.auto_complete = auto_complete
-        self._create = create_instance
-        self.default_model_filename = default_model_filename
-
-    def auto_complete_config(self, config, model_file):
-        if model_file is not None:
-            self.auto_complete(config, model_file)
-
-    def create_instance(self, ctx, group, device_id, index):
-        return self._create(ctx, group, device_id, index)
 
 
 class PythonModelBackend(Backend):
@@ -60,27 +33,12 @@ class PythonModelBackend(Backend):
     def _module(self, model_name: str):
         if self.module is not None:
             return self.module
-        from .python import load_module
-
         return load_module(self.path, model_name)
 
     def auto_complete_config(self, config, model_file):
-        from . import python_utils as pb_utils
-
-        hook = getattr(self._module(config.name).TritonPythonModel, "auto_complete_config", None)
-        if hook is None:
-            return
-        wrapper = pb_utils.ModelConfig(cfg.to_dict(config))
-        try:
-            result = hook(wrapper)
-        except Exception as exc:
-            raise InvalidArgument(f"model '{config.name}': auto_complete_config failed: {exc}") from None
-        data = (result or wrapper).as_dict()
-        config.CopyFrom(cfg.parse_json(data, f"auto-completed config of model '{config.name}'"))
+        run_auto_complete(config, self._module(config.name))
 
     def create_instance(self, ctx: ModelContext, group, device_id: int, index: int) -> ModelInstance:
-        from .python import PythonInstance
-
         if "python_module" not in ctx.extra:
             ctx.extra["python_module"] = self._module(ctx.name)
         return PythonInstance(ctx, group, device_id, index)

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .. import gpu, memory
+from .. import cuda_runtime, gpu, memory
 from ..config import ModelConfig, data_type_name
 from ..errors import Internal, InvalidArgument, Unavailable, Unsupported
+from .api import ModuleBackend
 from .base import ModelContext, TensorInstance
-from .discovery import ModuleBackend
 
 log = logging.getLogger("naiad.tensorrt")
 
@@ -85,13 +85,13 @@ def _trt_logger(trt):
 
 def _need_gpu(what: str) -> None:
     """Check the CUDA side before touching TensorRT's runtime: cuda-python importable, a device present."""
-    gpu.cudart()
+    cuda_runtime.cudart()
     if gpu.device_count() == 0:
         raise Unavailable(f"{what}: the tensorrt backend needs a CUDA GPU and none is available")
 
 
 def _load_engine(trt, path: Path, device_id: int):
-    gpu.set_device(device_id)
+    cuda_runtime.set_device(device_id)
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -207,7 +207,7 @@ class TensorRTInstance(TensorInstance):
                 "instances (KIND_GPU)"
             )
         _need_gpu(f"model '{ctx.name}'")
-        self.rt = gpu.cudart()
+        self.rt = cuda_runtime.cudart()
         self.trt = trt
         self._device_buffers: dict[str, tuple[int, int]] = {}  # name -> (pointer, capacity)
         # name -> (pointer, capacity, view, page-locked?): staging buffers are drawn from the pinned memory pool
@@ -228,7 +228,7 @@ class TensorRTInstance(TensorInstance):
                     f"model '{ctx.name}': TensorRT could not create an execution context on GPU "
                     f"{device_id} (out of device memory?)"
                 )
-            self.stream = gpu.check(
+            self.stream = cuda_runtime.check(
                 self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags"
             )
             self.stream_handle = int(self.stream)
@@ -288,10 +288,10 @@ class TensorRTInstance(TensorInstance):
         ptr, cap = self._device_buffers.get(name, (0, 0))
         if nbytes > cap or not ptr:
             if ptr:
-                gpu.check(self.rt.cudaFree(ptr), "cudaFree")
+                cuda_runtime.check(self.rt.cudaFree(ptr), "cudaFree")
                 del self._device_buffers[name]
             cap = self._capacity(nbytes)
-            ptr = int(gpu.check(self.rt.cudaMalloc(cap), f"cudaMalloc({cap})"))
+            ptr = int(cuda_runtime.check(self.rt.cudaMalloc(cap), f"cudaMalloc({cap})"))
             self._device_buffers[name] = (ptr, cap)
         return ptr
 
@@ -304,7 +304,7 @@ class TensorRTInstance(TensorInstance):
             cap = self._capacity(nbytes)
             pinned = memory.pools.reserve_pinned(cap)
             if pinned:
-                ptr = int(gpu.check(self.rt.cudaMallocHost(cap), f"cudaMallocHost({cap})"))
+                ptr = int(cuda_runtime.check(self.rt.cudaMallocHost(cap), f"cudaMallocHost({cap})"))
                 view = np.ctypeslib.as_array((ctypes.c_uint8 * cap).from_address(ptr))
             else:
                 view = np.empty(cap, np.uint8)
@@ -314,7 +314,7 @@ class TensorRTInstance(TensorInstance):
 
     def _free_host(self, ptr: int, cap: int, pinned: bool) -> None:
         if pinned:
-            gpu.check(self.rt.cudaFreeHost(ptr), "cudaFreeHost")
+            cuda_runtime.check(self.rt.cudaFreeHost(ptr), "cudaFreeHost")
             memory.pools.release_pinned(cap)
 
     # ---- execution ----
@@ -341,13 +341,13 @@ class TensorRTInstance(TensorInstance):
         )
 
     def warmup_thread_init(self) -> None:
-        gpu.set_device(self.device_id)
+        cuda_runtime.set_device(self.device_id)
 
     def run(self, inputs, outputs):
         if self._closed:
             raise Unavailable(f"model '{self.ctx.name}' instance {self.name} is closed")
         rt, context = self.rt, self.context
-        gpu.set_device(self.device_id)
+        cuda_runtime.set_device(self.device_id)
         arrays = {}
         for name in self.inputs:
             arr = inputs.get(name)
@@ -374,7 +374,9 @@ class TensorRTInstance(TensorInstance):
                 hptr, view = self._host(name, nbytes)
                 # one copy (and cast, if the client sent another type) into the pinned staging buffer
                 np.copyto(view[:nbytes].view(dtype).reshape(arr.shape), arr, casting="same_kind")
-                gpu.check(rt.cudaMemcpyAsync(dptr, hptr, nbytes, h2d, self.stream), "cudaMemcpyAsync (input)")
+                cuda_runtime.check(
+                    rt.cudaMemcpyAsync(dptr, hptr, nbytes, h2d, self.stream), "cudaMemcpyAsync (input)"
+                )
             context.set_tensor_address(name, dptr)
         out_shapes = {}
         for name, t in self.outputs.items():
@@ -388,7 +390,7 @@ class TensorRTInstance(TensorInstance):
             nbytes = int(np.prod(shape, dtype=np.int64)) * t.dtype.itemsize
             context.set_tensor_address(name, self._device(name, nbytes))
         if not context.execute_async_v3(self.stream_handle):
-            gpu.check(rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+            cuda_runtime.check(rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
             raise Internal(f"model '{self.ctx.name}': TensorRT execution failed (see the server log)")
         d2h = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
         staged = {}
@@ -401,13 +403,13 @@ class TensorRTInstance(TensorInstance):
             if nbytes:
                 hptr, view = self._host(name, nbytes)
                 dptr = self._device_buffers[name][0]
-                gpu.check(
+                cuda_runtime.check(
                     rt.cudaMemcpyAsync(hptr, dptr, nbytes, d2h, self.stream), "cudaMemcpyAsync (output)"
                 )
                 staged[name] = (view, count, t.dtype)
             else:
                 staged[name] = (None, 0, t.dtype)
-        gpu.check(rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        cuda_runtime.check(rt.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
         results = {}
         for name, (view, count, dtype) in staged.items():
             if view is None:
@@ -422,7 +424,7 @@ class TensorRTInstance(TensorInstance):
             return
         self._closed = True
         try:
-            gpu.set_device(self.device_id)
+            cuda_runtime.set_device(self.device_id)
             if self.stream is not None:
                 self.rt.cudaStreamSynchronize(self.stream)
             for ptr, _ in self._device_buffers.values():

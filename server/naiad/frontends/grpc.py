@@ -16,6 +16,7 @@ from .. import tensors
 from ..errors import InvalidArgument, NaiadError, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..server import Server, parse_version
+from . import shm as shm_handlers
 from . import tls
 from .common import request_options
 
@@ -341,13 +342,13 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # Shared memory, logging and trace are served by their extension objects when present.
     async def SystemSharedMemoryStatus(self, request, context):
-        return await self._ext(context, self.shm, "status_grpc", request)
+        return await self._ext(context, self.shm, shm_handlers.system_status_grpc, request)
 
     async def SystemSharedMemoryRegister(self, request, context):
-        return await self._ext(context, self.shm, "register_grpc", request)
+        return await self._ext(context, self.shm, shm_handlers.system_register_grpc, request)
 
     async def SystemSharedMemoryUnregister(self, request, context):
-        return await self._ext(context, self.shm, "unregister_grpc", request)
+        return await self._ext(context, self.shm, shm_handlers.system_unregister_grpc, request)
 
     async def LogSettings(self, request, context):
         return await self._ext(context, self.logging_ext, "grpc", request)
@@ -360,8 +361,10 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._ext(context, self.trace_ext, "grpc", request)
 
     async def CudaSharedMemoryStatus(self, request, context):
-        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
-            return await self._ext(context, self.shm.cuda, "status_grpc", request)
+        if (
+            getattr(self.shm, "cuda", None) is not None
+        ):  # a GPU is present: naiad.shared_memory.cuda serves it
+            return await self._ext(context, self.shm.cuda, shm_handlers.cuda_status_grpc, request)
         if request.name:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"Unable to find cuda shared memory region: '{request.name}'"
@@ -369,23 +372,28 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request, context):
-        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
-            return await self._ext(context, self.shm.cuda, "register_grpc", request)
+        if (
+            getattr(self.shm, "cuda", None) is not None
+        ):  # a GPU is present: naiad.shared_memory.cuda serves it
+            return await self._ext(context, self.shm.cuda, shm_handlers.cuda_register_grpc, request)
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             "CUDA shared memory is not supported by this server: it needs a CUDA device",
         )
 
     async def CudaSharedMemoryUnregister(self, request, context):
-        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: naiad.gpu serves it
-            return await self._ext(context, self.shm.cuda, "unregister_grpc", request)
+        if (
+            getattr(self.shm, "cuda", None) is not None
+        ):  # a GPU is present: naiad.shared_memory.cuda serves it
+            return await self._ext(context, self.shm.cuda, shm_handlers.cuda_unregister_grpc, request)
         return pb.CudaSharedMemoryUnregisterResponse()
 
-    async def _ext(self, context, ext, method: str, request):
+    async def _ext(self, context, ext, method, request):
         if ext is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this extension is not enabled on this server")
         try:
-            return getattr(ext, method)(request)
+            # a handler function of the extension's manager, or the name of the extension object's method
+            return method(ext, request) if callable(method) else getattr(ext, method)(request)
         except NaiadError as exc:
             return await self._fail(context, exc)
 

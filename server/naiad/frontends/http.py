@@ -18,6 +18,7 @@ from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..repository import decode_file_overrides
 from ..server import Server
 from . import generate
+from . import shm as shm_handlers
 from .common import request_options
 from .http_fast import FastHttpServer, compress_response, read_body, response_coding
 
@@ -421,10 +422,8 @@ class HttpFrontend:
     async def cuda_shm(self, request):
         """No CUDA device: nothing is ever registered, so status lists no regions and unregister succeeds (as
         Triton answers on a host without a GPU, and as the gRPC path does); registration is refused clearly."""
-        if (
-            getattr(self.shm, "cuda", None) is not None
-        ):  # a GPU is present: naiad.gpu serves CUDA shared memory
-            return await self.shm.cuda.handle_http(request)
+        if getattr(self.shm, "cuda", None) is not None:  # a GPU is present: CUDA shared memory is served
+            return await shm_handlers.cuda_http(self.shm.cuda, request)
         if request.method == "GET":
             if request.match_info.get("region"):
                 raise NotFound(f"Unable to find cuda shared memory region: '{request.match_info['region']}'")

@@ -1,185 +1,110 @@
-"""System shared memory extension: clients register POSIX shm regions; tensors are read and written in place.
+"""HTTP and gRPC handlers of the shared memory extensions (system and CUDA) over `naiad.shared_memory`'s managers.
 
-A region key must name a POSIX shared-memory object (what `shm_open` takes, e.g. "/input0"), never a file path.
-Unregistering while a request still reads a region is safe: the mapping stays alive until the last numpy view
-over it is gone.
+The system extension's HTTP routes are `HttpFrontend`'s own (plain JSON); the CUDA one's body carries the IPC
+handle in base64 and answers as Triton does on a host whose CUDA runtime is unusable (`manager.reason`).
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import re
-import stat
-import threading
-from dataclasses import dataclass
+import base64
+import binascii
 
-import numpy as np
+import orjson
+from aiohttp import web
+from tritonclient.grpc import service_pb2 as pb
 
-from .. import tensors
-from ..errors import AlreadyExists, InvalidArgument, NotFound
-from ..inference import OutputTensor
+from ..errors import InvalidArgument, NotFound
+from ..shared_memory.cuda import CudaSharedMemoryManager
+from ..shared_memory.system import SharedMemoryManager
 
-SHM_DIR = "/dev/shm"
-_KEY = re.compile(r"^/?[A-Za-z0-9_.\-]{1,250}$")
+# ---- system shared memory, gRPC ----
 
 
-@dataclass
-class Region:
-    name: str
-    key: str
-    offset: int
-    byte_size: int
-    buffer: mmap.mmap
-
-    def status(self) -> dict:
-        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+def system_register_grpc(manager: SharedMemoryManager, request):
+    manager.register(request.name, request.key, request.offset, request.byte_size)
+    return pb.SystemSharedMemoryRegisterResponse()
 
 
-def _int_param(params: dict, key: str, default: int | None = None) -> int:
-    value = params.get(key, default)
-    if value is None:
-        raise InvalidArgument(f"shared memory parameter '{key}' is required")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgument(f"shared memory parameter '{key}' must be a non-negative integer")
-    return value
+def system_unregister_grpc(manager: SharedMemoryManager, request):
+    manager.unregister(request.name)
+    return pb.SystemSharedMemoryUnregisterResponse()
 
 
-class SharedMemoryManager:
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self._regions: dict[str, Region] = {}
-        self._lock = threading.Lock()
+def system_status_grpc(manager: SharedMemoryManager, request):
+    resp = pb.SystemSharedMemoryStatusResponse()
+    for s in manager.status(request.name):
+        r = resp.regions[s["name"]]
+        r.name, r.key, r.offset, r.byte_size = s["name"], s["key"], s["offset"], s["byte_size"]
+    return resp
 
-    def _check_enabled(self) -> None:
-        if not self.enabled:
-            raise InvalidArgument("shared memory support is disabled on this server (--allow-client-shm)")
 
-    # ---- registration ----
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        self._check_enabled()
-        if not name:
-            raise InvalidArgument("shared memory region name must not be empty")
-        if not isinstance(key, str) or not _KEY.match(key) or key.strip("/") in (".", ".."):
-            raise InvalidArgument(
-                f"invalid shared memory key '{key}': it must name a POSIX shared memory "
-                "object such as '/my_region' (letters, digits, '_', '-', '.')"
-            )
-        for field, value in (("offset", offset), ("byte_size", byte_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgument(f"shared memory '{field}' must be a non-negative integer")
-        if byte_size == 0:
-            raise InvalidArgument("shared memory 'byte_size' must be greater than zero")
-        with self._lock:
-            if name in self._regions:
-                raise AlreadyExists(f"shared memory region '{name}' already in manager")
-        path = os.path.join(SHM_DIR, key.lstrip("/"))
+# ---- CUDA shared memory, HTTP: /v2/cudasharedmemory/... ----
+
+
+async def cuda_http(manager: CudaSharedMemoryManager, request) -> web.Response:
+    region = request.match_info.get("region", "")
+    if request.method == "GET":
+        if not manager.available:
+            manager.check_enabled()
+            if region:
+                raise NotFound(f"Unable to find cuda shared memory region: '{region}'")
+            return web.Response(body=b"[]", content_type="application/json")
+        return web.Response(body=orjson.dumps(manager.status(region)), content_type="application/json")
+    manager.check_enabled()
+    if manager.reason is not None:  # as without a GPU: every POST is refused with the reason
+        raise InvalidArgument(manager.reason)
+    if request.path.endswith("/register"):
+        body = await request.read()
         try:
-            fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-        except FileNotFoundError:
-            raise InvalidArgument(f"Unable to open shared memory region: '{key}'") from None
-        except OSError as exc:
-            raise InvalidArgument(f"Unable to open shared memory region '{key}': {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidArgument(f"shared memory key '{key}' is not a shared memory object")
-            if offset + byte_size > st.st_size:
-                raise InvalidArgument(
-                    f"shared memory region '{name}': offset {offset} + byte_size {byte_size} exceeds the "
-                    f"size of '{key}' ({st.st_size} bytes)"
-                )
-            buf = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        with self._lock:
-            if name in self._regions:
-                buf.close()
-                raise AlreadyExists(f"shared memory region '{name}' already in manager")
-            self._regions[name] = Region(name, key, offset, byte_size, buf)
+            doc = orjson.loads(body) if body else {}
+        except orjson.JSONDecodeError as exc:
+            raise InvalidArgument(f"failed to parse the request JSON buffer: {exc}") from None
+        if not isinstance(doc, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        manager.register(
+            region, _b64_handle(doc.get("raw_handle")), doc.get("device_id", 0), doc.get("byte_size", 0)
+        )
+        return web.Response(status=200)
+    manager.unregister(region)
+    return web.Response(status=200)
 
-    def unregister(self, name: str = "") -> None:
-        """Forget one region (or all with an empty name). Mappings close when no request uses them."""
-        self._check_enabled()
-        with self._lock:
-            if name:
-                self._regions.pop(name, None)
-            else:
-                self._regions.clear()
 
-    def status(self, name: str = "") -> list[dict]:
-        self._check_enabled()
-        with self._lock:
-            if name:
-                region = self._regions.get(name)
-                if region is None:
-                    raise NotFound(f"Unable to find system shared memory region: '{name}'")
-                return [region.status()]
-            return [r.status() for r in self._regions.values()]
+def _b64_handle(raw) -> bytes:
+    """HTTP's `"raw_handle": {"b64": "<base64 of the 64-byte cudaIpcMemHandle_t>"}`."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("b64"), str):
+        raise InvalidArgument(
+            "cuda shared memory registration needs 'raw_handle': {\"b64\": <base64 handle>}"
+        )
+    try:
+        return base64.b64decode(raw["b64"], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument("cuda shared memory 'raw_handle.b64' is not valid base64") from None
 
-    def _region(self, name: str) -> Region:
-        with self._lock:
-            region = self._regions.get(name)
-        if region is None:
-            raise InvalidArgument(f"Unable to find shared memory region: '{name}'")
-        return region
 
-    def _span(self, params: dict, needed: int | None) -> tuple[Region, int, int]:
-        region = self._region(params.get("shared_memory_region"))
-        size = _int_param(params, "shared_memory_byte_size")
-        offset = _int_param(params, "shared_memory_offset", 0)
-        if offset + size > region.byte_size:
-            raise InvalidArgument(
-                f"shared memory region '{region.name}': offset {offset} + byte size {size} is past the end of "
-                f"the registered region ({region.byte_size} bytes)"
-            )
-        if needed is not None and size < needed:
-            raise InvalidArgument(
-                f"shared memory region '{region.name}' holds {size} bytes, the tensor needs {needed}"
-            )
-        return region, region.offset + offset, size
+# ---- CUDA shared memory, gRPC ----
 
-    # ---- tensors ----
-    def read_input(self, name: str, datatype: str, shape: list[int], params: dict) -> np.ndarray:
-        """A numpy view over the registered region (no copy) for fixed-size types."""
-        self._check_enabled()
-        region, start, size = self._span(params, None)
-        count = tensors.element_count(shape)
-        if datatype == "BYTES":
-            return tensors.deserialize_bytes(region.buffer[start : start + size], count).reshape(shape)
-        dt = tensors.numpy_dtype(datatype)
-        if size != count * dt.itemsize:
-            raise InvalidArgument(
-                f"input '{name}': shared memory byte size {size} does not match the tensor's "
-                f"{count * dt.itemsize} bytes ({count} {datatype} elements)"
-            )
-        return np.frombuffer(region.buffer, dtype=dt, count=count, offset=start).reshape(shape)
 
-    def write_output(self, out: OutputTensor, params: dict) -> None:
-        """Copy an output into its region (the response then describes it by name, datatype and shape only)."""
-        self._check_enabled()
-        data = tensors.to_bytes(out.data, out.datatype)
-        region, start, _size = self._span(params, len(data))
-        region.buffer[start : start + len(data)] = data
-
-    # ---- gRPC adapters ----
-    def register_grpc(self, request):
-        from tritonclient.grpc import service_pb2 as pb
-
-        self.register(request.name, request.key, request.offset, request.byte_size)
-        return pb.SystemSharedMemoryRegisterResponse()
-
-    def unregister_grpc(self, request):
-        from tritonclient.grpc import service_pb2 as pb
-
-        self.unregister(request.name)
-        return pb.SystemSharedMemoryUnregisterResponse()
-
-    def status_grpc(self, request):
-        from tritonclient.grpc import service_pb2 as pb
-
-        resp = pb.SystemSharedMemoryStatusResponse()
-        for s in self.status(request.name):
-            r = resp.regions[s["name"]]
-            r.name, r.key, r.offset, r.byte_size = s["name"], s["key"], s["offset"], s["byte_size"]
+def cuda_status_grpc(manager: CudaSharedMemoryManager, request):
+    resp = pb.CudaSharedMemoryStatusResponse()
+    if not manager.available:
+        manager.check_enabled()
+        if request.name:
+            raise NotFound(f"Unable to find cuda shared memory region: '{request.name}'")
         return resp
+    for s in manager.status(request.name):
+        r = resp.regions[s["name"]]
+        r.name, r.device_id, r.byte_size = s["name"], s["device_id"], s["byte_size"]
+    return resp
+
+
+def cuda_register_grpc(manager: CudaSharedMemoryManager, request):
+    manager.register(request.name, bytes(request.raw_handle), request.device_id, request.byte_size)
+    return pb.CudaSharedMemoryRegisterResponse()
+
+
+def cuda_unregister_grpc(manager: CudaSharedMemoryManager, request):
+    if manager.available:
+        manager.unregister(request.name)
+    else:
+        manager.check_enabled()
+    return pb.CudaSharedMemoryUnregisterResponse()

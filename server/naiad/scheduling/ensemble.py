@@ -1,4 +1,5 @@
-"""Ensembles: a DAG of steps run by data dependency; independent steps run concurrently through Server.infer."""
+"""Triton's ensemble scheduler: a DAG of steps run by data dependency; independent steps run concurrently
+through Server.infer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import time
 from ..backends.base import ModelContext
 from ..errors import InvalidArgument, NaiadError
 from ..inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
-from ..model import ModelVersion
 from ..stats import ModelStats
 
 
@@ -50,13 +50,19 @@ def _check_graph(ctx: ModelContext) -> None:
         pending -= runnable
 
 
-def build_ensemble(ctx: ModelContext, stats: ModelStats, server) -> ModelVersion:
-    _check_graph(ctx)
-    mv = ModelVersion(ctx, None, stats)
-    steps = list(ctx.config.ensemble_scheduling.step)
-    output_types = {o.name: o for o in ctx.config.output}
+class EnsembleScheduler:
+    """Runs an ensemble's steps for each request (a `scheduling.scheduler.Scheduler`); `server` runs each step."""
 
-    async def run(request: InferenceRequest) -> InferenceResponse:
+    def __init__(self, ctx: ModelContext, stats: ModelStats, server):
+        _check_graph(ctx)
+        self.ctx = ctx
+        self.stats = stats
+        self.server = server
+        self.steps = list(ctx.config.ensemble_scheduling.step)
+        self.output_types = {o.name: o for o in ctx.config.output}
+
+    async def submit(self, request: InferenceRequest) -> InferenceResponse:
+        ctx, stats, steps, server = self.ctx, self.stats, self.steps, self.server
         start = time.monotonic_ns()
         tensors = {name: (arr, request.datatypes[name]) for name, arr in request.inputs.items()}
         remaining = list(range(len(steps)))
@@ -86,7 +92,7 @@ def build_ensemble(ctx: ModelContext, stats: ModelStats, server) -> ModelVersion
                                 f"output '{model_output}'"
                             )
                         tensors[tensor] = (out.data, out.datatype)
-            names = [o.name for o in request.outputs] or list(output_types)
+            names = [o.name for o in request.outputs] or list(self.output_types)
             outputs = [OutputTensor(n, tensors[n][1], tensors[n][0]) for n in names]
             ok = True
             return InferenceResponse(
@@ -100,8 +106,8 @@ def build_ensemble(ctx: ModelContext, stats: ModelStats, server) -> ModelVersion
                 stats.record_execution(request.batch_size(ctx.config.max_batch_size > 0), 0, total, 0)
             stats.record_request(ok, time.monotonic_ns() - request.arrival_ns, 0, 0, total, 0)
 
-    mv.runner = run
-    return mv
+    async def close(self, timeout: float | None = None) -> None:
+        """Nothing of its own to drain: each step's requests are its models' (their schedulers drain them)."""
 
 
 async def _run_step(server, parent: InferenceRequest, step, tensors) -> InferenceResponse:

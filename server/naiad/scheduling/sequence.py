@@ -48,6 +48,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -112,7 +113,7 @@ class _Seq:
 
     __slots__ = ("busy", "closed", "key", "queue", "slot", "states", "timer", "worker")
 
-    def __init__(self, key):
+    def __init__(self, key) -> None:
         self.key = key
         self.worker: _Worker | None = None
         self.slot = -1
@@ -126,7 +127,7 @@ class _Seq:
 class _Entry:
     __slots__ = ("future", "request", "seq", "wanted")
 
-    def __init__(self, request, future, seq):
+    def __init__(self, request, future, seq) -> None:
         self.request = request
         self.future = future
         self.seq = seq
@@ -143,11 +144,13 @@ class _Worker:
         self.task: asyncio.Task | None = None
 
 
-class SequenceScheduler:
-    """Sequence batcher in front of an InstancePool (same interface as `Scheduler`)."""
+class SequenceBatchScheduler:
+    """Sequence batcher in front of an InstancePool (a `scheduling.scheduler.Scheduler`); `model_dir` is where
+    `initial_state` data files are found."""
 
-    def __init__(self, pool: InstancePool, config: mc.ModelConfig, model_dir=None):
+    def __init__(self, pool: InstancePool, config: mc.ModelConfig, model_dir: Path | None):
         self.pool = pool
+        self.stats = pool.stats
         self.config = config
         try:
             self._configure(config, model_dir)
@@ -163,7 +166,7 @@ class SequenceScheduler:
         self._closed = False
 
     # ---- configuration ----
-    def _configure(self, config: mc.ModelConfig, model_dir) -> None:
+    def _configure(self, config: mc.ModelConfig, model_dir: Path | None) -> None:
         sb = config.sequence_batching
         name = config.name
         if sb.iterative_sequence:
@@ -190,8 +193,6 @@ class SequenceScheduler:
         self.idle_s = (sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US) / 1e6
         self.control_shape = (1, 1) if self.batched else (1,)
         self.controls = _parse_controls(config)
-        if model_dir is None and self.pool.instances:
-            model_dir = getattr(self.pool.instances[0].ctx, "model_dir", None)
         self.states = _parse_states(config, model_dir)
         self.ragged = {i.name for i in config.input if i.allow_ragged_batch}
         self.config_outputs = [o.name for o in config.output]
@@ -266,7 +267,7 @@ class SequenceScheduler:
     def _place(self, seq: _Seq) -> None:
         """Give a new sequence the lowest free slot over all instances, or put it in the backlog."""
         for slot in range(self.slot_count):
-            for w in self.workers:
+            for w in self.workers or ():
                 if w.slots[slot] is None:
                     self._assign(seq, w, slot)
                     return
@@ -729,7 +730,6 @@ def _initial_state(config, st, init, model_dir) -> np.ndarray:
         )
     if model_dir is None:
         raise InvalidArgument(f"model '{config.name}': no model directory to read initial state from")
-    from pathlib import Path
 
     path = Path(model_dir) / "initial_state" / init.data_file
     try:

@@ -1,61 +1,5 @@
-"""Process-isolated python model instances: each instance runs `model.py` in its own worker process.
-
-Why: in-process python instances (`PythonInstance`) share the server's GIL, so `instance_group
-{ count: 2 kind: KIND_CPU }` on a CPU-bound python model gives no speed-up. Triton runs every python
-instance in a stub process; `ProcessInstance` does the same, paying one process hop per execution.
-
-Choice (`execution_isolation`): the model parameter `EXECUTION_ISOLATION` ("process" or "thread")
-forces the mode. Otherwise a model with more than one instance (over all instance groups) runs in
-process mode and a model with a single instance runs in-process. The figures behind the rule
-(`bench/python_instances.py`: in-process Server API, 8 concurrent clients, 2-core machine, requests/s,
-best (median) of 12 one-second rounds; the bench ran in its own session at autogroup nice -20
-because concurrent builds otherwise left it one core: two plain processes took 1.1x one):
-
-    model                            count=1 thread     count=2 thread    count=2 process
-    cpu_burn (200k loop steps)          58.5 (54.3)        60.0 (53.1)       116.9 (89.9)
-    identity_fp32 (1x16 FP32)         26836 (23939)      26946 (23874)        3241 (2851)
-
-and over HTTP (wrk, 8 connections, binary tensors, same machine): identity_fp32 4000-4700 req/s
-with count=1 thread, 3550-4200 with count=2 thread, 1500-1950 with count=2 process.
-
-Threads give a CPU-bound model nothing (the GIL); two processes double it. The hop costs about
-150 us of CPU per execution (pickling, two socket wake-ups), which is most of the time of a trivial
-model: 8x on the bare Server API, 2.3x behind HTTP. Several instances are how a Triton user asks for
-several executions at once, which for python code only processes deliver; so count > 1 means
-processes, and a model whose executions are cheap can say `EXECUTION_ISOLATION: thread`. A single
-instance gains nothing from a process and would only pay the hop, so it stays in-process.
-
-Transport: two `socket.socketpair()`s per instance. The *exec* channel carries only execute and
-finalize calls and their replies, strictly one at a time and used by the instance thread directly,
-so an execution costs one wake-up each way and no thread hand-off. The *side* channel carries
-everything that may happen at any time (BLS calls, decoupled responses, cancellation, logs) and is
-read by a reader thread on each side, so BLS calls are served while an execution is in flight and
-decoupled responses flow after `execute` returned.
-
-A frame is a header (`<QI`: pickle length, buffer count), the out-of-band buffer lengths (`<Q`
-each), the pickle (protocol 5), then the raw buffers, sent with one `sendmsg` (scatter/gather, no
-user-space copy) and received with `readinto` into writable `bytearray`s that the unpickled numpy
-arrays use directly: a tensor of 64 KiB or more is copied by the kernel only (smaller ones travel
-inside the pickle, which is cheaper). Requests and responses travel as plain tuples (`encode_*`),
-tensors as (dtype, shape, buffer) (`pack_array`): both pickle several times faster than dataclasses
-and numpy's own reduction. Messages are tuples:
-
-    exec channel
-        parent -> worker  ("execute", [request fields], [stream key | None])   run a batch
-                          ("finalize",)                                        call finalize, then exit
-        worker -> parent  ("reply", value, error)    the first one: the worker's pid, or why initialize
-                                                     failed; then (responses, t_start, t_end, side_sent)
-                                                     for an execute, None for finalize
-    side channel
-        parent -> worker  ("bls_reply", bls, response | None, error | None)   BLS result / end of stream
-                          ("bls_stream", bls, response)                       a decoupled BLS response
-                          ("cancel", key)                                     a decoupled request cancelled
-        worker -> parent  ("response", key, response)               a decoupled response (any thread or time)
-                          ("bls", bls, request fields, decoupled)   a BLS request, run on the server loop
-                          ("log", logger name, level, message)      a log record of the model
-
-`side_sent` (side messages the worker had sent when the execution ended) lets a decoupled model's
-execute return only after the responses it sent during the execution were delivered, as in-process.
+"""Process-isolated python model instances, the server side: each instance runs `model.py` in its own worker
+process (`worker.main`), spoken to in the wire format of `wire` (the choice of mode is `isolation`'s).
 
 A worker that dies fails the in-flight execution and ends open decoupled streams with an error that
 names its pid and signal; then, as Triton restarts its stub, a new worker is started (and `initialize`
@@ -64,272 +8,37 @@ model) and requests for it wait for the restart; a worker that dies within SHORT
 a restart that fails, delays the next attempt (1 s doubling to 30 s), and meanwhile requests fail at
 once with the reason. Restarts are logged and counted in RESTART_METRIC on /metrics.
 
-The side channel also carries a worker's model control calls (`pb_utils.load_model`, ...) and custom
-metric calls (`pb_utils.MetricFamily`, ...): ("call", id, method, args) answered by ("call_reply", id,
-value, error), and ("metric_update", metric id, op, value) without an answer; ("bls_cancel", bls) is
-`ResponseIterator.cancel()` of a decoupled BLS request. Workers are started with multiprocessing's "spawn" context (never fork a server that
-has gRPC and asyncio threads), so a program embedding `naiad.server.Server` needs the usual
-`if __name__ == "__main__":` guard.
+Workers are started with multiprocessing's "spawn" context (never fork a server that has gRPC and asyncio
+threads), so a program embedding `naiad.server.Server` needs the usual `if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import inspect
 import itertools
 import logging
 import multiprocessing
-import multiprocessing.util
-import pickle
 import signal
 import socket
-import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-from tritonclient.grpc import model_config_pb2 as mc
-
-from ..config import ModelConfig
-from ..custom_metrics import COUNTER
-from ..errors import Internal, InvalidArgument, NaiadError, Unavailable
-from ..inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
-from ..trace import Nested
-from .base import ModelContext, ModelInstance, Timing
+from ...custom_metrics import COUNTER
+from ...errors import Internal, NaiadError, Unavailable
+from ...inference import InferenceRequest, InferenceResponse
+from ..base import ModelContext, ModelInstance, Timing
+from .serving import log_record, serve_call, start_bls
+from .wire import (
+    PICKLE_ERRORS,
+    Channel,
+    decode_response,
+    encode_request,
+)
 
 log = logging.getLogger("naiad.python")
-
-ISOLATION_PARAMETER = "EXECUTION_ISOLATION"
-ISOLATION_MODES = ("process", "thread")
-
-
-def instance_count(config: ModelConfig) -> int:
-    """How many instances the repository creates for `config` (one per count per listed GPU)."""
-    total = 0
-    for group in config.instance_group:
-        devices = len(group.gpus) if group.kind == mc.ModelInstanceGroup.KIND_GPU and group.gpus else 1
-        total += group.count * devices
-    return total
-
-
-def execution_isolation(config: ModelConfig) -> str:
-    """ "process" or "thread" for a python model: the EXECUTION_ISOLATION parameter, else by instance count."""
-    if ISOLATION_PARAMETER in config.parameters:
-        value = config.parameters[ISOLATION_PARAMETER].string_value.strip().lower()
-        if value not in ISOLATION_MODES:
-            raise InvalidArgument(
-                f"model '{config.name}': parameter {ISOLATION_PARAMETER} must be "
-                f"'process' or 'thread', got '{value}'"
-            )
-        return value
-    return "process" if instance_count(config) > 1 else "thread"
-
-
-# ---- wire protocol, used by both sides ----
-
-_HEADER = struct.Struct("<QI")
-_LENGTH = struct.Struct("<Q")
-_MAX_PARTS = 512  # stay well below IOV_MAX per sendmsg
-_IN_BAND_MAX = 64 * 1024  # smaller buffers go inside the pickle: cheaper than parts and reads of their own
-PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)  # what pickle.dumps raises for odd objects
-
-
-class Channel:
-    """Framed pickle-5 messages over a connected stream socket; `send` from any thread, `recv` from one."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.sent = 0  # messages sent so far
-        self._rfile = sock.makefile("rb", buffering=1 << 16)
-        self._send_lock = threading.Lock()
-
-    def send(self, message: tuple) -> None:
-        """Pickle first (a pickling error leaves the stream intact), then write the frame atomically."""
-        buffers: list[pickle.PickleBuffer] = []
-
-        def out_of_band(buffer: pickle.PickleBuffer) -> bool:  # a true value keeps it in the pickle
-            if buffer.raw().nbytes < _IN_BAND_MAX:
-                return True
-            buffers.append(buffer)
-            return False
-
-        payload = pickle.dumps(message, protocol=5, buffer_callback=out_of_band)
-        if not buffers and len(payload) < _IN_BAND_MAX:  # the common small message: one plain write
-            frame = _HEADER.pack(len(payload), 0) + payload
-            with self._send_lock:
-                self.sock.sendall(frame)
-                self.sent += 1
-            return
-        raws = [b.raw() for b in buffers]
-        head = _HEADER.pack(len(payload), len(raws)) + b"".join(_LENGTH.pack(r.nbytes) for r in raws)
-        parts = [memoryview(head), memoryview(payload), *raws]
-        with self._send_lock:
-            _sendmsg_all(self.sock, parts)
-            self.sent += 1
-
-    def recv(self) -> Any:
-        """The next message; EOFError when the peer closed. The frame is read whole before unpickling, so a
-        message that does not unpickle raises without desynchronising the stream."""
-        size, count = _HEADER.unpack(self._read_exact(_HEADER.size))
-        if not count:
-            return pickle.loads(self._read_exact(size))
-        lengths = [_LENGTH.unpack(self._read_exact(_LENGTH.size))[0] for _ in range(count)]
-        payload = self._read_exact(size)
-        buffers = []
-        for n in lengths:
-            buf = bytearray(n)
-            self._read_into(memoryview(buf))
-            buffers.append(buf)
-        return pickle.loads(payload, buffers=buffers)
-
-    def _read_exact(self, n: int) -> bytes:
-        data = self._rfile.read(n)
-        if len(data) != n:
-            raise EOFError("peer closed the channel")
-        return data
-
-    def _read_into(self, view: memoryview) -> None:
-        while view.nbytes:
-            got = self._rfile.readinto(view)
-            if not got:
-                raise EOFError("peer closed the channel")
-            view = view[got:]
-
-    def close(self) -> None:
-        """Shut down first: that wakes a thread blocked in `recv`, and the reader it holds can then close
-        (the file object keeps the descriptor open until it is closed itself)."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._rfile.close()
-        self.sock.close()
-
-
-def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
-    views = [p if p.format == "B" and p.ndim == 1 else p.cast("B") for p in parts if p.nbytes]
-    while views:
-        sent = sock.sendmsg(views[:_MAX_PARTS])
-        while sent:
-            if sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
-def pack_array(array: np.ndarray):
-    """A tensor as (dtype, shape, buffer): pickles ~5x faster than numpy's own reduction. Object (BYTES) and
-    structured arrays are left to numpy."""
-    if array.dtype.hasobject or array.dtype.fields is not None or array.dtype.subdtype is not None:
-        return array
-    if not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array)
-    return (array.dtype.str, array.shape, pickle.PickleBuffer(array))
-
-
-def unpack_array(packed) -> np.ndarray:
-    if isinstance(packed, np.ndarray):
-        return packed
-    dtype, shape, buffer = packed
-    return np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
-
-
-def encode_request(request: InferenceRequest) -> tuple:
-    """What of a request crosses the process boundary, as plain values (pickled far faster than dataclasses):
-    not its callback, arrival time or trace; of the requested outputs only the names, all a model sees."""
-    return (
-        request.model_name,
-        {n: pack_array(a) for n, a in request.inputs.items()},
-        request.datatypes,
-        request.model_version,
-        request.id,
-        [o.name for o in request.outputs],
-        request.parameters,
-        request.priority,
-        request.timeout_us,
-        request.correlation_id,
-        request.flags,
-        request.trace.traceparent() if request.trace is not None else _nested(request.traceparent),
-    )
-
-
-def _nested(traceparent) -> str | None:
-    return traceparent if isinstance(traceparent, Nested) else None
-
-
-def decode_request(fields: tuple, callback=None) -> InferenceRequest:
-    (
-        model_name,
-        inputs,
-        datatypes,
-        model_version,
-        request_id,
-        outputs,
-        parameters,
-        priority,
-        timeout_us,
-        correlation_id,
-        flags,
-        traceparent,  # the W3C context of the calling model's span, when traced
-    ) = fields
-    return InferenceRequest(
-        model_name=model_name,
-        inputs={n: unpack_array(a) for n, a in inputs.items()},
-        datatypes=datatypes,
-        model_version=model_version,
-        id=request_id,
-        outputs=[RequestedOutput(n) for n in outputs],
-        parameters=parameters,
-        priority=priority,
-        timeout_us=timeout_us,
-        correlation_id=correlation_id,
-        flags=flags,
-        traceparent=Nested(traceparent) if isinstance(traceparent, str) else None,
-        response_callback=callback,
-    )
-
-
-def encode_response(response: InferenceResponse | None) -> tuple | None:
-    if response is None:
-        return None
-    outputs = [(o.name, o.datatype, pack_array(o.data)) for o in response.outputs]
-    return (
-        response.model_name,
-        response.model_version,
-        outputs,
-        response.id,
-        response.parameters,
-        response.error,
-        response.final,
-    )
-
-
-def decode_response(fields: tuple | None) -> InferenceResponse | None:
-    if fields is None:
-        return None
-    model_name, model_version, outputs, response_id, parameters, error, final = fields
-    return InferenceResponse(
-        model_name=model_name,
-        model_version=model_version,
-        outputs=[OutputTensor(n, t, unpack_array(a)) for n, t, a in outputs],
-        id=response_id,
-        parameters=parameters,
-        error=error,
-        final=final,
-    )
-
-
-def transferable_error(exc: BaseException) -> NaiadError:
-    """An error that pickles and keeps the text the model sees: NaiadErrors as they are, others Internal."""
-    return exc if isinstance(exc, NaiadError) else Internal(str(exc))
-
-
-# ---- the parent side ----
 
 _live: weakref.WeakSet[ProcessInstance] = weakref.WeakSet()
 
@@ -349,14 +58,22 @@ RESTART_METRIC_HELP = (
 )
 RESTART_WAIT_S = 120.0  # how long a request for an instance whose worker is being restarted waits for it
 SHORT_LIFE_S = 5.0  # a worker that dies sooner than this after starting delays the next restart (back-off)
-SERVER_CALLS = ("load_model", "unload_model", "model_ready")  # what a worker may ask the server loop to run
 
 
 class ProcessInstance(ModelInstance):
     """A python model instance whose `TritonPythonModel` lives in a worker process (see module docstring)."""
 
-    def __init__(self, ctx: ModelContext, group, device_id: int, index: int):
+    def __init__(
+        self,
+        ctx: ModelContext,
+        group,
+        device_id: int,
+        index: int,
+        worker_main: Callable[[socket.socket, socket.socket, dict], None],
+    ):
+        """`worker_main(exec socket, side socket, spec)` is the worker process's entry point (`worker.main`)."""
         super().__init__(ctx, group, device_id, index)
+        self.worker_main = worker_main
         self.decoupled = ctx.config.model_transaction_policy.decoupled
         self.pid: int | None = None
         self.restarts = 0
@@ -413,8 +130,6 @@ class ProcessInstance(ModelInstance):
         return self._process is not None and self._dead is None and not self._closed
 
     def _start(self) -> None:
-        from . import python_worker
-
         exec_parent, exec_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         side_parent, side_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spec = {
@@ -430,7 +145,7 @@ class ProcessInstance(ModelInstance):
         }
         context = multiprocessing.get_context("spawn")
         process = context.Process(
-            target=python_worker.main,
+            target=self.worker_main,
             args=(exec_child, side_child, spec),
             name=f"naiad-python-{self.ctx.name}-{self.name}",
         )
@@ -684,14 +399,14 @@ class ProcessInstance(ModelInstance):
         if kind == "response":
             self._deliver(message[1], decode_response(message[2]))
         elif kind == "bls":
-            self._start_bls(*message[1:])
+            start_bls(self.ctx, self._send_side, self._bls_streams, self._lock, *message[1:])
         elif kind == "bls_cancel":
             with self._lock:
                 native = self._bls_streams.get(message[1])
             if native is not None:
                 native.cancelled = True
         elif kind == "call":
-            self._serve_call(*message[1:])
+            serve_call(self.ctx, self.metrics_owner, self._send_side, *message[1:])
         elif kind == "metric_update":
             _, metric, op, value = message
             try:
@@ -699,20 +414,7 @@ class ProcessInstance(ModelInstance):
             except (AttributeError, NaiadError) as exc:
                 log.warning("model '%s': a custom metric update failed: %s", self.ctx.name, exc)
         elif kind == "log":
-            _, name, level, text = message
-            logger = logging.getLogger(name)
-            if logger.isEnabledFor(level):
-                logger.handle(
-                    logging.makeLogRecord(
-                        {
-                            "name": name,
-                            "levelno": level,
-                            "msg": text,
-                            "args": None,
-                            "levelname": logging.getLevelName(level),
-                        }
-                    )
-                )
+            log_record(*message[1:])
 
     def _deliver(self, key: int, response: InferenceResponse) -> None:
         """A decoupled response: hand it to the request's callback; tell the worker once it is cancelled."""
@@ -751,80 +453,6 @@ class ProcessInstance(ModelInstance):
                         Internal(f"cannot send the answer to the python worker: {exc}"),
                     )
                 )
-
-    def _serve_call(self, call: int, method: str, args: tuple) -> None:
-        """A worker's model control or custom metric call (`pb_utils.load_model`, `MetricFamily`, ...)."""
-        server, loop = self.ctx.server, self.ctx.loop
-
-        def reply(value, error) -> None:
-            self._send_side(("call_reply", call, value, error))
-
-        if server is None or loop is None:
-            reply(None, Internal(f"pb_utils call '{method}' needs a running Naiad server"))
-            return
-        store = server.custom_metrics
-        owner = self.metrics_owner
-        metric_calls = {
-            "metric_family": lambda name, description, kind: store.family(name, description, kind, owner),
-            "metric": lambda family, labels, buckets: store.metric(family, labels, buckets, owner),
-            "metric_value": store.value,
-        }
-        if method in metric_calls:
-            try:
-                reply(metric_calls[method](*args), None)
-            except Exception as exc:
-                reply(None, transferable_error(exc))
-            return
-        if method not in SERVER_CALLS:
-            reply(None, InvalidArgument(f"unknown server call '{method}' from the python worker"))
-            return
-
-        async def run():
-            result = getattr(server, method)(*args)
-            if inspect.isawaitable(result):
-                result = await result
-            return result
-
-        def done(future) -> None:
-            try:
-                reply(future.result(), None)
-            except BaseException as exc:
-                reply(None, transferable_error(exc))
-
-        asyncio.run_coroutine_threadsafe(run(), loop).add_done_callback(done)
-
-    def _start_bls(self, bls: int, fields: tuple, decoupled: bool) -> None:
-        """Run a BLS request of the worker on the server loop; the result goes back as side messages."""
-        server, loop = self.ctx.server, self.ctx.loop
-        if server is None or loop is None:
-            self._send_side(("bls_reply", bls, None, Internal("BLS requests need a running Naiad server")))
-            return
-        native = decode_request(fields)
-        if decoupled:
-            # as in-process: the model's iterator sees what the server hands to the request's callback
-            native.response_callback = lambda r: self._send_side(("bls_stream", bls, encode_response(r)))
-            with self._lock:
-                self._bls_streams[bls] = native
-
-            async def run_stream() -> None:
-                async for _ in server.infer_stream(native):
-                    pass
-
-            future = asyncio.run_coroutine_threadsafe(run_stream(), loop)
-        else:
-            future = asyncio.run_coroutine_threadsafe(server.infer(native), loop)
-
-        def done(f) -> None:
-            with self._lock:
-                self._bls_streams.pop(bls, None)
-            try:
-                result = f.result()
-            except BaseException as exc:
-                self._send_side(("bls_reply", bls, None, transferable_error(exc)))
-                return
-            self._send_side(("bls_reply", bls, None if decoupled else encode_response(result), None))
-
-        future.add_done_callback(done)
 
     # ---- the worker going away ----
     def _worker_gone(self, reason: str | None, generation: int) -> NaiadError:

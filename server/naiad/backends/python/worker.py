@@ -1,4 +1,4 @@
-"""The worker process of a process-isolated python instance (see `python_process`).
+"""The worker process of a process-isolated python instance: its entry point `main` (the server side is `process`).
 
 It hosts an ordinary `PythonInstance`, so importing `model.py`, `initialize` arguments, error texts and
 response conversion are exactly those of in-process instances. What differs is only what lies outside
@@ -24,11 +24,11 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..errors import Internal, as_naiad_error
-from ..inference import InferenceRequest, InferenceResponse
-from .base import ModelContext, Timing
-from .python import PythonInstance
-from .python_process import (
+from ...errors import Internal, as_naiad_error
+from ...inference import InferenceRequest, InferenceResponse
+from ..base import ModelContext, Timing
+from .instance import PythonInstance
+from .wire import (
     PICKLE_ERRORS,
     Channel,
     decode_request,

@@ -1,6 +1,8 @@
-"""Naiad's `triton_python_backend_utils`: the API Triton python models import, served in-process.
+"""Naiad's `triton_python_backend_utils`: python_backend's public API, which Triton python models import.
 
-Models run unmodified: `import triton_python_backend_utils as pb_utils` resolves to this module.
+Models run unmodified: `import triton_python_backend_utils as pb_utils` resolves to this module (the package
+registers it). Only the public names live here; binding a thread to a server is `context`'s, turning what a
+model returns into the server's responses is `convert`'s.
 """
 
 from __future__ import annotations
@@ -11,17 +13,15 @@ import json
 import logging
 import struct
 import threading
-from typing import Any
 
 import numpy as np
 
-from .. import custom_metrics as _cm
-from .. import tensors as _t
-from ..errors import Internal as _Internal
-from ..errors import NaiadError as _NaiadError
-from ..inference import InferenceResponse as _NativeResponse
-from ..inference import OutputTensor as _OutputTensor
-from ..trace import Nested as _Nested
+from ... import custom_metrics as _cm
+from ... import tensors as _t
+from ...errors import NaiadError as _NaiadError
+from ...trace import Nested as _Nested
+from . import context as _bound
+from . import convert as _convert
 
 _log = logging.getLogger("naiad.python_model")
 
@@ -275,22 +275,9 @@ class _Capsule:
 
 # ---- server context for BLS (set on each instance thread) ----
 
-_context = threading.local()
-_default: dict[str, Any] = {}
-
-
-def _bind(server, loop, owner=None) -> None:
-    """Called by the python backend on an instance thread: BLS from this thread goes to `server`, and custom
-    metrics created on it belong to `owner` (the instance; they go when it is unloaded)."""
-    _context.server = server
-    _context.loop = loop
-    _context.owner = owner
-    _default["server"], _default["loop"] = server, loop
-
 
 def _target():
-    server = getattr(_context, "server", None) or _default.get("server")
-    loop = getattr(_context, "loop", None) or _default.get("loop")
+    server, loop = _bound.server(), _bound.loop()
     if server is None:
         raise TritonModelException("BLS requests need a running Naiad server")
     try:
@@ -362,7 +349,7 @@ class InferenceResponseSender:
         deliver = self._request._native.response_callback
         if deliver is None:
             raise TritonModelException("this request does not accept decoupled responses")
-        deliver(_to_native(self._request, response, final))
+        deliver(_convert.to_native(self._request, response, final))
 
     def is_cancelled(self) -> bool:
         return self._request.is_cancelled()
@@ -393,6 +380,7 @@ class InferenceRequest:
         self._model_version = model_version
         self._correlation_id = correlation_id
         self._preferred_memory = preferred_memory or PreferredMemory()
+        self._trace = trace if isinstance(trace, InferenceTrace) else None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         self._request_id = request_id
         self._flags = flags
@@ -402,7 +390,6 @@ class InferenceRequest:
         self._parameters = dict(parameters or {})
         self._native = None
         self._sender = None
-        self._trace = trace if isinstance(trace, InferenceTrace) else None
 
     @classmethod
     def _incoming(cls, native, requested: list[str]) -> InferenceRequest:
@@ -442,6 +429,13 @@ class InferenceRequest:
     def timeout(self) -> int:
         return self._timeout
 
+    def trace(self) -> InferenceTrace:
+        native = self._native
+        if native is None:
+            return self._trace or InferenceTrace()
+        # in the server: the request's own trace; in a worker process: the context its parent sent along
+        return InferenceTrace(native.trace.traceparent() if native.trace is not None else native.traceparent)
+
     def set_release_flags(self, flags: int) -> None:
         """RELEASE_ALL is what every request gets; RESCHEDULE needs iterative sequence batching, which Naiad's
         sequence batcher refuses at load, so no model that may reschedule can be loaded."""
@@ -467,13 +461,6 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return bool(self._native is not None and self._native.cancelled)
 
-    def trace(self) -> InferenceTrace:
-        native = self._native
-        if native is None:
-            return self._trace or InferenceTrace()
-        # in the server: the request's own trace; in a worker process: the context its parent sent along
-        return InferenceTrace(native.trace.traceparent() if native.trace is not None else native.traceparent)
-
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
             self._sender = InferenceResponseSender(self)
@@ -481,8 +468,8 @@ class InferenceRequest:
 
     # ---- BLS ----
     def _native_request(self):
-        from ..inference import InferenceRequest as Native
-        from ..inference import RequestedOutput
+        from ...inference import InferenceRequest as Native
+        from ...inference import RequestedOutput
 
         inputs, datatypes = {}, {}
         for t in self._inputs:
@@ -587,37 +574,6 @@ def _from_native_result(fut) -> InferenceResponse:
     return _from_native_response(resp)
 
 
-def _to_native(request: InferenceRequest, response: InferenceResponse | None, final: bool):
-    Native, OutputTensor, Internal = _NativeResponse, _OutputTensor, _Internal
-    native = request._native
-    if response is None:
-        return Native(
-            model_name=native.model_name, model_version=str(native.model_version), id=native.id, final=final
-        )
-    if response.has_error():
-        return Native(
-            model_name=native.model_name,
-            model_version=str(native.model_version),
-            id=native.id,
-            error=Internal(response.error().message()),
-            final=final,
-        )
-    requested = set(request._requested) if native.outputs else None
-    outputs = [
-        OutputTensor(t.name(), t._datatype, t.as_numpy())
-        for t in response.output_tensors()
-        if requested is None or t.name() in requested
-    ]
-    return Native(
-        model_name=native.model_name,
-        model_version=str(native.model_version),
-        outputs=outputs,
-        id=native.id,
-        parameters=response._parameters,
-        final=final,
-    )
-
-
 # ---- lookups ----
 
 
@@ -699,8 +655,7 @@ COUNTER, GAUGE, HISTOGRAM = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HIS
 
 
 def _metric_store():
-    server = getattr(_context, "server", None) or _default.get("server")
-    store = getattr(server, "custom_metrics", None)
+    store = getattr(_bound.server(), "custom_metrics", None)
     if store is None:
         raise TritonModelException("custom metrics need a running Naiad server")
     return store
@@ -724,8 +679,7 @@ class MetricFamily:
         self._store = _metric_store()
         self._name = name
         self._kind = int(kind)
-        owner = getattr(_context, "owner", None)  # other threads' metrics stay for the server's lifetime
-        self._id = _metric_call(self._store.family, name, description, self._kind, owner)
+        self._id = _metric_call(self._store.family, name, description, self._kind, _bound.owner())
 
     def Metric(self, labels: dict | None = None, buckets: list | None = None) -> Metric:
         if labels is not None and not isinstance(labels, dict):
@@ -741,9 +695,7 @@ class Metric:
     def __init__(self, family: MetricFamily, labels: dict | None, buckets: list | None):
         self._family = family
         self._store = family._store
-        self._id = _metric_call(
-            self._store.metric, family._id, labels, buckets, getattr(_context, "owner", None)
-        )
+        self._id = _metric_call(self._store.metric, family._id, labels, buckets, _bound.owner())
 
     def _update(self, op: str, value) -> None:
         # checked here too, so that a worker process can send updates without waiting for an answer

@@ -1,4 +1,4 @@
-"""The request scheduler: Triton's default scheduler (one request per execution) and its dynamic batcher.
+"""Triton's dynamic batch scheduler, and the default scheduler (one request per execution) as its degenerate case.
 
 Both are one queue and one dispatcher: the dispatcher takes a free instance, then as many queued requests as
 the policy allows (1 for the default scheduler; up to max_batch_size, preferring `preferred_batch_size`, waiting
@@ -49,11 +49,12 @@ class _Entry:
         self.timer = None
 
 
-class Scheduler:
-    """Queue + dispatcher in front of an InstancePool."""
+class DynamicBatchScheduler:
+    """Queue + dispatcher in front of an InstancePool (a `scheduling.scheduler.Scheduler`)."""
 
     def __init__(self, pool: InstancePool, config: mc.ModelConfig):
         self.pool = pool
+        self.stats = pool.stats
         self.config = config
         self.batched = config.max_batch_size > 0
         self.dynamic = config.HasField("dynamic_batching")
@@ -70,9 +71,9 @@ class Scheduler:
                 if 1 <= lvl <= self.levels:
                     self.policies[lvl] = QueuePolicy.from_config(p)
         self.ragged = {i.name for i in config.input if i.allow_ragged_batch}
-        self.queues = [collections.deque() for _ in range(self.levels + 1)]  # index 0 unused
+        self.queues: list[collections.deque[_Entry]] = [collections.deque() for _ in range(self.levels + 1)]
         self.queued = 0
-        self._wakeup: asyncio.Event | None = None
+        self._wakeup = asyncio.Event()  # binds to the loop at its first wait (Python >= 3.10)
         self._task: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()
         self._direct = 0  # executions started by the fast path, not yet finished
@@ -88,7 +89,6 @@ class Scheduler:
             if inst is not None:
                 return await self._run_now(inst, request)
         if self._task is None:
-            self._wakeup = asyncio.Event()
             self._task = loop.create_task(self._dispatch_loop())
         level = self._level(request)
         policy = self.policies[level]
@@ -176,7 +176,7 @@ class Scheduler:
         self._direct -= 1
         self.pool.stats.pending -= 1
         self.pool.release(inst)
-        if self.queued and self._wakeup is not None:
+        if self.queued:
             self._wakeup.set()
 
     # ---- dispatch ----

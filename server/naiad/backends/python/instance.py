@@ -1,4 +1,4 @@
-"""Python backend: `model.py` with `TritonPythonModel`, run in-process on the instance's thread."""
+"""The in-process python model instance: `model.py`'s `TritonPythonModel`, run on the instance's thread."""
 
 from __future__ import annotations
 
@@ -7,23 +7,21 @@ import importlib.util
 import inspect
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from .. import config as cfg
-from ..config import ModelConfig
-from ..custom_metrics import CustomMetrics
-from ..errors import Internal, InvalidArgument, NaiadError
-from ..inference import InferenceResponse
-from . import python_utils as pb_utils
-from .base import InlinePolicy, ModelContext, ModelInstance
-from .discovery import ModuleBackend
-
-# Models do `import triton_python_backend_utils as pb_utils`.
-sys.modules.setdefault("triton_python_backend_utils", pb_utils)
+from ... import config as cfg
+from ... import errors
+from ...config import ModelConfig
+from ...custom_metrics import CustomMetrics
+from ...errors import Internal, InvalidArgument, NaiadError
+from ...inference import InferenceResponse
+from ..base import InlinePolicy, ModelContext, ModelInstance
+from . import context
+from . import triton_python_backend_utils as pb_utils
+from .convert import to_native
 
 _module_ids = itertools.count()
 
@@ -38,8 +36,6 @@ _ERROR_CODES = {
 
 
 def _naiad_error(err: pb_utils.TritonError) -> NaiadError:
-    from .. import errors
-
     return getattr(errors, _ERROR_CODES.get(err.code(), "Internal"))(err.message())
 
 
@@ -82,8 +78,12 @@ def _uses_bls(module) -> bool:
 
 
 def auto_complete(config: ModelConfig, model_file: Path) -> None:
-    """Run `TritonPythonModel.auto_complete_config` when the model defines it."""
-    module = load_module(model_file, config.name)
+    """Run `TritonPythonModel.auto_complete_config` of `model_file` when the model defines it."""
+    run_auto_complete(config, load_module(model_file, config.name))
+
+
+def run_auto_complete(config: ModelConfig, module) -> None:
+    """Run the `TritonPythonModel.auto_complete_config` of an imported module, when it defines one."""
     hook = getattr(module.TritonPythonModel, "auto_complete_config", None)
     if hook is None:
         return
@@ -141,7 +141,7 @@ class PythonInstance(ModelInstance):
         self._initialized = True
 
     def warmup_thread_init(self) -> None:
-        pb_utils._bind(self.ctx.server, self.ctx.loop, self.metrics_owner)
+        context.bind(self.ctx.server, self.ctx.loop, self.metrics_owner)
         if not self._initialized:
             self._initialize()
 
@@ -192,7 +192,7 @@ class PythonInstance(ModelInstance):
                     f"model '{self.ctx.name}': execute must return InferenceResponse objects, "
                     f"got {type(resp).__name__}"
                 )
-            out = pb_utils._to_native(pb_req, resp, True)
+            out = to_native(pb_req, resp, True)
             for t in out.outputs:
                 if t.datatype == "UINT16" and t.name in self.bf16_outputs:
                     t.datatype = "BF16"
@@ -212,16 +212,3 @@ class PythonInstance(ModelInstance):
             store = getattr(self.ctx.server, "custom_metrics", None)
             if isinstance(store, CustomMetrics):  # in a worker, the server releases the worker's instance
                 store.release(self.metrics_owner)
-
-
-def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> ModelInstance:
-    """In-process or in a worker process, as `python_process.execution_isolation` decides for the model."""
-    from .python_process import ProcessInstance, execution_isolation
-
-    if execution_isolation(ctx.config) == "process":
-        return ProcessInstance(ctx, group, device_id, index)
-    return PythonInstance(ctx, group, device_id, index)
-
-
-# Registered under the entry-point group naiad.backends (pyproject.toml).
-backend = ModuleBackend("python", auto_complete, create_instance, "model.py")

@@ -1,0 +1,34 @@
+"""Which server, event loop and metrics owner the model code on a thread talks to (bound by the python backend)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_context = threading.local()
+_default: dict[str, Any] = {}
+
+
+def bind(server, loop, owner=None) -> None:
+    """On an instance thread: BLS and model control from this thread go to `server` on `loop`, and custom
+    metrics created on it belong to `owner` (the instance; they go when it is unloaded). Threads the model
+    starts itself use the last server bound, and their metrics stay for the server's lifetime."""
+    _context.server = server
+    _context.loop = loop
+    _context.owner = owner
+    _default["server"], _default["loop"] = server, loop
+
+
+def server():
+    """The server the calling thread's model talks to, or None outside a running server."""
+    return getattr(_context, "server", None) or _default.get("server")
+
+
+def loop():
+    """The event loop that server runs its requests on."""
+    return getattr(_context, "loop", None) or _default.get("loop")
+
+
+def owner():
+    """What owns the custom metrics created on this thread (None: the server, for its lifetime)."""
+    return getattr(_context, "owner", None)

@@ -1,0 +1,42 @@
+"""What a python model returns (pb_utils objects) turned into the server's responses.
+
+The glue between `triton_python_backend_utils` and the server: it reads the pb_utils objects' fields directly
+(it is their other half), so that neither the public module nor the instances carry the conversion.
+"""
+
+from __future__ import annotations
+
+from ...errors import Internal
+from ...inference import InferenceResponse, OutputTensor
+
+
+def to_native(request, response, final: bool) -> InferenceResponse:
+    """The server's response to `request` (a pb_utils.InferenceRequest the model received) from the model's
+    pb_utils.InferenceResponse (None: only the end of a decoupled stream); only requested outputs go out."""
+    native = request._native
+    if response is None:
+        return InferenceResponse(
+            model_name=native.model_name, model_version=str(native.model_version), id=native.id, final=final
+        )
+    if response.has_error():
+        return InferenceResponse(
+            model_name=native.model_name,
+            model_version=str(native.model_version),
+            id=native.id,
+            error=Internal(response.error().message()),
+            final=final,
+        )
+    requested = set(request._requested) if native.outputs else None
+    outputs = [
+        OutputTensor(t.name(), t._datatype, t.as_numpy())
+        for t in response.output_tensors()
+        if requested is None or t.name() in requested
+    ]
+    return InferenceResponse(
+        model_name=native.model_name,
+        model_version=str(native.model_version),
+        outputs=outputs,
+        id=native.id,
+        parameters=response._parameters,
+        final=final,
+    )

@@ -89,11 +89,17 @@ if [[ -n "$cert" && -f "$cert" ]]; then
   printf '[global]\ncert = /etc/naiad-build-ca.crt\n' >"$cache/pip.conf"
   lend=(--volume "$cert:/etc/naiad-build-ca.crt:ro" --volume "$cache/pip.conf:/etc/pip.conf:ro")
 fi
+# buildah's layer cache does not see a changed ARG default or --build-arg value (seen: EXTRAS=onnx,s3 reused the
+# layers built with EXTRAS=onnx), so a build whose Dockerfile or build arguments changed starts without cache.
 build() {  # <dockerfile> <tag> [build args...]
   local file="$1" tag="$2"; shift 2
-  log "building $tag from $file"
-  bh build --quiet --isolation chroot --pull=never --layers --network host "${lend[@]}" \
+  local key keyfile="$cache/key-$(basename "$file")" fresh=()
+  key="$( { cat "$repo/$file"; printf '%s\n' "$base" "$@"; } | sha256sum | cut -c1-16)"
+  [[ -f "$keyfile" && "$(cat "$keyfile")" == "$key" ]] || fresh=(--no-cache)
+  log "building $tag from $file${fresh:+ (Dockerfile or build arguments changed: no layer cache)}"
+  bh build --quiet --isolation chroot --pull=never --layers --network host "${lend[@]}" "${fresh[@]}" \
     --build-arg "PYTHON_IMAGE=$base" "$@" -f "$repo/$file" -t "$tag" "$repo" >&2
+  echo "$key" >"$keyfile"
 }
 # Named as the chart's values name them, so a loaded archive is found by `helm install` as it is.
 registry="${NAIAD_IMAGE_REGISTRY:-ghcr.io/naiad-dev}"

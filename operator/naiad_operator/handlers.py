@@ -40,10 +40,12 @@ from .naming import (
     SERVER_PLURAL,
     VERSION,
 )
-from .pool import LoadBackoff, PoolContext, PoolReport, reconcile_pool
-from .resources import Body, Owner, render_pool, server_spec_problems
+from .objects import Body
+from .placement_pass import LoadBackoff, PoolContext, PoolReport, reconcile_pool
+from .pool_resources import Owner, render_pool
 from .runner import PassRunner
 from .security import CONTROL_HEADER, CredentialStore, TrustCache
+from .server_spec import server_spec_problems
 from .variants import VariantMeter
 
 log = logging.getLogger(__name__)

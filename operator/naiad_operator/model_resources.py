@@ -29,14 +29,12 @@ from .naming import (
     selector_string,
     short_hash,
 )
+from .objects import Body, Spec
+from .pool_resources import Owner, render_hpa
 from .quantity import quantity_bytes
-from .resources import (
-    Body,
-    Owner,
-    Spec,
+from .server_spec import (
     autoscaling_active,
     desired_replicas,
-    render_hpa,
     repository_claim,
     repository_path,
     repository_secret,

@@ -33,9 +33,10 @@ from .observe import (
     version_of,
 )
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
+from .pool_resources import pool_selector_string
 from .quantity import quantity_bytes
-from .resources import autoscaling_active, desired_replicas, pool_selector_string, server_spec_problems
 from .security import TrustCache, server_hostname, tls_secret_name
+from .server_spec import autoscaling_active, desired_replicas, server_spec_problems
 from .status import ModelCount, ModelObservation, Placement, model_status, now_rfc3339, server_status
 from .variants import VariantMeter
 

@@ -53,7 +53,7 @@ class OperatorConfig:
         monitors = env.get("NAIAD_SERVICE_MONITORS", defaults.service_monitors).lower()
         if monitors not in ("auto", "false"):
             raise ValueError(f"NAIAD_SERVICE_MONITORS must be 'auto' or 'false', got {monitors!r}")
-        namespace = env.get("NAIAD_OPERATOR_NAMESPACE") or _service_account_namespace()
+        namespace = env.get("NAIAD_OPERATOR_NAMESPACE") or service_account_namespace()
         try:
             metrics_from = tuple(json.loads(env.get("NAIAD_NETWORK_POLICY_METRICS_FROM") or "[]"))
         except (ValueError, TypeError) as error:
@@ -77,7 +77,7 @@ class OperatorConfig:
         )
 
 
-def _service_account_namespace() -> str | None:
+def service_account_namespace() -> str | None:
     """The namespace the operator's pod runs in, as the service-account mount tells it."""
     try:
         return Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip() or None

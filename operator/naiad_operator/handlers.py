@@ -50,7 +50,7 @@ from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 
-# Timer intervals are fixed when the handlers are registered, so they come from the environment at import.
+# Settings are read once, at import: timer intervals are fixed when the handlers are registered.
 _CONFIG = OperatorConfig.from_env()
 RESYNC = _CONFIG.resync_seconds
 # Retries of a delete before giving up on pods that cannot be reached (their leftovers are unloaded later).
@@ -95,7 +95,7 @@ async def startup(
     settings.watching.client_timeout = 330
     settings.batching.error_delays = (1, 2, 5, 10, 20, 30, 60)
 
-    config = OperatorConfig.from_env()
+    config = _CONFIG
     memo.config = config
     memo.kube = KubeClient(lambda: asyncio.to_thread(connection_info, settings))
     memo.http = aiohttp.ClientSession()

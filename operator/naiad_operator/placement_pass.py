@@ -21,6 +21,7 @@ from .events import post as post_event
 from .kube import KubeClient, KubeError
 from .model_resources import ModelIntent, endpoint, model_intent, model_selector_string, pool_problems
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
+from .objects import Body
 from .observe import (
     Held,
     PodFacts,
@@ -41,7 +42,6 @@ from .status import ModelCount, ModelObservation, Placement, model_status, now_r
 from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
-Body = dict[str, Any]
 # Model status writes in flight at once during a pass.
 STATUS_WRITES = 16
 

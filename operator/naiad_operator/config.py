@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0"
 DEFAULT_QUEUE_METRIC = "naiad_queue_time_per_request_us"
@@ -31,7 +32,7 @@ class OperatorConfig:
     operator_namespace: str = "naiad-system"
     # A NetworkPolicy per pool: metrics port only from the operator's namespace and `metrics_from` (Prometheus).
     network_policy: bool = False
-    metrics_from: tuple = field(default_factory=tuple)
+    metrics_from: tuple[Any, ...] = field(default_factory=tuple)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:

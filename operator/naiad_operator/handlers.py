@@ -50,6 +50,10 @@ from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 
+# _KOPF_PROTOCOLS: kopf types its handler protocols for every resource, so `namespace` is `str | None` (cluster-
+# scoped resources) and a handler may not ask for an index by name (startup's `models_by_pool`); Naiad's resources
+# are all namespaced. The decorators marked with this name are the operator's only checked-type exceptions there.
+
 # Settings are read once, at import: timer intervals are fixed when the handlers are registered.
 _CONFIG = OperatorConfig.from_env()
 RESYNC = _CONFIG.resync_seconds
@@ -70,20 +74,20 @@ def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     raise kopf.LoginError("no Kubernetes credentials: neither a service account nor a kubeconfig")
 
 
-@kopf.index(GROUP, VERSION, MODEL_PLURAL)
+@kopf.index(GROUP, VERSION, MODEL_PLURAL)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 def models_by_pool(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, **_: Any) -> dict[Any, Body]:
     """InferenceModels by (namespace, pool), kept current by the watch: a pass reads its models here instead of
     listing every InferenceModel of the namespace."""
     return {(namespace, model_intent(name, dict(spec)).pool): copy.deepcopy(dict(body))}
 
 
-def _models_of_pool(index: kopf.Index, namespace: str, pool: str) -> list[Body]:
+def _models_of_pool(index: kopf.Index[Any, Body], namespace: str, pool: str) -> list[Body]:
     return [copy.deepcopy(body) for body in index.get((namespace, pool), [])]
 
 
-@kopf.on.startup()
+@kopf.on.startup()  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def startup(
-    settings: kopf.OperatorSettings, memo: kopf.Memo, models_by_pool: kopf.Index, **_: Any
+    settings: kopf.OperatorSettings, memo: kopf.Memo, models_by_pool: kopf.Index[Any, Body], **_: Any
 ) -> None:
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -224,7 +228,7 @@ async def ensure_pool(memo: kopf.Memo, body: Body, *, events: bool) -> list[str]
 
 @kopf.on.resume(GROUP, VERSION, SERVER_PLURAL)
 @kopf.on.create(GROUP, VERSION, SERVER_PLURAL)
-@kopf.on.update(GROUP, VERSION, SERVER_PLURAL)
+@kopf.on.update(GROUP, VERSION, SERVER_PLURAL)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def server_changed(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     try:
         await ensure_pool(memo, dict(body), events=True)
@@ -233,7 +237,7 @@ async def server_changed(body: kopf.Body, name: str, namespace: str, memo: kopf.
     memo.pools.request(namespace, name)
 
 
-@kopf.timer(GROUP, VERSION, SERVER_PLURAL, interval=RESYNC, initial_delay=RESYNC / 3)
+@kopf.timer(GROUP, VERSION, SERVER_PLURAL, interval=RESYNC, initial_delay=RESYNC / 3)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def server_resync(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """Self-healing: re-apply the children and compare every pod's repository index with the placements."""
     try:
@@ -282,7 +286,7 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
 
 @kopf.on.resume(GROUP, VERSION, MODEL_PLURAL)
 @kopf.on.create(GROUP, VERSION, MODEL_PLURAL)
-@kopf.on.update(GROUP, VERSION, MODEL_PLURAL)
+@kopf.on.update(GROUP, VERSION, MODEL_PLURAL)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def model_changed(
     body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, old: Mapping[str, Any] | None, **_: Any
 ) -> None:
@@ -316,7 +320,7 @@ async def promote(memo: kopf.Memo, body: Body) -> None:
     post_event(body, "Normal", "CanaryPromoted", "the canary's version and config are now the model's")
 
 
-@kopf.on.delete(GROUP, VERSION, MODEL_PLURAL)
+@kopf.on.delete(GROUP, VERSION, MODEL_PLURAL)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def model_deleted(
     body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, retry: int, **_: Any
 ) -> None:
@@ -350,7 +354,7 @@ async def model_deleted(
 def pod_fingerprint(body: Mapping[str, Any]) -> tuple[Any, ...]:
     """The parts of a pod that change what placement sees (not the labels and annotations the pass writes)."""
     status = body.get("status") or {}
-    container = next(
+    container: Mapping[str, Any] = next(
         (c for c in status.get("containerStatuses") or [] if c.get("name") == SERVER_CONTAINER), {}
     )
     meta = body.get("metadata") or {}
@@ -362,7 +366,7 @@ def pod_fingerprint(body: Mapping[str, Any]) -> tuple[Any, ...]:
     )
 
 
-@kopf.on.event("", "v1", "pods", labels={SERVER_LABEL: kopf.PRESENT})
+@kopf.on.event("", "v1", "pods", labels={SERVER_LABEL: kopf.PRESENT})  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def pod_event(
     event: Mapping[str, Any], body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any
 ) -> None:
@@ -384,7 +388,7 @@ async def pod_event(
 
 @kopf.on.event("", "v1", "services", labels={SERVER_LABEL: kopf.PRESENT})
 @kopf.on.event("apps", "v1", "deployments", labels={SERVER_LABEL: kopf.PRESENT})
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={SERVER_LABEL: kopf.PRESENT})
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={SERVER_LABEL: kopf.PRESENT})  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def child_event(
     event: Mapping[str, Any], body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any
 ) -> None:

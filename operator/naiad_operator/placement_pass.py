@@ -502,9 +502,9 @@ class _Pass:
                 )
             elif failure is not None or pod in avoid:
                 placements.append(Placement(pod, "Failed", facts.ip, None, failure or avoid.get(pod)))
-        failure = None
+        last_failure = None
         for pod, message in self.failures.get(intent.name, {}).items():
-            failure = {"time": self.now, "pod": pod, "message": message}
+            last_failure = {"time": self.now, "pod": pod, "message": message}
         return ModelObservation(
             wanted=plan.wanted if plan is not None else 0,
             holding=holding,
@@ -512,7 +512,7 @@ class _Pass:
             placements=placements,
             shortfall=plan.shortfall if plan is not None else 0,
             loading=loading and bool(planned),
-            failure=failure,
+            failure=last_failure,
             retrying={
                 pod: message
                 for pod, message in avoid.items()
@@ -565,7 +565,7 @@ class _Pass:
                 counters = [
                     traffic[ip][intent.model_name]
                     for ip in (self.states[p].ip for p in pods)
-                    if ip in traffic and intent.model_name in traffic[ip]
+                    if ip is not None and ip in traffic and intent.model_name in traffic[ip]
                 ]
                 figures = meter.traffic(self.namespace, intent.name, revision, counters)
                 entry["requests"] = figures.requests

@@ -194,7 +194,7 @@ def _container(spec: Spec, config: OperatorConfig, server: str = "", restricted:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
     if spec.get("resources"):
         container["resources"] = copy.deepcopy(dict(spec["resources"]))
-    mounts = []
+    mounts: list[Body] = []
     repository = spec.get("modelRepository") or {}
     if repository.get("uri"):
         mounts.append({"name": "model-cache", "mountPath": STORAGE_CACHE_PATH})

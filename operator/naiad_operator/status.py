@@ -34,7 +34,9 @@ def merge_conditions(
         before = previous.get(cond["type"])
         changed = before is None or before.get("status") != cond["status"]
         item = dict(cond)
-        item["lastTransitionTime"] = now if changed else before.get("lastTransitionTime", now)
+        item["lastTransitionTime"] = (
+            now if changed or before is None else before.get("lastTransitionTime", now)
+        )
         if generation is not None:
             item["observedGeneration"] = generation
         merged.append(item)
@@ -102,7 +104,7 @@ def server_status(
     problems: Sequence[str],
     old_conditions: Sequence[Mapping[str, Any]] | None,
     now: str,
-) -> dict:
+) -> dict[str, Any]:
     workload = _workload_condition(deployment, desired)
     autoscaler = _hpa_condition(hpa, hpa_wanted)
     if problems:
@@ -272,7 +274,7 @@ def model_status(
     observed: ModelObservation,
     old_status: Mapping[str, Any] | None,
     now: str,
-) -> dict:
+) -> dict[str, Any]:
     old_status = old_status or {}
     conditions = model_conditions(
         problems=problems, suspended=suspended, pool=pool, pool_found=pool_found, observed=observed

@@ -20,6 +20,7 @@ from .config import OperatorConfig
 from .control import ModelControlClient
 from .events import post as post_event
 from .kube import KubeClient, KubeError
+from .load_backoff import LoadBackoff
 from .model_resources import (
     SHARED_POOL_AUTOSCALING,
     model_autoscaling_ignored,
@@ -41,7 +42,7 @@ from .naming import (
     VERSION,
 )
 from .objects import Body
-from .placement_pass import LoadBackoff, PoolContext, PoolReport, reconcile_pool
+from .placement_pass import PoolContext, PoolReport, reconcile_pool
 from .pool_resources import Owner, render_pool
 from .runner import PassRunner
 from .security import CONTROL_HEADER, CredentialStore, TrustCache

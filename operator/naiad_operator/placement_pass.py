@@ -8,9 +8,7 @@ that restarted or were added by the autoscaler, rolls revisions, and cleans up a
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +17,7 @@ from .config import OperatorConfig
 from .control import ControlError, IndexEntry, ModelControlClient
 from .events import post as post_event
 from .kube import KubeClient, KubeError
+from .load_backoff import LoadBackoff
 from .model_resources import ModelIntent, endpoint, model_intent, model_selector_string, pool_problems
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
 from .objects import Body
@@ -38,48 +37,21 @@ from .pool_resources import pool_selector_string
 from .quantity import quantity_bytes
 from .security import TrustCache, server_hostname, tls_secret_name
 from .server_spec import autoscaling_active, desired_replicas, server_spec_problems
-from .status import ModelCount, ModelObservation, Placement, model_status, now_rfc3339, server_status
+from .status import (
+    ModelCount,
+    ModelObservation,
+    Placement,
+    merged_status,
+    model_status,
+    now_rfc3339,
+    server_status,
+    status_changes,
+)
 from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 # Model status writes in flight at once during a pass.
 STATUS_WRITES = 16
-
-
-class LoadBackoff:
-    """Remembers failed loads per (pod, model, revision) so a broken model is not reloaded every pass; the wait
-    doubles with each failure up to 16 times the base. Kept in memory: an operator restart simply retries."""
-
-    def __init__(self, base_seconds: float, clock: Any = time.monotonic):
-        self._base = base_seconds
-        self._clock = clock
-        self._failures: dict[tuple[str, str, str, str], tuple[int, float, str]] = {}
-
-    def failed(self, namespace: str, pod: str, model: str, revision: str, message: str) -> None:
-        # Forget failures whose back-off ended long ago (old revisions, pods that are gone).
-        stale = self._clock() - 3600
-        for old in [k for k, (_, until, _) in self._failures.items() if until < stale]:
-            del self._failures[old]
-        key = (namespace, pod, model, revision)
-        count = self._failures.get(key, (0, 0.0, ""))[0] + 1
-        delay = self._base * min(2 ** (count - 1), 16)
-        self._failures[key] = (count, self._clock() + delay, message)
-
-    def succeeded(self, namespace: str, pod: str, model: str, revision: str) -> None:
-        self._failures.pop((namespace, pod, model, revision), None)
-
-    def avoid(self, namespace: str, model: str, revision: str) -> dict[str, str]:
-        """Pods still waiting out a failure of this revision, with the failure message."""
-        now = self._clock()
-        return {
-            pod: msg
-            for (ns, pod, m, rev), (_, until, msg) in self._failures.items()
-            if ns == namespace and m == model and rev == revision and until > now
-        }
-
-    def forget_model(self, namespace: str, model: str) -> None:
-        for key in [k for k in self._failures if k[0] == namespace and k[2] == model]:
-            del self._failures[key]
 
 
 @dataclass
@@ -638,24 +610,6 @@ class _Pass:
         except KubeError as error:
             if error.status != 404:
                 raise
-
-
-def merged_status(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> dict[str, Any]:
-    """The status after a merge patch (RFC 7386) of `patch` onto `old`."""
-    out = copy.deepcopy(dict(old or {}))
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merged_status(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def status_changes(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
-    """Whether merge-patching `patch` onto the status `old` would change anything."""
-    return old is None or merged_status(old, patch) != dict(old)
 
 
 async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolReport:

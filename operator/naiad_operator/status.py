@@ -1,7 +1,9 @@
-"""Pure builders of the status of InferenceServers and InferenceModels: phase, counts and conditions."""
+"""Pure builders of the status of InferenceServers and InferenceModels: phase, counts, conditions, and whether a
+status patch changes anything."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -303,3 +305,21 @@ def model_status(
     elif "variants" in old_status:
         status["variants"] = None  # merge patch: the canary is gone
     return status
+
+
+def merged_status(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> dict[str, Any]:
+    """The status after a merge patch (RFC 7386) of `patch` onto `old`."""
+    out = copy.deepcopy(dict(old or {}))
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged_status(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def status_changes(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
+    """Whether merge-patching `patch` onto the status `old` would change anything."""
+    return old is None or merged_status(old, patch) != dict(old)

@@ -164,59 +164,106 @@ async def _patch_pod(
     return pod_facts(latest) if latest else facts
 
 
-class _Pass:
-    """The state of one pass; `run` is the sequence of steps."""
+def _capacity(spec: Mapping[str, Any]) -> Capacity:
+    capacity = spec.get("capacity") or {}
+    try:
+        memory = quantity_bytes(capacity.get("memory")) or None
+    except ValueError:
+        memory = None
+    return Capacity(max_models=capacity.get("maxModels"), memory=memory)
 
-    def __init__(self, ctx: PoolContext, namespace: str, pool: str):
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """What a pass read of its pool before deciding anything: the InferenceServer, its InferenceModels, the pods,
+    what each pod's server reports (repository index) and what placement makes of it."""
+
+    namespace: str
+    pool: str
+    now: str  # the pass's timestamp (conditions, failures)
+    server: Body
+    control: ModelControlClient  # the pool's model-control client (TLS when spec.tls is set)
+    models: tuple[_Model, ...]
+    facts: tuple[PodFacts, ...]
+    index: Mapping[str, list[IndexEntry] | None]  # pod -> repository index (None: unreadable)
+    states: Mapping[str, PodState]  # pod -> what placement sees
+    deployment: Body | None
+    hpa: Body | None
+
+    @property
+    def spec(self) -> Mapping[str, Any]:
+        return self.server.get("spec") or {}
+
+
+async def read_pool(
+    ctx: PoolContext, namespace: str, pool: str, now: str
+) -> tuple[list[_Model], PoolSnapshot | None]:
+    """Everything a pass reads, read first: the pool's models, and its snapshot (None when the InferenceServer
+    does not exist)."""
+    kube = ctx.kube
+    if ctx.models is not None:
+        server = await kube.get(API_VERSION, SERVER_KIND, namespace, pool)
+        model_bodies = ctx.models(namespace, pool)
+    else:
+        server, model_bodies = await asyncio.gather(
+            kube.get(API_VERSION, SERVER_KIND, namespace, pool),
+            kube.list(API_VERSION, MODEL_KIND, namespace),
+        )
+    models = models_of_pool(model_bodies, pool, server)
+    if server is None:
+        return models, None
+    control = await pool_control(ctx, server)
+    selector = pool_selector_string(pool)
+    pods, deployment, replicasets, hpa = await asyncio.gather(
+        kube.list("v1", "Pod", namespace, selector),
+        kube.get("apps/v1", "Deployment", namespace, pool),
+        kube.list("apps/v1", "ReplicaSet", namespace, selector),
+        kube.get("autoscaling/v2", "HorizontalPodAutoscaler", namespace, pool),
+    )
+    facts = tuple(pod_facts(p) for p in pods)
+    current_hash = current_template_hash(deployment, replicasets)
+    indexes = await asyncio.gather(*(_read_index(control, f) for f in facts))
+    index = {f.name: idx for f, idx in zip(facts, indexes)}
+    intents = [m.intent for m in models]
+    states = {f.name: pod_state(f, index[f.name], intents, current_hash) for f in facts}
+    return models, PoolSnapshot(
+        namespace=namespace,
+        pool=pool,
+        now=now,
+        server=server,
+        control=control,
+        models=tuple(models),
+        facts=facts,
+        index=index,
+        states=states,
+        deployment=deployment,
+        hpa=hpa,
+    )
+
+
+class _Pass:
+    """The steps of one pass over a snapshot of its pool, and what they did (loads, unloads, failures)."""
+
+    def __init__(self, ctx: PoolContext, snapshot: PoolSnapshot):
         self.ctx = ctx
-        self.namespace = namespace
-        self.pool = pool
-        self.now = now_rfc3339()
+        self.snap = snapshot
+        self.namespace = snapshot.namespace
+        self.pool = snapshot.pool
+        self.now = snapshot.now
+        self._tls = tls_secret_name(snapshot.spec) is not None
+        self.facts = list(snapshot.facts)  # the pods as the pass's own patches leave them
+        self.truth = self._initial_truth()  # what each pod holds, kept current as the pass loads and unloads
         self.failures: dict[str, dict[str, str]] = {}  # model -> pod -> load error in this pass
         self.unload_failures: dict[str, dict[str, str]] = {}
         self.fresh: set[tuple[str, str]] = set()  # (model, pod) loaded in this pass
 
     async def run(self) -> PoolReport:
-        kube = self.ctx.kube
-        if self.ctx.models is not None:
-            server = await kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool)
-            model_bodies = self.ctx.models(self.namespace, self.pool)
-        else:
-            server, model_bodies = await asyncio.gather(
-                kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool),
-                kube.list(API_VERSION, MODEL_KIND, self.namespace),
-            )
-        models = models_of_pool(model_bodies, self.pool, server)
-        if server is None:
-            for model in models:
-                if not model.deleting:
-                    await self._write_model_status(
-                        model, ModelObservation(wanted=0, holding=0, available=0), pool_found=False
-                    )
-            return PoolReport(found=False)
-        self.server = server
-        self.control = await pool_control(self.ctx, server)
-        self.models = models
-        spec = server.get("spec") or {}
-        selector = pool_selector_string(self.pool)
-        pods, deployment, replicasets, hpa = await asyncio.gather(
-            kube.list("v1", "Pod", self.namespace, selector),
-            kube.get("apps/v1", "Deployment", self.namespace, self.pool),
-            kube.list("apps/v1", "ReplicaSet", self.namespace, selector),
-            kube.get("autoscaling/v2", "HorizontalPodAutoscaler", self.namespace, self.pool),
-        )
-        self.facts = [pod_facts(p) for p in pods]
-        current_hash = current_template_hash(deployment, replicasets)
-        indexes = await asyncio.gather(*(_read_index(self.control, f) for f in self.facts))
-        self.index = {f.name: idx for f, idx in zip(self.facts, indexes)}
-        intents = [m.intent for m in models]
-        self.states = {f.name: pod_state(f, self.index[f.name], intents, current_hash) for f in self.facts}
-
-        self.truth = self._initial_truth()
+        snap = self.snap
+        models, spec = snap.models, snap.spec
         await self._drop_lost_models()
 
         valid = [m for m in models if not m.problems]
-        self.demands = {
+        demands = {
             m.intent.name: Demand(
                 name=m.intent.name,
                 revision=m.intent.revision,
@@ -228,7 +275,7 @@ class _Pass:
             )
             for m in valid
         }
-        plans = plan_pool(list(self.demands.values()), list(self.states.values()), self._capacity(spec))
+        plans = plan_pool(list(demands.values()), list(snap.states.values()), _capacity(spec))
 
         loading = []
         for model in valid:
@@ -239,12 +286,12 @@ class _Pass:
                 loading.append((model, observed))
         await self._write_model_statuses(loading)
         loaded = await self._load_all(valid, plans)
-        await self._unload_all(valid, plans, loaded)
+        await self._unload_all(valid, plans, demands, loaded)
         await self._unload_strays()
 
         for facts in self.facts:
             truth = self.truth[facts.name]
-            if self.states[facts.name].ready:
+            if snap.states[facts.name].ready:
                 truth.gate = True
             await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
 
@@ -261,7 +308,7 @@ class _Pass:
             observations.append((model, observed))
             counts.append(ModelCount(model.intent.name, model.intent.model_name, observed.holding))
         await self._write_model_statuses(observations)
-        await self._write_server_status(spec, deployment, hpa, counts)
+        await self._write_server_status(counts)
         holders: dict[str, list[str]] = {}
         for pod, truth in self.truth.items():
             for name in truth.held:
@@ -277,22 +324,14 @@ class _Pass:
             avoid.update(self.ctx.backoff.avoid(self.namespace, intent.name, revision))
         return avoid
 
-    def _capacity(self, spec: Mapping[str, Any]) -> Capacity:
-        capacity = spec.get("capacity") or {}
-        try:
-            memory = quantity_bytes(capacity.get("memory")) or None
-        except ValueError:
-            memory = None
-        return Capacity(max_models=capacity.get("maxModels"), memory=memory)
-
     def _initial_truth(self) -> dict[str, PodTruth]:
         """What each pod holds now: for pods the pass can read, what their index says; for the others, what was
         recorded (unless the server restarted, which loses every model)."""
-        by_name = {m.intent.name: m.intent for m in self.models}
+        by_name = {m.intent.name: m.intent for m in self.snap.models}
         truth = {}
         for facts in self.facts:
-            state = self.states[facts.name]
-            index = self.index[facts.name]
+            state = self.snap.states[facts.name]
+            index = self.snap.index[facts.name]
             if index is not None:
                 held = {
                     name: Held(by_name[name].model_name, revision) for name, revision in state.held.items()
@@ -324,7 +363,7 @@ class _Pass:
         _, config, _ = intent.variant(revision)
         try:
             async with self.ctx.load_slots:
-                await self.control.load(pod.ip or "", intent.model_name, config)
+                await self.snap.control.load(pod.ip or "", intent.model_name, config)
         except ControlError as error:
             return intent.name, pod.name, str(error)
         return intent.name, pod.name, None
@@ -333,7 +372,7 @@ class _Pass:
         by_name = {m.intent.name: m for m in models}
         jobs = [
             self._load_one(
-                by_name[name], self.states[pod], plan.revisions.get(pod, by_name[name].intent.revision)
+                by_name[name], self.snap.states[pod], plan.revisions.get(pod, by_name[name].intent.revision)
             )
             for name, plan in plans.items()
             for pod in plan.load
@@ -366,19 +405,23 @@ class _Pass:
         return loaded
 
     async def _unload(self, pod: str, model_name: str) -> str | None:
-        ip = self.states[pod].ip
+        ip = self.snap.states[pod].ip
         try:
-            await self.control.unload(ip or "", model_name)
+            await self.snap.control.unload(ip or "", model_name)
         except ControlError as error:
             return str(error)
         return None
 
     async def _unload_all(
-        self, models: Sequence[_Model], plans: Mapping[str, Plan], loaded: Mapping[str, set[str]]
+        self,
+        models: Sequence[_Model],
+        plans: Mapping[str, Plan],
+        demands: Mapping[str, Demand],
+        loaded: Mapping[str, set[str]],
     ) -> None:
         for model in models:
             name = model.intent.name
-            pods = unloads_allowed(plans[name], self.demands[name], loaded.get(name, set()))
+            pods = unloads_allowed(plans[name], demands[name], loaded.get(name, set()))
             errors = await asyncio.gather(*(self._unload(pod, model.intent.model_name) for pod in pods))
             for pod, error in zip(pods, errors):
                 if error is None:
@@ -397,9 +440,9 @@ class _Pass:
 
     async def _unload_strays(self) -> None:
         """Models recorded on a pod by an InferenceModel that is gone (or moved to another pool)."""
-        bound = {m.intent.name for m in self.models}
+        bound = {m.intent.name for m in self.snap.models}
         for facts in self.facts:
-            state, truth = self.states[facts.name], self.truth[facts.name]
+            state, truth = self.snap.states[facts.name], self.truth[facts.name]
             if not state.ready:
                 continue
             in_use = {h.model_name for n, h in truth.held.items() if n in bound}
@@ -435,9 +478,9 @@ class _Pass:
         eligible = 0
         for facts in self.facts:
             pod = facts.name
-            state, held = self.states[pod], self.truth[pod].held.get(intent.name)
+            state, held = self.snap.states[pod], self.truth[pod].held.get(intent.name)
             eligible += 1 if state.ready else 0
-            version = version_of(self.index[pod] or [], intent.model_name)
+            version = version_of(self.snap.index[pod] or [], intent.model_name)
             variant = intent.variant(held.revision)[0] if held is not None and intent.canary else None
             if held is not None and (intent.name, pod) in self.fresh:
                 version = intent.variant(held.revision)[2] or version  # the index was read before this load
@@ -499,9 +542,9 @@ class _Pass:
             return {}
         canaried = {m.intent.name for m in models if m.intent.canary is not None and not m.deleting}
         ips = [
-            self.states[f.name].ip or ""
+            self.snap.states[f.name].ip or ""
             for f in self.facts
-            if self.states[f.name].ready and any(n in canaried for n in self.truth[f.name].held)
+            if self.snap.states[f.name].ready and any(n in canaried for n in self.truth[f.name].held)
         ]
         return await self.ctx.meter.scrape_all(ip for ip in ips if ip)
 
@@ -518,7 +561,7 @@ class _Pass:
         holders: dict[str, list[str]] = {revision: [] for revision in intent.revisions}
         for facts in self.facts:
             held = self.truth[facts.name].held.get(intent.name)
-            if held is not None and held.revision in holders and self.states[facts.name].ready:
+            if held is not None and held.revision in holders and self.snap.states[facts.name].ready:
                 holders[held.revision].append(facts.name)
         total = sum(len(pods) for pods in holders.values())
         out = []
@@ -536,7 +579,7 @@ class _Pass:
             if meter is not None:
                 counters = [
                     traffic[ip][intent.model_name]
-                    for ip in (self.states[p].ip for p in pods)
+                    for ip in (self.snap.states[p].ip for p in pods)
                     if ip is not None and ip in traffic and intent.model_name in traffic[ip]
                 ]
                 figures = meter.traffic(self.namespace, intent.name, revision, counters)
@@ -557,53 +600,28 @@ class _Pass:
 
         async def write(model: _Model, observed: ModelObservation) -> None:
             async with slots:
-                await self._write_model_status(model, observed, pool_found=True)
+                await write_model_status(
+                    self.ctx, self.namespace, self.now, model, observed, pool_found=True, tls=self._tls
+                )
 
         await asyncio.gather(*(write(model, observed) for model, observed in observations))
 
-    async def _write_model_status(self, model: _Model, observed: ModelObservation, pool_found: bool) -> None:
-        intent, meta = model.intent, model.body["metadata"]
-        tls = tls_secret_name((getattr(self, "server", None) or {}).get("spec") or {}) is not None
-        status = model_status(
-            generation=meta.get("generation"),
-            pool=intent.pool,
-            model_name=intent.model_name,
-            revision=intent.revision,
-            selector=model_selector_string(intent),
-            endpoint=endpoint(intent, self.namespace, tls),
-            problems=model.problems,
-            suspended=intent.suspended,
-            pool_found=pool_found,
-            observed=observed,
-            old_status=model.body.get("status"),
-            now=self.now,
-        )
-        if not status_changes(model.body.get("status"), status):
-            return  # a steady state writes nothing
-        try:
-            await self.ctx.kube.apply_status(API_VERSION, MODEL_KIND, self.namespace, meta["name"], status)
-        except KubeError as error:
-            if error.status != 404:
-                raise
-        model.body["status"] = merged_status(model.body.get("status"), status)
-
-    async def _write_server_status(
-        self, spec: Mapping[str, Any], deployment: Body | None, hpa: Body | None, counts: Sequence[ModelCount]
-    ) -> None:
-        meta = self.server["metadata"]
+    async def _write_server_status(self, counts: Sequence[ModelCount]) -> None:
+        snap = self.snap
+        spec, meta = snap.spec, snap.server["metadata"]
         status = server_status(
             generation=meta.get("generation"),
             selector=pool_selector_string(self.pool),
             desired=desired_replicas(spec),
-            deployment=deployment,
-            hpa=hpa,
+            deployment=snap.deployment,
+            hpa=snap.hpa,
             hpa_wanted=autoscaling_active(spec),
             models=counts,
             problems=server_spec_problems(self.pool, spec),
-            old_conditions=(self.server.get("status") or {}).get("conditions"),
+            old_conditions=(self.snap.server.get("status") or {}).get("conditions"),
             now=self.now,
         )
-        if not status_changes(self.server.get("status"), status):
+        if not status_changes(self.snap.server.get("status"), status):
             return
         try:
             await self.ctx.kube.apply_status(API_VERSION, SERVER_KIND, self.namespace, self.pool, status)
@@ -612,6 +630,55 @@ class _Pass:
                 raise
 
 
+async def write_model_status(
+    ctx: PoolContext,
+    namespace: str,
+    now: str,
+    model: _Model,
+    observed: ModelObservation,
+    pool_found: bool,
+    tls: bool,
+) -> None:
+    intent, meta = model.intent, model.body["metadata"]
+    status = model_status(
+        generation=meta.get("generation"),
+        pool=intent.pool,
+        model_name=intent.model_name,
+        revision=intent.revision,
+        selector=model_selector_string(intent),
+        endpoint=endpoint(intent, namespace, tls),
+        problems=model.problems,
+        suspended=intent.suspended,
+        pool_found=pool_found,
+        observed=observed,
+        old_status=model.body.get("status"),
+        now=now,
+    )
+    if not status_changes(model.body.get("status"), status):
+        return  # a steady state writes nothing
+    try:
+        await ctx.kube.apply_status(API_VERSION, MODEL_KIND, namespace, meta["name"], status)
+    except KubeError as error:
+        if error.status != 404:
+            raise
+    model.body["status"] = merged_status(model.body.get("status"), status)
+
+
 async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolReport:
-    """Run one pass over the pool `pool` in `namespace`."""
-    return await _Pass(ctx, namespace, pool).run()
+    """Run one pass over the pool `pool` in `namespace`: read it, then act on what was read."""
+    now = now_rfc3339()
+    models, snapshot = await read_pool(ctx, namespace, pool, now)
+    if snapshot is None:
+        for model in models:
+            if not model.deleting:
+                await write_model_status(
+                    ctx,
+                    namespace,
+                    now,
+                    model,
+                    ModelObservation(wanted=0, holding=0, available=0),
+                    pool_found=False,
+                    tls=False,
+                )
+        return PoolReport(found=False)
+    return await _Pass(ctx, snapshot).run()

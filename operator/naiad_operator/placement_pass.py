@@ -1,5 +1,5 @@
-"""One placement pass over a pool: read the pods and every server's repository index, decide placements, load
-and unload through the model-control API, then make pod labels, readiness gates and statuses tell the truth.
+"""One placement pass over a pool: read a snapshot of it (pool_snapshot.py), decide placements, load and unload
+through the model-control API, then make pod labels, readiness gates and statuses tell the truth.
 
 A pass is idempotent and starts from what the servers report, so the same code creates placements, heals pods
 that restarted or were added by the autoscaler, rolls revisions, and cleans up after deleted models.
@@ -9,33 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import OperatorConfig
-from .control import ControlError, IndexEntry, ModelControlClient
+from .control import ControlError
 from .events import post as post_event
-from .kube import KubeClient, KubeError
-from .load_backoff import LoadBackoff
-from .model_resources import ModelIntent, endpoint, model_intent, model_selector_string, pool_problems
+from .kube import KubeError
+from .model_resources import ModelIntent, endpoint, model_selector_string
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
-from .objects import Body
 from .observe import (
     Held,
     PodFacts,
     PodTruth,
-    current_template_hash,
     gate_patch,
     metadata_patch,
     pod_facts,
-    pod_state,
     version_of,
 )
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
 from .pool_resources import pool_selector_string
+from .pool_snapshot import PoolContext, PoolModel, PoolSnapshot, read_pool
 from .quantity import quantity_bytes
-from .security import TrustCache, server_hostname, tls_secret_name
+from .security import tls_secret_name
 from .server_spec import autoscaling_active, desired_replicas, server_spec_problems
 from .status import (
     ModelCount,
@@ -47,7 +43,6 @@ from .status import (
     server_status,
     status_changes,
 )
-from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 # Model status writes in flight at once during a pass.
@@ -55,89 +50,10 @@ STATUS_WRITES = 16
 
 
 @dataclass
-class PoolContext:
-    kube: KubeClient
-    control: ModelControlClient
-    config: OperatorConfig
-    backoff: LoadBackoff
-    load_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(16))
-    trust: TrustCache | None = None  # CAs of pools with spec.tls (None: no pool uses TLS, e.g. in tests)
-    # Reads the servers' request counters for models under a canary (None: no traffic figures in status).
-    meter: VariantMeter | None = None
-    # The InferenceModels of a pool from the operator's index (None: list them from the API server).
-    models: Callable[[str, str], list[Body]] | None = None
-
-
-async def pool_control(ctx: PoolContext, server: Mapping[str, Any]) -> ModelControlClient:
-    """The model-control client for one pool: HTTPS verified against its TLS Secret's CA when spec.tls is set."""
-    secret = tls_secret_name(server.get("spec") or {})
-    if secret is None or ctx.trust is None:
-        return ctx.control
-    meta = server["metadata"]
-    context = await ctx.trust.context(meta["namespace"], secret)
-    return ctx.control.with_tls(context, server_hostname(meta["name"], meta["namespace"]))
-
-
-@dataclass
 class PoolReport:
     found: bool
     # InferenceModel name -> pods that still hold it after the pass.
     holders: dict[str, list[str]] = field(default_factory=dict)
-
-
-@dataclass
-class _Model:
-    body: Body
-    intent: ModelIntent
-    problems: list[str]
-
-    @property
-    def deleting(self) -> bool:
-        return bool(self.body["metadata"].get("deletionTimestamp"))
-
-
-def _creation_order(body: Mapping[str, Any]) -> tuple[str, str]:
-    meta = body["metadata"]
-    return meta.get("creationTimestamp") or "", meta["name"]
-
-
-def _with_kind(body: Body) -> Body:
-    # List items of custom resources carry apiVersion/kind, but Events need them, so make sure.
-    body.setdefault("apiVersion", API_VERSION)
-    body.setdefault("kind", MODEL_KIND)
-    return body
-
-
-def models_of_pool(models: Sequence[Body], pool: str, server: Mapping[str, Any] | None) -> list[_Model]:
-    """The InferenceModels that want this pool, oldest first, with the problems that keep each from loading.
-    Two models of one pool may not share a model name: the younger one is reported, the older one keeps it."""
-    found: list[_Model] = []
-    names: dict[str, str] = {}
-    for body in sorted(models, key=_creation_order):
-        intent = model_intent(body["metadata"]["name"], body.get("spec") or {})
-        if intent.pool != pool:
-            continue
-        problems = list(intent.problems)
-        if server is not None:
-            problems += pool_problems(intent, server)
-        if intent.model_name in names and not body["metadata"].get("deletionTimestamp"):
-            problems.append(
-                f"model {intent.model_name!r} is already served on {pool} by InferenceModel {names[intent.model_name]}"
-            )
-        else:
-            names.setdefault(intent.model_name, intent.name)
-        found.append(_Model(_with_kind(body), intent, problems))
-    return found
-
-
-async def _read_index(control: ModelControlClient, facts: PodFacts) -> list[IndexEntry] | None:
-    if not facts.loadable or facts.ip is None:
-        return None
-    try:
-        return await control.index(facts.ip)
-    except ControlError as error:
-        log.info("pod %s: repository index unavailable: %s", facts.name, error)
-        return None
 
 
 async def _patch_pod(
@@ -171,74 +87,6 @@ def _capacity(spec: Mapping[str, Any]) -> Capacity:
     except ValueError:
         memory = None
     return Capacity(max_models=capacity.get("maxModels"), memory=memory)
-
-
-@dataclass(frozen=True)
-class PoolSnapshot:
-    """What a pass read of its pool before deciding anything: the InferenceServer, its InferenceModels, the pods,
-    what each pod's server reports (repository index) and what placement makes of it."""
-
-    namespace: str
-    pool: str
-    now: str  # the pass's timestamp (conditions, failures)
-    server: Body
-    control: ModelControlClient  # the pool's model-control client (TLS when spec.tls is set)
-    models: tuple[_Model, ...]
-    facts: tuple[PodFacts, ...]
-    index: Mapping[str, list[IndexEntry] | None]  # pod -> repository index (None: unreadable)
-    states: Mapping[str, PodState]  # pod -> what placement sees
-    deployment: Body | None
-    hpa: Body | None
-
-    @property
-    def spec(self) -> Mapping[str, Any]:
-        return self.server.get("spec") or {}
-
-
-async def read_pool(
-    ctx: PoolContext, namespace: str, pool: str, now: str
-) -> tuple[list[_Model], PoolSnapshot | None]:
-    """Everything a pass reads, read first: the pool's models, and its snapshot (None when the InferenceServer
-    does not exist)."""
-    kube = ctx.kube
-    if ctx.models is not None:
-        server = await kube.get(API_VERSION, SERVER_KIND, namespace, pool)
-        model_bodies = ctx.models(namespace, pool)
-    else:
-        server, model_bodies = await asyncio.gather(
-            kube.get(API_VERSION, SERVER_KIND, namespace, pool),
-            kube.list(API_VERSION, MODEL_KIND, namespace),
-        )
-    models = models_of_pool(model_bodies, pool, server)
-    if server is None:
-        return models, None
-    control = await pool_control(ctx, server)
-    selector = pool_selector_string(pool)
-    pods, deployment, replicasets, hpa = await asyncio.gather(
-        kube.list("v1", "Pod", namespace, selector),
-        kube.get("apps/v1", "Deployment", namespace, pool),
-        kube.list("apps/v1", "ReplicaSet", namespace, selector),
-        kube.get("autoscaling/v2", "HorizontalPodAutoscaler", namespace, pool),
-    )
-    facts = tuple(pod_facts(p) for p in pods)
-    current_hash = current_template_hash(deployment, replicasets)
-    indexes = await asyncio.gather(*(_read_index(control, f) for f in facts))
-    index = {f.name: idx for f, idx in zip(facts, indexes)}
-    intents = [m.intent for m in models]
-    states = {f.name: pod_state(f, index[f.name], intents, current_hash) for f in facts}
-    return models, PoolSnapshot(
-        namespace=namespace,
-        pool=pool,
-        now=now,
-        server=server,
-        control=control,
-        models=tuple(models),
-        facts=facts,
-        index=index,
-        states=states,
-        deployment=deployment,
-        hpa=hpa,
-    )
 
 
 class _Pass:
@@ -358,7 +206,7 @@ class _Pass:
             if lost or facts.restarted:
                 self.facts[i] = await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
 
-    async def _load_one(self, model: _Model, pod: PodState, revision: str) -> tuple[str, str, str | None]:
+    async def _load_one(self, model: PoolModel, pod: PodState, revision: str) -> tuple[str, str, str | None]:
         intent = model.intent
         _, config, _ = intent.variant(revision)
         try:
@@ -368,7 +216,7 @@ class _Pass:
             return intent.name, pod.name, str(error)
         return intent.name, pod.name, None
 
-    async def _load_all(self, models: Sequence[_Model], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
+    async def _load_all(self, models: Sequence[PoolModel], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
         by_name = {m.intent.name: m for m in models}
         jobs = [
             self._load_one(
@@ -414,7 +262,7 @@ class _Pass:
 
     async def _unload_all(
         self,
-        models: Sequence[_Model],
+        models: Sequence[PoolModel],
         plans: Mapping[str, Plan],
         demands: Mapping[str, Demand],
         loaded: Mapping[str, set[str]],
@@ -469,7 +317,7 @@ class _Pass:
 
     # --- status -----------------------------------------------------------------------------------------------
 
-    def _observe(self, model: _Model, plan: Plan | None, loading: bool) -> ModelObservation:
+    def _observe(self, model: PoolModel, plan: Plan | None, loading: bool) -> ModelObservation:
         intent = model.intent
         placements = []
         holding = available = 0
@@ -536,7 +384,7 @@ class _Pass:
             eligible_pods=eligible,
         )
 
-    async def _read_traffic(self, models: Sequence[_Model]) -> dict[str, dict[str, tuple[float, float]]]:
+    async def _read_traffic(self, models: Sequence[PoolModel]) -> dict[str, dict[str, tuple[float, float]]]:
         """Request counters of the pods holding a model under a canary (pod IP -> model name -> counters)."""
         if self.ctx.meter is None:
             return {}
@@ -549,7 +397,7 @@ class _Pass:
         return await self.ctx.meter.scrape_all(ip for ip in ips if ip)
 
     def _variants(
-        self, model: _Model, traffic: Mapping[str, Mapping[str, tuple[float, float]]]
+        self, model: PoolModel, traffic: Mapping[str, Mapping[str, tuple[float, float]]]
     ) -> list[dict[str, Any]] | None:
         """status.variants of a model under a canary: each variant's pods, share and traffic."""
         intent = model.intent
@@ -593,12 +441,12 @@ class _Pass:
             meter.forget(self.namespace, intent.name, keep=intent.revisions)
         return out
 
-    async def _write_model_statuses(self, observations: Sequence[tuple[_Model, ModelObservation]]) -> None:
+    async def _write_model_statuses(self, observations: Sequence[tuple[PoolModel, ModelObservation]]) -> None:
         """Write the statuses that changed, several at a time (a pass over a pool of many models otherwise waits
         on one round trip per model)."""
         slots = asyncio.Semaphore(STATUS_WRITES)
 
-        async def write(model: _Model, observed: ModelObservation) -> None:
+        async def write(model: PoolModel, observed: ModelObservation) -> None:
             async with slots:
                 await write_model_status(
                     self.ctx, self.namespace, self.now, model, observed, pool_found=True, tls=self._tls
@@ -634,7 +482,7 @@ async def write_model_status(
     ctx: PoolContext,
     namespace: str,
     now: str,
-    model: _Model,
+    model: PoolModel,
     observed: ModelObservation,
     pool_found: bool,
     tls: bool,

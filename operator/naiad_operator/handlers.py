@@ -42,8 +42,9 @@ from .naming import (
     VERSION,
 )
 from .objects import Body
+from .ownership import Owner
 from .placement_pass import PoolReport, reconcile_pool
-from .pool_resources import Owner, render_pool
+from .pool_resources import render_pool
 from .pool_snapshot import PoolContext
 from .runner import PassRunner
 from .security import CONTROL_HEADER, CredentialStore, TrustCache

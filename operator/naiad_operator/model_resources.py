@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import OperatorConfig
+from .metrics_resources import render_hpa
 from .naming import (
     API_VERSION,
     DEDICATED_FOR_LABEL,
@@ -30,7 +31,7 @@ from .naming import (
     short_hash,
 )
 from .objects import Body, Spec
-from .pool_resources import Owner, render_hpa
+from .ownership import Owner
 from .quantity import quantity_bytes
 from .server_spec import (
     autoscaling_active,

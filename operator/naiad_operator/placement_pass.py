@@ -27,8 +27,8 @@ from .observe import (
     pod_facts,
     version_of,
 )
+from .ownership import pool_selector_string
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
-from .pool_resources import pool_selector_string
 from .pool_snapshot import PoolContext, PoolModel, PoolSnapshot, read_pool
 from .quantity import quantity_bytes
 from .security import tls_secret_name

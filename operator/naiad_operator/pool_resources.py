@@ -1,4 +1,5 @@
-"""Pure renderers: an InferenceServer spec in, the desired Deployment, Services, claim, HPA and ServiceMonitor out.
+"""Pure renderers: an InferenceServer spec in, its pool's objects out (Deployment, Services, claim, control Secret,
+NetworkPolicy, PodDisruptionBudget; the HPA and ServiceMonitor come from metrics_resources.py).
 
 Nothing here talks to a cluster; the handlers apply what these functions return with server-side apply.
 """
@@ -12,21 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import OperatorConfig
+from .metrics_resources import render_server_hpa, render_service_monitor, service_monitor_wanted
 from .naming import (
-    API_VERSION,
     GRPC_PORT,
     HTTP_PORT,
     METRICS_PORT,
     MODELS_READY_CONDITION,
     SERVER_CONTAINER,
-    SERVER_KIND,
-    SERVER_LABEL,
     SERVICE_ROLE_LABEL,
     headless_service_name,
     models_claim_name,
-    selector_string,
 )
 from .objects import Body, Spec
+from .ownership import Owner, child_metadata, pool_labels, pool_selector
 from .quantity import parse_quantity
 from .security import (
     CONTROL_ENV,
@@ -37,12 +36,10 @@ from .security import (
     control_env,
     control_secret_name,
     credential_hash,
-    server_hostname,
     tls_secret_name,
 )
 from .server_spec import (
     STORAGE_CACHE_PATH,
-    autoscaling_active,
     desired_replicas,
     repository_claim,
     repository_path,
@@ -59,65 +56,6 @@ PROBE_DEFAULTS = {
     "readiness": {"path": "/v2/health/ready", "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
     "liveness": {"path": "/v2/health/live", "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3},
 }
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The object that owns rendered children (garbage collection through owner references)."""
-
-    api_version: str
-    kind: str
-    name: str
-    uid: str
-    namespace: str
-
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> Owner:
-        meta = body["metadata"]
-        return cls(body["apiVersion"], body["kind"], meta["name"], meta["uid"], meta["namespace"])
-
-    def reference(self) -> Body:
-        return {
-            "apiVersion": self.api_version,
-            "kind": self.kind,
-            "name": self.name,
-            "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
-
-
-def pool_labels(server: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "naiad-server",
-        "app.kubernetes.io/instance": server,
-        "app.kubernetes.io/component": "inference-server",
-        "app.kubernetes.io/managed-by": "naiad-operator",
-        SERVER_LABEL: server,
-    }
-
-
-def pool_selector(server: str) -> dict[str, str]:
-    return {SERVER_LABEL: server}
-
-
-def pool_selector_string(server: str) -> str:
-    return selector_string(pool_selector(server))
-
-
-def _metadata(
-    name: str,
-    owner: Owner,
-    labels: Mapping[str, str],
-    annotations: Mapping[str, str] | None = None,
-    owned: bool = True,
-) -> Body:
-    meta: Body = {"name": name, "namespace": owner.namespace, "labels": dict(labels)}
-    if annotations:
-        meta["annotations"] = dict(annotations)
-    if owned:
-        meta["ownerReferences"] = [owner.reference()]
-    return meta
 
 
 # --- Deployment -------------------------------------------------------------------------------------------------
@@ -298,7 +236,7 @@ def render_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(server, owner, labels),
+        "metadata": child_metadata(server, owner, labels),
         "spec": {
             "replicas": desired_replicas(spec),
             "selector": {"matchLabels": pool_selector(server)},
@@ -338,7 +276,7 @@ def render_pool_service(owner: Owner, spec: Spec) -> Body:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner.name, owner, labels, service.get("annotations")),
+        "metadata": child_metadata(owner.name, owner, labels, service.get("annotations")),
         "spec": {
             "type": service.get("type") or "ClusterIP",
             "selector": pool_selector(owner.name),
@@ -353,7 +291,7 @@ def render_headless_service(owner: Owner) -> Body:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(headless_service_name(owner.name), owner, labels),
+        "metadata": child_metadata(headless_service_name(owner.name), owner, labels),
         "spec": {
             "clusterIP": "None",
             "selector": pool_selector(owner.name),
@@ -379,7 +317,7 @@ def render_claim(owner: Owner, spec: Spec) -> Body | None:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _metadata(
+        "metadata": child_metadata(
             models_claim_name(owner.name),
             owner,
             pool_labels(owner.name),
@@ -387,90 +325,6 @@ def render_claim(owner: Owner, spec: Spec) -> Body | None:
         ),
         "spec": claim_spec,
     }
-
-
-# --- autoscaling ------------------------------------------------------------------------------------------------
-
-
-def queue_time_metric(config: OperatorConfig, target_us: int, model: str | None = None) -> Body:
-    """Pods metric: average queue time per request (microseconds) from prometheus-adapter."""
-    metric: Body = {"name": config.queue_metric_name}
-    if model is not None:
-        metric["selector"] = {"matchLabels": {"model": model}}
-    return {
-        "type": "Pods",
-        "pods": {"metric": metric, "target": {"type": "AverageValue", "averageValue": str(target_us)}},
-    }
-
-
-def render_hpa(
-    owner: Owner,
-    target_kind: str,
-    target_name: str,
-    spec: Spec,
-    config: OperatorConfig,
-    labels: Mapping[str, str],
-    model: str | None = None,
-) -> Body | None:
-    """autoscaling/v2 HPA on the scale subresource of an InferenceServer or InferenceModel, or None."""
-    if not autoscaling_active(spec):
-        return None
-    autoscaling = spec.get("autoscaling") or {}
-    metrics = copy.deepcopy(list(autoscaling.get("metrics") or [])) or [
-        queue_time_metric(config, int(autoscaling.get("targetQueueTimeMicroseconds") or 20000), model)
-    ]
-    hpa_spec: Body = {
-        "scaleTargetRef": {"apiVersion": API_VERSION, "kind": target_kind, "name": target_name},
-        "minReplicas": int(spec.get("minReplicas") or 1),
-        "maxReplicas": int(spec["maxReplicas"]),
-        "metrics": metrics,
-    }
-    if autoscaling.get("behavior"):
-        hpa_spec["behavior"] = copy.deepcopy(dict(autoscaling["behavior"]))
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(target_name, owner, labels),
-        "spec": hpa_spec,
-    }
-
-
-def render_server_hpa(owner: Owner, spec: Spec, config: OperatorConfig) -> Body | None:
-    return render_hpa(owner, SERVER_KIND, owner.name, spec, config, pool_labels(owner.name))
-
-
-# --- monitoring -------------------------------------------------------------------------------------------------
-
-
-def service_monitor_wanted(spec: Spec, config: OperatorConfig) -> bool:
-    return config.service_monitors != "false" and (spec.get("monitoring") or {}).get("serviceMonitor", True)
-
-
-def render_service_monitor(owner: Owner, spec: Spec) -> Body:
-    """ServiceMonitor on the pool Service only (model Services select the same pods and would double-count)."""
-    monitoring = spec.get("monitoring") or {}
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
-        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
-        "spec": {
-            "selector": {"matchLabels": {**pool_selector(owner.name), SERVICE_ROLE_LABEL: "pool"}},
-            "namespaceSelector": {"matchNames": [owner.namespace]},
-            "endpoints": [_metrics_endpoint(owner, spec, monitoring.get("interval") or "15s")],
-        },
-    }
-
-
-def _metrics_endpoint(owner: Owner, spec: Spec, interval: str) -> Body:
-    endpoint: Body = {"port": "metrics", "path": "/metrics", "interval": interval}
-    secret = tls_secret_name(spec)
-    if secret:
-        endpoint["scheme"] = "https"
-        endpoint["tlsConfig"] = {
-            "ca": {"secret": {"name": secret, "key": "ca.crt"}},
-            "serverName": server_hostname(owner.name, owner.namespace),
-        }
-    return endpoint
 
 
 # --- the control credential and network policy -----------------------------------------------------------------
@@ -481,7 +335,7 @@ def render_control_secret(owner: Owner, credential: str) -> Body:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(control_secret_name(owner.name), owner, pool_labels(owner.name)),
+        "metadata": child_metadata(control_secret_name(owner.name), owner, pool_labels(owner.name)),
         "type": "Opaque",
         "data": {CREDENTIAL_KEY: base64.b64encode(credential.encode()).decode()},
     }
@@ -499,7 +353,7 @@ def render_network_policy(owner: Owner, config: OperatorConfig) -> Body:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
+        "metadata": child_metadata(owner.name, owner, pool_labels(owner.name)),
         "spec": {
             "podSelector": {"matchLabels": pool_selector(owner.name)},
             "policyTypes": ["Ingress"],
@@ -531,7 +385,7 @@ def render_disruption_budget(owner: Owner, spec: Spec) -> Body | None:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
+        "metadata": child_metadata(owner.name, owner, pool_labels(owner.name)),
         "spec": {
             "maxUnavailable": max_unavailable,
             "selector": {"matchLabels": pool_selector(owner.name)},

@@ -17,8 +17,8 @@ from .model_resources import ModelIntent, model_intent, pool_problems
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
 from .objects import Body
 from .observe import PodFacts, current_template_hash, pod_facts, pod_state
+from .ownership import pool_selector_string
 from .placement import PodState
-from .pool_resources import pool_selector_string
 from .security import TrustCache, server_hostname, tls_secret_name
 from .variants import VariantMeter
 

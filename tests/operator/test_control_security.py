@@ -17,7 +17,9 @@ from operator_fakes import NS, FakeKube
 
 from naiad_operator.config import OperatorConfig
 from naiad_operator.control import ModelControlClient, ModelControlError, ServerUnreachable
-from naiad_operator.pool_resources import Owner, render_deployment, render_pool, render_service_monitor
+from naiad_operator.metrics_resources import render_service_monitor
+from naiad_operator.ownership import Owner
+from naiad_operator.pool_resources import render_deployment, render_pool
 from naiad_operator.security import (
     CONTROL_ENV,
     CONTROL_HEADER,

@@ -8,16 +8,15 @@ import copy
 import pytest
 
 from naiad_operator.config import OperatorConfig
+from naiad_operator.metrics_resources import render_server_hpa, render_service_monitor
 from naiad_operator.naming import MODELS_READY_CONDITION, SERVER_LABEL, SERVICE_ROLE_LABEL
+from naiad_operator.ownership import Owner
 from naiad_operator.pool_resources import (
-    Owner,
     render_claim,
     render_deployment,
     render_headless_service,
     render_pool,
     render_pool_service,
-    render_server_hpa,
-    render_service_monitor,
 )
 from naiad_operator.server_spec import autoscaling_active, desired_replicas, server_args, server_spec_problems
 

@@ -15,7 +15,8 @@ from naiad_operator.model_resources import (
     render_dedicated_server,
 )
 from naiad_operator.naming import DEDICATED_FOR_LABEL
-from naiad_operator.pool_resources import Owner, render_deployment
+from naiad_operator.ownership import Owner
+from naiad_operator.pool_resources import render_deployment
 from naiad_operator.server_spec import server_args, server_spec_problems
 
 OWNER = Owner("naiad.dev/v1alpha1", "InferenceModel", "resnet", "uid-m", "ml")

@@ -119,11 +119,12 @@ test-deps:
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 
-# Lint and format check; both fail on a finding (rule set chosen in pyproject.toml).
+# Lint, format and type checks; each fails on a finding (rule sets chosen in pyproject.toml).
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(PY) -m mypy operator/naiad_operator
 
 clean:
 	rm -rf $(VENV) $(REPO) .pytest_cache

@@ -11,15 +11,11 @@ from collections.abc import Sequence
 
 import kopf
 
-SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+from .config import service_account_namespace
 
 
 def _own_namespace() -> str:
-    try:
-        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
-            return f.read().strip() or "default"
-    except OSError:
-        return "default"
+    return service_account_namespace() or "default"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

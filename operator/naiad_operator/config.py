@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0"
 DEFAULT_QUEUE_METRIC = "naiad_queue_time_per_request_us"
@@ -31,7 +32,7 @@ class OperatorConfig:
     operator_namespace: str = "naiad-system"
     # A NetworkPolicy per pool: metrics port only from the operator's namespace and `metrics_from` (Prometheus).
     network_policy: bool = False
-    metrics_from: tuple = field(default_factory=tuple)
+    metrics_from: tuple[Any, ...] = field(default_factory=tuple)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -53,7 +54,7 @@ class OperatorConfig:
         monitors = env.get("NAIAD_SERVICE_MONITORS", defaults.service_monitors).lower()
         if monitors not in ("auto", "false"):
             raise ValueError(f"NAIAD_SERVICE_MONITORS must be 'auto' or 'false', got {monitors!r}")
-        namespace = env.get("NAIAD_OPERATOR_NAMESPACE") or _service_account_namespace()
+        namespace = env.get("NAIAD_OPERATOR_NAMESPACE") or service_account_namespace()
         try:
             metrics_from = tuple(json.loads(env.get("NAIAD_NETWORK_POLICY_METRICS_FROM") or "[]"))
         except (ValueError, TypeError) as error:
@@ -77,7 +78,7 @@ class OperatorConfig:
         )
 
 
-def _service_account_namespace() -> str | None:
+def service_account_namespace() -> str | None:
     """The namespace the operator's pod runs in, as the service-account mount tells it."""
     try:
         return Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text().strip() or None

@@ -125,7 +125,8 @@ class ModelControlClient:
             kwargs["ssl"] = self._ssl
             kwargs["server_hostname"] = self._server_hostname
         status, text = 0, ""
-        for credential in list(self._credentials()) or [None]:
+        candidates: list[str | None] = [*self._credentials()] or [None]
+        for credential in candidates:
             if credential is not None:
                 headers[self._credential_header] = credential
             try:

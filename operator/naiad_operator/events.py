@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 def post(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
     """kind is Normal or Warning."""
     try:
-        kopf.event(dict(body), type=kind, reason=reason, message=message)
+        # kopf.event reads any mapping (apiVersion, kind, metadata); its annotation names kopf.Body only.
+        kopf.event(dict(body), type=kind, reason=reason, message=message)  # type: ignore[arg-type]
     except LookupError:
         log.info("%s %s %s: %s", kind, reason, body["metadata"]["name"], message)

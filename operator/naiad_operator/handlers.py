@@ -20,6 +20,7 @@ from .config import OperatorConfig
 from .control import ModelControlClient
 from .events import post as post_event
 from .kube import KubeClient, KubeError
+from .load_backoff import LoadBackoff
 from .model_resources import (
     SHARED_POOL_AUTOSCALING,
     model_autoscaling_ignored,
@@ -40,15 +41,23 @@ from .naming import (
     SERVER_PLURAL,
     VERSION,
 )
-from .pool import LoadBackoff, PoolContext, PoolReport, reconcile_pool
-from .resources import Body, Owner, render_pool, server_spec_problems
+from .objects import Body
+from .ownership import Owner
+from .placement_pass import PoolReport, reconcile_pool
+from .pool_resources import render_pool
+from .pool_snapshot import PoolContext
 from .runner import PassRunner
 from .security import CONTROL_HEADER, CredentialStore, TrustCache
+from .server_spec import server_spec_problems
 from .variants import VariantMeter
 
 log = logging.getLogger(__name__)
 
-# Timer intervals are fixed when the handlers are registered, so they come from the environment at import.
+# _KOPF_PROTOCOLS: kopf types its handler protocols for every resource, so `namespace` is `str | None` (cluster-
+# scoped resources) and a handler may not ask for an index by name (startup's `models_by_pool`); Naiad's resources
+# are all namespaced. The decorators marked with this name are the operator's only checked-type exceptions there.
+
+# Settings are read once, at import: timer intervals are fixed when the handlers are registered.
 _CONFIG = OperatorConfig.from_env()
 RESYNC = _CONFIG.resync_seconds
 # Retries of a delete before giving up on pods that cannot be reached (their leftovers are unloaded later).
@@ -68,20 +77,20 @@ def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     raise kopf.LoginError("no Kubernetes credentials: neither a service account nor a kubeconfig")
 
 
-@kopf.index(GROUP, VERSION, MODEL_PLURAL)
+@kopf.index(GROUP, VERSION, MODEL_PLURAL)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 def models_by_pool(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, **_: Any) -> dict[Any, Body]:
     """InferenceModels by (namespace, pool), kept current by the watch: a pass reads its models here instead of
     listing every InferenceModel of the namespace."""
     return {(namespace, model_intent(name, dict(spec)).pool): copy.deepcopy(dict(body))}
 
 
-def _models_of_pool(index: kopf.Index, namespace: str, pool: str) -> list[Body]:
+def _models_of_pool(index: kopf.Index[Any, Body], namespace: str, pool: str) -> list[Body]:
     return [copy.deepcopy(body) for body in index.get((namespace, pool), [])]
 
 
-@kopf.on.startup()
+@kopf.on.startup()  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def startup(
-    settings: kopf.OperatorSettings, memo: kopf.Memo, models_by_pool: kopf.Index, **_: Any
+    settings: kopf.OperatorSettings, memo: kopf.Memo, models_by_pool: kopf.Index[Any, Body], **_: Any
 ) -> None:
     settings.persistence.finalizer = f"{GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -93,7 +102,7 @@ async def startup(
     settings.watching.client_timeout = 330
     settings.batching.error_delays = (1, 2, 5, 10, 20, 30, 60)
 
-    config = OperatorConfig.from_env()
+    config = _CONFIG
     memo.config = config
     memo.kube = KubeClient(lambda: asyncio.to_thread(connection_info, settings))
     memo.http = aiohttp.ClientSession()
@@ -222,7 +231,7 @@ async def ensure_pool(memo: kopf.Memo, body: Body, *, events: bool) -> list[str]
 
 @kopf.on.resume(GROUP, VERSION, SERVER_PLURAL)
 @kopf.on.create(GROUP, VERSION, SERVER_PLURAL)
-@kopf.on.update(GROUP, VERSION, SERVER_PLURAL)
+@kopf.on.update(GROUP, VERSION, SERVER_PLURAL)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def server_changed(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     try:
         await ensure_pool(memo, dict(body), events=True)
@@ -231,7 +240,7 @@ async def server_changed(body: kopf.Body, name: str, namespace: str, memo: kopf.
     memo.pools.request(namespace, name)
 
 
-@kopf.timer(GROUP, VERSION, SERVER_PLURAL, interval=RESYNC, initial_delay=RESYNC / 3)
+@kopf.timer(GROUP, VERSION, SERVER_PLURAL, interval=RESYNC, initial_delay=RESYNC / 3)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def server_resync(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """Self-healing: re-apply the children and compare every pod's repository index with the placements."""
     try:
@@ -280,7 +289,7 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
 
 @kopf.on.resume(GROUP, VERSION, MODEL_PLURAL)
 @kopf.on.create(GROUP, VERSION, MODEL_PLURAL)
-@kopf.on.update(GROUP, VERSION, MODEL_PLURAL)
+@kopf.on.update(GROUP, VERSION, MODEL_PLURAL)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def model_changed(
     body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, old: Mapping[str, Any] | None, **_: Any
 ) -> None:
@@ -314,7 +323,7 @@ async def promote(memo: kopf.Memo, body: Body) -> None:
     post_event(body, "Normal", "CanaryPromoted", "the canary's version and config are now the model's")
 
 
-@kopf.on.delete(GROUP, VERSION, MODEL_PLURAL)
+@kopf.on.delete(GROUP, VERSION, MODEL_PLURAL)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def model_deleted(
     body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, retry: int, **_: Any
 ) -> None:
@@ -348,7 +357,7 @@ async def model_deleted(
 def pod_fingerprint(body: Mapping[str, Any]) -> tuple[Any, ...]:
     """The parts of a pod that change what placement sees (not the labels and annotations the pass writes)."""
     status = body.get("status") or {}
-    container = next(
+    container: Mapping[str, Any] = next(
         (c for c in status.get("containerStatuses") or [] if c.get("name") == SERVER_CONTAINER), {}
     )
     meta = body.get("metadata") or {}
@@ -360,7 +369,7 @@ def pod_fingerprint(body: Mapping[str, Any]) -> tuple[Any, ...]:
     )
 
 
-@kopf.on.event("", "v1", "pods", labels={SERVER_LABEL: kopf.PRESENT})
+@kopf.on.event("", "v1", "pods", labels={SERVER_LABEL: kopf.PRESENT})  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def pod_event(
     event: Mapping[str, Any], body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any
 ) -> None:
@@ -382,7 +391,7 @@ async def pod_event(
 
 @kopf.on.event("", "v1", "services", labels={SERVER_LABEL: kopf.PRESENT})
 @kopf.on.event("apps", "v1", "deployments", labels={SERVER_LABEL: kopf.PRESENT})
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={SERVER_LABEL: kopf.PRESENT})
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={SERVER_LABEL: kopf.PRESENT})  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def child_event(
     event: Mapping[str, Any], body: kopf.Body, namespace: str, memo: kopf.Memo, **_: Any
 ) -> None:

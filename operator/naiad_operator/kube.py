@@ -16,8 +16,7 @@ import aiohttp
 import kopf
 
 from .naming import API_VERSION, FIELD_MANAGER, MODEL_KIND, MODEL_PLURAL, SERVER_KIND, SERVER_PLURAL
-
-Body = dict[str, Any]
+from .objects import Body
 
 # Every kind the operator reads or writes, with its resource name (no discovery needed for these).
 PLURALS: dict[tuple[str, str], str] = {

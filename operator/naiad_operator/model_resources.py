@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import OperatorConfig
+from .metrics_resources import render_hpa
 from .naming import (
     API_VERSION,
     DEDICATED_FOR_LABEL,
@@ -29,14 +30,12 @@ from .naming import (
     selector_string,
     short_hash,
 )
+from .objects import Body, Spec
+from .ownership import Owner
 from .quantity import quantity_bytes
-from .resources import (
-    Body,
-    Owner,
-    Spec,
+from .server_spec import (
     autoscaling_active,
     desired_replicas,
-    render_hpa,
     repository_claim,
     repository_path,
     repository_secret,

@@ -78,7 +78,7 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     annotations = meta.get("annotations") or {}
-    container = next(
+    container: Mapping[str, Any] = next(
         (c for c in status.get("containerStatuses") or [] if c.get("name") == SERVER_CONTAINER), {}
     )
     gate = next(
@@ -96,7 +96,7 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
         labels=dict(meta.get("labels") or {}),
         recorded=_parse_recorded(annotations.get(PLACEMENTS_ANNOTATION)),
         has_record=PLACEMENTS_ANNOTATION in annotations,
-        recorded_restarts=int(recorded_restarts) if str(recorded_restarts or "").isdigit() else None,
+        recorded_restarts=int(str(recorded_restarts)) if str(recorded_restarts or "").isdigit() else None,
         gate=gate,
         node=(pod.get("spec") or {}).get("nodeName") or None,
     )

@@ -1,7 +1,9 @@
-"""Pure builders of the status of InferenceServers and InferenceModels: phase, counts and conditions."""
+"""Pure builders of the status of InferenceServers and InferenceModels: phase, counts, conditions, and whether a
+status patch changes anything."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +36,9 @@ def merge_conditions(
         before = previous.get(cond["type"])
         changed = before is None or before.get("status") != cond["status"]
         item = dict(cond)
-        item["lastTransitionTime"] = now if changed else before.get("lastTransitionTime", now)
+        item["lastTransitionTime"] = (
+            now if changed or before is None else before.get("lastTransitionTime", now)
+        )
         if generation is not None:
             item["observedGeneration"] = generation
         merged.append(item)
@@ -102,7 +106,7 @@ def server_status(
     problems: Sequence[str],
     old_conditions: Sequence[Mapping[str, Any]] | None,
     now: str,
-) -> dict:
+) -> dict[str, Any]:
     workload = _workload_condition(deployment, desired)
     autoscaler = _hpa_condition(hpa, hpa_wanted)
     if problems:
@@ -272,7 +276,7 @@ def model_status(
     observed: ModelObservation,
     old_status: Mapping[str, Any] | None,
     now: str,
-) -> dict:
+) -> dict[str, Any]:
     old_status = old_status or {}
     conditions = model_conditions(
         problems=problems, suspended=suspended, pool=pool, pool_found=pool_found, observed=observed
@@ -301,3 +305,21 @@ def model_status(
     elif "variants" in old_status:
         status["variants"] = None  # merge patch: the canary is gone
     return status
+
+
+def merged_status(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> dict[str, Any]:
+    """The status after a merge patch (RFC 7386) of `patch` onto `old`."""
+    out = copy.deepcopy(dict(old or {}))
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merged_status(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def status_changes(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
+    """Whether merge-patching `patch` onto the status `old` would change anything."""
+    return old is None or merged_status(old, patch) != dict(old)

@@ -9,7 +9,7 @@ from test_placement_pass import model, status_of, world  # noqa: F401 - the fixt
 
 from naiad_operator.model_resources import model_intent, promotion_patch
 from naiad_operator.placement import Capacity, Demand, PodState, canary_count, plan_pool
-from naiad_operator.pool import reconcile_pool
+from naiad_operator.placement_pass import reconcile_pool
 from naiad_operator.variants import VariantMeter, parse_counters
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")

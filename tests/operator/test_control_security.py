@@ -17,13 +17,9 @@ from operator_fakes import NS, FakeKube
 
 from naiad_operator.config import OperatorConfig
 from naiad_operator.control import ModelControlClient, ModelControlError, ServerUnreachable
-from naiad_operator.resources import (
-    Owner,
-    render_deployment,
-    render_pool,
-    render_service_monitor,
-    server_spec_problems,
-)
+from naiad_operator.metrics_resources import render_service_monitor
+from naiad_operator.ownership import Owner
+from naiad_operator.pool_resources import render_deployment, render_pool
 from naiad_operator.security import (
     CONTROL_ENV,
     CONTROL_HEADER,
@@ -33,6 +29,7 @@ from naiad_operator.security import (
     CredentialStore,
     TrustCache,
 )
+from naiad_operator.server_spec import server_spec_problems
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 OWNER = Owner("naiad.dev/v1alpha1", "InferenceServer", "pool", "uid-pool", NS)

@@ -15,7 +15,7 @@ import yaml
 jsonschema = pytest.importorskip("jsonschema")  # in the test extra
 from naiad_operator.config import OperatorConfig
 from naiad_operator.model_resources import model_intent, render_dedicated_server
-from naiad_operator.resources import Owner
+from naiad_operator.ownership import Owner
 from naiad_operator.status import ModelCount, ModelObservation, Placement, model_status, server_status
 
 ROOT = Path(__file__).resolve().parents[2]

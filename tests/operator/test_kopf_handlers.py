@@ -10,7 +10,8 @@ from operator_fakes import API, NS, FakeKube
 from naiad_operator import handlers
 from naiad_operator.applied import AppliedCache
 from naiad_operator.config import OperatorConfig
-from naiad_operator.pool import LoadBackoff, PoolReport
+from naiad_operator.load_backoff import LoadBackoff
+from naiad_operator.placement_pass import PoolReport
 from naiad_operator.security import CredentialStore
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")

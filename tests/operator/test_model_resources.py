@@ -22,7 +22,7 @@ from naiad_operator.model_resources import (
     revision_of,
 )
 from naiad_operator.naming import DEDICATED_FOR_LABEL, SERVER_LABEL, SERVICE_ROLE_LABEL
-from naiad_operator.resources import Owner
+from naiad_operator.ownership import Owner
 
 OWNER = Owner("naiad.dev/v1alpha1", "InferenceModel", "resnet", "uid-m", "ml")
 CONFIG = OperatorConfig(queue_metric_name="queue_us")

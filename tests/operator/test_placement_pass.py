@@ -10,8 +10,10 @@ import pytest
 from operator_fakes import API, NS, FakeKube, FakeServers
 
 from naiad_operator.config import OperatorConfig
+from naiad_operator.load_backoff import LoadBackoff
 from naiad_operator.naming import DEDICATED_FOR_LABEL, MODELS_READY_CONDITION, PLACEMENTS_ANNOTATION
-from naiad_operator.pool import LoadBackoff, PoolContext, reconcile_pool
+from naiad_operator.placement_pass import reconcile_pool
+from naiad_operator.pool_snapshot import PoolContext
 
 on_session_loop = pytest.mark.asyncio(loop_scope="session")
 

@@ -8,21 +8,17 @@ import copy
 import pytest
 
 from naiad_operator.config import OperatorConfig
+from naiad_operator.metrics_resources import render_server_hpa, render_service_monitor
 from naiad_operator.naming import MODELS_READY_CONDITION, SERVER_LABEL, SERVICE_ROLE_LABEL
-from naiad_operator.resources import (
-    Owner,
-    autoscaling_active,
-    desired_replicas,
+from naiad_operator.ownership import Owner
+from naiad_operator.pool_resources import (
     render_claim,
     render_deployment,
     render_headless_service,
     render_pool,
     render_pool_service,
-    render_server_hpa,
-    render_service_monitor,
-    server_args,
-    server_spec_problems,
 )
+from naiad_operator.server_spec import autoscaling_active, desired_replicas, server_args, server_spec_problems
 
 OWNER = Owner("naiad.dev/v1alpha1", "InferenceServer", "gpu-pool", "uid-1", "ml")
 CONFIG = OperatorConfig(server_image="registry.example/naiad:1", queue_metric_name="queue_us")

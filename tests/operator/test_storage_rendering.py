@@ -15,7 +15,9 @@ from naiad_operator.model_resources import (
     render_dedicated_server,
 )
 from naiad_operator.naming import DEDICATED_FOR_LABEL
-from naiad_operator.resources import Owner, render_deployment, server_args, server_spec_problems
+from naiad_operator.ownership import Owner
+from naiad_operator.pool_resources import render_deployment
+from naiad_operator.server_spec import server_args, server_spec_problems
 
 OWNER = Owner("naiad.dev/v1alpha1", "InferenceModel", "resnet", "uid-m", "ml")
 CONFIG = OperatorConfig(server_image="registry.example/naiad:1", queue_metric_name="queue_us")

@@ -1,4 +1,5 @@
-"""Pure renderers: an InferenceServer spec in, the desired Deployment, Services, claim, HPA and ServiceMonitor out.
+"""Pure renderers: an InferenceServer spec in, its pool's objects out (Deployment, Services, claim, control Secret,
+NetworkPolicy, PodDisruptionBudget; the HPA and ServiceMonitor come from metrics_resources.py).
 
 Nothing here talks to a cluster; the handlers apply what these functions return with server-side apply.
 """
@@ -12,27 +13,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import OperatorConfig
+from .metrics_resources import render_server_hpa, render_service_monitor, service_monitor_wanted
 from .naming import (
-    API_VERSION,
     GRPC_PORT,
     HTTP_PORT,
-    MAX_SERVER_NAME,
     METRICS_PORT,
-    MODEL_REPOSITORY_PATH,
     MODELS_READY_CONDITION,
     SERVER_CONTAINER,
-    SERVER_KIND,
-    SERVER_LABEL,
     SERVICE_ROLE_LABEL,
     headless_service_name,
     models_claim_name,
-    name_problems,
-    selector_string,
 )
+from .objects import Body, Spec
+from .ownership import Owner, child_metadata, pool_labels, pool_selector
 from .quantity import parse_quantity
 from .security import (
     CONTROL_ENV,
-    CONTROL_GROUPS,
     CREDENTIAL_HASH_ANNOTATION,
     CREDENTIAL_KEY,
     TLS_MOUNT,
@@ -40,41 +36,19 @@ from .security import (
     control_env,
     control_secret_name,
     credential_hash,
-    restriction_args,
-    server_hostname,
-    tls_args,
     tls_secret_name,
 )
-
-Body = dict[str, Any]
-Spec = Mapping[str, Any]
+from .server_spec import (
+    STORAGE_CACHE_PATH,
+    desired_replicas,
+    repository_claim,
+    repository_path,
+    repository_secret,
+    repository_uri,
+    server_args,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
-# Flags the operator sets itself: a user value would break model control or the ports Services point at.
-RESERVED_FLAGS = (
-    "--model-control-mode",
-    "--model-repository",
-    "--model-store",
-    "--http-port",
-    "--grpc-port",
-    "--metrics-port",
-    "--allow-http",
-    "--allow-grpc",
-    "--allow-metrics",
-    "--strict-readiness",
-    "--storage-cache-dir",
-)
-# Prefixes of flags the operator sets from spec.tls and the control credential.
-RESERVED_PREFIXES = (
-    "--http-use-ssl",
-    "--grpc-use-ssl",
-    "--metrics-use-ssl",
-    "--http-server-",
-    "--grpc-server-",
-)
-
-# Where a pool whose repository is an s3:// or https:// URI copies its models (an emptyDir).
-STORAGE_CACHE_PATH = "/var/cache/naiad"
 
 PROBE_DEFAULTS = {
     # The server starts without models (explicit mode), so startup is quick; allow 5 minutes for slow nodes.
@@ -84,191 +58,7 @@ PROBE_DEFAULTS = {
 }
 
 
-@dataclass(frozen=True)
-class Owner:
-    """The object that owns rendered children (garbage collection through owner references)."""
-
-    api_version: str
-    kind: str
-    name: str
-    uid: str
-    namespace: str
-
-    @classmethod
-    def of(cls, body: Mapping[str, Any]) -> Owner:
-        meta = body["metadata"]
-        return cls(body["apiVersion"], body["kind"], meta["name"], meta["uid"], meta["namespace"])
-
-    def reference(self) -> Body:
-        return {
-            "apiVersion": self.api_version,
-            "kind": self.kind,
-            "name": self.name,
-            "uid": self.uid,
-            "controller": True,
-            "blockOwnerDeletion": True,
-        }
-
-
-def pool_labels(server: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "naiad-server",
-        "app.kubernetes.io/instance": server,
-        "app.kubernetes.io/component": "inference-server",
-        "app.kubernetes.io/managed-by": "naiad-operator",
-        SERVER_LABEL: server,
-    }
-
-
-def pool_selector(server: str) -> dict[str, str]:
-    return {SERVER_LABEL: server}
-
-
-def pool_selector_string(server: str) -> str:
-    return selector_string(pool_selector(server))
-
-
-def _metadata(
-    name: str,
-    owner: Owner,
-    labels: Mapping[str, str],
-    annotations: Mapping[str, str] | None = None,
-    owned: bool = True,
-) -> Body:
-    meta: Body = {"name": name, "namespace": owner.namespace, "labels": dict(labels)}
-    if annotations:
-        meta["annotations"] = dict(annotations)
-    if owned:
-        meta["ownerReferences"] = [owner.reference()]
-    return meta
-
-
-# --- validation -------------------------------------------------------------------------------------------------
-
-
-def _flag_name(arg: str) -> str:
-    return arg.split("=", 1)[0]
-
-
-def _int_or_percent(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return value >= 0
-    return isinstance(value, str) and value.endswith("%") and value[:-1].isdigit()
-
-
-def server_spec_problems(name: str, spec: Spec) -> list[str]:
-    """What in an InferenceServer spec the operator cannot render (reported in status, never retried)."""
-    problems = name_problems(name, MAX_SERVER_NAME)
-    for arg in spec.get("args") or []:
-        if _flag_name(arg) in RESERVED_FLAGS or (
-            tls_secret_name(spec) and _flag_name(arg).startswith(RESERVED_PREFIXES)
-        ):
-            problems.append(f"args: {_flag_name(arg)} is set by the operator and cannot be overridden")
-        elif _flag_name(arg) in ("--http-restricted-api", "--grpc-restricted-protocol"):
-            value = arg.partition("=")[2]
-            groups = {g.strip() for g in value.partition(":")[0].split(",")}
-            if groups & set(CONTROL_GROUPS):
-                problems.append(
-                    f"args: {_flag_name(arg)} may not restrict {', '.join(sorted(groups & set(CONTROL_GROUPS)))}: "
-                    "the operator restricts the control APIs to its own credential"
-                )
-    minimum, maximum = spec.get("minReplicas"), spec.get("maxReplicas")
-    if minimum is not None and maximum is not None and minimum > maximum:
-        problems.append(f"minReplicas ({minimum}) exceeds maxReplicas ({maximum})")
-    repository = spec.get("modelRepository") or {}
-    if repository.get("claimName") and repository.get("create"):
-        problems.append("modelRepository: set either claimName or create, not both")
-    if repository.get("uri") and (repository.get("claimName") or repository.get("create")):
-        problems.append("modelRepository: set either uri or a claim (claimName, create), not both")
-    if repository.get("secretRef") and not repository.get("uri"):
-        problems.append("modelRepository: secretRef holds object-store credentials; it needs uri")
-    for field in ("shmSize",):
-        if spec.get(field) is not None:
-            try:
-                parse_quantity(spec[field])
-            except ValueError as error:
-                problems.append(f"{field}: {error}")
-    max_unavailable = (spec.get("disruptionBudget") or {}).get("maxUnavailable")
-    if max_unavailable is not None and not _int_or_percent(max_unavailable):
-        problems.append(
-            f"disruptionBudget.maxUnavailable: {max_unavailable!r} is neither a count nor a percentage like '25%'"
-        )
-    capacity = spec.get("capacity") or {}
-    if capacity.get("memory") is not None:
-        try:
-            parse_quantity(capacity["memory"])
-        except ValueError as error:
-            problems.append(f"capacity.memory: {error}")
-    return problems
-
-
 # --- Deployment -------------------------------------------------------------------------------------------------
-
-
-def desired_replicas(spec: Spec) -> int:
-    """spec.replicas kept within minReplicas/maxReplicas when those are set."""
-    replicas = int(spec.get("replicas", 1))
-    if spec.get("minReplicas") is not None:
-        replicas = max(replicas, int(spec["minReplicas"]))
-    if spec.get("maxReplicas") is not None:
-        replicas = min(replicas, int(spec["maxReplicas"]))
-    return replicas
-
-
-def repository_path(spec: Spec) -> str:
-    return (spec.get("modelRepository") or {}).get("path") or MODEL_REPOSITORY_PATH
-
-
-def repository_uri(spec: Spec) -> str | None:
-    """The pool's object-store repository (s3://... or https://...), or None when it reads a path."""
-    uri = (spec.get("modelRepository") or {}).get("uri")
-    return str(uri) if uri else None
-
-
-def repository_secret(spec: Spec) -> str | None:
-    """The Secret whose keys (AWS_ACCESS_KEY_ID, ...) become the server's environment, or None (pod identity)."""
-    return ((spec.get("modelRepository") or {}).get("secretRef") or {}).get("name") or None
-
-
-def repository_claim(server: str, spec: Spec) -> str | None:
-    """Name of the PVC that holds the pool's repository, or None when the repository is in the image."""
-    repository = spec.get("modelRepository") or {}
-    if repository.get("uri"):
-        return None
-    if repository.get("claimName"):
-        return str(repository["claimName"])
-    if repository.get("create"):
-        return models_claim_name(server)
-    return None
-
-
-def server_args(spec: Spec, restricted: bool = False) -> list[str]:
-    """`naiad serve` arguments: explicit model control (the operator loads models live), fixed ports, the control
-    APIs restricted to the installation's credential (read from the environment: never in the args), TLS from
-    spec.tls, then the user's extra flags.
-
-    Strict readiness is off: with it, one model that failed to load (or, on some servers, one that was unloaded)
-    takes the whole pod, and every other model on it, out of service. Per-model availability is what the model
-    labels and the models-ready readiness gate express instead.
-
-    An s3:// or https:// repository is copied into an emptyDir; its credentials come from the environment
-    (container_env), never from these arguments."""
-    uri = repository_uri(spec)
-    storage = [f"--model-repository={uri}", f"--storage-cache-dir={STORAGE_CACHE_PATH}"] if uri else []
-    return [
-        "serve",
-        *(storage or [f"--model-repository={repository_path(spec)}"]),
-        "--model-control-mode=explicit",
-        "--strict-readiness=false",
-        f"--http-port={HTTP_PORT}",
-        f"--grpc-port={GRPC_PORT}",
-        f"--metrics-port={METRICS_PORT}",
-        *(restriction_args() if restricted else []),
-        *(tls_args() if tls_secret_name(spec) else []),
-        *[str(arg) for arg in spec.get("args") or []],
-    ]
 
 
 def _probe(kind: str, overrides: Mapping[str, Any] | None, tls: bool = False) -> Body:
@@ -342,7 +132,7 @@ def _container(spec: Spec, config: OperatorConfig, server: str = "", restricted:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
     if spec.get("resources"):
         container["resources"] = copy.deepcopy(dict(spec["resources"]))
-    mounts = []
+    mounts: list[Body] = []
     repository = spec.get("modelRepository") or {}
     if repository.get("uri"):
         mounts.append({"name": "model-cache", "mountPath": STORAGE_CACHE_PATH})
@@ -446,7 +236,7 @@ def render_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(server, owner, labels),
+        "metadata": child_metadata(server, owner, labels),
         "spec": {
             "replicas": desired_replicas(spec),
             "selector": {"matchLabels": pool_selector(server)},
@@ -486,7 +276,7 @@ def render_pool_service(owner: Owner, spec: Spec) -> Body:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(owner.name, owner, labels, service.get("annotations")),
+        "metadata": child_metadata(owner.name, owner, labels, service.get("annotations")),
         "spec": {
             "type": service.get("type") or "ClusterIP",
             "selector": pool_selector(owner.name),
@@ -501,7 +291,7 @@ def render_headless_service(owner: Owner) -> Body:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(headless_service_name(owner.name), owner, labels),
+        "metadata": child_metadata(headless_service_name(owner.name), owner, labels),
         "spec": {
             "clusterIP": "None",
             "selector": pool_selector(owner.name),
@@ -527,7 +317,7 @@ def render_claim(owner: Owner, spec: Spec) -> Body | None:
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _metadata(
+        "metadata": child_metadata(
             models_claim_name(owner.name),
             owner,
             pool_labels(owner.name),
@@ -535,98 +325,6 @@ def render_claim(owner: Owner, spec: Spec) -> Body | None:
         ),
         "spec": claim_spec,
     }
-
-
-# --- autoscaling ------------------------------------------------------------------------------------------------
-
-
-def autoscaling_active(spec: Spec) -> bool:
-    """An HPA exists when maxReplicas is above minReplicas (default 1) and autoscaling is not disabled."""
-    if (spec.get("autoscaling") or {}).get("enabled") is False:
-        return False
-    maximum = spec.get("maxReplicas")
-    return maximum is not None and int(maximum) > int(spec.get("minReplicas") or 1)
-
-
-def queue_time_metric(config: OperatorConfig, target_us: int, model: str | None = None) -> Body:
-    """Pods metric: average queue time per request (microseconds) from prometheus-adapter."""
-    metric: Body = {"name": config.queue_metric_name}
-    if model is not None:
-        metric["selector"] = {"matchLabels": {"model": model}}
-    return {
-        "type": "Pods",
-        "pods": {"metric": metric, "target": {"type": "AverageValue", "averageValue": str(target_us)}},
-    }
-
-
-def render_hpa(
-    owner: Owner,
-    target_kind: str,
-    target_name: str,
-    spec: Spec,
-    config: OperatorConfig,
-    labels: Mapping[str, str],
-    model: str | None = None,
-) -> Body | None:
-    """autoscaling/v2 HPA on the scale subresource of an InferenceServer or InferenceModel, or None."""
-    if not autoscaling_active(spec):
-        return None
-    autoscaling = spec.get("autoscaling") or {}
-    metrics = copy.deepcopy(list(autoscaling.get("metrics") or [])) or [
-        queue_time_metric(config, int(autoscaling.get("targetQueueTimeMicroseconds") or 20000), model)
-    ]
-    hpa_spec: Body = {
-        "scaleTargetRef": {"apiVersion": API_VERSION, "kind": target_kind, "name": target_name},
-        "minReplicas": int(spec.get("minReplicas") or 1),
-        "maxReplicas": int(spec["maxReplicas"]),
-        "metrics": metrics,
-    }
-    if autoscaling.get("behavior"):
-        hpa_spec["behavior"] = copy.deepcopy(dict(autoscaling["behavior"]))
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(target_name, owner, labels),
-        "spec": hpa_spec,
-    }
-
-
-def render_server_hpa(owner: Owner, spec: Spec, config: OperatorConfig) -> Body | None:
-    return render_hpa(owner, SERVER_KIND, owner.name, spec, config, pool_labels(owner.name))
-
-
-# --- monitoring -------------------------------------------------------------------------------------------------
-
-
-def service_monitor_wanted(spec: Spec, config: OperatorConfig) -> bool:
-    return config.service_monitors != "false" and (spec.get("monitoring") or {}).get("serviceMonitor", True)
-
-
-def render_service_monitor(owner: Owner, spec: Spec) -> Body:
-    """ServiceMonitor on the pool Service only (model Services select the same pods and would double-count)."""
-    monitoring = spec.get("monitoring") or {}
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
-        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
-        "spec": {
-            "selector": {"matchLabels": {**pool_selector(owner.name), SERVICE_ROLE_LABEL: "pool"}},
-            "namespaceSelector": {"matchNames": [owner.namespace]},
-            "endpoints": [_metrics_endpoint(owner, spec, monitoring.get("interval") or "15s")],
-        },
-    }
-
-
-def _metrics_endpoint(owner: Owner, spec: Spec, interval: str) -> Body:
-    endpoint: Body = {"port": "metrics", "path": "/metrics", "interval": interval}
-    secret = tls_secret_name(spec)
-    if secret:
-        endpoint["scheme"] = "https"
-        endpoint["tlsConfig"] = {
-            "ca": {"secret": {"name": secret, "key": "ca.crt"}},
-            "serverName": server_hostname(owner.name, owner.namespace),
-        }
-    return endpoint
 
 
 # --- the control credential and network policy -----------------------------------------------------------------
@@ -637,7 +335,7 @@ def render_control_secret(owner: Owner, credential: str) -> Body:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(control_secret_name(owner.name), owner, pool_labels(owner.name)),
+        "metadata": child_metadata(control_secret_name(owner.name), owner, pool_labels(owner.name)),
         "type": "Opaque",
         "data": {CREDENTIAL_KEY: base64.b64encode(credential.encode()).decode()},
     }
@@ -655,7 +353,7 @@ def render_network_policy(owner: Owner, config: OperatorConfig) -> Body:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
+        "metadata": child_metadata(owner.name, owner, pool_labels(owner.name)),
         "spec": {
             "podSelector": {"matchLabels": pool_selector(owner.name)},
             "policyTypes": ["Ingress"],
@@ -687,7 +385,7 @@ def render_disruption_budget(owner: Owner, spec: Spec) -> Body | None:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner.name, owner, pool_labels(owner.name)),
+        "metadata": child_metadata(owner.name, owner, pool_labels(owner.name)),
         "spec": {
             "maxUnavailable": max_unavailable,
             "selector": {"matchLabels": pool_selector(owner.name)},

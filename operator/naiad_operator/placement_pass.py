@@ -1,5 +1,5 @@
-"""One placement pass over a pool: read the pods and every server's repository index, decide placements, load
-and unload through the model-control API, then make pod labels, readiness gates and statuses tell the truth.
+"""One placement pass over a pool: read a snapshot of it (pool_snapshot.py), decide placements, load and unload
+through the model-control API, then make pod labels, readiness gates and statuses tell the truth.
 
 A pass is idempotent and starts from what the servers report, so the same code creates placements, heals pods
 that restarted or were added by the autoscaler, rolls revisions, and cleans up after deleted models.
@@ -8,101 +8,45 @@ that restarted or were added by the autoscaler, rolls revisions, and cleans up a
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import OperatorConfig
-from .control import ControlError, IndexEntry, ModelControlClient
+from .control import ControlError
 from .events import post as post_event
-from .kube import KubeClient, KubeError
-from .model_resources import ModelIntent, endpoint, model_intent, model_selector_string, pool_problems
+from .kube import KubeError
+from .model_resources import ModelIntent, endpoint, model_selector_string
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
 from .observe import (
     Held,
     PodFacts,
     PodTruth,
-    current_template_hash,
     gate_patch,
     metadata_patch,
     pod_facts,
-    pod_state,
     version_of,
 )
+from .ownership import pool_selector_string
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
+from .pool_snapshot import PoolContext, PoolModel, PoolSnapshot, read_pool
 from .quantity import quantity_bytes
-from .resources import autoscaling_active, desired_replicas, pool_selector_string, server_spec_problems
-from .security import TrustCache, server_hostname, tls_secret_name
-from .status import ModelCount, ModelObservation, Placement, model_status, now_rfc3339, server_status
-from .variants import VariantMeter
+from .security import tls_secret_name
+from .server_spec import autoscaling_active, desired_replicas, server_spec_problems
+from .status import (
+    ModelCount,
+    ModelObservation,
+    Placement,
+    merged_status,
+    model_status,
+    now_rfc3339,
+    server_status,
+    status_changes,
+)
 
 log = logging.getLogger(__name__)
-Body = dict[str, Any]
 # Model status writes in flight at once during a pass.
 STATUS_WRITES = 16
-
-
-class LoadBackoff:
-    """Remembers failed loads per (pod, model, revision) so a broken model is not reloaded every pass; the wait
-    doubles with each failure up to 16 times the base. Kept in memory: an operator restart simply retries."""
-
-    def __init__(self, base_seconds: float, clock: Any = time.monotonic):
-        self._base = base_seconds
-        self._clock = clock
-        self._failures: dict[tuple[str, str, str, str], tuple[int, float, str]] = {}
-
-    def failed(self, namespace: str, pod: str, model: str, revision: str, message: str) -> None:
-        # Forget failures whose back-off ended long ago (old revisions, pods that are gone).
-        stale = self._clock() - 3600
-        for old in [k for k, (_, until, _) in self._failures.items() if until < stale]:
-            del self._failures[old]
-        key = (namespace, pod, model, revision)
-        count = self._failures.get(key, (0, 0.0, ""))[0] + 1
-        delay = self._base * min(2 ** (count - 1), 16)
-        self._failures[key] = (count, self._clock() + delay, message)
-
-    def succeeded(self, namespace: str, pod: str, model: str, revision: str) -> None:
-        self._failures.pop((namespace, pod, model, revision), None)
-
-    def avoid(self, namespace: str, model: str, revision: str) -> dict[str, str]:
-        """Pods still waiting out a failure of this revision, with the failure message."""
-        now = self._clock()
-        return {
-            pod: msg
-            for (ns, pod, m, rev), (_, until, msg) in self._failures.items()
-            if ns == namespace and m == model and rev == revision and until > now
-        }
-
-    def forget_model(self, namespace: str, model: str) -> None:
-        for key in [k for k in self._failures if k[0] == namespace and k[2] == model]:
-            del self._failures[key]
-
-
-@dataclass
-class PoolContext:
-    kube: KubeClient
-    control: ModelControlClient
-    config: OperatorConfig
-    backoff: LoadBackoff
-    load_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(16))
-    trust: TrustCache | None = None  # CAs of pools with spec.tls (None: no pool uses TLS, e.g. in tests)
-    # Reads the servers' request counters for models under a canary (None: no traffic figures in status).
-    meter: VariantMeter | None = None
-    # The InferenceModels of a pool from the operator's index (None: list them from the API server).
-    models: Callable[[str, str], list[Body]] | None = None
-
-
-async def pool_control(ctx: PoolContext, server: Mapping[str, Any]) -> ModelControlClient:
-    """The model-control client for one pool: HTTPS verified against its TLS Secret's CA when spec.tls is set."""
-    secret = tls_secret_name(server.get("spec") or {})
-    if secret is None or ctx.trust is None:
-        return ctx.control
-    meta = server["metadata"]
-    context = await ctx.trust.context(meta["namespace"], secret)
-    return ctx.control.with_tls(context, server_hostname(meta["name"], meta["namespace"]))
 
 
 @dataclass
@@ -110,61 +54,6 @@ class PoolReport:
     found: bool
     # InferenceModel name -> pods that still hold it after the pass.
     holders: dict[str, list[str]] = field(default_factory=dict)
-
-
-@dataclass
-class _Model:
-    body: Body
-    intent: ModelIntent
-    problems: list[str]
-
-    @property
-    def deleting(self) -> bool:
-        return bool(self.body["metadata"].get("deletionTimestamp"))
-
-
-def _creation_order(body: Mapping[str, Any]) -> tuple[str, str]:
-    meta = body["metadata"]
-    return meta.get("creationTimestamp") or "", meta["name"]
-
-
-def _with_kind(body: Body) -> Body:
-    # List items of custom resources carry apiVersion/kind, but Events need them, so make sure.
-    body.setdefault("apiVersion", API_VERSION)
-    body.setdefault("kind", MODEL_KIND)
-    return body
-
-
-def models_of_pool(models: Sequence[Body], pool: str, server: Mapping[str, Any] | None) -> list[_Model]:
-    """The InferenceModels that want this pool, oldest first, with the problems that keep each from loading.
-    Two models of one pool may not share a model name: the younger one is reported, the older one keeps it."""
-    found: list[_Model] = []
-    names: dict[str, str] = {}
-    for body in sorted(models, key=_creation_order):
-        intent = model_intent(body["metadata"]["name"], body.get("spec") or {})
-        if intent.pool != pool:
-            continue
-        problems = list(intent.problems)
-        if server is not None:
-            problems += pool_problems(intent, server)
-        if intent.model_name in names and not body["metadata"].get("deletionTimestamp"):
-            problems.append(
-                f"model {intent.model_name!r} is already served on {pool} by InferenceModel {names[intent.model_name]}"
-            )
-        else:
-            names.setdefault(intent.model_name, intent.name)
-        found.append(_Model(_with_kind(body), intent, problems))
-    return found
-
-
-async def _read_index(control: ModelControlClient, facts: PodFacts) -> list[IndexEntry] | None:
-    if not facts.loadable or facts.ip is None:
-        return None
-    try:
-        return await control.index(facts.ip)
-    except ControlError as error:
-        log.info("pod %s: repository index unavailable: %s", facts.name, error)
-        return None
 
 
 async def _patch_pod(
@@ -191,59 +80,38 @@ async def _patch_pod(
     return pod_facts(latest) if latest else facts
 
 
-class _Pass:
-    """The state of one pass; `run` is the sequence of steps."""
+def _capacity(spec: Mapping[str, Any]) -> Capacity:
+    capacity = spec.get("capacity") or {}
+    try:
+        memory = quantity_bytes(capacity.get("memory")) or None
+    except ValueError:
+        memory = None
+    return Capacity(max_models=capacity.get("maxModels"), memory=memory)
 
-    def __init__(self, ctx: PoolContext, namespace: str, pool: str):
+
+class _Pass:
+    """The steps of one pass over a snapshot of its pool, and what they did (loads, unloads, failures)."""
+
+    def __init__(self, ctx: PoolContext, snapshot: PoolSnapshot):
         self.ctx = ctx
-        self.namespace = namespace
-        self.pool = pool
-        self.now = now_rfc3339()
+        self.snap = snapshot
+        self.namespace = snapshot.namespace
+        self.pool = snapshot.pool
+        self.now = snapshot.now
+        self._tls = tls_secret_name(snapshot.spec) is not None
+        self.facts = list(snapshot.facts)  # the pods as the pass's own patches leave them
+        self.truth = self._initial_truth()  # what each pod holds, kept current as the pass loads and unloads
         self.failures: dict[str, dict[str, str]] = {}  # model -> pod -> load error in this pass
         self.unload_failures: dict[str, dict[str, str]] = {}
         self.fresh: set[tuple[str, str]] = set()  # (model, pod) loaded in this pass
 
     async def run(self) -> PoolReport:
-        kube = self.ctx.kube
-        if self.ctx.models is not None:
-            server = await kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool)
-            model_bodies = self.ctx.models(self.namespace, self.pool)
-        else:
-            server, model_bodies = await asyncio.gather(
-                kube.get(API_VERSION, SERVER_KIND, self.namespace, self.pool),
-                kube.list(API_VERSION, MODEL_KIND, self.namespace),
-            )
-        models = models_of_pool(model_bodies, self.pool, server)
-        if server is None:
-            for model in models:
-                if not model.deleting:
-                    await self._write_model_status(
-                        model, ModelObservation(wanted=0, holding=0, available=0), pool_found=False
-                    )
-            return PoolReport(found=False)
-        self.server = server
-        self.control = await pool_control(self.ctx, server)
-        self.models = models
-        spec = server.get("spec") or {}
-        selector = pool_selector_string(self.pool)
-        pods, deployment, replicasets, hpa = await asyncio.gather(
-            kube.list("v1", "Pod", self.namespace, selector),
-            kube.get("apps/v1", "Deployment", self.namespace, self.pool),
-            kube.list("apps/v1", "ReplicaSet", self.namespace, selector),
-            kube.get("autoscaling/v2", "HorizontalPodAutoscaler", self.namespace, self.pool),
-        )
-        self.facts = [pod_facts(p) for p in pods]
-        current_hash = current_template_hash(deployment, replicasets)
-        indexes = await asyncio.gather(*(_read_index(self.control, f) for f in self.facts))
-        self.index = {f.name: idx for f, idx in zip(self.facts, indexes)}
-        intents = [m.intent for m in models]
-        self.states = {f.name: pod_state(f, self.index[f.name], intents, current_hash) for f in self.facts}
-
-        self.truth = self._initial_truth()
+        snap = self.snap
+        models, spec = snap.models, snap.spec
         await self._drop_lost_models()
 
         valid = [m for m in models if not m.problems]
-        self.demands = {
+        demands = {
             m.intent.name: Demand(
                 name=m.intent.name,
                 revision=m.intent.revision,
@@ -255,7 +123,7 @@ class _Pass:
             )
             for m in valid
         }
-        plans = plan_pool(list(self.demands.values()), list(self.states.values()), self._capacity(spec))
+        plans = plan_pool(list(demands.values()), list(snap.states.values()), _capacity(spec))
 
         loading = []
         for model in valid:
@@ -266,12 +134,12 @@ class _Pass:
                 loading.append((model, observed))
         await self._write_model_statuses(loading)
         loaded = await self._load_all(valid, plans)
-        await self._unload_all(valid, plans, loaded)
+        await self._unload_all(valid, plans, demands, loaded)
         await self._unload_strays()
 
         for facts in self.facts:
             truth = self.truth[facts.name]
-            if self.states[facts.name].ready:
+            if snap.states[facts.name].ready:
                 truth.gate = True
             await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
 
@@ -288,7 +156,7 @@ class _Pass:
             observations.append((model, observed))
             counts.append(ModelCount(model.intent.name, model.intent.model_name, observed.holding))
         await self._write_model_statuses(observations)
-        await self._write_server_status(spec, deployment, hpa, counts)
+        await self._write_server_status(counts)
         holders: dict[str, list[str]] = {}
         for pod, truth in self.truth.items():
             for name in truth.held:
@@ -304,22 +172,14 @@ class _Pass:
             avoid.update(self.ctx.backoff.avoid(self.namespace, intent.name, revision))
         return avoid
 
-    def _capacity(self, spec: Mapping[str, Any]) -> Capacity:
-        capacity = spec.get("capacity") or {}
-        try:
-            memory = quantity_bytes(capacity.get("memory")) or None
-        except ValueError:
-            memory = None
-        return Capacity(max_models=capacity.get("maxModels"), memory=memory)
-
     def _initial_truth(self) -> dict[str, PodTruth]:
         """What each pod holds now: for pods the pass can read, what their index says; for the others, what was
         recorded (unless the server restarted, which loses every model)."""
-        by_name = {m.intent.name: m.intent for m in self.models}
+        by_name = {m.intent.name: m.intent for m in self.snap.models}
         truth = {}
         for facts in self.facts:
-            state = self.states[facts.name]
-            index = self.index[facts.name]
+            state = self.snap.states[facts.name]
+            index = self.snap.index[facts.name]
             if index is not None:
                 held = {
                     name: Held(by_name[name].model_name, revision) for name, revision in state.held.items()
@@ -346,21 +206,21 @@ class _Pass:
             if lost or facts.restarted:
                 self.facts[i] = await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
 
-    async def _load_one(self, model: _Model, pod: PodState, revision: str) -> tuple[str, str, str | None]:
+    async def _load_one(self, model: PoolModel, pod: PodState, revision: str) -> tuple[str, str, str | None]:
         intent = model.intent
         _, config, _ = intent.variant(revision)
         try:
             async with self.ctx.load_slots:
-                await self.control.load(pod.ip or "", intent.model_name, config)
+                await self.snap.control.load(pod.ip or "", intent.model_name, config)
         except ControlError as error:
             return intent.name, pod.name, str(error)
         return intent.name, pod.name, None
 
-    async def _load_all(self, models: Sequence[_Model], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
+    async def _load_all(self, models: Sequence[PoolModel], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
         by_name = {m.intent.name: m for m in models}
         jobs = [
             self._load_one(
-                by_name[name], self.states[pod], plan.revisions.get(pod, by_name[name].intent.revision)
+                by_name[name], self.snap.states[pod], plan.revisions.get(pod, by_name[name].intent.revision)
             )
             for name, plan in plans.items()
             for pod in plan.load
@@ -393,19 +253,23 @@ class _Pass:
         return loaded
 
     async def _unload(self, pod: str, model_name: str) -> str | None:
-        ip = self.states[pod].ip
+        ip = self.snap.states[pod].ip
         try:
-            await self.control.unload(ip or "", model_name)
+            await self.snap.control.unload(ip or "", model_name)
         except ControlError as error:
             return str(error)
         return None
 
     async def _unload_all(
-        self, models: Sequence[_Model], plans: Mapping[str, Plan], loaded: Mapping[str, set[str]]
+        self,
+        models: Sequence[PoolModel],
+        plans: Mapping[str, Plan],
+        demands: Mapping[str, Demand],
+        loaded: Mapping[str, set[str]],
     ) -> None:
         for model in models:
             name = model.intent.name
-            pods = unloads_allowed(plans[name], self.demands[name], loaded.get(name, set()))
+            pods = unloads_allowed(plans[name], demands[name], loaded.get(name, set()))
             errors = await asyncio.gather(*(self._unload(pod, model.intent.model_name) for pod in pods))
             for pod, error in zip(pods, errors):
                 if error is None:
@@ -424,9 +288,9 @@ class _Pass:
 
     async def _unload_strays(self) -> None:
         """Models recorded on a pod by an InferenceModel that is gone (or moved to another pool)."""
-        bound = {m.intent.name for m in self.models}
+        bound = {m.intent.name for m in self.snap.models}
         for facts in self.facts:
-            state, truth = self.states[facts.name], self.truth[facts.name]
+            state, truth = self.snap.states[facts.name], self.truth[facts.name]
             if not state.ready:
                 continue
             in_use = {h.model_name for n, h in truth.held.items() if n in bound}
@@ -453,7 +317,7 @@ class _Pass:
 
     # --- status -----------------------------------------------------------------------------------------------
 
-    def _observe(self, model: _Model, plan: Plan | None, loading: bool) -> ModelObservation:
+    def _observe(self, model: PoolModel, plan: Plan | None, loading: bool) -> ModelObservation:
         intent = model.intent
         placements = []
         holding = available = 0
@@ -462,9 +326,9 @@ class _Pass:
         eligible = 0
         for facts in self.facts:
             pod = facts.name
-            state, held = self.states[pod], self.truth[pod].held.get(intent.name)
+            state, held = self.snap.states[pod], self.truth[pod].held.get(intent.name)
             eligible += 1 if state.ready else 0
-            version = version_of(self.index[pod] or [], intent.model_name)
+            version = version_of(self.snap.index[pod] or [], intent.model_name)
             variant = intent.variant(held.revision)[0] if held is not None and intent.canary else None
             if held is not None and (intent.name, pod) in self.fresh:
                 version = intent.variant(held.revision)[2] or version  # the index was read before this load
@@ -501,9 +365,9 @@ class _Pass:
                 )
             elif failure is not None or pod in avoid:
                 placements.append(Placement(pod, "Failed", facts.ip, None, failure or avoid.get(pod)))
-        failure = None
+        last_failure = None
         for pod, message in self.failures.get(intent.name, {}).items():
-            failure = {"time": self.now, "pod": pod, "message": message}
+            last_failure = {"time": self.now, "pod": pod, "message": message}
         return ModelObservation(
             wanted=plan.wanted if plan is not None else 0,
             holding=holding,
@@ -511,7 +375,7 @@ class _Pass:
             placements=placements,
             shortfall=plan.shortfall if plan is not None else 0,
             loading=loading and bool(planned),
-            failure=failure,
+            failure=last_failure,
             retrying={
                 pod: message
                 for pod, message in avoid.items()
@@ -520,20 +384,20 @@ class _Pass:
             eligible_pods=eligible,
         )
 
-    async def _read_traffic(self, models: Sequence[_Model]) -> dict[str, dict[str, tuple[float, float]]]:
+    async def _read_traffic(self, models: Sequence[PoolModel]) -> dict[str, dict[str, tuple[float, float]]]:
         """Request counters of the pods holding a model under a canary (pod IP -> model name -> counters)."""
         if self.ctx.meter is None:
             return {}
         canaried = {m.intent.name for m in models if m.intent.canary is not None and not m.deleting}
         ips = [
-            self.states[f.name].ip or ""
+            self.snap.states[f.name].ip or ""
             for f in self.facts
-            if self.states[f.name].ready and any(n in canaried for n in self.truth[f.name].held)
+            if self.snap.states[f.name].ready and any(n in canaried for n in self.truth[f.name].held)
         ]
         return await self.ctx.meter.scrape_all(ip for ip in ips if ip)
 
     def _variants(
-        self, model: _Model, traffic: Mapping[str, Mapping[str, tuple[float, float]]]
+        self, model: PoolModel, traffic: Mapping[str, Mapping[str, tuple[float, float]]]
     ) -> list[dict[str, Any]] | None:
         """status.variants of a model under a canary: each variant's pods, share and traffic."""
         intent = model.intent
@@ -545,7 +409,7 @@ class _Pass:
         holders: dict[str, list[str]] = {revision: [] for revision in intent.revisions}
         for facts in self.facts:
             held = self.truth[facts.name].held.get(intent.name)
-            if held is not None and held.revision in holders and self.states[facts.name].ready:
+            if held is not None and held.revision in holders and self.snap.states[facts.name].ready:
                 holders[held.revision].append(facts.name)
         total = sum(len(pods) for pods in holders.values())
         out = []
@@ -563,8 +427,8 @@ class _Pass:
             if meter is not None:
                 counters = [
                     traffic[ip][intent.model_name]
-                    for ip in (self.states[p].ip for p in pods)
-                    if ip in traffic and intent.model_name in traffic[ip]
+                    for ip in (self.snap.states[p].ip for p in pods)
+                    if ip is not None and ip in traffic and intent.model_name in traffic[ip]
                 ]
                 figures = meter.traffic(self.namespace, intent.name, revision, counters)
                 entry["requests"] = figures.requests
@@ -577,60 +441,35 @@ class _Pass:
             meter.forget(self.namespace, intent.name, keep=intent.revisions)
         return out
 
-    async def _write_model_statuses(self, observations: Sequence[tuple[_Model, ModelObservation]]) -> None:
+    async def _write_model_statuses(self, observations: Sequence[tuple[PoolModel, ModelObservation]]) -> None:
         """Write the statuses that changed, several at a time (a pass over a pool of many models otherwise waits
         on one round trip per model)."""
         slots = asyncio.Semaphore(STATUS_WRITES)
 
-        async def write(model: _Model, observed: ModelObservation) -> None:
+        async def write(model: PoolModel, observed: ModelObservation) -> None:
             async with slots:
-                await self._write_model_status(model, observed, pool_found=True)
+                await write_model_status(
+                    self.ctx, self.namespace, self.now, model, observed, pool_found=True, tls=self._tls
+                )
 
         await asyncio.gather(*(write(model, observed) for model, observed in observations))
 
-    async def _write_model_status(self, model: _Model, observed: ModelObservation, pool_found: bool) -> None:
-        intent, meta = model.intent, model.body["metadata"]
-        tls = tls_secret_name((getattr(self, "server", None) or {}).get("spec") or {}) is not None
-        status = model_status(
-            generation=meta.get("generation"),
-            pool=intent.pool,
-            model_name=intent.model_name,
-            revision=intent.revision,
-            selector=model_selector_string(intent),
-            endpoint=endpoint(intent, self.namespace, tls),
-            problems=model.problems,
-            suspended=intent.suspended,
-            pool_found=pool_found,
-            observed=observed,
-            old_status=model.body.get("status"),
-            now=self.now,
-        )
-        if not status_changes(model.body.get("status"), status):
-            return  # a steady state writes nothing
-        try:
-            await self.ctx.kube.apply_status(API_VERSION, MODEL_KIND, self.namespace, meta["name"], status)
-        except KubeError as error:
-            if error.status != 404:
-                raise
-        model.body["status"] = merged_status(model.body.get("status"), status)
-
-    async def _write_server_status(
-        self, spec: Mapping[str, Any], deployment: Body | None, hpa: Body | None, counts: Sequence[ModelCount]
-    ) -> None:
-        meta = self.server["metadata"]
+    async def _write_server_status(self, counts: Sequence[ModelCount]) -> None:
+        snap = self.snap
+        spec, meta = snap.spec, snap.server["metadata"]
         status = server_status(
             generation=meta.get("generation"),
             selector=pool_selector_string(self.pool),
             desired=desired_replicas(spec),
-            deployment=deployment,
-            hpa=hpa,
+            deployment=snap.deployment,
+            hpa=snap.hpa,
             hpa_wanted=autoscaling_active(spec),
             models=counts,
             problems=server_spec_problems(self.pool, spec),
-            old_conditions=(self.server.get("status") or {}).get("conditions"),
+            old_conditions=(self.snap.server.get("status") or {}).get("conditions"),
             now=self.now,
         )
-        if not status_changes(self.server.get("status"), status):
+        if not status_changes(self.snap.server.get("status"), status):
             return
         try:
             await self.ctx.kube.apply_status(API_VERSION, SERVER_KIND, self.namespace, self.pool, status)
@@ -639,24 +478,55 @@ class _Pass:
                 raise
 
 
-def merged_status(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> dict[str, Any]:
-    """The status after a merge patch (RFC 7386) of `patch` onto `old`."""
-    out = copy.deepcopy(dict(old or {}))
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merged_status(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def status_changes(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
-    """Whether merge-patching `patch` onto the status `old` would change anything."""
-    return old is None or merged_status(old, patch) != dict(old)
+async def write_model_status(
+    ctx: PoolContext,
+    namespace: str,
+    now: str,
+    model: PoolModel,
+    observed: ModelObservation,
+    pool_found: bool,
+    tls: bool,
+) -> None:
+    intent, meta = model.intent, model.body["metadata"]
+    status = model_status(
+        generation=meta.get("generation"),
+        pool=intent.pool,
+        model_name=intent.model_name,
+        revision=intent.revision,
+        selector=model_selector_string(intent),
+        endpoint=endpoint(intent, namespace, tls),
+        problems=model.problems,
+        suspended=intent.suspended,
+        pool_found=pool_found,
+        observed=observed,
+        old_status=model.body.get("status"),
+        now=now,
+    )
+    if not status_changes(model.body.get("status"), status):
+        return  # a steady state writes nothing
+    try:
+        await ctx.kube.apply_status(API_VERSION, MODEL_KIND, namespace, meta["name"], status)
+    except KubeError as error:
+        if error.status != 404:
+            raise
+    model.body["status"] = merged_status(model.body.get("status"), status)
 
 
 async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolReport:
-    """Run one pass over the pool `pool` in `namespace`."""
-    return await _Pass(ctx, namespace, pool).run()
+    """Run one pass over the pool `pool` in `namespace`: read it, then act on what was read."""
+    now = now_rfc3339()
+    models, snapshot = await read_pool(ctx, namespace, pool, now)
+    if snapshot is None:
+        for model in models:
+            if not model.deleting:
+                await write_model_status(
+                    ctx,
+                    namespace,
+                    now,
+                    model,
+                    ModelObservation(wanted=0, holding=0, available=0),
+                    pool_found=False,
+                    tls=False,
+                )
+        return PoolReport(found=False)
+    return await _Pass(ctx, snapshot).run()

@@ -23,15 +23,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import zlib
 from collections import deque
 from http import HTTPStatus
 
 import httptools
 import orjson
-from aiohttp import web
 
 from ..errors import NaiadError
+from .http_codec import compress_response, error_payload, response_coding, restricted_message
 
 log = logging.getLogger("naiad.http")
 
@@ -111,84 +110,6 @@ def response_bytes(status: int, chunks: list, headers: dict | None, keep_alive: 
     return [head, *chunks]
 
 
-def response_coding(accept: str) -> str | None:
-    """The Content-Encoding an infer response gets for an Accept-Encoding value: gzip if accepted, else
-    deflate (python `requests` sends both), else none."""
-    return "gzip" if "gzip" in accept else ("deflate" if "deflate" in accept else None)
-
-
-async def compress_response(loop, chunks: list, headers: dict, coding: str) -> tuple[list, dict]:
-    """An infer response body compressed (zlib default level; deflate is the zlib format), for both HTTP
-    paths; a large body is compressed off the event loop."""
-
-    def run() -> bytes:
-        c = zlib.compressobj(wbits=31 if coding == "gzip" else zlib.MAX_WBITS)
-        return b"".join([*(c.compress(x) for x in chunks), c.flush()])
-
-    size = sum(len(x) for x in chunks)
-    data = run() if size < 65536 else await loop.run_in_executor(None, run)
-    return [data], {**headers, "Content-Encoding": coding}
-
-
-INLINE_INFLATE = 8192  # compressed request bodies up to this size are inflated on the event loop
-_REQUEST_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": zlib.MAX_WBITS}
-
-
-def inflate_body(data: bytes, coding: str, limit: int) -> bytes:
-    """A request body inflated to at most `limit` bytes (the input beyond that is never inflated)."""
-    wbits = _REQUEST_WBITS[coding]
-    for attempt in (wbits, -zlib.MAX_WBITS) if coding == "deflate" else (wbits,):
-        d = zlib.decompressobj(attempt)
-        try:
-            out = d.decompress(data, limit + 1)
-        except zlib.error as exc:
-            if attempt != -zlib.MAX_WBITS and coding == "deflate":
-                continue  # raw deflate, as some clients send it
-            raise web.HTTPBadRequest(reason=f"cannot decode the {coding} request body: {exc}") from None
-        if len(out) > limit or d.unconsumed_tail:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(out))
-        return out
-    raise web.HTTPBadRequest(reason=f"cannot decode the {coding} request body")
-
-
-async def read_body(request, limit: int) -> bytes:
-    """The request body for the aiohttp app (which runs with auto_decompress off): at most `limit` bytes on
-    the wire, and, when it is gzip or deflate encoded, at most `limit` bytes inflated, off the event loop
-    when large. aiohttp's own decompression inflates a chunk at a time without such a bound."""
-    coding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if coding not in ("identity", "") and coding not in _REQUEST_WBITS:
-        raise web.HTTPUnsupportedMediaType(reason=f"unsupported Content-Encoding '{coding[:32]}'")
-    chunks, size = [], 0
-    while True:
-        chunk = await request.content.read(1 << 20)
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        chunks.append(chunk)
-    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    if coding in ("identity", ""):
-        return data
-    if len(data) <= INLINE_INFLATE:
-        return inflate_body(data, coding, limit)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_inflater(), inflate_body, data, coding, limit)
-
-
-_INFLATER = None
-
-
-def _inflater():
-    """One thread for inflating request bodies: bombs are inflated one at a time, never side by side."""
-    global _INFLATER
-    if _INFLATER is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _INFLATER = ThreadPoolExecutor(1, thread_name_prefix="naiad-http-inflate")
-    return _INFLATER
-
-
 def parse_route(url: bytes) -> tuple[str, str] | None:
     """(model, version) for an infer URL the fast path serves as aiohttp's router would; None: hand off."""
     if not url.isascii() or b"%" in url or b"#" in url:
@@ -228,10 +149,8 @@ class FastHttpServer:
         rule = (restricted or {}).get("inference")
         self.restrict_key = rule[0].lower().encode("latin-1") if rule else None
         self.restrict_value = rule[1] if rule else None
-        from . import http  # (http imports this module)
-
-        self.error_payload = http.error_payload
-        self.restricted_body = orjson.dumps({"error": http.restricted_message(rule[0])}) if rule else None
+        self.error_payload = error_payload
+        self.restricted_body = orjson.dumps({"error": restricted_message(rule[0])}) if rule else None
         self.routes: dict[bytes, tuple[str, str] | None] = {}
         self.connections: set[FastHttpProtocol] = set()
         self.closing = False

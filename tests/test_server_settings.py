@@ -194,3 +194,29 @@ def test_cuda_memory_pool_sizes_the_device_pool():
 
     assert memory.apply_cuda_pools({0: 12_345_678}) == {}
     assert memory.cuda_pool_threshold(0) == 12_345_678
+
+
+def test_serve_needs_no_optional_extra():
+    """`naiad serve`'s command line loads without the packages only extras bring (the images install the base
+    dependencies and a few extras): `naiad analyze`'s requests and matplotlib, boto3, OpenTelemetry."""
+    blocked = [
+        "requests",
+        "matplotlib",
+        "boto3",
+        "opentelemetry",
+        "xgboost",
+        "lightgbm",
+        "torch",
+        "onnxruntime",
+    ]
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None\n"
+        "from naiad.cli import build_parser\n"
+        "args = build_parser().parse_args(['serve', '--model-repository', '/models'])\n"
+        "print(args.command)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "server"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "serve", done.stderr[-2000:]

@@ -8,9 +8,13 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import loadgen, report
-from .sweep import Result, Server, variants
+if TYPE_CHECKING:
+    from .sweep import Result
+
+# The sweep, load generator and report (and their dependencies: requests, aiohttp, matplotlib) are imported
+# when `naiad analyze` runs, never by `naiad serve`, whose parser defines this subcommand too.
 
 
 def _ints(text: str) -> list[int]:
@@ -87,6 +91,9 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import loadgen
+    from .sweep import Result, Server, variants
+
     try:
         import matplotlib  # noqa: F401  (checked before the sweep, not after it)
     except ImportError:
@@ -155,6 +162,8 @@ def _mean(values: list[float]) -> float:
 
 
 def write(args: argparse.Namespace, results: list[Result]) -> int:
+    from . import report
+
     title = f"naiad analyze: {args.model}, p99 budget {args.latency_budget_ms:g} ms"
     ranked = report.ranking(results, args.latency_budget_ms)
     winner = ranked[0][0] if ranked else None

@@ -36,8 +36,6 @@ from typing import Any
 import grpc
 import hpack
 
-from . import eager
-
 log = logging.getLogger("naiad.grpc")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -898,8 +896,7 @@ class _Connection(asyncio.Protocol):
                 if error is not None:
                     self._finish_error(st, grpc.StatusCode.INTERNAL, error)
                 else:
-                    # run the call now (at c1 this answers within this data_received): a Task only if it waits
-                    st.task = eager.start(self.loop, self._run(st, request))
+                    st.task = self.loop.create_task(self._run(st, request))
         if st.done:
             self._forget(st)
 

@@ -32,7 +32,6 @@ import orjson
 from aiohttp import web
 
 from ..errors import NaiadError
-from . import eager
 
 log = logging.getLogger("naiad.http")
 
@@ -423,8 +422,7 @@ class FastHttpProtocol(asyncio.Protocol):
             self.final = _HANDOFF  # aiohttp applies its own header size limits and answers them
         if self.task is None:
             if self.queue:
-                # answer now (at c1 the response is written within this data_received): a Task only if it waits
-                self.task = eager.start(self.loop, self._run())
+                self.task = self.loop.create_task(self._run())
             elif self.final is not None:
                 self._finish()
         elif len(self.queue) >= MAX_QUEUE:

@@ -171,7 +171,7 @@ def encode_response(
             raws.append(b"")
             continue
         raws.append(tensors.to_bytes(t.data, t.datatype))
-    if chunked:
+    if chunked and sum(len(r) for r in raws) >= grpc_wire.SPLIT_MIN:
         return grpc_wire.ChunkedResponse(out, raws)
     if raws:
         out.raw_output_contents.extend(bytes(r) for r in raws)

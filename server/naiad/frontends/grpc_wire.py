@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from tritonclient.grpc import service_pb2 as pb
 
+from .h2grpc import WireMessage
+
 # Below this size a message is parsed and serialized by protobuf as a whole: the copies cost less than the scan.
 SPLIT_MIN = 16384
 _RAW_INPUT_KEY = 7 << 3 | 2  # ModelInferRequest.raw_input_contents, length-delimited
@@ -85,7 +87,7 @@ class SplitInferRequest:
         return cls(pb.ModelInferRequest.FromString(data), None)
 
 
-class ChunkedResponse:
+class ChunkedResponse(WireMessage):
     """A ModelInferResponse serialized as buffers to send in order: the message without its
     raw_output_contents, then each raw entry's field key and length followed by the tensor's own memory."""
 

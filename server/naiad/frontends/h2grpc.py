@@ -118,6 +118,15 @@ def _code(status) -> int:
     return status.value[0] if isinstance(status, grpc.StatusCode) else int(status)
 
 
+class WireMessage:
+    """A response that serializes itself as a list of buffers, sent in order without joining them."""
+
+    __slots__ = ()
+
+    def wire_chunks(self) -> list:
+        raise NotImplementedError
+
+
 class Abort(Exception):
     """Raised by `Stream.abort` (the servicers' `context.abort`): ends the call with a status."""
 
@@ -950,8 +959,10 @@ class _Connection(asyncio.Protocol):
                 response = await method.call(request, st)
                 if response is None:
                     raise Abort(grpc.StatusCode.INTERNAL, "the method returned no response")
-                chunks = getattr(response, "wire_chunks", None)  # a message as buffers, sent unjoined
-                self._reply(st, response.SerializeToString() if chunks is None else chunks())
+                if isinstance(response, WireMessage):  # (not getattr: a miss on a protobuf message raises)
+                    self._reply(st, response.wire_chunks())
+                else:
+                    self._reply(st, response.SerializeToString())
         except Abort as exc:
             exc.__traceback__ = exc.__context__ = None  # holds the frames, and with them the request
             self._finish_error(st, exc.code, exc.details)

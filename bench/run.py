@@ -1191,6 +1191,45 @@ def summarize(ctx: Ctx) -> tuple[list[dict], list[dict]]:
         s = next((s for s in summaries if s["scenario"] == scn and s["server"] == "naiad"), None)
         v = s["lat_p50_ms"]["median"] if s and s.get("lat_p50_ms") else None
         add("Naiad p50 latency <= 0.4 ms", scn, v, 0.4, cmp="<=", unit="ms")
+    # issue 21: large gRPC messages (with and without dynamic batching) and single-request latency
+    for model in ("identity_64k", "identity_64k_batched"):
+        for conc, goal in ((1, 1.2), (8, 1.5), (64, 1.5)):
+            scn = f"{model}/grpc/c{conc}"
+            if scn in names:
+                a, b = med(scn, "naiad"), med(scn, "triton")
+                add(
+                    f"Naiad >= {goal}x Triton",
+                    scn,
+                    a / b if a and b else None,
+                    goal,
+                    detail=per_round_ratio(scn, "naiad", "triton"),
+                )
+
+    def latency(scn, srv):
+        s = next((s for s in summaries if s["scenario"] == scn and s["server"] == srv), None)
+        for key in ("lat_p50_ms", "lat_mean_ms"):  # wrk's p50; h2load has only a mean
+            if s and s.get(key):
+                return s[key]["median"]
+        return None
+
+    for proto in PROTOCOLS:
+        scn = f"identity_16/{proto}/c1"
+        if scn in names:
+            a, b = latency(scn, "naiad"), latency(scn, "triton")
+            kind = "mean" if proto == "grpc" else "p50"
+            add(f"Naiad {kind} latency <= 0.7x Triton's", scn, a / b if a and b else None, 0.7, cmp="<=")
+            a, b = med(scn, "naiad"), med(scn, "triton")
+            add("Naiad >= 1.3x Triton", scn, a / b if a and b else None, 1.3)
+    for scn in sorted(names):  # a second checkout benched alongside (--baseline-checkout)
+        a, b = med(scn, "naiad"), med(scn, "naiad_base")
+        if a and b:
+            add(
+                "Naiad >= 0.97x the baseline checkout",
+                scn,
+                a / b,
+                0.97,
+                detail=per_round_ratio(scn, "naiad", "naiad_base"),
+            )
     return summaries, targets
 
 

@@ -16,8 +16,8 @@ from .. import tensors
 from ..errors import InvalidArgument, NaiadError, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..server import Server, parse_version
+from . import grpc_wire, tls
 from . import shm as shm_handlers
-from . import tls
 from .common import request_options
 
 log = logging.getLogger("naiad.grpc")
@@ -44,9 +44,11 @@ def param_value(p):
     return getattr(p, kind) if kind else None
 
 
-def decode_request(req: pb.ModelInferRequest, shm=None) -> InferenceRequest:
-    """ModelInferRequest -> InferenceRequest; raw contents become numpy views without copies."""
-    raw = req.raw_input_contents
+def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRequest:
+    """ModelInferRequest -> InferenceRequest; raw contents become numpy views without copies (`raw`: the
+    raw_input_contents when they were kept out of the parse, see grpc_wire.SplitInferRequest)."""
+    if raw is None:
+        raw = req.raw_input_contents
     n_raw = len(raw)
     used_raw = 0  # as Triton: the inputs not in shared memory take the raw entries in order
     inputs: dict[str, np.ndarray] = {}
@@ -149,8 +151,10 @@ def _set_param(p, value) -> None:
 
 
 def encode_response(
-    resp: InferenceResponse, request: InferenceRequest | None, shm=None
+    resp: InferenceResponse, request: InferenceRequest | None, shm=None, chunked: bool = False
 ) -> pb.ModelInferResponse:
+    """InferenceResponse -> ModelInferResponse; `chunked`: a grpc_wire.ChunkedResponse whose raw contents are
+    the output tensors' own memory (h2grpc sends it without joining)."""
     out = pb.ModelInferResponse(model_name=resp.model_name, model_version=resp.model_version, id=resp.id)
     for k, v in resp.parameters.items():
         _set_param(out.parameters[k], v)
@@ -167,9 +171,11 @@ def encode_response(
             # memory; C++ clients (perf_analyzer) index raw_output_contents by output position.
             raws.append(b"")
             continue
-        raws.append(bytes(tensors.to_bytes(t.data, t.datatype)))
+        raws.append(tensors.to_bytes(t.data, t.datatype))
+    if chunked and sum(len(r) for r in raws) >= grpc_wire.SPLIT_MIN:
+        return grpc_wire.ChunkedResponse(out, raws)
     if raws:
-        out.raw_output_contents.extend(raws)
+        out.raw_output_contents.extend(bytes(r) for r in raws)
     return out
 
 
@@ -263,10 +269,15 @@ class _Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            req = decode_request(request, self.shm)
+            if type(request) is grpc_wire.SplitInferRequest:  # Naiad's own HTTP/2 server
+                req = decode_request(request.message, self.shm, request.raw)
+                chunked = True
+            else:
+                req = decode_request(request, self.shm)
+                chunked = False
             req.traceparent = _traceparent(context) if self.server.tracer.active else None
             resp = await self.server.infer(req)
-            return encode_response(resp, req, self.shm)
+            return encode_response(resp, req, self.shm, chunked)
         except NaiadError as exc:
             return await self._fail(context, exc)
         except Exception as exc:
@@ -577,7 +588,10 @@ class GrpcFrontend:
         from . import h2grpc
 
         methods = h2grpc.service_methods(
-            pb.DESCRIPTOR.services_by_name["GRPCInferenceService"], self.servicer, api_group
+            pb.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+            self.servicer,
+            api_group,
+            request_types={"ModelInfer": grpc_wire.SplitInferRequest},
         )
         try:
             from grpc_health.v1 import health_pb2

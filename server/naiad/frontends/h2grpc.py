@@ -118,6 +118,15 @@ def _code(status) -> int:
     return status.value[0] if isinstance(status, grpc.StatusCode) else int(status)
 
 
+class WireMessage:
+    """A response that serializes itself as a list of buffers, sent in order without joining them."""
+
+    __slots__ = ()
+
+    def wire_chunks(self) -> list:
+        raise NotImplementedError
+
+
 class Abort(Exception):
     """Raised by `Stream.abort` (the servicers' `context.abort`): ends the call with a status."""
 
@@ -873,7 +882,8 @@ class _Connection(asyncio.Protocol):
                 )
             st.queue.put_nowait(None)
         elif st.method is not None and st.task is None and not st.done:
-            body = st.body[0] if len(st.body) == 1 else b"".join(st.body)
+            # one frame: a view of it; more: joined once, and the message is a view of that (no second copy)
+            body = st.body[0] if len(st.body) == 1 else memoryview(b"".join(st.body))
             st.body = []
             error = None
             if len(body) < 5:
@@ -949,7 +959,10 @@ class _Connection(asyncio.Protocol):
                 response = await method.call(request, st)
                 if response is None:
                     raise Abort(grpc.StatusCode.INTERNAL, "the method returned no response")
-                self._reply(st, response.SerializeToString())
+                if isinstance(response, WireMessage):  # (not getattr: a miss on a protobuf message raises)
+                    self._reply(st, response.wire_chunks())
+                else:
+                    self._reply(st, response.SerializeToString())
         except Abort as exc:
             exc.__traceback__ = exc.__context__ = None  # holds the frames, and with them the request
             self._finish_error(st, exc.code, exc.details)
@@ -963,20 +976,38 @@ class _Connection(asyncio.Protocol):
             self._finish_error(st, grpc.StatusCode.UNKNOWN, f"Unexpected error: {exc}")
 
     # ---- sending ----
-    def _reply(self, st: Stream, msg: bytes) -> None:
-        """A unary call's whole response (headers, message, trailers) in one write when the windows allow."""
-        total = len(msg) + 5
-        if (
-            st.pending
-            or st.headers_sent
-            or st.done
-            or self.closed
-            or total > self.peer_max_frame
-            or total > st.send_window
-            or total > self.send_window
-        ):
-            self._send_message(st, msg)
+    def _reply(self, st: Stream, msg) -> None:
+        """A unary call's whole response (headers, message, trailers) in one write when the windows allow;
+        `msg`: the serialized message, or a list of buffers that make it up (sent without joining them)."""
+        if type(msg) is list:
+            total = 5
+            for chunk in msg:
+                total += len(chunk)
+            if total <= self.peer_max_frame:
+                msg = b"".join(msg)
+        else:
+            total = len(msg) + 5
+        if st.pending or st.headers_sent or st.done or self.closed:
+            self._send_message(st, msg, total - 5)
             self._finish(st, _OK_TRAILERS)
+            return
+        if total > self.peer_max_frame or total > st.send_window or total > self.send_window:
+            # headers, the message in as many full DATA frames as the windows allow, and the trailers when
+            # all of it went: one writelines (the rest goes as WINDOW_UPDATEs come in)
+            st.headers_sent = True
+            st.done = True
+            st.trailers = _OK_TRAILERS
+            pending = st.pending = collections.deque()
+            pending.append(memoryview(_MSG_PREFIX.pack(0, total - 5)))
+            if type(msg) is list:
+                pending.extend(memoryview(c) for c in msg if len(c))
+            elif msg:
+                pending.append(memoryview(msg))
+            self._sent_data()
+            self._flush(
+                st,
+                [_FRAME.pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, st.sid), _RESPONSE_HEADERS],
+            )
             return
         st.send_window -= total
         self.send_window -= total
@@ -997,18 +1028,29 @@ class _Connection(asyncio.Protocol):
         else:
             self.transport.writelines(out)
 
-    def _send_message(self, st: Stream, msg: bytes) -> None:
+    def _send_message(self, st: Stream, msg, n: int | None = None) -> None:
+        """One message: `msg` is its bytes, or a list of buffers of `n` bytes in all."""
         if self.closed or st.done:
             return
         out = []
         if not st.headers_sent:
             st.headers_sent = True
             out.append(frame(HEADERS, END_HEADERS, st.sid, _RESPONSE_HEADERS))
-        n = len(msg)
+        if type(msg) is list:
+            if n is None:
+                n = sum(len(c) for c in msg)
+            if not st.pending and n + 5 <= self.peer_max_frame:
+                msg = b"".join(msg)
+            else:
+                chunks = msg
+                msg = None
+        else:
+            n = len(msg)
         prefix = _MSG_PREFIX.pack(0, n)
         total = n + 5
         if (
-            not st.pending
+            msg is not None
+            and not st.pending
             and total <= self.peer_max_frame
             and total <= st.send_window
             and total <= self.send_window
@@ -1028,27 +1070,39 @@ class _Connection(asyncio.Protocol):
         if st.pending is None:
             st.pending = collections.deque()
         st.pending.append(memoryview(prefix))
-        st.pending.append(memoryview(msg))
+        if msg is not None:
+            st.pending.append(memoryview(msg))
+        else:
+            st.pending.extend(memoryview(c) for c in chunks if len(c))
         self._flush(st)
 
-    def _flush(self, st: Stream) -> None:
-        """Send queued DATA as far as both windows allow, then the trailers once nothing is queued."""
-        out = []
+    def _flush(self, st: Stream, out: list | None = None) -> None:
+        """Send queued DATA as far as both windows allow, then the trailers once nothing is queued. A frame is
+        filled from as many queued buffers as fit (views, no copies), so a message goes out in full frames.
+        `out`: frames to write before them, in the same writelines."""
+        if out is None:
+            out = []
         pending = st.pending
         while pending:
             allowed = min(st.send_window, self.send_window, self.peer_max_frame)
             if allowed <= 0:
                 break
-            chunk = pending[0]
-            if len(chunk) > allowed:
-                pending[0] = chunk[allowed:]
-                chunk = chunk[:allowed]
-            else:
-                pending.popleft()
-            st.send_window -= len(chunk)
-            self.send_window -= len(chunk)
-            out.append(_FRAME.pack(len(chunk) << 8 | DATA, 0, st.sid))
-            out.append(chunk)
+            head = len(out)
+            out.append(None)  # the frame header, once its size is known
+            size = 0
+            while pending and size < allowed:
+                chunk = pending[0]
+                room = allowed - size
+                if len(chunk) > room:
+                    pending[0] = chunk[room:]
+                    chunk = chunk[:room]
+                else:
+                    pending.popleft()
+                size += len(chunk)
+                out.append(chunk)
+            st.send_window -= size
+            self.send_window -= size
+            out[head] = _FRAME.pack(size << 8 | DATA, 0, st.sid)
         if out:
             st.blocked_since = self.loop.time()  # progress
         if not pending and st.trailers is not None:

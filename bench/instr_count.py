@@ -1,0 +1,164 @@
+"""Instructions per request of Naiad (valgrind callgrind), for one or more checkouts: a noise-free A/B.
+
+    python bench/instr_count.py --checkout . --checkout /tmp/base --requests 300 \\
+        identity_16/http_json/c1 identity_16/grpc/c1 identity_64k/grpc/c1
+
+Each checkout's server runs under `valgrind --tool=callgrind --instr-atstart=no` with the bench model
+repository; per scenario it gets 100 unmeasured requests, then instrumentation is switched on for exactly
+`--requests` requests sent one at a time by h2load (`--h1` for HTTP), and the instructions executed in
+the server process (Python, uvloop, protobuf, numpy and the kernel-call wrappers; not the kernel) are
+divided by that count. Under valgrind the server is ~50x slower, so timings mean nothing here: this
+measures work, not latency. Deterministic to about 0.1% run to run on the same tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run as bench  # (the bench driver: its scenarios, bodies and ports)
+
+
+def h2load_cmd(sc: bench.Scenario, body: bench.Body, n: int) -> list[str]:
+    if sc.proto == "grpc":
+        return [
+            "h2load",
+            f"-n{n}",
+            "-c1",
+            "-m1",
+            "-d",
+            str(body.path),
+            "-H",
+            "content-type: application/grpc",
+            "-H",
+            "te: trailers",
+            f"http://127.0.0.1:{bench.GRPC_PORT}{bench.GRPC_PATH}",
+        ]
+    headers = ["-H", "content-type: application/json"]
+    if body.header_len is not None:
+        headers = [
+            "-H",
+            "content-type: application/octet-stream",
+            "-H",
+            f"inference-header-content-length: {body.header_len}",
+        ]
+    return [
+        "h2load",
+        "--h1",
+        f"-n{n}",
+        "-c1",
+        "-m1",
+        "-d",
+        str(body.path),
+        *headers,
+        f"http://127.0.0.1:{bench.HTTP_PORT}/v2/models/{sc.model}/infer",
+    ]
+
+
+def send(sc, body, n: int) -> None:
+    p = subprocess.run(h2load_cmd(sc, body, n), capture_output=True, text=True, timeout=600)
+    m = re.search(r"status codes: (\d+) 2xx", p.stdout)
+    if p.returncode or not m or int(m.group(1)) != n:
+        raise RuntimeError(f"h2load: {p.stdout[-1500:]}{p.stderr[-500:]}")
+
+
+def instructions(pid: int, out: Path) -> int:
+    """Dump callgrind's counters (and zero them); the dump's total instructions."""
+    before = set(out.parent.glob(out.name + "*"))
+    subprocess.run(["callgrind_control", "--dump", str(pid)], check=True, capture_output=True)
+    for _ in range(600):
+        new = set(out.parent.glob(out.name + "*")) - before
+        if new:
+            text = max(new, key=lambda p: p.stat().st_mtime).read_text(errors="replace")
+            m = re.search(r"^totals: (\d+)", text, re.M) or re.search(r"^summary: (\d+)", text, re.M)
+            if m:
+                return int(m.group(1))
+        time.sleep(0.1)
+    raise RuntimeError("callgrind wrote no dump")
+
+
+def measure(checkout: Path, scenarios, n: int, work: Path) -> dict[str, float]:
+    work.mkdir(parents=True, exist_ok=True)
+    for f in work.glob("callgrind.out*"):
+        f.unlink()
+    out = work / "callgrind.out"
+    models = sorted({sc.model for sc in scenarios})
+    cmd = [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        f"--callgrind-out-file={out}",
+        str(bench.NAIAD_VENV / "bin" / "python"),
+        "-c",
+        "import sys; from naiad.cli import main; sys.argv[0] = 'naiad'; sys.exit(main())",
+        "serve",
+        "--model-repository",
+        str(bench.MODELS),
+        "--http-port",
+        str(bench.HTTP_PORT),
+        "--grpc-port",
+        str(bench.GRPC_PORT),
+        "--metrics-port",
+        str(bench.METRICS_PORT),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(checkout / "server"), PYTHONMALLOC="malloc")
+    log = open(work / "server.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not all(
+            bench.http_get(f"http://127.0.0.1:{bench.HTTP_PORT}/v2/models/{m}/ready", 5)[0] == 200
+            for m in models
+        ):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {(work / 'server.log').read_text()[-2000:]}")
+            time.sleep(1)
+        result = {}
+        for sc in scenarios:
+            body = bench.build_body(sc, bench.expected_output(sc))
+            send(sc, body, 100)  # warm-up, not collected
+            subprocess.run(
+                ["callgrind_control", "--instr=on", str(proc.pid)], check=True, capture_output=True
+            )
+            instructions(proc.pid, out)  # zero the counters
+            send(sc, body, n)
+            total = instructions(proc.pid, out)
+            subprocess.run(
+                ["callgrind_control", "--instr=off", str(proc.pid)], check=True, capture_output=True
+            )
+            result[sc.name] = total / n
+            print(f"  {checkout}  {sc.name:30s} {total / n:12,.0f} instructions/request", flush=True)
+        return result
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+        log.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("scenarios", nargs="+", help="model/protocol/c1 names from `bench/run.py --list`")
+    p.add_argument("--checkout", action="append", type=Path, required=True, help="a Naiad tree (repeatable)")
+    p.add_argument("--requests", type=int, default=300)
+    args = p.parse_args()
+    by_name = {s.name: s for s in bench.all_scenarios()}
+    scs = [by_name[n] for n in args.scenarios]
+    results = {}
+    for i, co in enumerate(args.checkout):
+        results[co] = measure(co.resolve(), scs, args.requests, bench.WORK / "callgrind" / str(i))
+    print("\n| scenario | " + " | ".join(str(c) for c in args.checkout) + " | ratio (first/last) |")
+    print("|---|" + "---|" * (len(args.checkout) + 1))
+    for sc in scs:
+        vals = [results[c][sc.name] for c in args.checkout]
+        print(f"| {sc.name} | " + " | ".join(f"{v:,.0f}" for v in vals) + f" | {vals[0] / vals[-1]:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,45 +25,43 @@ class InvalidArgument(NaiadError):
 
 
 class NotFound(NaiadError):
-    http_status = 404
-    grpc_status = grpc.StatusCode.NOT_FOUND
-    triton_code = "TRITONSERVER_ERROR_NOT_FOUND"
+    http_status, grpc_status, triton_code = 404, grpc.StatusCode.NOT_FOUND, "TRITONSERVER_ERROR_NOT_FOUND"
 
 
 class Unavailable(NaiadError):
-    http_status = 503
-    grpc_status = grpc.StatusCode.UNAVAILABLE
-    triton_code = "TRITONSERVER_ERROR_UNAVAILABLE"
+    http_status, grpc_status, triton_code = 503, grpc.StatusCode.UNAVAILABLE, "TRITONSERVER_ERROR_UNAVAILABLE"
 
 
 class Internal(NaiadError):
-    http_status = 500
-    grpc_status = grpc.StatusCode.INTERNAL
-    triton_code = "TRITONSERVER_ERROR_INTERNAL"
+    http_status, grpc_status, triton_code = 500, grpc.StatusCode.INTERNAL, "TRITONSERVER_ERROR_INTERNAL"
 
 
 class Unsupported(NaiadError):
-    http_status = 400
-    grpc_status = grpc.StatusCode.UNIMPLEMENTED
-    triton_code = "TRITONSERVER_ERROR_UNSUPPORTED"
+    http_status, grpc_status, triton_code = (
+        400,
+        grpc.StatusCode.UNIMPLEMENTED,
+        "TRITONSERVER_ERROR_UNSUPPORTED",
+    )
 
 
 class AlreadyExists(NaiadError):
-    http_status = 409
-    grpc_status = grpc.StatusCode.ALREADY_EXISTS
-    triton_code = "TRITONSERVER_ERROR_ALREADY_EXISTS"
+    http_status, grpc_status, triton_code = (
+        409,
+        grpc.StatusCode.ALREADY_EXISTS,
+        "TRITONSERVER_ERROR_ALREADY_EXISTS",
+    )
 
 
 class PermissionDenied(NaiadError):
-    http_status = 403
-    grpc_status = grpc.StatusCode.PERMISSION_DENIED
-    triton_code = "TRITONSERVER_ERROR_UNAVAILABLE"
+    http_status, grpc_status, triton_code = (
+        403,
+        grpc.StatusCode.PERMISSION_DENIED,
+        "TRITONSERVER_ERROR_UNAVAILABLE",
+    )
 
 
 class Cancelled(NaiadError):
-    http_status = 499
-    grpc_status = grpc.StatusCode.CANCELLED
-    triton_code = "TRITONSERVER_ERROR_CANCELLED"
+    http_status, grpc_status, triton_code = 499, grpc.StatusCode.CANCELLED, "TRITONSERVER_ERROR_CANCELLED"
 
 
 def as_naiad_error(exc: BaseException) -> NaiadError:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
-
+# `naiad` comes from the editable install (make venv); build_models and helpers from this folder, which pytest
+# puts on sys.path for the tests in it (rootdir-relative "prepend" imports: tests/ has no __init__.py).
 from build_models import build
 from helpers import NaiadProcess
 

@@ -41,7 +41,18 @@ fi
 mkdir -p "$cache" "$out"
 exec 9>"$cache/.lock"
 flock 9
-bh() { buildah --root "$cache/storage" --runroot "$cache/run" --storage-driver vfs "$@"; }
+# buildah's layer cache does not see a changed ARG default or --build-arg value (seen: EXTRAS=onnx,s3 reused the
+# layers of an EXTRAS=onnx build), so each set of Dockerfiles and arguments gets a storage of its own, and the
+# storages of other sets are removed.
+storage_key="$( { cat "$repo/Dockerfile.server" "$repo/Dockerfile.operator"; echo "$variant"; } | sha256sum | cut -c1-16)"
+storage="$cache/storage-$variant-$storage_key"
+for old in "$cache"/storage "$cache"/storage-"$variant"-*; do
+  [[ -e "$old" && "$old" != "$storage" ]] || continue
+  log "removing $old (other Dockerfiles or arguments)"
+  buildah --root "$old" --runroot "$cache/run" --storage-driver vfs rmi --all --force >/dev/null 2>&1 || true
+  rm -rf "$old"
+done
+bh() { buildah --root "$storage" --runroot "$cache/run" --storage-driver vfs "$@"; }
 
 # ---- the base image -------------------------------------------------------------------------------------
 official="$(sed -n 's/^ARG PYTHON_IMAGE=//p' "$repo/Dockerfile.server")"
@@ -89,17 +100,11 @@ if [[ -n "$cert" && -f "$cert" ]]; then
   printf '[global]\ncert = /etc/naiad-build-ca.crt\n' >"$cache/pip.conf"
   lend=(--volume "$cert:/etc/naiad-build-ca.crt:ro" --volume "$cache/pip.conf:/etc/pip.conf:ro")
 fi
-# buildah's layer cache does not see a changed ARG default or --build-arg value (seen: EXTRAS=onnx,s3 reused the
-# layers built with EXTRAS=onnx), so a build whose Dockerfile or build arguments changed starts without cache.
 build() {  # <dockerfile> <tag> [build args...]
   local file="$1" tag="$2"; shift 2
-  local key keyfile="$cache/key-$(basename "$file")" fresh=()
-  key="$( { cat "$repo/$file"; printf '%s\n' "$base" "$@"; } | sha256sum | cut -c1-16)"
-  [[ -f "$keyfile" && "$(cat "$keyfile")" == "$key" ]] || fresh=(--no-cache)
-  log "building $tag from $file${fresh:+ (Dockerfile or build arguments changed: no layer cache)}"
-  bh build --quiet --isolation chroot --pull=never --layers --network host "${lend[@]}" "${fresh[@]}" \
+  log "building $tag from $file"
+  bh build --quiet --isolation chroot --pull=never --layers --network host "${lend[@]}" \
     --build-arg "PYTHON_IMAGE=$base" "$@" -f "$repo/$file" -t "$tag" "$repo" >&2
-  echo "$key" >"$keyfile"
 }
 # Named as the chart's values name them, so a loaded archive is found by `helm install` as it is.
 registry="${NAIAD_IMAGE_REGISTRY:-ghcr.io/naiad-dev}"

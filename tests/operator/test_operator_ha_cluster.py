@@ -322,25 +322,29 @@ ADD_SUB = {
 }
 
 
-def post(ip: str, path: str, body: dict | None = None) -> dict | list:
+def post(ip: str, path: str, body: dict | None = None, credential: str | None = None) -> dict | list:
+    headers = {"Content-Type": "application/json"}
+    if (
+        credential is not None
+    ):  # the control APIs (repository index, load, unload) answer only the operator's key
+        headers["naiad-control-key"] = credential
     request = urllib.request.Request(
-        f"http://{ip}:8000{path}",
-        data=json.dumps(body or {}).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
+        f"http://{ip}:8000{path}", data=json.dumps(body or {}).encode(), method="POST", headers=headers
     )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
 
-def versions_ready(ip: str) -> list[str]:
-    return sorted(e["version"] for e in post(ip, "/v2/repository/index") if e.get("state") == "READY")
+def versions_ready(ip: str, credential: str) -> list[str]:
+    index = post(ip, "/v2/repository/index", credential=credential)
+    return sorted(e["version"] for e in index if e.get("state") == "READY")
 
 
 def served(h, selector: str) -> dict[str, list[str]]:
     """Pod IP -> versions of add_sub READY there, for the pods holding the model."""
+    credential = h.credential()
     return {
-        p["status"]["podIP"]: versions_ready(p["status"]["podIP"])
+        p["status"]["podIP"]: versions_ready(p["status"]["podIP"], credential)
         for p in h.get("pods", selector=selector)["items"]
     }
 

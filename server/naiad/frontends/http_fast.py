@@ -30,6 +30,7 @@ import httptools
 import orjson
 
 from ..errors import NaiadError
+from . import eager
 from .http_codec import compress_response, error_payload, response_coding, restricted_message
 
 log = logging.getLogger("naiad.http")
@@ -341,7 +342,7 @@ class FastHttpProtocol(asyncio.Protocol):
             self.final = _HANDOFF  # aiohttp applies its own header size limits and answers them
         if self.task is None:
             if self.queue:
-                self.task = self.loop.create_task(self._run())
+                self.task = eager.start(self.loop, self._run())
             elif self.final is not None:
                 self._finish()
         elif len(self.queue) >= MAX_QUEUE:

@@ -334,7 +334,7 @@ class Metrics:
         self._triton_counters = [n.encode() for n, _, _ in _COUNTERS] + [b"nv_inference_request_failure"]
         self.histograms = {}
         self.summaries = {}
-        self._children: dict[tuple, list] = {}
+        self._children: dict[tuple[str, str], tuple[list, list, list]] = {}
         if settings["histogram_latencies"]:
             self.histograms = {kind: {} for kind in _HISTOGRAMS}
             self.registry.register(_HistogramCollector(self.histograms))
@@ -348,19 +348,32 @@ class Metrics:
         self._thread = threading.Thread(target=self._sample_loop, name="naiad-metrics", daemon=True)
         self._thread.start()
 
-    def observe(self, kind: str, model: str, version: str, seconds: float) -> None:
-        """Called for every finished request; labelled children are looked up once and cached."""
-        key = (kind, model, version)
-        children = self._children.get(key)
+    def observe(
+        self, model: str, version: str, request_s: float, queue_s: float | None, compute_s: float | None
+    ) -> None:
+        """Called once for every finished request; its labelled children are looked up once and cached."""
+        children = self._children.get((model, version))
         if children is None:
-            children = []
-            if kind in self.histograms:
-                children.append(self.histograms[kind].setdefault((model, version), _LatencyHistogram()))
-            if kind in self.summaries:
-                children.append(self.summaries[kind].labels(model, version))
-            self._children[key] = children
-        for child in children:
-            child.observe(seconds)
+            request, queue, compute = (self._children_of(kind, model, version) for kind in _HISTOGRAMS)
+            children = self._children[(model, version)] = (request, queue, compute)
+        request, queue, compute = children
+        for child in request:
+            child.observe(request_s)
+        if queue_s is not None:
+            for child in queue:
+                child.observe(queue_s)
+        if compute_s is not None:
+            for child in compute:
+                child.observe(compute_s)
+
+    def _children_of(self, kind: str, model: str, version: str) -> list:
+        """The histogram and/or summary child that observes `kind` (request, queue, compute_infer) of a version."""
+        children: list = []
+        if kind in self.histograms:
+            children.append(self.histograms[kind].setdefault((model, version), _LatencyHistogram()))
+        if kind in self.summaries:
+            children.append(self.summaries[kind].labels(model, version))
+        return children
 
     def _sample_loop(self) -> None:
         while not self._stop.wait(self.interval):

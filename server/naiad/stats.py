@@ -33,8 +33,9 @@ class BatchStat:
     compute_output: Duration = field(default_factory=Duration)
 
 
-# observer(kind, model, version, seconds) for latency histograms; kind in request|queue|compute_infer|...
-Observer = Callable[[str, str, str, float], None]
+# observer(model, version, request_s, queue_s, compute_s) for the latency histograms, once per finished request;
+# queue_s and compute_s are None for a failed request (Triton observes only the request duration then)
+Observer = Callable[[str, str, float, "float | None", "float | None"], None]
 
 
 class ModelStats:
@@ -60,10 +61,6 @@ class ModelStats:
         self.failures_by_reason: dict[str, int] = {}
         self.response_stats: dict[str, dict] = {}
         self.observers: list[Observer] = []
-
-    def _observe(self, kind: str, ns: int) -> None:
-        for obs in self.observers:
-            obs(kind, self.model, self.version, ns / 1e9)
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One execution of the model on a (possibly batched) set of requests."""
@@ -100,10 +97,9 @@ class ModelStats:
                 self.fail.add(total_ns)
                 self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
         if self.observers:
-            self._observe("request", total_ns)
-            if ok:
-                self._observe("queue", queue_ns)
-                self._observe("compute_infer", input_ns + infer_ns + output_ns)
+            compute_s = (input_ns + infer_ns + output_ns) / 1e9 if ok else None
+            for obs in self.observers:
+                obs(self.model, self.version, total_ns / 1e9, queue_ns / 1e9 if ok else None, compute_s)
 
     def record_cache(self, hit: bool, ns: int) -> None:
         with self.lock:

@@ -507,8 +507,8 @@ _SERVING_NAMES = ("", "inference.GRPCInferenceService")
 
 
 def grpcio_options(settings) -> list[tuple[str, int]]:
-    """grpc.aio server options (channel arguments) for the same limits and timers as h2grpc.H2Settings."""
-    from .h2grpc import MAX_MESSAGE
+    """grpc.aio server options (channel arguments) for the same limits and timers as h2_connection.H2Settings."""
+    from .h2grpc_messages import MAX_MESSAGE
 
     s = settings
     options = [
@@ -534,7 +534,7 @@ def grpcio_options(settings) -> list[tuple[str, int]]:
 
 def h2_settings(args):
     """H2Settings from `naiad serve`'s --grpc-* flags (absent flags keep their defaults)."""
-    from .h2grpc import H2Settings
+    from .h2_connection import H2Settings
 
     names = {
         "max_concurrent_streams": "grpc_max_concurrent_streams",
@@ -566,7 +566,7 @@ class GrpcFrontend:
         implementation: str = "naiad",
         settings=None,
     ):
-        from .h2grpc import H2Settings
+        from .h2_connection import H2Settings
 
         self.settings = settings or H2Settings()
         self.server = server

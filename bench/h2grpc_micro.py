@@ -9,7 +9,9 @@ import time
 import hpack
 from tritonclient.grpc import service_pb2 as pb
 
+from naiad.frontends import h2_framing as h2
 from naiad.frontends import h2grpc
+from naiad.frontends.h2grpc_messages import Method
 
 
 class T:
@@ -47,7 +49,7 @@ async def ready(req, ctx):
 
 async def main(n=20000, batch=32):
     srv = h2grpc.H2GrpcServer(
-        {b"/inference.GRPCInferenceService/ServerReady": h2grpc.Method(pb.ServerReadyRequest, ready)}
+        {b"/inference.GRPCInferenceService/ServerReady": Method(pb.ServerReadyRequest, ready)}
     )
     srv.loop = asyncio.get_running_loop()
     conn = h2grpc._Connection(srv)
@@ -65,17 +67,15 @@ async def main(n=20000, batch=32):
     ]
     msg = b"\x00\x00\x00\x00\x00"
     conn.data_received(
-        h2grpc.PREFACE
-        + h2grpc.frame(h2grpc.SETTINGS, 0, 0, struct.pack(">HI", 4, 2**31 - 1))
-        + h2grpc.frame(h2grpc.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1 - 65535))
+        h2.PREFACE
+        + h2.frame(h2.SETTINGS, 0, 0, struct.pack(">HI", 4, 2**31 - 1))
+        + h2.frame(h2.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1 - 65535))
     )
     sid = 1
 
     def req(sid):
         block = enc.encode(hdrs)
-        return h2grpc.frame(h2grpc.HEADERS, h2grpc.END_HEADERS, sid, block) + h2grpc.frame(
-            h2grpc.DATA, h2grpc.END_STREAM, sid, msg
-        )
+        return h2.frame(h2.HEADERS, h2.END_HEADERS, sid, block) + h2.frame(h2.DATA, h2.END_STREAM, sid, msg)
 
     best = 1e9
     for _rep in range(7):

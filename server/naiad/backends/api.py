@@ -412,7 +412,22 @@ def _call_hook(hook, arg, what: str) -> None:
         raise InvalidArgument(f"{what} failed: {type(exc).__name__}: {exc}") from None
 
 
-class ModuleBackend(Backend):
+class ModelFileBackend(Backend):
+    """A backend whose model is a file: the config is completed from it by `auto_complete(config, model_file)`
+    (not called when the version has no file), and each instance keeps its engine in `instance.state`."""
+
+    def auto_complete(self, config: ModelConfig, model_file: Path) -> None:
+        """Fill what config.pbtxt leaves out from the model file."""
+
+    def auto_complete_config(self, config: ModelConfig, model_file: Path | None) -> None:
+        if model_file is not None:
+            self.auto_complete(config, model_file)
+
+    def instance_finalize(self, instance: InstanceState) -> None:
+        instance.state = None
+
+
+class ModuleBackend(ModelFileBackend):
     """A backend that creates its own ModelInstance objects (the built-ins whose engines own threads,
     processes or GPU buffers): `auto_complete(config, model_file)` and `create_instance(ctx, group, device,
     index)` replace the lifecycle hooks."""
@@ -425,13 +440,12 @@ class ModuleBackend(Backend):
         default_model_filename: str,
     ):
         self.name = name
-        self.auto_complete = auto_complete
+        self._auto_complete = auto_complete
         self._create = create_instance
         self.default_model_filename = default_model_filename
 
-    def auto_complete_config(self, config, model_file):
-        if model_file is not None:
-            self.auto_complete(config, model_file)
+    def auto_complete(self, config: ModelConfig, model_file: Path) -> None:
+        self._auto_complete(config, model_file)
 
     def create_instance(self, ctx, group, device_id, index):
         return self._create(ctx, group, device_id, index)

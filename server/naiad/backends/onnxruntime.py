@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import ModelConfig
 from ..errors import InvalidArgument, Unavailable
-from .api import Backend, InstanceState, ModelState
+from .api import InstanceState, ModelFileBackend, ModelState
 
 # ORT type strings -> config enum
 _ORT_TYPES = {
@@ -99,15 +99,13 @@ class _Session:
         self.run_options = run_options
 
 
-class OnnxBackend(Backend):
+class OnnxBackend(ModelFileBackend):
     """One InferenceSession per instance, through the same lifecycle API every plug-in uses."""
 
     name = "onnxruntime"
     default_model_filename = "model.onnx"
 
-    def auto_complete_config(self, config, model_file):
-        if model_file is not None:
-            auto_complete(config, model_file)
+    auto_complete = staticmethod(auto_complete)
 
     def instance_initialize(self, instance: InstanceState) -> None:
         ort = _ort()
@@ -187,9 +185,6 @@ class OnnxBackend(Backend):
                 )
             out[name] = arr
         return instance.scatter(requests, batch, out)
-
-    def instance_finalize(self, instance: InstanceState) -> None:
-        instance.state = None
 
 
 # Registered under the entry-point group naiad.backends (pyproject.toml).

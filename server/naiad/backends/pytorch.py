@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..config import ModelConfig, data_type_name
 from ..errors import InvalidArgument, Unavailable
 from ..tensors import config_to_wire, numpy_dtype
-from .api import Backend, InstanceState
+from .api import InstanceState, ModelFileBackend
 
 _INDEXED = re.compile(r"^(.*)__(\d+)$")
 _threads_lock = threading.Lock()
@@ -120,15 +120,13 @@ class _Module:
         self.output_order = output_order
 
 
-class TorchBackend(Backend):
+class TorchBackend(ModelFileBackend):
     """One TorchScript module per instance, through the same lifecycle API every plug-in uses."""
 
     name = "pytorch"
     default_model_filename = "model.pt"
 
-    def auto_complete_config(self, config, model_file):
-        if model_file is not None:
-            auto_complete(config, model_file)
+    auto_complete = staticmethod(auto_complete)
 
     def instance_initialize(self, instance: InstanceState) -> None:
         torch = _torch()
@@ -180,9 +178,6 @@ class TorchBackend(Backend):
         by_name = dict(zip(engine.output_order, results))
         out = {name: by_name[name].detach().cpu().numpy() for name in batch.outputs}
         return instance.scatter(requests, batch, out)
-
-    def instance_finalize(self, instance: InstanceState) -> None:
-        instance.state = None
 
 
 # Registered under the entry-point group naiad.backends (pyproject.toml).

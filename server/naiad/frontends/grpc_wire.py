@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tritonclient.grpc import service_pb2 as pb
 
-from .h2grpc import WireMessage
+from .h2grpc_messages import WireMessage
 
 # Below this size a message is parsed and serialized by protobuf as a whole: the copies cost less than the scan.
 SPLIT_MIN = 16384

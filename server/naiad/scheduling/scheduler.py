@@ -1,7 +1,7 @@
 """The scheduler protocol every model version's scheduler implements, and the factory that picks one from its config.
 
 As in Triton core: the dynamic batch scheduler (`dynamic_batch`, also the default scheduler when the config has
-no `dynamic_batching`), the sequence batch scheduler (`sequence`) and the ensemble scheduler (`ensemble`).
+no `dynamic_batching`), the sequence batch scheduler (`sequence_batch`) and the ensemble scheduler (`ensemble`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ..stats import ModelStats
 from .dynamic_batch import DynamicBatchScheduler
 from .ensemble import EnsembleScheduler
 from .pool import InstancePool
-from .sequence import SequenceBatchScheduler
+from .sequence_batch import SequenceBatchScheduler
 
 
 class Scheduler(Protocol):

@@ -23,15 +23,9 @@ request per sequence (the head of its queue) and at most `max(1, max_batch_size)
   trim an oversized batch to the largest preferred size that fits.
 Requests whose non-ragged input shapes differ from the batch's first request wait for a later batch.
 
-Control inputs (`control_input`) are synthesised per request: START/END/READY from the flags (READY is
-always true: Naiad never pads a batch with not-ready filler requests), CORRID from the correlation ID in
-the configured data type; shape [1], or [1, 1] when max_batch_size > 0 so that batching gives [B, 1].
-
-Implicit state (`state`): the state input carries the previous request's state output of the same
-sequence; at START it is the initial state (`zero_data`, `<model_dir>/initial_state/<data_file>`, or zeros
-with variable dims as 1 when no `initial_state` is given). The state output is removed from the client's
-response unless the output is also declared in `config.output` and requested (Triton's debugging case).
-A failed request leaves the state as it was.
+Control inputs (`control_input`, sequence_controls.py) are synthesised per request from its flags and
+correlation ID; implicit state (`state`, sequence_state.py) carries a sequence's state output to its next
+request.
 
 Idle sequences: a sequence with nothing queued or running that gets no request for
 `max_sequence_idle_microseconds` (default 1 s) is released: its slot frees and later non-START requests
@@ -47,65 +41,21 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ..config import data_type_name
 from ..errors import Cancelled, InvalidArgument, Unavailable, as_naiad_error
 from ..inference import SEQUENCE_END, SEQUENCE_START, InferenceRequest, InferenceResponse, RequestedOutput
-from ..tensors import config_to_wire, deserialize_bytes, numpy_dtype
+from ..tensors import numpy_dtype
 from .pool import InstancePool
+from .sequence_controls import CORRID, END, START, correlation_key, corrid_array, display_key, parse_controls
+from .sequence_state import parse_states
 
 log = logging.getLogger("naiad.sequence")
 
-_Kind = mc.ModelSequenceBatching.Control
-START, READY, END, CORRID = (
-    _Kind.CONTROL_SEQUENCE_START,
-    _Kind.CONTROL_SEQUENCE_READY,
-    _Kind.CONTROL_SEQUENCE_END,
-    _Kind.CONTROL_SEQUENCE_CORRID,
-)
 DEFAULT_IDLE_US = 1_000_000  # Triton's default max_sequence_idle_microseconds
-_U64 = (1 << 64) - 1
-_CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
-
-
-def correlation_key(cid) -> int | tuple | None:
-    """Hashable sequence key: an int for a uint64 ID, ('s', text) for a string ID; None when absent."""
-    if isinstance(cid, bool) or cid is None:
-        return None
-    if isinstance(cid, int):
-        value = cid & _U64  # an int64 on the wire names the same uint64
-        return value or None
-    if isinstance(cid, bytes):
-        cid = cid.decode("utf-8", "replace")
-    if isinstance(cid, str):
-        return ("s", cid) if cid else None
-    return None
-
-
-def _display(key) -> str:
-    return key[1] if isinstance(key, tuple) else str(key)
-
-
-@dataclass
-class _Control:
-    name: str
-    kind: int
-    datatype: str  # wire datatype
-    false: object = None
-    true: object = None
-
-
-@dataclass
-class _State:
-    input_name: str
-    output_name: str
-    datatype: str
-    initial: np.ndarray  # batch dimension included when max_batch_size > 0
 
 
 class _Seq:
@@ -192,8 +142,8 @@ class SequenceBatchScheduler:
             self.preferred = []
         self.idle_s = (sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US) / 1e6
         self.control_shape = (1, 1) if self.batched else (1,)
-        self.controls = _parse_controls(config)
-        self.states = _parse_states(config, model_dir)
+        self.controls = parse_controls(config)
+        self.states = parse_states(config, model_dir)
         self.ragged = {i.name for i in config.input if i.allow_ragged_batch}
         self.config_outputs = [o.name for o in config.output]
         self.is_python = config.backend == "python"
@@ -224,7 +174,7 @@ class SequenceBatchScheduler:
         if seq is None:
             if not start:
                 raise InvalidArgument(
-                    f"inference request for sequence {_display(key)} to model '{name}' must specify the "
+                    f"inference request for sequence {display_key(key)} to model '{name}' must specify the "
                     "START flag on the first request of the sequence"
                 )
             seq = _Seq(key)
@@ -234,7 +184,7 @@ class SequenceBatchScheduler:
             log.warning(
                 "sequence %s for model '%s' has a conflict. The previous sequence did not end before "
                 "this sequence start. Previous sequence will be terminated early.",
-                _display(key),
+                display_key(key),
                 name,
             )
         entry = _Entry(request, asyncio.get_running_loop().create_future(), seq)
@@ -314,7 +264,7 @@ class SequenceBatchScheduler:
             del self.active[seq.key]
         log.info(
             "sequence %s of model '%s' was idle for %.0f us: released",
-            _display(seq.key),
+            display_key(seq.key),
             self.config.name,
             self.idle_s * 1e6,
         )
@@ -342,7 +292,7 @@ class SequenceBatchScheduler:
         sequence becomes unknown, its slot frees once nothing of it runs."""
         log.info(
             "sequence %s of model '%s': a request was cancelled, cancelling the sequence",
-            _display(seq.key),
+            display_key(seq.key),
             self.config.name,
         )
         seq.closed = True
@@ -354,7 +304,7 @@ class SequenceBatchScheduler:
             self._restore(entry)
             if not entry.future.done():
                 entry.future.set_exception(
-                    Cancelled(f"sequence {_display(seq.key)} of model '{self.config.name}' was cancelled")
+                    Cancelled(f"sequence {display_key(seq.key)} of model '{self.config.name}' was cancelled")
                 )
 
     def _wait_s(self, ready: list[_Seq]) -> float:
@@ -453,7 +403,7 @@ class SequenceBatchScheduler:
         flags = req.flags
         for c in self.controls:
             if c.kind == CORRID:
-                arr = _corrid_array(seq.key, c.datatype, self.control_shape)
+                arr = corrid_array(seq.key, c.datatype, self.control_shape)
             else:
                 on = (
                     bool(flags & SEQUENCE_START)
@@ -570,181 +520,3 @@ class SequenceBatchScheduler:
         self.backlog.clear()
         for w in self.workers or []:
             w.wake.set()  # the dispatcher exits; a batch still executing completes and answers its requests
-
-
-# ---- configuration helpers ----
-
-
-def _parse_controls(config: mc.ModelConfig) -> list[_Control]:
-    """Validate `control_input` as Triton does and return one _Control per configured control."""
-    name = config.name
-    seen_tensors: set[str] = set()
-    seen_kinds: set[int] = set()
-    out: list[_Control] = []
-    for ci in config.sequence_batching.control_input:
-        if not ci.name:
-            raise InvalidArgument(f"sequence batching control tensor must have a name for {name}")
-        if ci.name in seen_tensors:
-            raise InvalidArgument(
-                f"sequence batching control tensor '{ci.name}' is specified for multiple "
-                f"control kinds for {name}"
-            )
-        seen_tensors.add(ci.name)
-        for c in ci.control:
-            kind = _Kind.Kind.Name(c.kind)
-            if c.kind in seen_kinds:
-                raise InvalidArgument(f"sequence batching specifies multiple {kind} tensors for {name}")
-            seen_kinds.add(c.kind)
-            found = [
-                (field, list(values))
-                for field, values in (
-                    ("int32_false_true", c.int32_false_true),
-                    ("fp32_false_true", c.fp32_false_true),
-                    ("bool_false_true", c.bool_false_true),
-                )
-                if len(values)
-            ]
-            if c.kind == CORRID:
-                if found:
-                    raise InvalidArgument(
-                        "sequence batching must not specify either 'int32_false_true', 'fp32_false_true' or "
-                        f"'bool_false_true' for {kind} for {name}"
-                    )
-                if c.data_type not in _CORRID_TYPES:
-                    raise InvalidArgument(
-                        "unexpected control data type, expected TYPE_UINT64, TYPE_INT64, TYPE_UINT32, "
-                        f"TYPE_INT32, or TYPE_STRING for {kind} for {name}"
-                    )
-                out.append(_Control(ci.name, c.kind, config_to_wire(data_type_name(c.data_type))))
-                continue
-            if not found:
-                raise InvalidArgument(
-                    "sequence batching must specify either 'int32_false_true', 'fp32_false_true' or "
-                    f"'bool_false_true' for {kind} for {name}"
-                )
-            if len(found) > 1:
-                raise InvalidArgument(
-                    "sequence batching specifies more than one from 'int32_false_true', 'fp32_false_true' "
-                    f"and 'bool_false_true' for {kind} for {name}"
-                )
-            field, values = found[0]
-            if len(values) != 2:
-                raise InvalidArgument(
-                    f"sequence batching control '{field}' must have exactly 2 entries for {kind} for {name}"
-                )
-            datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32", "bool_false_true": "BOOL"}[
-                field
-            ]
-            out.append(_Control(ci.name, c.kind, datatype, values[0], values[1]))
-    return out
-
-
-def _corrid_array(key, datatype: str, shape: tuple) -> np.ndarray:
-    if datatype == "BYTES":
-        arr = np.empty(shape, dtype=np.object_)
-        arr[...] = _display(key).encode("utf-8")
-        return arr
-    dtype = numpy_dtype(datatype)
-    if isinstance(key, tuple):  # a string ID in a numeric control: its number if it is one, else 0
-        text = key[1]
-        value = int(text) if text.isdigit() else 0
-    else:
-        value = key
-    return np.full(shape, value, dtype=np.uint64).astype(dtype)  # wraps as a C cast would
-
-
-def _parse_states(config: mc.ModelConfig, model_dir) -> list[_State]:
-    """Validate `state` as Triton does and build each state's initial value."""
-    name = config.name
-    batched = config.max_batch_size > 0
-    states: list[_State] = []
-    seen: set[str] = set()
-    for st in config.sequence_batching.state:
-        if not st.input_name or not st.output_name:
-            raise InvalidArgument(
-                f"model '{name}': a sequence batching state needs input_name and output_name"
-            )
-        if st.input_name in seen:
-            raise InvalidArgument(f"State input name '{st.input_name}' specified more than once.")
-        seen.add(st.input_name)
-        if st.data_type == mc.TYPE_INVALID:
-            raise InvalidArgument(f"model '{name}': state '{st.input_name}' has no data_type")
-        datatype = config_to_wire(data_type_name(st.data_type))
-        if len(st.initial_state) > 1:
-            raise InvalidArgument(
-                f"initial_state field for state input '{st.input_name}' must contain exactly one or zero "
-                f"element. Found '{len(st.initial_state)}' elements."
-            )
-        if st.initial_state:
-            initial = _initial_state(config, st, st.initial_state[0], model_dir)
-        else:
-            # Triton leaves the first input state uninitialised (variable dims as 1); Naiad gives zeros.
-            shape = ([1] if batched else []) + [1 if d == -1 else d for d in st.dims]
-            initial = _zeros(shape, datatype)
-        states.append(_State(st.input_name, st.output_name, datatype, initial))
-    return states
-
-
-def _zeros(shape, datatype: str) -> np.ndarray:
-    if datatype == "BYTES":
-        arr = np.empty(shape, dtype=np.object_)
-        arr[...] = b""
-        return arr
-    return np.zeros(shape, dtype=numpy_dtype(datatype))
-
-
-def _initial_state(config, st, init, model_dir) -> np.ndarray:
-    if init.data_type != st.data_type:
-        raise InvalidArgument(
-            f"The data type used for 'initial_state' field of state '{st.input_name}' does "
-            "not match the state data type."
-        )
-    if not init.name:
-        raise InvalidArgument(
-            f"Field 'name' must be set when using initial_state for state input '{st.input_name}'."
-        )
-    if len(init.dims) != len(st.dims):
-        raise InvalidArgument(
-            "Number of dimensions in 'initial_state' doesn't match the size of 'state' dimensions for state "
-            f"input '{st.input_name}'. {len(init.dims)} != {len(st.dims)}"
-        )
-    for idim, sdim in zip(init.dims, st.dims):
-        if idim == -1:
-            raise InvalidArgument(
-                f"'initial_state' field for state input name '{st.input_name}' contains variable dimensions."
-            )
-        if sdim != -1 and idim != sdim:
-            raise InvalidArgument(
-                f"'initial_state' dim for input name '{st.input_name}' doesn't match "
-                f"'state' dim description. {idim} != {sdim}"
-            )
-    shape = ([1] if config.max_batch_size > 0 else []) + list(init.dims)
-    datatype = config_to_wire(data_type_name(st.data_type))
-    count = int(np.prod(shape)) if shape else 1
-    which = init.WhichOneof("state_data")
-    if which == "zero_data":
-        return _zeros(shape, datatype)
-    if which != "data_file":
-        raise InvalidArgument(
-            f"'initial_state' of state input '{st.input_name}' must set zero_data or data_file"
-        )
-    if model_dir is None:
-        raise InvalidArgument(f"model '{config.name}': no model directory to read initial state from")
-
-    path = Path(model_dir) / "initial_state" / init.data_file
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise InvalidArgument(
-            f"model '{config.name}': failed to read initial state file {path}: {exc.strerror or exc}"
-        ) from None
-    if datatype == "BYTES":
-        return deserialize_bytes(raw, count).reshape(shape)
-    dtype = numpy_dtype(datatype)
-    need = count * dtype.itemsize
-    if len(raw) < need:
-        raise InvalidArgument(
-            f"initial_state setting expects {need} bytes, but the data provided from "
-            f"{init.data_file} only has {len(raw)} bytes."
-        )
-    return np.frombuffer(raw[:need], dtype=dtype).reshape(shape).copy()

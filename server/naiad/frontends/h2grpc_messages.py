@@ -1,0 +1,223 @@
+"""gRPC over HTTP/2 at the message level: request header blocks, length-prefixed messages and their
+compression, status trailers, and the types servicers meet (Method, Abort, WireMessage)."""
+
+from __future__ import annotations
+
+import struct
+import urllib.parse
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from .h2_framing import hpack_int, hpack_literal
+
+MAX_MESSAGE = 2**31 - 1
+MAX_STATUS_MESSAGE = 4096  # grpc-message is cut to this many characters
+INLINE_INFLATE = (
+    8192  # compressed messages up to this size are inflated on the event loop, larger ones off it
+)
+
+MSG_PREFIX = struct.Struct(">BI")  # gRPC message: compressed flag, length
+
+# ":status: 200" is static entry 8; content-type (static name 31) as a literal without indexing.
+RESPONSE_HEADERS = b"\x88" + hpack_int(31, 4) + hpack_int(16, 7) + b"application/grpc"
+_GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+
+
+def status_block(code: int, message: str) -> bytes:
+    block = hpack_literal(b"grpc-status", str(code).encode())
+    if len(message) > MAX_STATUS_MESSAGE:
+        message = message[: MAX_STATUS_MESSAGE - 3] + "..."
+    if message:
+        block += hpack_literal(b"grpc-message", urllib.parse.quote(message, safe=_GRPC_MESSAGE_SAFE).encode())
+    return block
+
+
+OK_TRAILERS = status_block(0, "")
+
+
+def status_code(status) -> int:
+    """grpc.StatusCode or int -> the wire number."""
+    return status.value[0] if isinstance(status, grpc.StatusCode) else int(status)
+
+
+class WireMessage:
+    """A response that serializes itself as a list of buffers, sent in order without joining them."""
+
+    __slots__ = ()
+
+    def wire_chunks(self) -> list:
+        raise NotImplementedError
+
+
+class Abort(Exception):
+    """Raised by `Stream.abort` (the servicers' `context.abort`): ends the call with a status."""
+
+    def __init__(self, code, details: str):
+        super().__init__(details)
+        self.code = status_code(code)
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC: `call(request_or_iterator, context)` is a coroutine (unary response) or an async iterator."""
+
+    request_type: Any
+    call: Callable
+    client_streaming: bool = False
+    server_streaming: bool = False
+    group: str | None = None  # restricted-protocol group
+
+
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def _grpc_timeout(value: bytes) -> float | None:
+    """The `grpc-timeout` header (at most 8 digits and a unit) in seconds; None when malformed."""
+    unit = _TIMEOUT_UNITS.get(value[-1:])
+    digits = value[:-1]
+    if unit is None or not digits.isdigit() or len(digits) > 8:
+        return None
+    return int(digits) * unit
+
+
+# headers RFC 9113 section 8.2.2 forbids in HTTP/2
+_CONNECTION_HEADERS = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade")
+)
+_REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
+_NOT_METADATA = frozenset((b"te", b"content-type", b"grpc-encoding", b"grpc-timeout", b"content-length"))
+
+
+class RequestHead:
+    """A decoded header block, validated (RFC 9113 section 8.3) and split into what the call uses. `error`
+    says why it is not a well-formed request header block; `pseudo`: it has pseudo-headers (not trailers)."""
+
+    __slots__ = (
+        "content_length",
+        "ctype",
+        "encoding",
+        "error",
+        "metadata",
+        "method",
+        "path",
+        "pseudo",
+        "scheme",
+        "timeout",
+    )
+
+    def __init__(self, headers: list):
+        self.path = self.method = None
+        self.ctype = self.encoding = b""
+        self.timeout: float | None = None
+        self.content_length: int | None = None
+        self.error = ""
+        self.pseudo = self.scheme = False
+        meta = []
+        seen: set = set()
+        regular = False
+        for name, value in headers:
+            if name[:1] == b":":
+                self.pseudo = True
+                if regular:
+                    self.error = "a pseudo-header after a regular header"
+                elif name not in _REQUEST_PSEUDO:
+                    self.error = "an unknown pseudo-header"
+                elif name in seen:
+                    self.error = "a duplicate pseudo-header"
+                seen.add(name)
+                if name == b":path":
+                    self.path = value
+                elif name == b":method":
+                    self.method = value
+                elif name == b":scheme":
+                    self.scheme = True
+                continue
+            regular = True
+            if name != name.lower():
+                self.error = "an upper-case header name"
+            elif name in _CONNECTION_HEADERS or (name == b"te" and value != b"trailers"):
+                self.error = "a connection-specific header"
+            elif name in _NOT_METADATA:
+                if name == b"content-type":
+                    self.ctype = value
+                elif name == b"grpc-encoding":
+                    self.encoding = value
+                elif name == b"grpc-timeout":
+                    self.timeout = _grpc_timeout(value)
+                elif name == b"content-length":
+                    self.content_length = int(value) if value.isdigit() else -1
+                continue
+            meta.append((name, value))
+        self.metadata = tuple(meta)
+        if not self.error and (not self.path or self.method is None or not self.scheme):
+            self.error = "a missing or empty request pseudo-header"
+        if not self.error and self.content_length == -1:
+            self.error = "an invalid content-length"
+
+
+_WBITS = {b"gzip": 31, b"deflate": zlib.MAX_WBITS}
+
+
+def _inflate(encoding: bytes, payload, limit: int) -> bytes:
+    """A compressed message inflated to at most `limit` bytes; beyond that, RESOURCE_EXHAUSTED (the rest of
+    the input is never inflated, so a small bomb costs at most `limit` + 1 bytes)."""
+    wbits = _WBITS.get(encoding)
+    if wbits is None:
+        raise Abort(grpc.StatusCode.UNIMPLEMENTED, "unsupported grpc-encoding (gzip and deflate are served)")
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(payload, limit + 1)
+    except zlib.error as exc:
+        raise Abort(grpc.StatusCode.INTERNAL, f"failed to decompress the request message: {exc}") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise Abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Received message larger than max ({limit} bytes) after decompression",
+        )
+    if not d.eof:
+        raise Abort(grpc.StatusCode.INTERNAL, "failed to decompress the request message: truncated")
+    return out
+
+
+async def decompress(loop, encoding: bytes, payload, limit: int) -> bytes:
+    """`_inflate`, off the event loop (one at a time per server, so bombs cannot multiply) unless small."""
+    if len(payload) <= INLINE_INFLATE:
+        return _inflate(encoding, payload, limit)
+    return await loop.run_in_executor(_inflater(), _inflate, encoding, payload, limit)
+
+
+_INFLATER = None
+
+
+def _inflater():
+    global _INFLATER
+    if _INFLATER is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _INFLATER = ThreadPoolExecutor(1, thread_name_prefix="naiad-grpc-inflate")
+    return _INFLATER
+
+
+def split_messages(buf: bytearray, limit: int) -> list:
+    """Complete length-prefixed messages at the front of `buf` (removed from it), as (compressed, payload)."""
+    out = []
+    pos = 0
+    while len(buf) - pos >= 5:
+        compressed, length = MSG_PREFIX.unpack_from(buf, pos)
+        if length > limit:
+            raise Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Received message larger than max ({length} vs. {limit})",
+            )
+        if len(buf) - pos - 5 < length:
+            break
+        out.append((compressed, bytes(buf[pos + 5 : pos + 5 + length])))
+        pos += 5 + length
+    if pos:
+        del buf[:pos]
+    return out

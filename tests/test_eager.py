@@ -99,3 +99,46 @@ async def test_an_exception_that_ends_the_coroutine_early_goes_to_the_loops_exce
     finally:
         loop.set_exception_handler(previous)
     assert len(reported) == 1 and isinstance(reported[0], KeyError)
+
+
+async def test_cancelling_the_task_cancels_what_the_coroutine_waits_on_and_reaches_the_coroutine():
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    seen = []
+
+    async def request():
+        try:
+            await fut
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    task = eager.start(loop, request())
+    await asyncio.sleep(0)  # the Task now waits on the future
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fut.cancelled() and seen == ["cancelled"]
+
+
+async def test_a_cancellation_that_arrives_after_the_future_is_done_still_reaches_the_coroutine():
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    seen = []
+
+    async def request():
+        try:
+            await fut
+            seen.append("resumed")
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    task = eager.start(loop, request())
+    await asyncio.sleep(0)
+    fut.set_result(None)  # the Task is now scheduled to resume the coroutine ...
+    task.cancel()  # ... and is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert seen == ["cancelled"]

@@ -31,19 +31,26 @@ def start(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> as
 
 
 async def _resume(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
-    """Drive `coro` on from where `start` left it: wait for what it waits on, then let it read the outcome."""
+    """Drive `coro` on from where `start` left it, as its own Task would: wait for what it waits on, let it read
+    the outcome, and pass a cancellation of this Task on into it."""
     while True:
-        if waiting is None:  # a bare `yield` (asyncio.sleep(0)): give the loop one turn
-            await asyncio.sleep(0)
-        else:
-            # the coroutine's own `await` marked the future as waited on; a Task clears the mark when it takes a
-            # yielded future, and so does this driver before waiting on it in turn
-            waiting._asyncio_future_blocking = False
-            try:
-                await waiting
-            except BaseException:  # the coroutine reads the result, error or cancellation itself
-                pass
+        cancelled = None
         try:
-            waiting = coro.send(None)
+            if waiting is None:  # a bare `yield` (asyncio.sleep(0)): give the loop one turn
+                await asyncio.sleep(0)
+            else:
+                # the coroutine's own `await` marked the future as waited on; a Task clears the mark when it
+                # takes a yielded future, and so does this driver before waiting on it in turn
+                waiting._asyncio_future_blocking = False
+                await waiting
+        except asyncio.CancelledError as exc:
+            if waiting is None or not waiting.cancelled():
+                cancelled = (
+                    exc  # this Task was cancelled, not the future: the coroutine gets it where it waits
+                )
+        except BaseException:  # the coroutine reads the future's error itself when it resumes
+            pass
+        try:
+            waiting = coro.send(None) if cancelled is None else coro.throw(cancelled)
         except StopIteration as stop:
             return stop.value

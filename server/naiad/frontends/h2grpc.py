@@ -1,4 +1,4 @@
-"""gRPC over cleartext HTTP/2 (h2c), written for the inference hot path.
+"""gRPC over HTTP/2 (cleartext h2c, or h2 over TLS), written for the inference hot path.
 
 Why not grpc.aio: on one core, a grpc.aio server that only echoes its request answers ~2,100-2,400 unary
 calls/s (the `h2` library, pure Python, the same), a fraction of a real Triton's C++ frontend. Most of that
@@ -11,7 +11,8 @@ selects that one).
 What is served: unary-unary, stream-stream and unary-stream methods given as a path table; gRPC message
 compression gzip/deflate on requests (responses are sent uncompressed, which every client accepts), inflated
 with a bound and off the event loop; trailers-only error responses with percent-encoded `grpc-message`;
-`grpc-timeout` deadlines (DEADLINE_EXCEEDED, the call's work cancelled). Not served: TLS (h2c only), server
+`grpc-timeout` deadlines (DEADLINE_EXCEEDED, the call's work cancelled); TLS with ALPN "h2" when started with an
+SSL context. A unary call starts in the frame handler that completes its request (eager.py). Not served: server
 push.
 
 Limits (H2Settings, from `naiad serve`'s --grpc-* flags): SETTINGS_MAX_CONCURRENT_STREAMS, a per-message
@@ -34,6 +35,7 @@ from collections.abc import Callable
 
 import grpc
 
+from . import eager
 from .h2_connection import H2Settings, Stream
 from .h2_framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
 from .h2_reader import H2Reader
@@ -127,9 +129,9 @@ class _Connection(H2Reader):
                 del body
                 if error is not None:
                     self._finish_error(st, grpc.StatusCode.INTERNAL, error)
-                else:
-                    st.task = self.loop.create_task(self._run(st, request))
-        if st.done:
+                else:  # started here; a Task only if the call has to wait (eager.py)
+                    st.task = eager.start(self.loop, self._run(st, request))
+        if st.done and not st.pending:  # (a reply still waiting for window is forgotten once it is sent)
             self._forget(st)
 
     async def _run_compressed(self, st: Stream, payload) -> None:

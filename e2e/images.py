@@ -18,6 +18,15 @@ container fields into a ``bwrap`` command line:
 
 The network namespace is the caller's: bwrap is not asked for a new one, so a container started from a process
 inside e2e/podnet.py's private namespace shares it (its pod IP is bindable there), as host processes do.
+
+Every container gets a PID namespace of its own (``--unshare-pid``): bwrap's reaper is its PID 1 and the container's
+command PID 2.  That is what ties the container's processes to it.  ``--die-with-parent`` alone did not: it is a
+parent-death signal (PR_SET_PDEATHSIG), which the kernel clears when a process changes its user IDs, and setpriv does
+exactly that, so a SIGKILLed bwrap (a test killing "the container", a runner killed mid-run) left the server running
+as uid 10001 with its pod IP's ports bound.  Now bwrap's PID 1 keeps the signal (it runs as root and never changes
+credentials); when it dies the kernel kills every process in the namespace, and it is reaped (bwrap, and so the
+``Popen``, exits) only after all of them have exited.  ``stop_container()`` is the runtime's stop: SIGTERM to the
+command, SIGKILL to the namespace after the grace period, and a wait until no process of the namespace is left.
 Needs root (CI and the dev machines are), skopeo, umoci, bwrap and setpriv inside the image (util-linux).
 """
 
@@ -27,8 +36,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,7 +283,8 @@ class ContainerSpec:
         Start it with ``env=self.full_env()`` (exactly the container's environment: nothing of the host's), so
         that env values (Secrets) never appear on a command line."""
         rootfs = self.image.rootfs
-        cmd = ["bwrap", "--ro-bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev"]
+        # A PID namespace per container (see the module's docstring): bwrap's reaper is PID 1, the command PID 2.
+        cmd = ["bwrap", "--unshare-pid", "--ro-bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev"]
         cmd += ["--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs", "/dev/shm"]
         if die_with_parent:
             cmd.append("--die-with-parent")
@@ -297,19 +309,57 @@ class ContainerSpec:
 
 
 def exec_argv(spec: ContainerSpec, bwrap_pid: int, process: Sequence[str]) -> list[str]:
-    """``kubectl exec`` / an exec probe: ``process`` inside the running container (its mount namespace and
-    root, as its user), or in a fresh view of the image when the container has no process yet."""
-    procs = container_processes(bwrap_pid)
-    if not procs:
+    """``kubectl exec`` / an exec probe: ``process`` inside the running container (its mount and PID namespaces,
+    root and working directory, as its user), or in a fresh view of the image when the container has no process
+    yet.  Inside the PID namespace the process dies with the container."""
+    init = container_init(bwrap_pid)
+    if init is None:
         return spec.argv(process)
     uid, gid = spec.user()
-    pid = str(procs[0].pid)
-    cmd = ["nsenter", "-t", pid, "-m", "-r", "-w", "--", "/usr/bin/setpriv", "--reuid", str(uid)]
+    cmd = [
+        "nsenter",
+        "-t",
+        str(init.pid),
+        "-m",
+        "-p",
+        "-r",
+        "-w",
+        "--",
+        "/usr/bin/setpriv",
+        "--reuid",
+        str(uid),
+    ]
     return cmd + ["--regid", str(gid), *spec.groups_args(), "--", *process]
 
 
+def container_init(bwrap_pid: int):
+    """The container's PID 1 (bwrap's reaper, bwrap's only child), or None before bwrap has created it."""
+    import psutil
+
+    try:
+        children = psutil.Process(bwrap_pid).children()
+    except psutil.Error:
+        return None
+    return children[0] if children else None
+
+
+def main_process(bwrap_pid: int):
+    """The container's command (PID 2 in its namespace, after setpriv exec'd it), or None."""
+    import psutil
+
+    init = container_init(bwrap_pid)
+    if init is None:
+        return None
+    try:
+        children = init.children()
+    except psutil.Error:
+        return None
+    return children[0] if children else None
+
+
 def container_processes(bwrap_pid: int) -> list:
-    """The processes inside a container started with ``ContainerSpec.argv()`` (bwrap's descendants)."""
+    """The processes inside a container started with ``ContainerSpec.argv()`` (bwrap's descendants: its PID 1
+    first, then the command and whatever it started)."""
     import psutil
 
     try:
@@ -318,20 +368,108 @@ def container_processes(bwrap_pid: int) -> list:
         return []
 
 
+def pid_namespace(bwrap_pid: int, timeout: float = 5.0) -> str | None:
+    """The container's PID namespace (``pid:[inode]``), waiting up to ``timeout`` for bwrap to create it; None if
+    bwrap exited first.  Record it right after the start: ``reap()`` uses it to find the container's processes
+    even after bwrap itself is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        init = container_init(bwrap_pid)
+        if init is not None:
+            try:
+                ns = os.readlink(f"/proc/{init.pid}/ns/pid")
+                if ns != os.readlink(f"/proc/{bwrap_pid}/ns/pid"):  # not the instant before its unshare
+                    return ns
+            except OSError:
+                pass
+        try:
+            os.kill(bwrap_pid, 0)
+        except ProcessLookupError:
+            return None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.005)
+
+
+def processes_in(pidns: str) -> list[int]:
+    """The host PIDs of every process in the PID namespace ``pidns`` (as ``pid_namespace()`` returned it)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry.name}/ns/pid") == pidns:
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def reap(pidns: str | None, timeout: float = 10.0) -> list[int]:
+    """SIGKILL whatever is left in a container's PID namespace and wait until it is empty (its processes have
+    exited, so their sockets are closed and their ports free).  Returns the PIDs that had to be killed."""
+    if not pidns:
+        return []
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_in(pidns)
+        if not left:
+            return killed
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)  # the namespace's PID 1 first or not: it takes the rest with it
+                if pid not in killed:
+                    killed.append(pid)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() >= deadline:
+            raise ImageError(f"processes {left} of container {pidns} did not exit after SIGKILL")
+        time.sleep(0.02)
+
+
 def signal_container(bwrap_pid: int, sig: int) -> bool:
-    """Send ``sig`` to the container's main process (as a runtime does), not to bwrap: bwrap would die of a
-    SIGTERM at once and, with --die-with-parent, take the container down with SIGKILL before it could drain.
-    Returns False when no process is inside (yet)."""
+    """Send ``sig`` to the container's command (PID 2; as a runtime does), not to bwrap (which would die of a
+    SIGTERM at once) nor to the namespace's PID 1 (bwrap's reaper has no handler, so the kernel drops every
+    signal but SIGKILL sent to it from outside).  Returns False when the command is not running (yet)."""
     import psutil
 
-    procs = container_processes(bwrap_pid)
-    if not procs:
+    main = main_process(bwrap_pid)
+    if main is None:
         return False
     try:
-        procs[0].send_signal(sig)
+        main.send_signal(sig)
     except psutil.Error:
         return False
     return True
+
+
+def stop_container(
+    proc: subprocess.Popen, pidns: str | None = None, grace: float = 30.0, sig: int = signal.SIGTERM
+) -> int | None:
+    """A runtime's stop: ``sig`` to the command, SIGKILL to the whole container after ``grace`` seconds (or at
+    once when the command is not running), then wait until bwrap and every process of the container's PID
+    namespace have exited.  Returns bwrap's exit status (the command's; 128+n when signal n killed it)."""
+    pidns = pidns or pid_namespace(proc.pid, timeout=0)
+    if proc.poll() is None:
+        if signal_container(proc.pid, sig):
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            init = container_init(proc.pid)
+            for pid in [init.pid] if init is not None else []:
+                try:
+                    os.kill(pid, signal.SIGKILL)  # the kernel kills the namespace, then bwrap exits
+                except ProcessLookupError:
+                    pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # no namespace yet (or a stuck bwrap): its reaper follows it (parent-death signal)
+                proc.wait()
+    reap(pidns)
+    return proc.returncode
 
 
 def image_mode() -> bool:

@@ -84,7 +84,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from e2e.images import ContainerSpec, ImageError, ImageStore, Mount, exec_argv, signal_container
+from e2e.images import (
+    ContainerSpec,
+    ImageError,
+    ImageStore,
+    Mount,
+    exec_argv,
+    pid_namespace,
+    reap,
+    stop_container,
+)
 
 log = logging.getLogger("naiad.e2e.podrunner")
 
@@ -268,6 +277,7 @@ class _Container:
     waiting_message: str | None = None
     probes: dict[str, _Probe] = field(default_factory=dict)
     image: ContainerSpec | None = None  # image mode: the container as started from its unpacked image
+    pidns: str | None = None  # image mode: the running container's PID namespace (e2e/images.py)
 
     @property
     def name(self) -> str:
@@ -291,6 +301,9 @@ class _PodWorker(threading.Thread):
         self.dir = runner.workdir / "pods" / f"{self.ns}_{self.name}_{self.uid[:8]}"
         self.containers: list[_Container] = []
         self.finished = threading.Event()  # all processes gone after stop
+        self.predecessors: list[
+            _PodWorker
+        ] = []  # workers of older pods with this pod IP: waited for before start
         self.phase = "Running"
         self.error: str | None = None
         self._last_status: str | None = None
@@ -563,6 +576,8 @@ class _PodWorker(threading.Thread):
                 c.exit_code = 128
                 self._on_exit(c, 128, start_failed=True)
                 return
+        if c.image is not None:
+            c.pidns = pid_namespace(c.proc.pid)
         c.started_at = _now()
         c.waiting_reason = c.waiting_message = None
         c.started = "startup" not in c.probes
@@ -577,23 +592,29 @@ class _PodWorker(threading.Thread):
         log.info("%s/%s[%s] started pid %s: %s", self.ns, self.name, c.name, c.proc.pid, c.argv)
 
     def _kill(self, c: _Container, grace: float) -> None:
+        """Stop the container and return only once every process of it has exited (its ports are free)."""
         p = c.proc
-        if p is None or p.poll() is not None:
+        if p is None:
             return
-        try:
-            # image mode: the container's main process gets the SIGTERM (bwrap would die of it at once)
-            if c.image is None or not signal_container(p.pid, signal.SIGTERM):
-                os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
+        if c.image is not None:
+            # SIGTERM to the command, SIGKILL to its PID namespace after the grace period, wait until it is empty
+            stop_container(p, c.pidns, grace)
+            c.pidns = None
             return
-        try:
-            p.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             try:
-                os.killpg(p.pid, signal.SIGKILL)
+                os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            p.wait()
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the rest of its process group, if the leader left any behind
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
 
     def _on_exit(self, c: _Container, code: int, start_failed: bool = False) -> None:
         c.last_terminated = {
@@ -802,6 +823,19 @@ class _PodWorker(threading.Thread):
             for c in self.containers:
                 if c.run:
                     self._prepare(c, vols)
+            # kwok hands a deleted pod's IP to the next pod at once: start only when the older pod's processes
+            # have exited (and its ports on this IP are free), as a kubelet's sandbox gets a fresh network.
+            for older in self.predecessors:
+                if not older.finished.wait(self.runner.grace_cap + 15):
+                    log.warning(
+                        "%s/%s: pod %s/%s still holds %s",
+                        self.ns,
+                        self.name,
+                        older.ns,
+                        older.name,
+                        self.pod_ip,
+                    )
+            self.predecessors = []
             with self.lock:
                 for c in self.containers:
                     if c.run and not self.stop_event.is_set():
@@ -815,7 +849,10 @@ class _PodWorker(threading.Thread):
                         if c.proc is not None:
                             code = c.proc.poll()
                             if code is not None:
-                                c.proc = None
+                                # bwrap gone (its command exited, or bwrap was killed): nothing of the container
+                                # may outlive it, or a restart could not bind the pod IP's ports
+                                reap(c.pidns)
+                                c.proc, c.pidns = None, None
                                 self._on_exit(c, code)
                             else:
                                 self._run_probes(c)
@@ -937,6 +974,7 @@ class PodRunner:
         self.image_binds = {str(k): str(v) for k, v in (image_binds or {}).items()}
         self._api: _Api | None = None
         self._workers: dict[str, _PodWorker] = {}  # uid -> worker
+        self._stopping: list[_PodWorker] = []  # workers of deleted pods, until their processes have exited
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -965,12 +1003,13 @@ class PodRunner:
             self._thread.join(timeout=15)
             self._thread = None
         with self._lock:
-            workers = list(self._workers.values())
+            workers = [*self._workers.values(), *self._stopping]
             self._workers.clear()
+            self._stopping = []
         for w in workers:
             w.stop_event.set()
         for w in workers:
-            w.finished.wait(timeout=self.grace_cap + 10)
+            w.finished.wait(timeout=self.grace_cap + 15)
         if self._own_workdir and not self.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -1054,6 +1093,7 @@ class PodRunner:
             if gone:
                 if w is not None:
                     del self._workers[uid]
+                    self._stopping = [o for o in self._stopping if not o.finished.is_set()] + [w]
                     w.stop_event.set()
                 return
             if w is not None:
@@ -1066,11 +1106,12 @@ class PodRunner:
                     return
                 # only pods kwok just started (or that we ran before a runner restart)
                 w = _PodWorker(self, json.loads(json.dumps(pod)))
-                # an older pod may still hold this IP (kwok recycles addresses)
-                for other in self._workers.values():
-                    if other.pod_ip == w.pod_ip:
+                # an older pod may still hold this IP (kwok recycles addresses the moment a pod is deleted): the
+                # new pod's worker waits for it to stop (not this watch thread, which must go on handling events)
+                for other in [*self._workers.values(), *self._stopping]:
+                    if other.pod_ip == w.pod_ip and not other.finished.is_set():
                         other.stop_event.set()
-                        other.finished.wait(self.grace_cap + 5)
+                        w.predecessors.append(other)
                 self._workers[uid] = w
                 w.start()
 

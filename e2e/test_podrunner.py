@@ -337,3 +337,121 @@ def test_image_mode_runs_the_container_from_its_image(kwok_cluster: KwokCluster,
         finally:
             c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
         _wait(lambda: not runner.running(ns), timeout=30, what="image pods stopped")
+
+
+# Binds the pod IP's port 8000 and leaves a daemon behind (a session of its own, SIGTERM ignored) holding 8001: what
+# a forked helper or a stray worker of a server does.  It can start only where neither port is bound.
+HOLDER_SCRIPT = (
+    "import os, signal, socket, sys, time\n"
+    "def listen(port):\n"
+    "    s = socket.socket()\n"
+    "    s.bind((os.environ['POD_IP'], port))\n"
+    "    s.listen()\n"
+    "    return s\n"
+    "main = listen(8000)\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "    daemon = listen(8001)\n"
+    "    while True:\n"
+    "        time.sleep(1)\n"
+    "time.sleep(3600)\n"
+)
+
+
+def test_image_container_stop_leaves_nothing_behind(kwok_cluster: KwokCluster, tmp_path: Path):
+    """Image mode: a container killed under the runner (its bwrap SIGKILLed, as test_operator_cluster's self-heal
+    scenario does) is restarted only when none of its processes is left, so the restart binds the pod IP's ports
+    again; a deleted pod's processes have all exited (a SIGTERM-ignoring daemon included) and its ports are free;
+    a new pod that gets the recycled IP starts. Before each container had a PID namespace of its own, the killed
+    container's command went on running as uid 10001 and the restart crash-looped on "address already in use"."""
+    import os
+    import signal
+    import socket
+
+    import psutil
+    import pytest
+
+    from e2e.images import ImageError, ImageStore, missing_tools
+
+    if missing_tools():
+        pytest.skip(missing_tools())
+    store = ImageStore.from_build()
+    try:
+        store.get(SERVER_IMAGE)
+    except ImageError as e:
+        pytest.fail(f"{e} (make test runs `make images` first)")
+    c = kwok_cluster
+    ns = NS + "-stop"
+
+    def holder(name: str) -> dict:
+        pod = _spec(
+            name,
+            "",
+            container={
+                "image": SERVER_IMAGE,
+                "command": ["python", "-c", HOLDER_SCRIPT, name],
+                "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+                "readinessProbe": {"tcpSocket": {"port": 8001}, "periodSeconds": 1},
+            },
+        )
+        pod["metadata"]["namespace"] = ns
+        return pod
+
+    def get(name):
+        p = c.kubectl("get", "pod", name, "-n", ns, "-o", "json", check=False)
+        return json.loads(p.stdout) if p.returncode == 0 else {}
+
+    def ready(name):
+        conds = {x["type"]: x["status"] for x in get(name).get("status", {}).get("conditions", [])}
+        return conds.get("Ready") == "True"
+
+    def leftovers(name):  # the container's own processes (the image's user), found by the pod name in argv
+        procs = psutil.process_iter(["cmdline", "uids"])
+        return [p for p in procs if name in (p.info["cmdline"] or []) and p.info["uids"].real == 10001]
+
+    def port_free(ip, port):
+        s = socket.socket()
+        try:
+            s.bind((ip, port))
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    runner = PodRunner(
+        c.kubeconfig, c.runner_node_names, images=store, workdir=tmp_path, max_probe_period=1.0
+    )
+    with runner:
+        c.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}, holder("holder")])
+        try:
+            _wait(lambda: ready("holder"), timeout=60, what="holder Ready")
+            first = runner.get(ns, "holder")
+            assert first is not None and first.image_id and first.pid is not None
+            assert len(leftovers("holder")) == 2  # the command and its daemon
+            os.kill(first.pid, signal.SIGKILL)  # bwrap: the container dies under the runner
+            _wait(
+                lambda: (i := runner.get(ns, "holder")) is not None and i.restart_count >= 1 and i.ready,
+                timeout=60,
+                what="holder restarted and Ready again (its ports bound anew)",
+            )
+            assert runner.get(ns, "holder").restart_count == 1, runner.logs(ns, "holder")
+            assert len(leftovers("holder")) == 2, "the killed container's processes are still running"
+            ip = get("holder")["status"]["podIP"]
+            c.kubectl("delete", "pod", "holder", "-n", ns, "--wait=false")
+            c.apply([holder("holder2")])  # likely given the recycled IP at once
+            _wait(lambda: runner.get(ns, "holder") is None, timeout=30, what="holder's worker gone")
+            _wait(lambda: not leftovers("holder"), timeout=30, what="holder's processes gone")
+            if get("holder2").get("status", {}).get("podIP") != ip:
+                _wait(
+                    lambda: port_free(ip, 8000) and port_free(ip, 8001),
+                    timeout=10,
+                    what="holder's ports free",
+                )
+            _wait(lambda: ready("holder2"), timeout=60, what="holder2 Ready")
+            assert runner.get(ns, "holder2").restart_count == 0, runner.logs(ns, "holder2")
+        finally:
+            c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        _wait(lambda: not runner.running(ns), timeout=30, what="holder pods stopped")
+    assert not leftovers("holder2"), "a process of a stopped pod is left after the runner stopped"

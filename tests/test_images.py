@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +17,18 @@ import pytest
 import requests
 from helpers import ROOT, free_ports
 
-from e2e.images import ContainerSpec, ImageError, ImageStore, Mount, container_processes, missing_tools
+from e2e.images import (
+    ContainerSpec,
+    ImageError,
+    ImageStore,
+    Mount,
+    container_processes,
+    main_process,
+    missing_tools,
+    pid_namespace,
+    processes_in,
+    stop_container,
+)
 
 IMAGES = Path(os.environ.get("NAIAD_IMAGES_OUT", ROOT / "build" / "images"))
 SERVER = "ghcr.io/naiad-dev/naiad-server:0.1.0"
@@ -30,41 +42,37 @@ def _missing() -> str | None:
 class Container:
     """One process of an unpacked image (e2e/images.py starts it as the e2e pod runner does)."""
 
-    def __init__(self, image, args: list[str] | None = None, mounts=(), log_dir: Path | None = None):
+    def __init__(
+        self, image, args: list[str] | None = None, mounts=(), log_dir: Path | None = None, command=None
+    ):
         self.image = image
-        spec = ContainerSpec(image, args=args, mounts=[Mount(Path(s), d, True) for s, d in mounts])
+        spec = ContainerSpec(
+            image, command=command, args=args, mounts=[Mount(Path(s), d, True) for s, d in mounts]
+        )
         self.log_path = (log_dir or image.rootfs.parent.parent) / "container.log"
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             spec.argv(), env=spec.full_env(), stdout=self.log, stderr=subprocess.STDOUT
         )
+        self.pidns = pid_namespace(self.proc.pid)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def main_process(self) -> psutil.Process:
-        """The image's entrypoint process (bwrap's child, after setpriv exec'd it)."""
+        """The image's entrypoint process (PID 2 of the container, after setpriv exec'd it)."""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            children = container_processes(self.proc.pid)
-            if children:
-                return children[0]
+            main = main_process(self.proc.pid)
+            if main is not None:
+                return main
             time.sleep(0.05)
         raise AssertionError(f"no process inside the container:\n{self.output()}")
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            try:
-                self.main_process().send_signal(sig)
-            except (psutil.Error, AssertionError):
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_container(self.proc, self.pidns, grace=timeout, sig=sig)
         self.log.close()
-        return self.proc.returncode
+        return code
 
 
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
@@ -171,3 +179,74 @@ def test_operator_image_starts(store, tmp_path):
     c.stop()
     assert c.proc.returncode == 0, c.output()
     assert "naiad-operator" in c.output() or "usage" in c.output().lower()
+
+
+# A command that leaves a process behind which outlives it and ignores SIGTERM: a daemonised child in a session of
+# its own, holding a listening socket (what a forked helper or a stray worker of a server does to a pod IP's port).
+DAEMON = """
+import os, signal, socket, sys, time
+port = int(sys.argv[1])
+if os.fork() == 0:
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    print("daemon listening", flush=True)
+    while True:
+        time.sleep(1)
+time.sleep(600)
+"""
+
+
+def _port_free(port: int) -> bool:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _daemon_container(image, tmp_path) -> tuple[Container, int]:
+    (port,) = free_ports(1)
+    c = Container(image, command=["python", "-c", DAEMON, str(port)], log_dir=tmp_path)
+    deadline = time.monotonic() + 30
+    while "daemon listening" not in c.output():
+        assert time.monotonic() < deadline and c.proc.poll() is None, c.output()
+        time.sleep(0.05)
+    # the command and its daemon, as the image's user (besides them: the namespace's PID 1, bwrap's reaper)
+    procs = [p for p in container_processes(c.proc.pid) if p.uids().real == 10001]
+    assert len(procs) == 2, procs
+    assert not _port_free(port)
+    return c, port
+
+
+def test_killing_bwrap_takes_the_whole_container_with_it(server_image, tmp_path):
+    """A SIGKILLed bwrap (a test killing "the container", a runner killed mid-run) must not leave the container's
+    processes running: before each container had a PID namespace of its own, setpriv's change of user cleared
+    bwrap's parent-death signal and the server went on as uid 10001 with its ports bound."""
+    c, port = _daemon_container(server_image, tmp_path)
+    pids = [p.pid for p in container_processes(c.proc.pid)]
+    c.proc.kill()
+    c.proc.wait()
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    assert not alive, f"container processes outlived bwrap: {alive}"
+    assert processes_in(c.pidns) == [] and _port_free(port)
+    c.log.close()
+
+
+def test_stop_leaves_no_process_and_frees_the_port(server_image, tmp_path):
+    """The runtime's stop (SIGTERM to the command, SIGKILL after the grace period) returns only once every process
+    of the container has exited, daemonised and SIGTERM-ignoring ones included, so the port can be bound again."""
+    c, port = _daemon_container(server_image, tmp_path)
+    started = time.monotonic()
+    code = c.stop(signal.SIGTERM, timeout=2)
+    assert code == 128 + signal.SIGTERM, c.output()  # the command died of SIGTERM, its daemon of the SIGKILL
+    assert time.monotonic() - started < 10
+    assert processes_in(c.pidns) == [], "a process of the stopped container is left"
+    assert _port_free(port), "the stopped container's port is still bound"

@@ -94,6 +94,7 @@ class Harness:
         self.workdir = workdir
         self.images = images  # image mode: the ImageStore the operator and the pods run from
         self.operator: subprocess.Popen | None = None
+        self.operator_pidns: str | None = None  # image mode: the operator container's PID namespace
         self.operator_log = workdir / "operator.log"
         self.health_port = free_port()
 
@@ -182,6 +183,7 @@ class Harness:
             self.operator = subprocess.Popen(
                 spec.argv(), env=spec.full_env(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir
             )
+        self.operator_pidns = images_mod.pid_namespace(self.operator.pid)
 
     def start_operator(self) -> None:
         if self.images is not None:
@@ -211,9 +213,12 @@ class Harness:
             )
 
     def stop_operator(self) -> None:
-        if self.operator and self.operator.poll() is None:
-            if self.images is None or not images_mod.signal_container(self.operator.pid, signal.SIGINT):
-                self.operator.send_signal(signal.SIGINT)
+        if self.operator and self.images is not None:
+            # SIGINT to the operator in its container, SIGKILL to the container after 30 s; returns once every
+            # process of it has exited
+            images_mod.stop_container(self.operator, self.operator_pidns, grace=30, sig=signal.SIGINT)
+        elif self.operator and self.operator.poll() is None:
+            self.operator.send_signal(signal.SIGINT)
             try:
                 self.operator.wait(30)
             except subprocess.TimeoutExpired:

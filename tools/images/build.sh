@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Build Naiad's OCI images from Dockerfile.server and Dockerfile.operator without a Docker engine: buildah with
-# chroot isolation and vfs storage, so it runs on a plain machine and in CI.
+# chroot isolation, so it runs on a plain machine and in CI.
 #
 #   tools/images/build.sh                 # server (CPU) and operator
 #   VARIANT=cuda tools/images/build.sh    # server (CUDA, from PyPI's nvidia-* wheels) and operator
+#   VARIANT=cuda IMAGE_EXTRAS=gpu-wheels,torch,s3 tools/images/build.sh   # the server's backends (Dockerfile's EXTRAS)
+#
+# Storage: vfs for the CPU images (works in any container; a full copy of the root per layer, ~3.5 GiB here), the
+# kernel's overlay for the CUDA image where it can be mounted (vfs would copy its ~9 GiB of CUDA libraries per
+# layer: ~30 GB at the peak); NAIAD_IMAGES_DRIVER=vfs|overlay chooses.
 #
 # Where the Dockerfiles' FROM image can be pulled it is used unchanged. Where no registry can be reached (this
 # workplace), the base is built from Debian packages (mmdebstrap -> umoci -> OCI archive, bookworm's Python 3.11,
@@ -18,6 +23,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 variant="${VARIANT:-cpu}"
+extras="${IMAGE_EXTRAS:-}"  # empty: the Dockerfile's default for the variant
 out="${NAIAD_IMAGES_OUT:-$repo/build/images}"
 cache="${NAIAD_IMAGES_CACHE:-$HOME/.cache/naiad-images}"
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml" | head -1)"
@@ -39,20 +45,49 @@ if ((${#need[@]})); then
 fi
 
 mkdir -p "$cache" "$out"
-exec 9>"$cache/.lock"
+# One build per variant at a time; the CPU and CUDA builds (separate storages and run directories) do not wait for
+# each other: a CUDA build takes long.
+suffix="$([[ $variant == cpu ]] || echo "-$variant")"
+runroot="$cache/run$suffix"
+exec 9>"$cache/.lock$suffix"
 flock 9
+overlay_works() {  # can this process mount the kernel's overlay file system (root, not inside a plain container)?
+  local t rc=1
+  t="$(mktemp -d)"
+  mkdir -p "$t"/{l,u,w,m}
+  if mount -t overlay overlay -o "lowerdir=$t/l,upperdir=$t/u,workdir=$t/w" "$t/m" 2>/dev/null; then
+    umount "$t/m" && rc=0
+  fi
+  rm -rf "$t"
+  return $rc
+}
+driver="${NAIAD_IMAGES_DRIVER:-}"
+if [[ -z "$driver" ]]; then
+  driver=vfs
+  if [[ $variant == cuda ]]; then
+    if overlay_works; then driver=overlay; else log "overlay cannot be mounted here: vfs (needs ~30 GB free for CUDA)"; fi
+  fi
+fi
 # buildah's layer cache does not see a changed ARG default or --build-arg value (seen: EXTRAS=onnx,s3 reused the
 # layers of an EXTRAS=onnx build), so each set of Dockerfiles and arguments gets a storage of its own, and the
-# storages of other sets are removed.
-storage_key="$( { cat "$repo/Dockerfile.server" "$repo/Dockerfile.operator"; echo "$variant"; } | sha256sum | cut -c1-16)"
+# storages of other sets are removed. (A default build keeps the key it always had, so caches stay valid.)
+storage_key="$( { cat "$repo/Dockerfile.server" "$repo/Dockerfile.operator"; echo "$variant"
+  [[ -z "$extras" ]] || echo "EXTRAS=$extras"; [[ $driver == vfs ]] || echo "driver=$driver"; } | sha256sum | cut -c1-16)"
 storage="$cache/storage-$variant-$storage_key"
 for old in "$cache"/storage "$cache"/storage-"$variant"-*; do
   [[ -e "$old" && "$old" != "$storage" ]] || continue
   log "removing $old (other Dockerfiles or arguments)"
-  buildah --root "$old" --runroot "$cache/run" --storage-driver vfs rmi --all --force >/dev/null 2>&1 || true
+  old_driver="$(cat "$old/.naiad-driver" 2>/dev/null || echo vfs)"
+  for what in rm rmi; do  # working containers first (an interrupted build leaves them mounted)
+    buildah --root "$old" --runroot "$runroot" --storage-driver "$old_driver" "$what" --all \
+      $([[ $what == rmi ]] && echo --force) >/dev/null 2>&1 || true
+  done
+  umount "$old/$old_driver" 2>/dev/null || true  # containers/storage's private bind mount of its layer directory
   rm -rf "$old"
 done
-bh() { buildah --root "$storage" --runroot "$cache/run" --storage-driver vfs "$@"; }
+mkdir -p "$storage"
+echo "$driver" >"$storage/.naiad-driver"
+bh() { buildah --root "$storage" --runroot "$runroot" --storage-driver "$driver" "$@"; }
 
 # ---- the base image -------------------------------------------------------------------------------------
 official="$(sed -n 's/^ARG PYTHON_IMAGE=//p' "$repo/Dockerfile.server")"
@@ -100,18 +135,46 @@ if [[ -n "$cert" && -f "$cert" ]]; then
   printf '[global]\ncert = /etc/naiad-build-ca.crt\n' >"$cache/pip.conf"
   lend=(--volume "$cert:/etc/naiad-build-ca.crt:ro" --volume "$cache/pip.conf:/etc/pip.conf:ro")
 fi
+# buildah keeps every step's working container until the build ends and stages a committed layer's tarball in
+# /var/tmp, so a step that installs N GB holds ~3N GB: the CUDA image's dependency layer is several GB, so it is built
+# without a layer cache (one working container per stage, one commit), the CPU images with one.
+layers="${NAIAD_IMAGES_LAYERS:-$([[ $variant == cuda ]] && echo false || echo true)}"
 build() {  # <dockerfile> <tag> [build args...]
   local file="$1" tag="$2"; shift 2
   log "building $tag from $file"
-  bh build --quiet --isolation chroot --pull=never --layers --network host "${lend[@]}" \
+  bh build --quiet --isolation chroot --pull=never --layers="$layers" --network host "${lend[@]}" \
     --build-arg "PYTHON_IMAGE=$base" "$@" -f "$repo/$file" -t "$tag" "$repo" >&2
 }
 # Named as the chart's values name them, so a loaded archive is found by `helm install` as it is.
 registry="${NAIAD_IMAGE_REGISTRY:-ghcr.io/naiad-dev}"
 server_tag="$registry/naiad-server:$version$([[ $variant == cuda ]] && echo -cuda || true)"
 operator_tag="$registry/naiad-operator:$version"
-build Dockerfile.server "$server_tag" --build-arg "VARIANT=$variant"
+server_args=(--build-arg "VARIANT=$variant")
+[[ -z "$extras" ]] || server_args+=(--build-arg "EXTRAS=$extras")
+build Dockerfile.server "$server_tag" "${server_args[@]}"
 build Dockerfile.operator "$operator_tag"
+
+# The CUDA image cannot be run without a GPU here; check that its backends import and see CUDA.
+if [[ $variant == cuda ]]; then
+  log "checking the CUDA image's backends (imports only: no GPU needed)"
+  ctr="$(bh from --pull=never "$server_tag")"
+  bh run --isolation chroot "$ctr" -- /opt/naiad/bin/python -c '
+import importlib.util
+import onnxruntime
+providers = onnxruntime.get_available_providers()
+print("onnxruntime", onnxruntime.__version__, providers)
+assert "CUDAExecutionProvider" in providers, providers
+if importlib.util.find_spec("torch"):
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
+    assert torch.version.cuda, "a CPU-only torch"
+' >&2
+  bh rm "$ctr" >/dev/null
+fi
+# Drop the layers no tagged image uses before writing the archives (vfs keeps a full copy of the root file system
+# per layer; for CUDA this is the build stage's copy of the environment): a later build of changed code reinstalls
+# its dependencies instead of reusing them; disk stays bounded (~3.5 GiB here for CPU).
+bh rmi --prune >/dev/null 2>&1 || true
 
 for tag in "$server_tag" "$operator_tag"; do
   name="$(basename "${tag%%:*}")$([[ $tag == *-cuda ]] && echo -cuda || true)"
@@ -123,6 +186,3 @@ for tag in "$server_tag" "$operator_tag"; do
   printf '%s\t%s\tsha256:%s\t%s MiB\n' "$file" "$tag" "$id" "$size" | tee "$out/$name.digest"
 done
 
-# vfs keeps a full copy of the root file system per layer: drop the layers no tagged image uses (a later build
-# of changed code reinstalls its dependencies instead of reusing them; disk stays bounded, ~3.5 GiB here).
-bh rmi --prune >/dev/null 2>&1 || true

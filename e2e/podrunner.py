@@ -53,8 +53,11 @@ What is emulated (kubelet semantics, simplified):
   image's env under the container's (no host env), volumes bound at their
   mount paths (no path rewriting), the image's user or securityContext's
   runAsUser/runAsGroup (runAsNonRoot enforced), exec probes run inside the
-  running container.  SIGTERM goes to the container's main process.  Other
-  images still run as host processes (e.g. a test's client pod).
+  running container.  Each container has a PID namespace of its own: SIGTERM
+  goes to its command (PID 2), SIGKILL to the namespace after the grace period,
+  and a stop or a restart waits until no process of the container is left.
+  A pod that gets a deleted pod's IP starts once that pod's processes are gone.
+  Other images still run as host processes (e.g. a test's client pod).
 
 Not emulated: resource limits/cgroups, network isolation (every pod
 shares the runner's network namespace), service env vars / in-cluster
@@ -1092,6 +1095,7 @@ class PodRunner:
             gone = etype == "DELETED" or meta.get("deletionTimestamp")
             if gone:
                 if w is not None:
+                    log.info("pod %s/%s at %s deleted: stopping", w.ns, w.name, w.pod_ip)
                     del self._workers[uid]
                     self._stopping = [o for o in self._stopping if not o.finished.is_set()] + [w]
                     w.stop_event.set()
@@ -1113,6 +1117,9 @@ class PodRunner:
                         other.stop_event.set()
                         w.predecessors.append(other)
                 self._workers[uid] = w
+                if w.predecessors:
+                    names = [f"{o.ns}/{o.name}" for o in w.predecessors]
+                    log.info("pod %s/%s at %s waits for %s to stop", w.ns, w.name, w.pod_ip, names)
                 w.start()
 
     def _watch_loop(self) -> None:

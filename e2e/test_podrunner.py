@@ -340,11 +340,13 @@ def test_image_mode_runs_the_container_from_its_image(kwok_cluster: KwokCluster,
 
 
 # Binds the pod IP's port 8000 and leaves a daemon behind (a session of its own, SIGTERM ignored) holding 8001: what
-# a forked helper or a stray worker of a server does.  It can start only where neither port is bound.
+# a forked helper or a stray worker of a server does.  It can start only where neither port is listened on (with
+# SO_REUSEADDR, as servers bind: earlier tests' connections to a recycled IP's port 8000 linger in TIME_WAIT).
 HOLDER_SCRIPT = (
     "import os, signal, socket, sys, time\n"
     "def listen(port):\n"
     "    s = socket.socket()\n"
+    "    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
     "    s.bind((os.environ['POD_IP'], port))\n"
     "    s.listen()\n"
     "    return s\n"
@@ -412,6 +414,7 @@ def test_image_container_stop_leaves_nothing_behind(kwok_cluster: KwokCluster, t
 
     def port_free(ip, port):
         s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((ip, port))
             return True

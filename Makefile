@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images e2e-image-tests examples bench e2e lint clean crds dashboards helm-lint images
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images e2e-image-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda
 
 venv: $(VENV)/.installed
 
@@ -29,10 +29,11 @@ CLUSTER_TESTS := tests/operator/test_operator_cluster.py tests/operator/test_ope
   tests/operator/test_operator_s3_cluster.py
 SCALE_BENCH := tests/operator/test_operator_scale.py
 
-# Every tier this machine can run: server, Triton side by side, Prometheus, operator and the e2e cluster.
+# Every tier this machine can run: server, Triton side by side, Prometheus, operator, the e2e cluster, and the e2e
+# cluster again with every pod and the operator started from the built images (~4 min warm).
 # Everything a tier needs is built first (`tools`: the Kubernetes binaries, helm and every tools/go server; cold
-# ~25 min on 2 cores, warm instant), then the test processes run, then a per-tier summary. Under CI=true a
-# skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
+# ~25 min on 2 cores, warm instant; `images`: cold ~10 min), then the test processes run, then a per-tier summary.
+# Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
 test: venv test-deps lint
 	@# the Go builds are CPU-bound, the image build mostly downloads: run them side by side
 	@$(MAKE) -s -j3 tools images examples
@@ -40,6 +41,7 @@ test: venv test-deps lint
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) || status=$$?; \
 	$(MAKE) -s e2e-tests || status=$$?; \
+	$(MAKE) -s e2e-image-tests || status=$$?; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
 	exit $$status
 
@@ -52,8 +54,8 @@ e2e-tests:
 	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e $(CLUSTER_TESTS)
 
 # The e2e scenarios and the operator's cluster scenarios again with every pod (and the operator) started from the
-# built images (`make images`), as a node would run them. Not yet part of `make test`: in a loaded run 3 of 23
-# scenarios failed because a stopped container's server kept its pod IP's port (see e2e/README.md).
+# built images (`make images`), as a node would run them: each container in a PID namespace of its own under
+# bubblewrap (e2e/images.py). Part of `make test`, after the host-virtualenv tiers; about 4 minutes.
 e2e-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
 	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
@@ -81,9 +83,9 @@ e2e-build:
 e2e: venv test-deps
 	$(MAKE) -s e2e-tests
 
-# The cluster tiers in image mode: the pod runner starts the server pods from the built server image and the
-# operator runs from its image with a ServiceAccount token (e2e/images.py); the default stays the faster
-# host-virtualenv mode.
+# The cluster tiers in image mode alone (images built first): the pod runner starts the server pods from the built
+# server image and the operator runs from its image with a ServiceAccount token (e2e/images.py). `make e2e` keeps
+# the faster host-virtualenv mode, which runs the worktree's code without a rebuild.
 e2e-images: venv test-deps images
 	$(MAKE) -s e2e-image-tests
 
@@ -96,10 +98,17 @@ dashboards: venv
 helm-lint:
 	@bin=$$($(MAKE) -s e2e-build | tail -n 1); "$$bin/helm" lint --strict helm/naiad
 
-# The server (VARIANT=cpu|cuda) and operator images, built with buildah (no Docker engine needed), as
-# docker-archive tarballs in build/images with their image IDs and sizes (tools/images/build.sh).
+# The server (VARIANT=cpu|cuda, backends IMAGE_EXTRAS=...) and operator images, built with buildah (no Docker
+# engine needed), as docker-archive tarballs in build/images with their image IDs and sizes (tools/images/build.sh).
 images:
 	@bash tools/images/build.sh
+
+# The CUDA server image (onnxruntime-gpu with CUDA and cuDNN from PyPI's nvidia-* wheels: 2.7 GiB; ~4 min warm,
+# ~12 GB of disk at the peak), checked by importing its backends (no GPU needed), and the operator image. Not part
+# of `make test`. CUDA_EXTRAS=gpu-wheels,torch,s3 adds torch (README, "Images": ~6.6 GiB; ~30 GB at the peak).
+CUDA_EXTRAS ?=
+images-cuda:
+	@VARIANT=cuda IMAGE_EXTRAS=$(CUDA_EXTRAS) bash tools/images/build.sh
 
 bench: venv
 	bash bench/setup.sh

@@ -416,12 +416,21 @@ def reap(pidns: str | None, timeout: float = 10.0) -> list[int]:
         if not left:
             return killed
         for pid in left:
+            # through a pidfd, checking the namespace again (a PID that exited since the scan may be reused); PID 1
+            # or not, the kernel empties the namespace once its PID 1 is gone
             try:
-                os.kill(pid, signal.SIGKILL)  # the namespace's PID 1 first or not: it takes the rest with it
-                if pid not in killed:
-                    killed.append(pid)
-            except ProcessLookupError:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                if os.readlink(f"/proc/{pid}/ns/pid") == pidns:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    if pid not in killed:
+                        killed.append(pid)
+            except OSError:
                 pass
+            finally:
+                os.close(fd)
         if time.monotonic() >= deadline:
             raise ImageError(f"processes {left} of container {pidns} did not exit after SIGKILL")
         time.sleep(0.02)

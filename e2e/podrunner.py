@@ -604,20 +604,20 @@ class _PodWorker(threading.Thread):
             stop_container(p, c.pidns, grace)
             c.pidns = None
             return
-        if p.poll() is None:
+        if p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
             try:
-                os.killpg(p.pid, signal.SIGTERM)
+                os.killpg(p.pid, signal.SIGKILL)  # the leader is not reaped yet: its pid is still the group's
             except ProcessLookupError:
                 pass
-            try:
-                p.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the rest of its process group, if the leader left any behind
-        except (ProcessLookupError, PermissionError):
-            pass
-        p.wait()
+            p.wait()
 
     def _on_exit(self, c: _Container, code: int, start_failed: bool = False) -> None:
         c.last_terminated = {

@@ -152,7 +152,11 @@ def _archive_id(archive: Path) -> str:
 
 
 class ImageStore:
-    """Image name -> unpacked Image, unpacked on first use and cached (by image ID) across runs."""
+    """Image name -> unpacked Image, unpacked on first use and cached (by image ID) across runs.  Every rebuilt
+    image has a new ID (~400 MB unpacked each): after unpacking one, cached images that no run has used for
+    ``keep_days`` are removed (a use touches its directory)."""
+
+    keep_days = float(os.environ.get("NAIAD_E2E_IMAGES_KEEP_DAYS", "2"))
 
     def __init__(
         self,
@@ -194,6 +198,7 @@ class ImageStore:
             dest = self.cache_dir / image_id
             if (dest / "image.json").exists():
                 image = _load(dest, name, image_id)
+                os.utime(dest)
             else:
                 shutil.rmtree(dest, ignore_errors=True)
                 tmp = self.cache_dir / f".{image_id}.{os.getpid()}"
@@ -201,8 +206,22 @@ class ImageStore:
                 unpack_archive(archive, tmp, name)
                 tmp.rename(dest)
                 image = _load(dest, name, image_id)
+                self.prune()
             self._images[name] = image
             return image
+
+    def prune(self, keep_days: float | None = None) -> list[Path]:
+        """Remove the cached unpacked images (and leftovers of interrupted unpacks) unused for ``keep_days``."""
+        cutoff = time.time() - 86400 * (self.keep_days if keep_days is None else keep_days)
+        removed = []
+        for entry in self.cache_dir.iterdir():
+            try:
+                if entry.is_dir() and entry.stat().st_mtime < cutoff:
+                    shutil.rmtree(entry)
+                    removed.append(entry)
+            except OSError:
+                pass
+        return removed
 
 
 def _mkdir_in_root(rootfs: Path, target: str) -> str:

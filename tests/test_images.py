@@ -250,3 +250,13 @@ def test_stop_leaves_no_process_and_frees_the_port(server_image, tmp_path):
     assert time.monotonic() - started < 10
     assert processes_in(c.pidns) == [], "a process of the stopped container is left"
     assert _port_free(port), "the stopped container's port is still bound"
+
+
+def test_unpacked_images_unused_for_days_are_pruned(tmp_path):
+    """Each rebuilt image unpacks to a new directory (~400 MB): the cache keeps what runs used recently."""
+    recent, old = tmp_path / "recent", tmp_path / "old"
+    for d in (recent, old):
+        (d / "bundle").mkdir(parents=True)
+    os.utime(old, (time.time() - 3 * 86400,) * 2)
+    assert ImageStore({}, cache_dir=tmp_path).prune(keep_days=2) == [old]
+    assert recent.exists() and not old.exists()

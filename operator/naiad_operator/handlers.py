@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import kopf
 
+from . import timeline
 from .applied import AppliedCache
 from .config import OperatorConfig
 from .control import ModelControlClient
@@ -81,6 +82,7 @@ def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
 def models_by_pool(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, **_: Any) -> dict[Any, Body]:
     """InferenceModels by (namespace, pool), kept current by the watch: a pass reads its models here instead of
     listing every InferenceModel of the namespace."""
+    timeline.mark(namespace, name, "event", str(body.get("metadata", {}).get("resourceVersion")))
     return {(namespace, model_intent(name, dict(spec)).pool): copy.deepcopy(dict(body))}
 
 
@@ -293,12 +295,14 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
 async def model_changed(
     body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, old: Mapping[str, Any] | None, **_: Any
 ) -> None:
+    timeline.mark(namespace, name, "handler")
     if ((body.get("spec") or {}).get("canary") or {}).get("promote"):
         await promote(memo, dict(body))
     try:
         pool = await ensure_model(memo, dict(body), events=True)
     except KubeError as error:
         raise _retry_or_raise(error, f"InferenceModel {name}") from error
+    timeline.mark(namespace, name, "requested", pool)
     memo.pools.request(namespace, pool)
     previous = model_intent(name, (old or {}).get("spec") or {}).pool if old else pool
     if previous != pool:

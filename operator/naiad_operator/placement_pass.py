@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import timeline
 from .control import ControlError
 from .events import post as post_event
 from .kube import KubeError
@@ -132,8 +133,12 @@ class _Pass:
                 if model.intent.canary is not None:  # traffic figures come after the loads
                     observed.variants = (model.body.get("status") or {}).get("variants")
                 loading.append((model, observed))
+        tag = f"pool:{self.pool}"
+        timeline.mark(self.namespace, tag, "planned", f"loads={sum(len(p.load) for p in plans.values())}")
         await self._write_model_statuses(loading)
+        timeline.mark(self.namespace, tag, "loading-statuses", str(len(loading)))
         loaded = await self._load_all(valid, plans)
+        timeline.mark(self.namespace, tag, "loaded")
         await self._unload_all(valid, plans, demands, loaded)
         await self._unload_strays()
 
@@ -142,6 +147,7 @@ class _Pass:
             if snap.states[facts.name].ready:
                 truth.gate = True
             await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
+        timeline.mark(self.namespace, tag, "pods-patched")
 
         traffic = await self._read_traffic(models)
         counts = []
@@ -156,7 +162,9 @@ class _Pass:
             observations.append((model, observed))
             counts.append(ModelCount(model.intent.name, model.intent.model_name, observed.holding))
         await self._write_model_statuses(observations)
+        timeline.mark(self.namespace, tag, "statuses", str(len(observations)))
         await self._write_server_status(counts)
+        timeline.mark(self.namespace, tag, "pass-end")
         holders: dict[str, list[str]] = {}
         for pod, truth in self.truth.items():
             for name in truth.held:
@@ -211,9 +219,12 @@ class _Pass:
         _, config, _ = intent.variant(revision)
         try:
             async with self.ctx.load_slots:
+                timeline.mark(self.namespace, intent.name, "load-start", pod.name)
                 await self.snap.control.load(pod.ip or "", intent.model_name, config)
         except ControlError as error:
             return intent.name, pod.name, str(error)
+        finally:
+            timeline.mark(self.namespace, intent.name, "load-end", pod.name)
         return intent.name, pod.name, None
 
     async def _load_all(self, models: Sequence[PoolModel], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
@@ -509,13 +520,16 @@ async def write_model_status(
     except KubeError as error:
         if error.status != 404:
             raise
+    timeline.mark(namespace, meta["name"], "status", str(status.get("phase")))
     model.body["status"] = merged_status(model.body.get("status"), status)
 
 
 async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolReport:
     """Run one pass over the pool `pool` in `namespace`: read it, then act on what was read."""
     now = now_rfc3339()
+    timeline.mark(namespace, f"pool:{pool}", "pass-start")
     models, snapshot = await read_pool(ctx, namespace, pool, now)
+    timeline.mark(namespace, f"pool:{pool}", "read", f"models={len(models)}")
     if snapshot is None:
         for model in models:
             if not model.deleting:

@@ -17,6 +17,7 @@ $NAIAD_BENCH_OUT (JSON) when set.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -125,12 +126,12 @@ def make_repository(repo: Path, count: int) -> None:
         (repo / name / "config.pbtxt").write_text(config.replace('name: "identity_fp32"', f'name: "{name}"'))
 
 
-def model_doc(i: int) -> dict:
+def model_doc(i: int, pools: int = POOLS) -> dict:
     return {
         "apiVersion": "naiad.dev/v1alpha1",
         "kind": "InferenceModel",
         "metadata": {"name": f"m-{i:03d}", "namespace": NS},
-        "spec": {"serverRef": {"name": f"pool-{i % POOLS}"}, "modelName": f"m_{i:03d}", "replicas": 1},
+        "spec": {"serverRef": {"name": f"pool-{i % pools}"}, "modelName": f"m_{i:03d}", "replicas": 1},
     }
 
 
@@ -162,24 +163,68 @@ class AvailableWatch:
         for line in self.process.stdout:
             parts = line.split()
             if len(parts) == 2 and parts[1] == "Available":
-                self.available.setdefault(parts[0], time.monotonic())
+                self.available.setdefault(parts[0], time.time())
 
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(10)
 
 
-def apply_models(h, indexes: range, batch: int = 10) -> dict[str, float]:
+def apply_models(h, indexes: range, batch: int = 10, pools: int = POOLS) -> dict[str, float]:
     """Apply in batches of `batch` (one kubectl each); returns when each model's apply was sent."""
     sent = {}
     items = list(indexes)
     for start in range(0, len(items), batch):
-        docs = [model_doc(i) for i in items[start : start + batch]]
-        at = time.monotonic()
+        docs = [model_doc(i, pools) for i in items[start : start + batch]]
+        at = time.time()
         h.cluster.apply(docs)
         for doc in docs:
             sent[doc["metadata"]["name"]] = at
     return sent
+
+
+def breakdown(h, sent: dict[str, float], watch: AvailableWatch) -> dict:
+    """Where apply -> Available went (tools/operator_timeline.py over the operator's NAIAD_TIMELINE lines)."""
+    spec = importlib.util.spec_from_file_location(
+        "operator_timeline", ROOT / "tools" / "operator_timeline.py"
+    )
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    times = {
+        f"{NS}/{name}": {"sent": at, "available": watch.available[name]}
+        for name, at in sent.items()
+        if name in watch.available
+    }
+    (h.workdir / "apply-times.json").write_text(json.dumps(times))
+    marks = tool.parse((h.workdir / "operator-bench.log").read_text(errors="replace"))
+    rows = tool.breakdown(marks, times)
+    return {"models": len(rows), **tool.summary(rows)}
+
+
+def start_pools(h, pools: int, replicas: int = 2) -> None:
+    for p in range(pools):
+        h.apply(
+            {
+                "apiVersion": "naiad.dev/v1alpha1",
+                "kind": "InferenceServer",
+                "metadata": {"name": f"pool-{p}"},
+                "spec": {
+                    "replicas": replicas,
+                    "resources": {"limits": {"nvidia.com/gpu": 1}},
+                    "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": ""}],
+                    "modelRepository": {"path": str(h.repo)},
+                },
+            }
+        )
+    wait(
+        lambda: all(
+            (h.get("inferenceserver", f"pool-{p}").get("status") or {}).get("readyReplicas") == replicas
+            for p in range(pools)
+        ),
+        300,
+        what=f"{pools} pools ready",
+    )
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -192,7 +237,8 @@ def start_operator(h) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "naiad_operator", "--namespace", NS, "--liveness=", "--leader-elect",
          f"--leader-elect-namespace={OPERATOR_NS}", "--leader-elect-lease=naiad"],
-        env=_env(KUBECONFIG=h.operator_kubeconfig(), NAIAD_SERVER_IMAGE="naiad-server:it"),
+        # NAIAD_TIMELINE: per-model timestamps in the log, for the breakdown of apply -> Available.
+        env=_env(KUBECONFIG=h.operator_kubeconfig(), NAIAD_SERVER_IMAGE="naiad-server:it", NAIAD_TIMELINE="1"),
         stdout=log, stderr=subprocess.STDOUT, cwd=h.workdir,
     )  # fmt: skip
 
@@ -226,28 +272,7 @@ def test_api_requests_stay_flat_from_10_to_300_models(tmp_path_factory):
         operator = start_operator(h)
         watch = AvailableWatch(h)
         try:
-            for p in range(POOLS):
-                h.apply(
-                    {
-                        "apiVersion": "naiad.dev/v1alpha1",
-                        "kind": "InferenceServer",
-                        "metadata": {"name": f"pool-{p}"},
-                        "spec": {
-                            "replicas": 2,
-                            "resources": {"limits": {"nvidia.com/gpu": 1}},
-                            "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": ""}],
-                            "modelRepository": {"path": str(h.repo)},
-                        },
-                    }
-                )
-            wait(
-                lambda: all(
-                    (h.get("inferenceserver", f"pool-{p}").get("status") or {}).get("readyReplicas") == 2
-                    for p in range(POOLS)
-                ),
-                300,
-                what="3 pools ready",
-            )
+            start_pools(h, POOLS)
             sent = apply_models(h, range(SMALL))
             wait(lambda: all_available(h, SMALL), 300, what=f"{SMALL} models Available")
             wait(lambda: all_handled(h, SMALL), 300, what="create handlers done")
@@ -298,6 +323,7 @@ def test_api_requests_stay_flat_from_10_to_300_models(tmp_path_factory):
                 "max": round(max(latencies), 2),
                 f"p95 of models {SMALL + 1}-{LARGE}": round(percentile(later, 95), 2),
             },
+            "apply_to_available_breakdown_seconds": breakdown(h, sent, watch),
         }  # fmt: skip
         print("\n" + json.dumps(figures, indent=2))
         if os.environ.get("NAIAD_BENCH_OUT"):
@@ -305,3 +331,50 @@ def test_api_requests_stay_flat_from_10_to_300_models(tmp_path_factory):
         assert small["operator"]["total"] > 0, "no requests seen from the operator's FlowSchema"
         assert large["operator"]["total"] <= small["operator"]["total"] * 1.10, figures
         assert figures["apply_to_available_seconds"]["p95"] < P95_SECONDS, figures
+
+
+def test_apply_to_available_small(tmp_path_factory):
+    """The fixed part of apply -> Available, apart from scale: one pool of 2 pods; models applied one at a time
+    (each waited for), then 30 in 3 applies of 10 back to back. Figures to stdout and $NAIAD_BENCH_OUT with
+    -small before the suffix."""
+    isolated, burst = 5, 30
+    with running_cluster(tmp_path_factory.mktemp("naiad-latency"), nodes=1, operator=False) as h:
+        make_repository(h.repo, isolated + burst)
+        operator = start_operator(h)
+        watch = AvailableWatch(h)
+        try:
+            start_pools(h, 1)
+            one: dict[str, float] = {}
+            for i in range(isolated):
+                one.update(apply_models(h, range(i, i + 1), pools=1))
+                wait(
+                    lambda i=i: f"m-{i:03d}" in watch.available, 60, interval=0.1, what=f"m-{i:03d} Available"
+                )
+                time.sleep(2)
+            many = apply_models(h, range(isolated, isolated + burst), pools=1)
+            wait(lambda: all_available(h, isolated + burst), 300, interval=1, what="burst Available")
+            time.sleep(2)
+        finally:
+            watch.stop()
+            operator.terminate()
+            operator.wait(60)
+
+        def latencies(sent: dict[str, float]) -> dict[str, float]:
+            values = [watch.available[n] - at for n, at in sent.items()]
+            return {"p50": round(statistics.median(values), 2), "p95": round(percentile(values, 95), 2),
+                    "max": round(max(values), 2)}  # fmt: skip
+
+        figures = {
+            "one_at_a_time": {
+                "apply_to_available_seconds": latencies(one),
+                "breakdown": breakdown(h, one, watch),
+            },
+            f"{burst}_in_applies_of_10": {
+                "apply_to_available_seconds": latencies(many),
+                "breakdown": breakdown(h, many, watch),
+            },
+        }
+        print("\n" + json.dumps(figures, indent=2))
+        if os.environ.get("NAIAD_BENCH_OUT"):
+            out = Path(os.environ["NAIAD_BENCH_OUT"])
+            out.with_name(f"{out.stem}-small{out.suffix}").write_text(json.dumps(figures, indent=2) + "\n")

@@ -135,18 +135,17 @@ class _Pass:
                 loading.append((model, observed))
         tag = f"pool:{self.pool}"
         timeline.mark(self.namespace, tag, "planned", f"loads={sum(len(p.load) for p in plans.values())}")
-        await self._write_model_statuses(loading)
-        timeline.mark(self.namespace, tag, "loading-statuses", str(len(loading)))
-        loaded = await self._load_all(valid, plans)
+        loaded = await self._load_all(valid, plans, loading)
         timeline.mark(self.namespace, tag, "loaded")
         await self._unload_all(valid, plans, demands, loaded)
         await self._unload_strays()
 
         for facts in self.facts:
-            truth = self.truth[facts.name]
             if snap.states[facts.name].ready:
-                truth.gate = True
-            await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
+                self.truth[facts.name].gate = True
+        await asyncio.gather(
+            *(_patch_pod(self.ctx, self.namespace, f, self.truth[f.name], self.now) for f in self.facts)
+        )
         timeline.mark(self.namespace, tag, "pods-patched")
 
         traffic = await self._read_traffic(models)
@@ -208,11 +207,14 @@ class _Pass:
     async def _drop_lost_models(self) -> None:
         """Before any slow load: pods whose labels promise models they lost (restart, crash) stop receiving
         that model's traffic now."""
-        for i, facts in enumerate(self.facts):
+
+        async def drop(i: int, facts: PodFacts) -> None:
             truth = self.truth[facts.name]
             lost = [n for n in facts.recorded if n not in truth.held]
             if lost or facts.restarted:
                 self.facts[i] = await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
+
+        await asyncio.gather(*(drop(i, facts) for i, facts in enumerate(self.facts)))
 
     async def _load_one(self, model: PoolModel, pod: PodState, revision: str) -> tuple[str, str, str | None]:
         intent = model.intent
@@ -227,17 +229,45 @@ class _Pass:
             timeline.mark(self.namespace, intent.name, "load-end", pod.name)
         return intent.name, pod.name, None
 
-    async def _load_all(self, models: Sequence[PoolModel], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
+    async def _load_all(
+        self,
+        models: Sequence[PoolModel],
+        plans: Mapping[str, Plan],
+        loading: Sequence[tuple[PoolModel, ModelObservation]] = (),
+    ) -> dict[str, set[str]]:
+        """Run the planned loads (at most `load_slots` at once); the models in `loading` whose loads are still
+        running after `loading_status_delay` get a `Loading` status meanwhile (a load that answers sooner, the
+        usual case, goes straight to its final status: one status write, not two)."""
         by_name = {m.intent.name: m for m in models}
-        jobs = [
-            self._load_one(
-                by_name[name], self.snap.states[pod], plan.revisions.get(pod, by_name[name].intent.revision)
-            )
-            for name, plan in plans.items()
-            for pod in plan.load
-        ]
+        running: dict[str, int] = {}
+        for name, plan in plans.items():
+            if plan.load:
+                running[name] = len(plan.load)
+
+        async def job(name: str, pod: str) -> tuple[str, str, str | None]:
+            try:
+                return await self._load_one(
+                    by_name[name],
+                    self.snap.states[pod],
+                    plans[name].revisions.get(pod, by_name[name].intent.revision),
+                )
+            finally:
+                running[name] -= 1
+
+        jobs = asyncio.gather(*(job(name, pod) for name, plan in plans.items() for pod in plan.load))
+        try:
+            if loading:
+                done, _ = await asyncio.wait({jobs}, timeout=self.ctx.loading_status_delay)
+                if not done:
+                    slow = [(m, o) for m, o in loading if running.get(m.intent.name, 0) > 0]
+                    await self._write_model_statuses(slow)
+                    timeline.mark(self.namespace, f"pool:{self.pool}", "loading-statuses", str(len(slow)))
+            results = await jobs
+        except BaseException:
+            jobs.cancel()  # the pass was cancelled or a status write failed: no loads left running unowned
+            raise
         loaded: dict[str, set[str]] = {}
-        for name, pod, error in await asyncio.gather(*jobs):
+        for name, pod, error in results:
             model = by_name[name]
             intent = model.intent
             revision = plans[name].revisions.get(pod, intent.revision)

@@ -83,11 +83,16 @@ def models_by_pool(name: str, namespace: str, spec: kopf.Spec, body: kopf.Body, 
     """InferenceModels by (namespace, pool), kept current by the watch: a pass reads its models here instead of
     listing every InferenceModel of the namespace."""
     timeline.mark(namespace, name, "event", str(body.get("metadata", {}).get("resourceVersion")))
-    return {(namespace, model_intent(name, dict(spec)).pool): copy.deepcopy(dict(body))}
+    stored = copy.deepcopy(dict(body))
+    stored.get("metadata", {}).pop("managedFields", None)  # never read, and most of the object's size
+    return {(namespace, model_intent(name, dict(spec)).pool): stored}
 
 
 def _models_of_pool(index: kopf.Index[Any, Body], namespace: str, pool: str) -> list[Body]:
-    return [copy.deepcopy(body) for body in index.get((namespace, pool), [])]
+    """The pool's models, each a copy a pass may change at the top level (it sets `status` after writing it,
+    and `apiVersion`/`kind`); what is below is shared with the index and only read (copying all of it cost a
+    pass over 100 models about 30 ms of CPU)."""
+    return [dict(body) for body in index.get((namespace, pool), [])]
 
 
 @kopf.on.startup()  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS

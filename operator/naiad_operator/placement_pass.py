@@ -24,9 +24,10 @@ from .observe import (
     PodFacts,
     PodTruth,
     gate_patch,
+    highest_version,
     metadata_patch,
     pod_facts,
-    version_of,
+    ready_entries,
 )
 from .ownership import pool_selector_string
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
@@ -101,6 +102,8 @@ class _Pass:
         self.now = snapshot.now
         self._tls = tls_secret_name(snapshot.spec) is not None
         self.facts = list(snapshot.facts)  # the pods as the pass's own patches leave them
+        # pod -> model name -> READY versions, read once per pass (not once per model and pod).
+        self.ready = {f.name: ready_entries(snapshot.index[f.name] or []) for f in snapshot.facts}
         self.truth = self._initial_truth()  # what each pod holds, kept current as the pass loads and unloads
         self.failures: dict[str, dict[str, str]] = {}  # model -> pod -> load error in this pass
         self.unload_failures: dict[str, dict[str, str]] = {}
@@ -369,7 +372,7 @@ class _Pass:
             pod = facts.name
             state, held = self.snap.states[pod], self.truth[pod].held.get(intent.name)
             eligible += 1 if state.ready else 0
-            version = version_of(self.snap.index[pod] or [], intent.model_name)
+            version = highest_version(self.ready[pod].get(intent.model_name) or [])
             variant = intent.variant(held.revision)[0] if held is not None and intent.canary else None
             if held is not None and (intent.name, pod) in self.fresh:
                 version = intent.variant(held.revision)[2] or version  # the index was read before this load

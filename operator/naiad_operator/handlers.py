@@ -104,7 +104,10 @@ async def startup(
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
-    settings.posting.level = logging.INFO
+    # kopf's own Normal events ("Handler 'model_changed' succeeded", "Creation is processed") cost two API writes
+    # per change and say nothing the operator's own events (Loaded, Unloaded, ...) do not; warnings and errors
+    # (a handler that failed) are still posted.
+    settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.batching.error_delays = (1, 2, 5, 10, 20, 30, 60)

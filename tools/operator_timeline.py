@@ -8,7 +8,8 @@ Stages of each model (seconds; medians, p95 and max over the models):
 
     watch      kubectl apply sent -> the operator's first watch event of the model
     handler    first event -> the create handler starts (kopf: the finalizer patch and its echo, the batch window)
-    children   handler start -> a pass requested (the model's Services, HPA, dedicated pool applied)
+    children   handler start -> a pass requested (shared pool: at once, the Services are applied alongside;
+               dedicated pool: once the model's children, its pool among them, are applied)
     queue      pass requested -> the pool pass that loads the model starts (waiting for the pass in progress)
     read       that pass starts -> the model's load starts (the pass's reads, `Loading` statuses, load slots)
     load       load request -> the server answered (the server's load time)

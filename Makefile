@@ -61,8 +61,9 @@ e2e-image-tests:
 	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
 	  tests/operator/test_operator_s3_cluster.py
 
-# The operator's scale benchmark (300 InferenceModels on 3 pools; about 12 minutes): API requests per minute
-# from the API server's own metrics and apply -> Available p50/p95. NAIAD_BENCH_OUT=<file> keeps the figures.
+# The operator's scale benchmark (300 InferenceModels on 3 pools; about 13 minutes with the small latency scenario):
+# API requests per minute from the API server's own metrics, apply -> Available p50/p95 and where it goes.
+# NAIAD_BENCH_OUT=<file> keeps the figures (the small scenario's in <file>-small).
 e2e-bench:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin"; \
 	$(PY) -m pytest -q -s -m bench $(PYTEST_ARGS) $(SCALE_BENCH)

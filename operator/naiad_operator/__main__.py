@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import kopf
 
+from . import timeline
 from .config import service_account_namespace
 
 
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not namespaces and os.environ.get("NAIAD_WATCH_NAMESPACES"):
         namespaces = [n.strip() for n in os.environ["NAIAD_WATCH_NAMESPACES"].split(",") if n.strip()]
     kopf.configure(verbose=args.verbose, quiet=args.quiet, log_format=kopf.LogFormat[args.log_format.upper()])
+    timeline.enable_from_env()
     # Importing registers the handlers with kopf's default registry.
     importlib.import_module("naiad_operator.handlers")
     if args.leader_elect:

@@ -169,12 +169,16 @@ def pod_state(
     )
 
 
-def version_of(index: Iterable[IndexEntry], model_name: str) -> str | None:
-    """Highest READY version of a model (numeric order when the versions are numbers)."""
-    versions = ready_entries(index).get(model_name) or []
+def highest_version(versions: Sequence[str]) -> str | None:
+    """The highest of some versions (numeric order when they are numbers)."""
     if not versions:
         return None
     return max(versions, key=lambda v: (0, int(v), "") if v.isdigit() else (1, 0, v))
+
+
+def version_of(index: Iterable[IndexEntry], model_name: str) -> str | None:
+    """Highest READY version of a model."""
+    return highest_version(ready_entries(index).get(model_name) or [])
 
 
 @dataclass

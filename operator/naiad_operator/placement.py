@@ -89,6 +89,10 @@ class _Ledger:
         self.count[pod] += 1
         self.memory[pod] += memory
 
+    def give_back(self, pod: str, memory: int) -> None:
+        self.count[pod] -= 1
+        self.memory[pod] -= memory
+
 
 def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan:
     eligible = sorted((p for p in pods if p.ready and p.ip), key=lambda p: p.name)
@@ -132,6 +136,8 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
     if demand.replicas is None:
         # Copies on pods that are leaving keep serving until the pod goes; stale ones are brought up to date.
         chosen += [p for p in old if demand.name in p.held]
+    else:
+        chosen = _respread(demand, chosen, empties(fresh), ledger)
     chosen_names = {p.name for p in chosen}
     plan = Plan(
         shortfall=max(0, wanted - len([p for p in chosen if not (demand.replicas is None and p.leaving)]))
@@ -200,6 +206,41 @@ def _spread(candidates: list[PodState], chosen: Sequence[PodState]) -> list[PodS
         if pod.node:
             copies[pod.node] = copies.get(pod.node, 0) + 1
     return ordered
+
+
+def _respread(
+    demand: Demand, chosen: list[PodState], empty: Sequence[PodState], ledger: _Ledger
+) -> list[PodState]:
+    """Copies that share a node while a node with no copy has a ready pod with room: one copy moves there (the
+    new one is loaded first, the old one unloaded once it is: `unloads_allowed`). Pods become ready one at a
+    time, so the first copies of a model can land on one node before the other nodes' pods are up."""
+    chosen = list(chosen)
+    while True:
+        copies: dict[str, int] = {}
+        for pod in chosen:
+            if pod.node:
+                copies[pod.node] = copies.get(pod.node, 0) + 1
+        crowded = [p for p in chosen if p.node and copies[p.node] > 1]
+        target = next(
+            (
+                p
+                for p in empty
+                if p.node
+                and p.node not in copies
+                and p not in chosen
+                and ledger.has_room(p.name, demand.memory)
+            ),
+            None,
+        )
+        if not crowded or target is None:
+            return chosen
+        # The copy to move: on the most crowded node, the one placement ranked last there.
+        most = max(copies[p.node or ""] for p in crowded)
+        moved = [p for p in crowded if copies[p.node or ""] == most][-1]
+        chosen[chosen.index(moved)] = target
+        ledger.take(target.name, demand.memory)
+        if demand.name not in moved.held:
+            ledger.give_back(moved.name, demand.memory)  # it was only planned, not loaded
 
 
 def plan_pool(demands: Sequence[Demand], pods: Sequence[PodState], capacity: Capacity) -> dict[str, Plan]:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import timeline
 from .control import ControlError
 from .events import post as post_event
 from .kube import KubeError
@@ -23,9 +24,10 @@ from .observe import (
     PodFacts,
     PodTruth,
     gate_patch,
+    highest_version,
     metadata_patch,
     pod_facts,
-    version_of,
+    ready_entries,
 )
 from .ownership import pool_selector_string
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
@@ -100,6 +102,8 @@ class _Pass:
         self.now = snapshot.now
         self._tls = tls_secret_name(snapshot.spec) is not None
         self.facts = list(snapshot.facts)  # the pods as the pass's own patches leave them
+        # pod -> model name -> READY versions, read once per pass (not once per model and pod).
+        self.ready = {f.name: ready_entries(snapshot.index[f.name] or []) for f in snapshot.facts}
         self.truth = self._initial_truth()  # what each pod holds, kept current as the pass loads and unloads
         self.failures: dict[str, dict[str, str]] = {}  # model -> pod -> load error in this pass
         self.unload_failures: dict[str, dict[str, str]] = {}
@@ -132,16 +136,20 @@ class _Pass:
                 if model.intent.canary is not None:  # traffic figures come after the loads
                     observed.variants = (model.body.get("status") or {}).get("variants")
                 loading.append((model, observed))
-        await self._write_model_statuses(loading)
-        loaded = await self._load_all(valid, plans)
+        tag = f"pool:{self.pool}"
+        timeline.mark(self.namespace, tag, "planned", f"loads={sum(len(p.load) for p in plans.values())}")
+        loaded = await self._load_all(valid, plans, loading)
+        timeline.mark(self.namespace, tag, "loaded")
         await self._unload_all(valid, plans, demands, loaded)
         await self._unload_strays()
 
         for facts in self.facts:
-            truth = self.truth[facts.name]
             if snap.states[facts.name].ready:
-                truth.gate = True
-            await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
+                self.truth[facts.name].gate = True
+        await asyncio.gather(
+            *(_patch_pod(self.ctx, self.namespace, f, self.truth[f.name], self.now) for f in self.facts)
+        )
+        timeline.mark(self.namespace, tag, "pods-patched")
 
         traffic = await self._read_traffic(models)
         counts = []
@@ -156,7 +164,9 @@ class _Pass:
             observations.append((model, observed))
             counts.append(ModelCount(model.intent.name, model.intent.model_name, observed.holding))
         await self._write_model_statuses(observations)
+        timeline.mark(self.namespace, tag, "statuses", str(len(observations)))
         await self._write_server_status(counts)
+        timeline.mark(self.namespace, tag, "pass-end")
         holders: dict[str, list[str]] = {}
         for pod, truth in self.truth.items():
             for name in truth.held:
@@ -200,33 +210,67 @@ class _Pass:
     async def _drop_lost_models(self) -> None:
         """Before any slow load: pods whose labels promise models they lost (restart, crash) stop receiving
         that model's traffic now."""
-        for i, facts in enumerate(self.facts):
+
+        async def drop(i: int, facts: PodFacts) -> None:
             truth = self.truth[facts.name]
             lost = [n for n in facts.recorded if n not in truth.held]
             if lost or facts.restarted:
                 self.facts[i] = await _patch_pod(self.ctx, self.namespace, facts, truth, self.now)
+
+        await asyncio.gather(*(drop(i, facts) for i, facts in enumerate(self.facts)))
 
     async def _load_one(self, model: PoolModel, pod: PodState, revision: str) -> tuple[str, str, str | None]:
         intent = model.intent
         _, config, _ = intent.variant(revision)
         try:
             async with self.ctx.load_slots:
+                timeline.mark(self.namespace, intent.name, "load-start", pod.name)
                 await self.snap.control.load(pod.ip or "", intent.model_name, config)
         except ControlError as error:
             return intent.name, pod.name, str(error)
+        finally:
+            timeline.mark(self.namespace, intent.name, "load-end", pod.name)
         return intent.name, pod.name, None
 
-    async def _load_all(self, models: Sequence[PoolModel], plans: Mapping[str, Plan]) -> dict[str, set[str]]:
+    async def _load_all(
+        self,
+        models: Sequence[PoolModel],
+        plans: Mapping[str, Plan],
+        loading: Sequence[tuple[PoolModel, ModelObservation]] = (),
+    ) -> dict[str, set[str]]:
+        """Run the planned loads (at most `load_slots` at once); the models in `loading` whose loads are still
+        running after `loading_status_delay` get a `Loading` status meanwhile (a load that answers sooner, the
+        usual case, goes straight to its final status: one status write, not two)."""
         by_name = {m.intent.name: m for m in models}
-        jobs = [
-            self._load_one(
-                by_name[name], self.snap.states[pod], plan.revisions.get(pod, by_name[name].intent.revision)
-            )
-            for name, plan in plans.items()
-            for pod in plan.load
-        ]
+        running: dict[str, int] = {}
+        for name, plan in plans.items():
+            if plan.load:
+                running[name] = len(plan.load)
+
+        async def job(name: str, pod: str) -> tuple[str, str, str | None]:
+            try:
+                return await self._load_one(
+                    by_name[name],
+                    self.snap.states[pod],
+                    plans[name].revisions.get(pod, by_name[name].intent.revision),
+                )
+            finally:
+                running[name] -= 1
+
+        jobs = asyncio.gather(*(job(name, pod) for name, plan in plans.items() for pod in plan.load))
+        try:
+            if loading:
+                done, _ = await asyncio.wait({jobs}, timeout=self.ctx.loading_status_delay)
+                if not done:
+                    slow = [(m, o) for m, o in loading if running.get(m.intent.name, 0) > 0]
+                    await self._write_model_statuses(slow)
+                    timeline.mark(self.namespace, f"pool:{self.pool}", "loading-statuses", str(len(slow)))
+            results = await jobs
+        except BaseException:
+            jobs.cancel()  # the pass was cancelled or a status write failed: no loads left running unowned
+            raise
         loaded: dict[str, set[str]] = {}
-        for name, pod, error in await asyncio.gather(*jobs):
+        for name, pod, error in results:
             model = by_name[name]
             intent = model.intent
             revision = plans[name].revisions.get(pod, intent.revision)
@@ -328,7 +372,7 @@ class _Pass:
             pod = facts.name
             state, held = self.snap.states[pod], self.truth[pod].held.get(intent.name)
             eligible += 1 if state.ready else 0
-            version = version_of(self.snap.index[pod] or [], intent.model_name)
+            version = highest_version(self.ready[pod].get(intent.model_name) or [])
             variant = intent.variant(held.revision)[0] if held is not None and intent.canary else None
             if held is not None and (intent.name, pod) in self.fresh:
                 version = intent.variant(held.revision)[2] or version  # the index was read before this load
@@ -509,13 +553,16 @@ async def write_model_status(
     except KubeError as error:
         if error.status != 404:
             raise
+    timeline.mark(namespace, meta["name"], "status", str(status.get("phase")))
     model.body["status"] = merged_status(model.body.get("status"), status)
 
 
 async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolReport:
     """Run one pass over the pool `pool` in `namespace`: read it, then act on what was read."""
     now = now_rfc3339()
+    timeline.mark(namespace, f"pool:{pool}", "pass-start")
     models, snapshot = await read_pool(ctx, namespace, pool, now)
+    timeline.mark(namespace, f"pool:{pool}", "read", f"models={len(models)}")
     if snapshot is None:
         for model in models:
             if not model.deleting:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,9 @@ class PoolContext:
     config: OperatorConfig
     backoff: LoadBackoff
     load_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(16))
+    # Seconds a pass's loads may run before the models get a `Loading` status (quicker loads go straight to the
+    # final status).
+    loading_status_delay: float = 1.0
     trust: TrustCache | None = None  # CAs of pools with spec.tls (None: no pool uses TLS, e.g. in tests)
     # Reads the servers' request counters for models under a canary (None: no traffic figures in status).
     meter: VariantMeter | None = None
@@ -132,25 +135,24 @@ async def read_pool(
     """Everything a pass reads, read first: the pool's models, and its snapshot (None when the InferenceServer
     does not exist)."""
     kube = ctx.kube
-    if ctx.models is not None:
-        server = await kube.get(API_VERSION, SERVER_KIND, namespace, pool)
-        model_bodies = ctx.models(namespace, pool)
-    else:
-        server, model_bodies = await asyncio.gather(
-            kube.get(API_VERSION, SERVER_KIND, namespace, pool),
-            kube.list(API_VERSION, MODEL_KIND, namespace),
-        )
-    models = models_of_pool(model_bodies, pool, server)
-    if server is None:
-        return models, None
-    control = await pool_control(ctx, server)
     selector = pool_selector_string(pool)
-    pods, deployment, replicasets, hpa = await asyncio.gather(
+    # One round trip for everything the API server holds (the pool's children are asked for even before the
+    # pool is known to exist: a pass over a missing pool is rare, a round trip on every pass is not).
+    reads: list[Awaitable[Any]] = [
+        kube.get(API_VERSION, SERVER_KIND, namespace, pool),
         kube.list("v1", "Pod", namespace, selector),
         kube.get("apps/v1", "Deployment", namespace, pool),
         kube.list("apps/v1", "ReplicaSet", namespace, selector),
         kube.get("autoscaling/v2", "HorizontalPodAutoscaler", namespace, pool),
-    )
+    ]
+    if ctx.models is None:
+        reads.append(kube.list(API_VERSION, MODEL_KIND, namespace))
+    server, pods, deployment, replicasets, hpa, *listed = await asyncio.gather(*reads)
+    model_bodies = ctx.models(namespace, pool) if ctx.models is not None else listed[0]
+    models = models_of_pool(model_bodies, pool, server)
+    if server is None:
+        return models, None
+    control = await pool_control(ctx, server)
     facts = tuple(pod_facts(p) for p in pods)
     current_hash = current_template_hash(deployment, replicasets)
     indexes = await asyncio.gather(*(_read_index(control, f) for f in facts))

@@ -321,5 +321,17 @@ def merged_status(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> di
 
 
 def status_changes(old: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
-    """Whether merge-patching `patch` onto the status `old` would change anything."""
-    return old is None or merged_status(old, patch) != dict(old)
+    """Whether merge-patching `patch` onto the status `old` would change anything (`merged_status(old, patch) !=
+    old`, without copying: a pass asks this of every model of its pool)."""
+    if old is None:
+        return True
+    for key, value in patch.items():
+        if value is None:
+            if key in old:
+                return True
+        elif isinstance(value, Mapping) and isinstance(old.get(key), Mapping):
+            if status_changes(old[key], value):
+                return True
+        elif key not in old or old[key] != value:
+            return True
+    return False

@@ -3,6 +3,7 @@ placement pass and the handlers. They implement the calls the operator makes, no
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 from naiad_operator.control import IndexEntry, ModelControlError, ServerUnreachable
@@ -103,6 +104,7 @@ class FakeServers:
         self.down: set[str] = set()
         self.calls: list[tuple[str, str, str]] = []
         self.configs: dict[tuple[str, str], object] = {}
+        self.load_seconds = 0.0  # how long each load takes
 
     async def index(self, ip):
         if ip in self.down:
@@ -113,6 +115,8 @@ class FakeServers:
 
     async def load(self, ip, model, config=None):
         self.calls.append(("load", ip, model))
+        if self.load_seconds:
+            await asyncio.sleep(self.load_seconds)
         if (ip, model) in self.failing:
             raise ModelControlError(f"failed to load '{model}'", 400)
         self.configs[(ip, model)] = config

@@ -136,6 +136,37 @@ def test_wanted_counts_placed_and_missing_copies():
     assert result.wanted == 3 and result.chosen == ["a", "b"] and result.shortfall == 1
 
 
+def test_copies_that_share_a_node_move_when_another_node_has_a_ready_pod():
+    # The pods came up one by one: both copies landed on n1 before n2's pod was ready.
+    pods = [pod("a", {"m": "r1"}, node="n1"), pod("b", {"m": "r1"}, node="n1"), pod("c", node="n2")]
+    result = plan([Demand("m", "r1", 2)], pods)["m"]
+    assert result.keep == ["a"] and result.load == ["c"] and result.unload == ["b"]
+    # the copy on b goes only once c holds the model
+    assert unloads_allowed(result, Demand("m", "r1", 2), []) == []
+    assert unloads_allowed(result, Demand("m", "r1", 2), ["c"]) == ["b"]
+    # afterwards, nothing moves
+    pods = [pod("a", {"m": "r1"}, node="n1"), pod("b", node="n1"), pod("c", {"m": "r1"}, node="n2")]
+    result = plan([Demand("m", "r1", 2)], pods)["m"]
+    assert result.keep == ["a", "c"] and result.load == [] and result.unload == []
+
+
+def test_copies_stay_together_when_no_other_node_can_take_one():
+    full = Capacity(max_models=1)
+    pods = [
+        pod("a", {"m": "r1"}, node="n1"),
+        pod("b", {"m": "r1"}, node="n1"),
+        pod("c", {"x": "r"}, node="n2"),
+    ]
+    result = plan([Demand("m", "r1", 2)], pods, full)["m"]
+    assert result.keep == ["a", "b"] and result.load == [] and result.unload == []
+    # nor when the pod there is not ready, or waits out a failed load
+    pods[2] = pod("c", node="n2", ready=False)
+    assert plan([Demand("m", "r1", 2)], pods)["m"].keep == ["a", "b"]
+    pods[2] = pod("c", node="n2")
+    avoided = plan([Demand("m", "r1", 2, avoid=frozenset({"c"}))], pods)["m"]
+    assert avoided.keep == ["a", "b"] and avoided.load == []
+
+
 def test_copies_of_a_model_go_to_different_nodes_first():
     pods = [pod("a", node="n1"), pod("b", node="n1"), pod("c", node="n2", loaded=1), pod("d", node="n2")]
     assert sorted(plan([Demand("m", "r1", 2)], pods)["m"].load) == ["a", "d"]

@@ -127,11 +127,25 @@ async def test_places_loads_labels_and_reports(world):
     assert [p["pod"] for p in status["placements"]] == ["gpu-0", "gpu-1"]
     assert status["selector"] == "naiad.dev/model-resnet=loaded,naiad.dev/server=gpu"
     assert status["endpoint"]["http"] == "http://resnet.ml.svc:8000/v2/models/resnet50"
-    # a Loading status went out before the loads finished
-    assert next(s["phase"] for k, n, s in kube.status_writes if n == "resnet") == "Loading"
+    # the loads answered at once: no Loading status first, one status write
+    assert [s["phase"] for k, n, s in kube.status_writes if n == "resnet"] == ["Available"]
     server_status = status_of(kube, "InferenceServer", "gpu")
     assert server_status["models"] == [{"name": "resnet", "modelName": "resnet50", "pods": 2}]
     assert server_status["readyReplicas"] == 3
+
+
+@on_session_loop
+async def test_slow_loads_report_loading_before_they_finish(world):
+    kube, servers, ctx, _ = world
+    servers.load_seconds = 0.2
+    ctx.loading_status_delay = 0.05
+    kube.add(model("resnet", {"serverRef": {"name": "gpu"}, "replicas": 2}))
+    kube.add(model("bert", {"serverRef": {"name": "gpu"}, "replicas": 1}))
+    await reconcile_pool(ctx, NS, "gpu")
+    for name in ("resnet", "bert"):
+        assert [s["phase"] for k, n, s in kube.status_writes if n == name] == ["Loading", "Available"]
+    loading = next(s for k, n, s in kube.status_writes if n == "resnet")
+    assert {p["state"] for p in loading["placements"]} == {"Loading"}
 
 
 @on_session_loop

@@ -8,9 +8,11 @@ from naiad_operator.status import (
     Placement,
     condition,
     merge_conditions,
+    merged_status,
     model_phase,
     model_status,
     server_status,
+    status_changes,
 )
 
 NOW, LATER = "2024-01-01T00:00:00Z", "2024-01-01T01:00:00Z"
@@ -211,3 +213,32 @@ def test_server_status_when_things_are_missing_or_failing():
         now=NOW,
     )
     assert conditions(zero)["Ready"] == ("True", "Ready")
+
+
+def test_status_changes_agrees_with_the_merge_it_stands_for():
+    old = {
+        "phase": "Available",
+        "replicas": 1,
+        "endpoint": {"service": "m", "http": "h"},
+        "conditions": [{"type": "Ready", "status": "True"}],
+        "variants": [{"name": "stable"}],
+    }
+    patches = [
+        {},
+        {"phase": "Available"},
+        {"phase": "Loading"},
+        {"endpoint": {"service": "m"}},
+        {"endpoint": {"service": "m2"}},
+        {"endpoint": {"grpc": None}},
+        {"endpoint": {"http": None}},
+        {"variants": None},
+        {"lastFailure": None},
+        {"lastFailure": {"pod": "p"}},
+        {"conditions": [{"type": "Ready", "status": "True"}]},
+        {"conditions": [{"type": "Ready", "status": "False"}]},
+        {"replicas": {"a": 1}},
+        {"phase": "Available", "replicas": 2},
+    ]
+    for patch in patches:
+        assert status_changes(old, patch) == (merged_status(old, patch) != old), patch
+    assert status_changes(None, {})

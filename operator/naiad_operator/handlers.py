@@ -265,7 +265,10 @@ async def server_changed(body: kopf.Body, name: str, namespace: str, memo: kopf.
     memo.pools.request(namespace, name)
 
 
-@kopf.timer(GROUP, VERSION, SERVER_PLURAL, interval=RESYNC, initial_delay=RESYNC / 3)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
+# sharp: a pass every RESYNC seconds, not RESYNC after the previous one ended: the period does not stretch with the
+# pass's duration, so a window that is a multiple of it always holds the same number of passes (with 15.2 s periods a
+# 2-minute window held 7 or 8, +-9 % of the operator's steady-state requests).
+@kopf.timer(GROUP, VERSION, SERVER_PLURAL, interval=RESYNC, initial_delay=RESYNC / 3, sharp=True)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def server_resync(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     """Self-healing: re-apply the children and compare every pod's repository index with the placements."""
     try:

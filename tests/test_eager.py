@@ -1,4 +1,4 @@
-"""frontends/eager.start: a request coroutine runs at once, and a Task takes over only if it waits."""
+"""frontends/eager.Starter: a request coroutine runs at once, and a Task takes over only if it waits."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ async def test_a_coroutine_that_never_waits_finishes_inside_start_without_a_task
         seen.append(await inner())
 
     before = len(asyncio.all_tasks())
-    assert eager.start(asyncio.get_running_loop(), request()) is None
+    assert eager.Starter().start(asyncio.get_running_loop(), request()) is None
     assert seen == [7]
     assert len(asyncio.all_tasks()) == before
 
@@ -39,7 +39,7 @@ async def test_a_coroutine_that_waits_is_resumed_by_a_task_with_the_futures_resu
         steps.append("after")
         return "done"
 
-    task = eager.start(loop, request())
+    task = eager.Starter().start(loop, request())
     assert steps == ["before"] and isinstance(task, asyncio.Task)
     loop.call_later(0.01, fut.set_result, 42)
     assert await asyncio.wait_for(task, 5) == "done"
@@ -59,7 +59,7 @@ async def test_the_coroutine_reads_a_failed_or_cancelled_future_itself(outcome):
             caught.append(type(exc))
         return "handled"
 
-    task = eager.start(loop, request())
+    task = eager.Starter().start(loop, request())
     if outcome == "error":
         fut.set_exception(ValueError("model failed"))
     else:
@@ -78,7 +78,7 @@ async def test_the_coroutine_runs_in_a_context_of_its_own_before_and_after_it_wa
         await fut
         values.append(var.get())
 
-    task = eager.start(loop, request())
+    task = eager.Starter().start(loop, request())
     assert var.get() == "outside"  # what the request set stays in its context
     fut.set_result(None)
     await task
@@ -95,7 +95,7 @@ async def test_an_exception_that_ends_the_coroutine_early_goes_to_the_loops_exce
         async def request():
             raise KeyError("bug")
 
-        assert eager.start(loop, request()) is None
+        assert eager.Starter().start(loop, request()) is None
     finally:
         loop.set_exception_handler(previous)
     assert len(reported) == 1 and isinstance(reported[0], KeyError)
@@ -113,7 +113,7 @@ async def test_cancelling_the_task_cancels_what_the_coroutine_waits_on_and_reach
             seen.append("cancelled")
             raise
 
-    task = eager.start(loop, request())
+    task = eager.Starter().start(loop, request())
     await asyncio.sleep(0)  # the Task now waits on the future
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -135,10 +135,28 @@ async def test_a_cancellation_that_arrives_after_the_future_is_done_still_reache
             seen.append("cancelled")
             raise
 
-    task = eager.start(loop, request())
+    task = eager.Starter().start(loop, request())
     await asyncio.sleep(0)
     fut.set_result(None)  # the Task is now scheduled to resume the coroutine ...
     task.cancel()  # ... and is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
         await task
     assert seen == ["cancelled"]
+
+
+async def test_only_the_first_request_of_a_loop_turn_starts_at_once():
+    loop = asyncio.get_running_loop()
+    starter = eager.Starter()
+    steps = []
+
+    async def request(tag):
+        steps.append(tag)
+        return tag
+
+    assert starter.start(loop, request("first")) is None
+    second = starter.start(loop, request("second"))  # same turn: a Task of its own, run by the loop
+    assert steps == ["first"] and isinstance(second, asyncio.Task)
+    assert await second == "second"
+    await asyncio.sleep(0)  # the loop has turned
+    assert starter.start(loop, request("third")) is None
+    assert steps == ["first", "second", "third"]

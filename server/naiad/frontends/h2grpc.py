@@ -130,7 +130,7 @@ class _Connection(H2Reader):
                 if error is not None:
                     self._finish_error(st, grpc.StatusCode.INTERNAL, error)
                 else:  # started here; a Task only if the call has to wait (eager.py)
-                    st.task = eager.start(self.loop, self._run(st, request))
+                    st.task = self.server.starter.start(self.loop, self._run(st, request))
         if st.done and not st.pending:  # (a reply still waiting for window is forgotten once it is sent)
             self._forget(st)
 
@@ -355,6 +355,7 @@ class H2GrpcServer:
         self.authorize = authorize  # (method, metadata) -> denial message or None
         self.settings = settings or H2Settings()
         self.connections: set[_Connection] = set()
+        self.starter = eager.Starter()  # unary calls start in the frame handler (eager.py)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None

@@ -154,6 +154,7 @@ class FastHttpServer:
         self.restricted_body = orjson.dumps({"error": restricted_message(rule[0])}) if rule else None
         self.routes: dict[bytes, tuple[str, str] | None] = {}
         self.connections: set[FastHttpProtocol] = set()
+        self.starter = eager.Starter()  # requests start in data_received (eager.py)
         self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
         self.head_timeout = float(os.environ.get("NAIAD_HTTP_HEAD_TIMEOUT", "30"))
@@ -342,7 +343,7 @@ class FastHttpProtocol(asyncio.Protocol):
             self.final = _HANDOFF  # aiohttp applies its own header size limits and answers them
         if self.task is None:
             if self.queue:
-                self.task = eager.start(self.loop, self._run())
+                self.task = self.srv.starter.start(self.loop, self._run())
             elif self.final is not None:
                 self._finish()
         elif len(self.queue) >= MAX_QUEUE:

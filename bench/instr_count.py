@@ -5,10 +5,11 @@
 
 Each checkout's server runs under `valgrind --tool=callgrind --instr-atstart=no` with the bench model
 repository; per scenario it gets 100 unmeasured requests, then instrumentation is switched on for exactly
-`--requests` requests sent one at a time by h2load (`--h1` for HTTP), and the instructions executed in
-the server process (Python, uvloop, protobuf, numpy and the kernel-call wrappers; not the kernel) are
-divided by that count. Under valgrind the server is ~50x slower, so timings mean nothing here: this
-measures work, not latency. Deterministic to about 0.1% run to run on the same tree.
+`--requests` requests sent by h2load (`--h1` for HTTP) on the scenario's number of connections, one request in
+flight on each, and the instructions executed in the server process (Python, uvloop, protobuf, numpy and the
+kernel-call wrappers; not the kernel) are divided by that count. Under valgrind the server is ~50x slower, so
+timings mean nothing here: this measures work, not latency. Deterministic to about 0.1% run to run on the same
+tree (at c1; with more connections the split of work between loop turns varies a little more).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def h2load_cmd(sc: bench.Scenario, body: bench.Body, n: int) -> list[str]:
         return [
             "h2load",
             f"-n{n}",
-            "-c1",
+            f"-c{sc.conc}",
             "-m1",
             "-d",
             str(body.path),
@@ -63,7 +64,7 @@ def h2load_cmd(sc: bench.Scenario, body: bench.Body, n: int) -> list[str]:
         "h2load",
         "--h1",
         f"-n{n}",
-        "-c1",
+        f"-c{sc.conc}",
         "-m1",
         "-d",
         str(body.path),

@@ -215,6 +215,13 @@ def test_raw_ping_and_trailers_only_error(naiad):
         assert dict(hpack.Decoder().decode(_read_frames(sock, 1)[-1][3]))[":status"] == "415"
 
 
+def test_a_client_goaway_is_answered_like_any_frame_until_the_client_closes(naiad):
+    with _connect(naiad) as sock:
+        # GOAWAY with an error code the RFC does not define, and a PING right behind it in the same segment
+        sock.sendall(_frame(7, 0, 0, struct.pack(">II", 0, 0xFF)) + _frame(6, 0, 0, b"stillok?"))
+        assert (6, 1, 0, b"stillok?") in _read_frames(sock, 6)  # an answer, not a closed or reset connection
+
+
 def test_raw_protocol_errors_close_only_that_connection(naiad, grpc_client):
     with _connect(naiad) as sock:
         sock.sendall(_frame(0, 0, 99, b"data on a stream that was never opened"))

@@ -166,8 +166,10 @@ class H2Reader(H2Connection):
         elif ftype == GOAWAY:
             if sid:
                 raise H2ConnectionError(PROTOCOL_ERROR, "GOAWAY on a stream")
-            self.draining = True  # the client is leaving: finish what runs, take nothing new
-            self._maybe_close()
+            # the client is leaving: finish what runs, take nothing new. The connection stays open until the client
+            # closes it (or its last call ends): closed here, a PING the client sent after its GOAWAY met a closed
+            # socket and the client read a reset, not an answer (h2spec http2/7/1, RFC 9113 section 6.8)
+            self.draining = True
         elif ftype == PUSH_PROMISE:
             raise H2ConnectionError(PROTOCOL_ERROR, "clients cannot push")
         # unknown frame types are ignored, as the RFC requires

@@ -32,7 +32,7 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 # Every tier this machine can run: server, Triton side by side, Prometheus, operator, the e2e cluster, and the e2e
 # cluster again with every pod and the operator started from the built images (~4 min warm).
 # Everything a tier needs is built first (`tools`: the Kubernetes binaries, helm and every tools/go server; cold
-# ~25 min on 2 cores, warm instant; `images`: cold ~10 min), then the test processes run, then a per-tier summary.
+# ~12 min on 2 cores, warm instant; `images`: cold ~6 min), then the test processes run, then a per-tier summary.
 # Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
 test: venv test-deps lint
 	@# the Go builds are CPU-bound, the image build mostly downloads: run them side by side

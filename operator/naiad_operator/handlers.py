@@ -161,6 +161,15 @@ def _retry_or_raise(error: KubeError, what: str) -> kopf.TemporaryError | kopf.P
     return kopf.PermanentError(f"{what}: {error}")
 
 
+async def _gather_all(*aws: Any) -> list[Any]:
+    """Await all of `aws` together and only then raise the first failure, so that none is left running unowned."""
+    outcomes = await asyncio.gather(*aws, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return outcomes
+
+
 async def _apply_all(
     kube: KubeClient, objects: list[Body], cache: AppliedCache | None = None, *, concurrent: bool = False
 ) -> list[str]:
@@ -182,11 +191,7 @@ async def _apply_all(
 
     wanted = [obj for obj in objects if cache is None or not cache.unchanged(obj)]
     if concurrent:
-        outcomes = await asyncio.gather(*(one(obj) for obj in wanted), return_exceptions=True)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return [o for o in outcomes if isinstance(o, str)]
+        return [o for o in await _gather_all(*(one(obj) for obj in wanted)) if o is not None]
     rejected = []
     for obj in wanted:
         problem = await one(obj)
@@ -320,13 +325,7 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
                 cache,
             )
 
-    rejected, removed = await asyncio.gather(
-        _apply_all(kube, objects, cache, concurrent=True), leftover_hpa(), return_exceptions=True
-    )
-    for outcome in (rejected, removed):
-        if isinstance(outcome, BaseException):
-            raise outcome
-    assert isinstance(rejected, list)
+    rejected, _ = await _gather_all(_apply_all(kube, objects, cache, concurrent=True), leftover_hpa())
     _report(body, rejected, "ApplyFailed", events)
     return intent.pool
 

@@ -242,10 +242,9 @@ class _Pass:
         running after `loading_status_delay` get a `Loading` status meanwhile (a load that answers sooner, the
         usual case, goes straight to its final status: one status write, not two)."""
         by_name = {m.intent.name: m for m in models}
-        running: dict[str, int] = {}
-        for name, plan in plans.items():
-            if plan.load:
-                running[name] = len(plan.load)
+        running = {
+            name: len(plan.load) for name, plan in plans.items() if plan.load
+        }  # loads not yet answered
 
         async def job(name: str, pod: str) -> tuple[str, str, str | None]:
             try:

@@ -16,10 +16,6 @@ def enable_from_env() -> None:
         log.setLevel(logging.DEBUG)
 
 
-def enabled() -> bool:
-    return log.isEnabledFor(logging.DEBUG)
-
-
 def mark(namespace: str, name: str, stage: str, detail: str = "") -> None:
     """One line: `timeline <unix time> <namespace>/<name> <stage> <detail>`."""
     if log.isEnabledFor(logging.DEBUG):

@@ -354,8 +354,11 @@ class Metrics:
         """Called once for every finished request; its labelled children are looked up once and cached."""
         children = self._children.get((model, version))
         if children is None:
-            request, queue, compute = (self._children_of(kind, model, version) for kind in _HISTOGRAMS)
-            children = self._children[(model, version)] = (request, queue, compute)
+            children = self._children[(model, version)] = (
+                self._children_of("request", model, version),
+                self._children_of("queue", model, version),
+                self._children_of("compute_infer", model, version),
+            )
         request, queue, compute = children
         for child in request:
             child.observe(request_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import os
@@ -92,15 +93,16 @@ class FilParameters:
         return cls(model_type, output_class, predict_proba, threshold, storage_type, algo)
 
 
-class Forest:
+class Forest(abc.ABC):
     """A loaded tree ensemble: `predict` gives probabilities (classifiers) or values (regressors), shaped
     (n,) for one score per row or (n, k) for k classes."""
 
     num_features: int
     num_classes: int  # 1 for regressors and binary classifiers that give one score
 
+    @abc.abstractmethod
     def predict(self, x: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """Scores for the rows of `x` (float32, shape (n, num_features))."""
 
 
 class XGBoostForest(Forest):

@@ -66,9 +66,8 @@ async def _resume(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
                 await waiting
         except asyncio.CancelledError as exc:
             if waiting is None or not waiting.cancelled():
-                cancelled = (
-                    exc  # this Task was cancelled, not the future: the coroutine gets it where it waits
-                )
+                # this Task was cancelled, not the future: the coroutine gets it where it waits
+                cancelled = exc
         except BaseException:  # the coroutine reads the future's error itself when it resumes
             pass
         try:

@@ -120,6 +120,8 @@ def measure(checkout: Path, scenarios, n: int, work: Path) -> dict[str, float]:
         "--metrics-port",
         str(bench.METRICS_PORT),
     ]
+    if "--busy-poll-us" in (checkout / "server" / "naiad" / "cli.py").read_text():
+        cmd += ["--busy-poll-us", "0"]  # polls between requests are not work done for a request
     env = dict(os.environ, PYTHONPATH=str(checkout / "server"), PYTHONMALLOC="malloc")
     log = open(work / "server.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -74,6 +74,8 @@ SERVER_TITLES = {
     "naiad_base": "Naiad baseline",
 }
 BASELINE_CHECKOUT: Path | None = None  # --baseline-checkout: the second Naiad tree ("naiad_base")
+NAIAD_ARGS: list[str] = []  # --naiad-args: extra `naiad serve` flags for "naiad"
+BASELINE_ARGS: list[str] = []  # --baseline-args: the same for "naiad_base"
 PROTOCOLS = ("http_json", "http_binary", "grpc")
 PROTO_TITLES = {
     "http_json": "HTTP JSON",
@@ -460,6 +462,10 @@ class NaiadServer(Server):
     name = "naiad"
     checkout = REPO
 
+    @property
+    def extra_args(self) -> list[str]:
+        return NAIAD_ARGS
+
     def command(self):
         # PYTHONPATH makes the checkout's own server/ win over whatever the virtualenv has installed.
         return (
@@ -474,6 +480,7 @@ class NaiadServer(Server):
                 str(GRPC_PORT),
                 "--metrics-port",
                 str(METRICS_PORT),
+                *self.extra_args,
             ],
             {"PYTHONPATH": str(self.checkout / "server")},
         )
@@ -559,6 +566,10 @@ class NaiadBaselineServer(NaiadServer):
     @property
     def checkout(self) -> Path:
         return BASELINE_CHECKOUT
+
+    @property
+    def extra_args(self) -> list[str]:
+        return BASELINE_ARGS
 
 
 SERVER_CLASSES = {
@@ -1672,6 +1683,18 @@ def main(argv: list[str] | None = None) -> int:
         "'naiad_base' in the same rounds; the tables add a Naiad/baseline ratio",
     )
     p.add_argument(
+        "--naiad-args",
+        default="",
+        metavar="FLAGS",
+        help="extra `naiad serve` flags for 'naiad', e.g. '--busy-poll-us 0'",
+    )
+    p.add_argument(
+        "--baseline-args",
+        default="",
+        metavar="FLAGS",
+        help="extra `naiad serve` flags for 'naiad_base' (with `--baseline-checkout .`: one tree, two settings)",
+    )
+    p.add_argument(
         "--scenarios",
         default=None,
         help="comma-separated glob patterns over model/protocol/cN, e.g. 'identity_16/*/c64,mlp*'",
@@ -1731,7 +1754,8 @@ def main(argv: list[str] | None = None) -> int:
         args.readme = not args.quick and not args.mlp_hidden
     global NICE
     NICE = ["nice", "-n", str(args.nice)] if args.nice and (args.nice > 0 or os.geteuid() == 0) else []
-    global BASELINE_CHECKOUT
+    global BASELINE_CHECKOUT, NAIAD_ARGS, BASELINE_ARGS
+    NAIAD_ARGS, BASELINE_ARGS = shlex.split(args.naiad_args), shlex.split(args.baseline_args)
     if args.baseline_checkout is not None:
         BASELINE_CHECKOUT = args.baseline_checkout.resolve()
         if not (BASELINE_CHECKOUT / "server" / "naiad").is_dir():

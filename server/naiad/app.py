@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 
@@ -157,6 +158,11 @@ class App:
 
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
         await self.server.start()
+        busy_poll = None
+        if a.busy_poll_us:
+            from .frontends.busy_poll import BusyPoll
+
+            busy_poll = BusyPoll(asyncio.get_running_loop(), a.busy_poll_us)
         if a.allow_http:
             from .frontends.http import HttpFrontend
 
@@ -165,6 +171,7 @@ class App:
                 shm=shm,
                 max_input_size=a.http_max_input_size,
                 restricted=http_restricted,
+                busy_poll=busy_poll,
             )
             context = self._tls_context(http_tls, ["http/1.1"], "HTTP")
             self._runners.append(await http.start(a.http_address, a.http_port, ssl=context))
@@ -178,6 +185,7 @@ class App:
                 restricted=grpc_restricted,
                 implementation=a.grpc_implementation,
                 settings=h2_settings(a),
+                busy_poll=busy_poll,
             )
             await self._grpc.start(a.grpc_address, a.grpc_port, grpc_tls)
             self.endpoints.append(

@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=60_000,
         help="a response the client does not read, or a request that stops coming, is reset after it",
     )
+    s.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=200,
+        help="µs the event loop may keep polling after requests before it sleeps (adaptive; 0: off)",
+    )
     s.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics")
     s.add_argument("--allow-gpu-metrics", type=_bool, default=True, help="export nv_gpu_* metrics (NVML)")
     s.add_argument("--allow-cpu-metrics", type=_bool, default=True, help="export nv_cpu_* metrics")
@@ -312,6 +318,8 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
 
     if args.backend_directory and not os.path.isdir(args.backend_directory):
         raise ValueError(f"--backend-directory {args.backend_directory} is not a directory")
+    if args.busy_poll_us < 0:
+        raise ValueError(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
     return ServerOptions(
         model_repositories=args.model_repository,
         model_control_mode=args.model_control_mode,

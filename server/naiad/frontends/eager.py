@@ -20,14 +20,17 @@ import contextvars
 from collections.abc import Coroutine
 from typing import Any
 
+from .busy_poll import BusyPoll
+
 
 class Starter:
     """Starts one listener's request coroutines: the first of a turn of the loop at once, the others as Tasks."""
 
-    __slots__ = ("burst",)
+    __slots__ = ("burst", "poll")
 
-    def __init__(self) -> None:
+    def __init__(self, poll: BusyPoll | None = None) -> None:
         self.burst = False  # a request was started at once in this turn of the loop
+        self.poll = poll  # told of each turn that starts requests (busy_poll.py)
 
     def start(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None:
         """Run `coro` until it first waits: None when it finished there, else the Task that runs the rest.
@@ -37,6 +40,8 @@ class Starter:
             return loop.create_task(coro)
         self.burst = True
         loop.call_soon(self._turned)
+        if self.poll is not None:
+            self.poll.kick()
         ctx = contextvars.copy_context()
         try:
             waiting = ctx.run(coro.send, None)

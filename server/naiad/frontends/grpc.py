@@ -80,6 +80,7 @@ class GrpcFrontend:
         restricted: dict | None = None,
         implementation: str = "naiad",
         settings=None,
+        busy_poll=None,
     ):
         from .h2_connection import H2Settings
 
@@ -88,6 +89,7 @@ class GrpcFrontend:
         self.servicer = InferenceServicer(server, shm, server.log_settings, server.tracer)
         self.restricted = restricted or {}
         self.implementation = implementation
+        self.busy_poll = busy_poll  # busy_poll.BusyPoll, for the naiad implementation
         self._grpc = None
         self._health = None
         self._tls_context = None
@@ -126,7 +128,7 @@ class GrpcFrontend:
                     rules, method.group, ((k.decode("latin-1"), v.decode("latin-1")) for k, v in metadata)
                 )
 
-        self._grpc = h2grpc.H2GrpcServer(methods, authorize, self.settings)
+        self._grpc = h2grpc.H2GrpcServer(methods, authorize, self.settings, self.busy_poll)
         context = None
         if tls_settings is not None:
             self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")

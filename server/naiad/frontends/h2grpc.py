@@ -36,6 +36,7 @@ from collections.abc import Callable
 import grpc
 
 from . import eager
+from .busy_poll import BusyPoll
 from .h2_connection import H2Settings, Stream
 from .h2_framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
 from .h2_reader import H2Reader
@@ -350,12 +351,13 @@ class H2GrpcServer:
         methods: dict[bytes, Method],
         authorize: Callable | None = None,
         settings: H2Settings | None = None,
+        busy_poll: BusyPoll | None = None,
     ):
         self.methods = methods
         self.authorize = authorize  # (method, metadata) -> denial message or None
         self.settings = settings or H2Settings()
         self.connections: set[_Connection] = set()
-        self.starter = eager.Starter()  # unary calls start in the frame handler (eager.py)
+        self.starter = eager.Starter(busy_poll)  # unary calls start in the frame handler (eager.py)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None

@@ -18,6 +18,7 @@ from ..repository import decode_file_overrides
 from ..server import Server
 from . import generate
 from . import shm as shm_handlers
+from .busy_poll import BusyPoll
 from .http_codec import (
     HEADER_LENGTH,
     compress_response,
@@ -89,9 +90,15 @@ def api_category(path: str) -> str:
 
 class HttpFrontend:
     def __init__(
-        self, server: Server, shm=None, max_input_size: int = 64 * 1024 * 1024, restricted: dict | None = None
+        self,
+        server: Server,
+        shm=None,
+        max_input_size: int = 64 * 1024 * 1024,
+        restricted: dict | None = None,
+        busy_poll: BusyPoll | None = None,
     ):
         self.server = server
+        self.busy_poll = busy_poll
         self.shm = shm
         self.restricted = restricted or {}
         self.max_input_size = max_input_size
@@ -376,7 +383,7 @@ class HttpFrontend:
             site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024, ssl_context=ssl)
             await site.start()
             return runner
-        fast = FastHttpServer(self, runner.server, self.max_input_size, self.restricted)
+        fast = FastHttpServer(self, runner.server, self.max_input_size, self.restricted, self.busy_poll)
         loop = asyncio.get_running_loop()
         try:
             listener = await loop.create_server(fast, host, port, reuse_address=True, backlog=1024, ssl=ssl)

@@ -31,6 +31,7 @@ import orjson
 
 from ..errors import NaiadError
 from . import eager
+from .busy_poll import BusyPoll
 from .http_codec import compress_response, error_payload, response_coding, restricted_message
 
 log = logging.getLogger("naiad.http")
@@ -143,7 +144,14 @@ def parse_route(url: bytes) -> tuple[str, str] | None:
 class FastHttpServer:
     """The protocol factory for the HTTP listener, and what its connections share."""
 
-    def __init__(self, frontend, aiohttp_server, max_input_size: int, restricted: dict | None = None):
+    def __init__(
+        self,
+        frontend,
+        aiohttp_server,
+        max_input_size: int,
+        restricted: dict | None = None,
+        busy_poll: BusyPoll | None = None,
+    ):
         self.frontend = frontend
         self.aiohttp_server = aiohttp_server  # aiohttp's protocol factory (web_server.Server)
         self.max_input_size = max_input_size
@@ -154,7 +162,7 @@ class FastHttpServer:
         self.restricted_body = orjson.dumps({"error": restricted_message(rule[0])}) if rule else None
         self.routes: dict[bytes, tuple[str, str] | None] = {}
         self.connections: set[FastHttpProtocol] = set()
-        self.starter = eager.Starter()  # requests start in data_received (eager.py)
+        self.starter = eager.Starter(busy_poll)  # requests start in data_received (eager.py)
         self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
         self.head_timeout = float(os.environ.get("NAIAD_HTTP_HEAD_TIMEOUT", "30"))

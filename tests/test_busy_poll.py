@@ -13,6 +13,7 @@ import tritonclient.http as httpclient
 from helpers import NaiadProcess
 
 from naiad.frontends.busy_poll import BusyPoll
+from naiad.scheduling.pool import InstancePool
 
 US = 1000
 
@@ -64,6 +65,27 @@ async def test_the_limit_grows_while_gaps_fit_under_the_maximum_and_halves_when_
     # sparse traffic: polling does not pay (the first request still came while the loop polled)
     limits = [await request_then_idle(poll, clock, 5000) for _ in range(5)]
     assert limits == [200, 100, 50, 0, 0]
+
+
+async def test_no_polling_while_a_model_executes_on_an_instance_thread(monkeypatch):
+    """Polls take the GIL; a thread that releases it (numpy, ONNX Runtime) would wait to get it back."""
+    clock = Clock()
+    poll = BusyPoll(asyncio.get_running_loop(), 200, clock)
+    for _ in range(3):
+        await request_then_idle(poll, clock, 100)
+    assert poll.limit_ns > 0
+    poll.kick()
+    await turns(2)
+    assert poll.polling
+    monkeypatch.setattr(InstancePool, "running_off_loop", 1)
+    await turns(2)
+    assert not poll.polling  # stopped at the next turn
+    poll.kick()
+    await turns(2)
+    assert not poll.polling  # and a request does not start it again until the thread is done
+    monkeypatch.setattr(InstancePool, "running_off_loop", 0)
+    poll.kick()
+    assert poll.polling
 
 
 async def test_zero_turns_polling_off_and_a_negative_time_is_refused():

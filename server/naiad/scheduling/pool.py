@@ -17,6 +17,10 @@ log = logging.getLogger("naiad.execution")
 
 
 class InstancePool:
+    # executions on instance threads right now, in every pool of the process (changed on the event loop only);
+    # frontends/busy_poll.py does not poll while there are any
+    running_off_loop = 0
+
     def __init__(self, instances: list[ModelInstance], stats: ModelStats, batched: bool, limiter=None):
         self.instances = instances
         self.limiter = limiter
@@ -112,7 +116,11 @@ class InstancePool:
             if inst.inline.inline:
                 results = call()
             else:
-                results = await loop.run_in_executor(self.executors[id(inst)], call)
+                InstancePool.running_off_loop += 1
+                try:
+                    results = await loop.run_in_executor(self.executors[id(inst)], call)
+                finally:
+                    InstancePool.running_off_loop -= 1
             outcome: list = list(results)
         except BaseException as exc:
             err = as_naiad_error(exc)

@@ -8,6 +8,9 @@ request with a fixed identity_16 response) runs under exactly the load `bench/ru
 round by round. The floor's p50 is the part of a c1 round trip no server written on this stack can remove; the
 difference to Naiad's p50 is Naiad's own request path. `--instructions` also counts the floor server's
 instructions per request under callgrind, to set next to `bench/instr_count.py`'s figure for Naiad.
+
+`floor_poll` is the same server polling 200 µs after each request instead of sleeping, next to Naiad with its
+default busy polling (`naiad`) and with `--busy-poll-us 0` (`naiad_sleep`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import instr_count  # (callgrind helpers)
 import run as bench  # (the bench driver: its servers, scenarios, bodies, pinning and wrk runner)
 
 FLOOR_SERVER = r"""
-import asyncio, sys, httptools, uvloop
+import asyncio, sys, time, httptools, uvloop
+POLL_NS = int(sys.argv[3]) * 1000 if len(sys.argv) > 3 else 0  # keep polling this long after each request
 BODY = b'{"model_name":"identity_16","model_version":"1","outputs":[{"name":"OUTPUT0","datatype":"FP32",' \
        b'"shape":[16],"data":[' + b",".join(b"0.5" for _ in range(16)) + b"]}]}"
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(BODY) + BODY
@@ -35,7 +39,19 @@ class Floor(asyncio.Protocol):
         self.parser.feed_data(data)
     def on_message_complete(self):
         self.transport.write(ANSWER)
+        if POLL_NS:
+            poll.last = time.perf_counter_ns()
+            if not poll.on:
+                poll.on = True
+                loop.call_soon(poll)
+def poll():  # a callback that re-queues itself: each turn of the loop polls with a zero timeout
+    if time.perf_counter_ns() - poll.last < POLL_NS:
+        loop.call_soon(poll)
+    else:
+        poll.on = False
+poll.on, poll.last = False, 0
 async def main():
+    global loop
     loop = asyncio.get_running_loop()
     servers = [await loop.create_server(Floor, "127.0.0.1", int(p)) for p in sys.argv[1:]]
     await asyncio.gather(*(s.serve_forever() for s in servers))
@@ -45,16 +61,32 @@ uvloop.run(main())
 
 class FloorServer(bench.Server):
     name = "floor"
+    poll_us = 0
 
     def command(self):
         script = bench.WORK / "c1_floor_server.py"
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(FLOOR_SERVER)
         python = str(bench.NAIAD_VENV / "bin" / "python")
-        return [python, str(script), str(bench.HTTP_PORT), str(bench.METRICS_PORT)], {}
+        return [python, str(script), str(bench.HTTP_PORT), str(bench.METRICS_PORT), str(self.poll_us)], {}
 
     def success_count(self, model: str) -> float | None:
         return None
+
+
+class PollingFloorServer(FloorServer):
+    """The floor server, polling 200 µs after each request instead of sleeping (as Naiad's --busy-poll-us)."""
+
+    name = "floor_poll"
+    poll_us = 200
+
+
+class SleepingNaiadServer(bench.NaiadServer):
+    name = "naiad_sleep"
+
+    @property
+    def extra_args(self) -> list[str]:
+        return ["--busy-poll-us", "0"]
 
 
 SCENARIOS = [
@@ -68,7 +100,12 @@ def measure(rounds: int, duration: float) -> dict[tuple[str, str], list[dict]]:
     log_dir = bench.WORK / "logs"
     results: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(rounds):
-        order = [FloorServer(log_dir), bench.NaiadServer(log_dir)]
+        order = [
+            FloorServer(log_dir),
+            PollingFloorServer(log_dir),
+            bench.NaiadServer(log_dir),
+            SleepingNaiadServer(log_dir),
+        ]
         for server in order if rnd % 2 == 0 else order[::-1]:
             server.start(SCENARIOS)
             try:
@@ -79,7 +116,8 @@ def measure(rounds: int, duration: float) -> dict[tuple[str, str], list[dict]]:
                         raise RuntimeError(f"{server.name} {sc.name}: wrk errors {r['errors']}")
                     results.setdefault((server.name, sc.proto), []).append(r)
                     bench.log(
-                        f"round {rnd + 1} {server.name:5} {sc.name}: {r['rps']:,.0f} req/s p50 {r['lat_p50_ms']:.3f} ms"
+                        f"round {rnd + 1} {server.name:11} {sc.name}: {r['rps']:,.0f} req/s "
+                        f"p50 {r['lat_p50_ms']:.3f} ms"
                     )
             finally:
                 server.stop()
@@ -124,16 +162,21 @@ def main() -> int:
     p.add_argument("--instructions", action="store_true", help="also count the floor's instructions/request")
     args = p.parse_args()
     results = measure(args.rounds, args.duration)
-    print("\n| scenario | floor p50 ms | Naiad p50 ms | Naiad - floor | floor req/s | Naiad req/s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| scenario | server | p50 ms | req/s | p50 minus its floor's |")
+    print("|---|---|---|---|---|")
     for sc in SCENARIOS:
-        f = results[("floor", sc.proto)]
-        n = results[("naiad", sc.proto)]
-        fp = statistics.median(r["lat_p50_ms"] for r in f)
-        np_ = statistics.median(r["lat_p50_ms"] for r in n)
-        frps = statistics.median(r["rps"] for r in f)
-        nrps = statistics.median(r["rps"] for r in n)
-        print(f"| {sc.name} | {fp:.3f} | {np_:.3f} | {np_ - fp:.3f} | {frps:,.0f} | {nrps:,.0f} |")
+        p50 = {}
+        for name, floor in (
+            ("floor", None),
+            ("floor_poll", None),
+            ("naiad_sleep", "floor"),
+            ("naiad", "floor_poll"),
+        ):
+            rs = results[(name, sc.proto)]
+            p50[name] = statistics.median(r["lat_p50_ms"] for r in rs)
+            rps = statistics.median(r["rps"] for r in rs)
+            own = f"{p50[name] - p50[floor]:.3f}" if floor else ""
+            print(f"| {sc.name} | {name} | {p50[name]:.3f} | {rps:,.0f} | {own} |")
     if args.instructions:
         print(f"\nfloor server: {floor_instructions(300):,.0f} instructions/request (callgrind, user space)")
     return 0

@@ -143,6 +143,7 @@ class _ModelCollector:
         )
         for mv in versions:
             s = mv.stats
+            s.flush()  # (the latency histograms and summaries, collected after this, are fed by it too)
             labels = {"model": s.model, "version": s.version}
             with s.lock:
                 for name, _, read in _COUNTERS:

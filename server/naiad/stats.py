@@ -5,6 +5,7 @@ The statistics extension and the Prometheus metrics both read these; nothing els
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,9 @@ class ModelStats:
         self.failures_by_reason: dict[str, int] = {}
         self.response_stats: dict[str, dict] = {}
         self.observers: list[Observer] = []
+        # executions recorded by record_run, counted at the end of the event loop's turn (flush)
+        self._deferred: list[tuple[int, int, int, int, list[tuple[bool, int, int]]]] = []
+        self._flush_queued = False
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One execution of the model on a (possibly batched) set of requests."""
@@ -101,6 +105,36 @@ class ModelStats:
             for obs in self.observers:
                 obs(self.model, self.version, total_ns / 1e9, queue_ns / 1e9 if ok else None, compute_s)
 
+    def record_run(
+        self,
+        batch_size: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        requests: list[tuple[bool, int, int]],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """One execution and its requests (ok, total ns, queue ns each), recorded as record_execution and
+        record_request would, at the end of this turn of the event loop: after the responses have been written,
+        not on the way to them. Call it on the loop. Readers (as_dict, the metrics collector) flush first, so
+        a reader never sees a finished request uncounted."""
+        with self.lock:
+            self._deferred.append((batch_size, input_ns, infer_ns, output_ns, requests))
+            if self._flush_queued:
+                return
+            self._flush_queued = True
+        loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Count what record_run deferred."""
+        with self.lock:
+            deferred, self._deferred = self._deferred, []
+            self._flush_queued = False
+        for batch_size, input_ns, infer_ns, output_ns, requests in deferred:
+            self.record_execution(batch_size, input_ns, infer_ns, output_ns)
+            for ok, total_ns, queue_ns in requests:
+                self.record_request(ok, total_ns, queue_ns, input_ns, infer_ns, output_ns, reason="BACKEND")
+
     def record_cache(self, hit: bool, ns: int) -> None:
         with self.lock:
             (self.cache_hit if hit else self.cache_miss).add(ns)
@@ -123,6 +157,7 @@ class ModelStats:
 
     def as_dict(self) -> dict:
         """Triton's statistics extension JSON for this version."""
+        self.flush()
         with self.lock:
             return {
                 "name": self.model,

@@ -138,18 +138,15 @@ class InstancePool:
                     )
                 )
         batch = sum(r.batch_size(self.batched) for r in requests)
-        self.stats.record_execution(batch, timing.input_ns, timing.infer_ns, timing.output_ns)
-        for req, res in zip(requests, outcome):
-            ok = not isinstance(res, BaseException) and (res is None or res.error is None)
-            self.stats.record_request(
-                ok,
+        finished = [
+            (
+                not isinstance(res, BaseException) and (res is None or res.error is None),
                 done - req.arrival_ns,
                 dispatch_ns - req.arrival_ns,
-                timing.input_ns,
-                timing.infer_ns,
-                timing.output_ns,
-                reason="BACKEND",
             )
+            for req, res in zip(requests, outcome)
+        ]
+        self.stats.record_run(batch, timing.input_ns, timing.infer_ns, timing.output_ns, finished, loop)
         return outcome
 
     def execute_on(self, inst: ModelInstance, fn, *args):

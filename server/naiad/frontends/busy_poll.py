@@ -2,8 +2,8 @@
 
 A CPU that goes idle between two requests takes time to wake for the next one's interrupt. On a virtual machine
 that is an exit to the hypervisor and an inter-processor interrupt back: on the bench machine (a KVM guest whose
-`guest_halt_poll_ns` is 0) a do-nothing uvloop server answered wrk at concurrency 1 in a p50 of 84 µs sleeping
-between requests and 26 µs polling (bench/README.md). The kernel's own answer is halt polling (cpuidle-haltpoll
+`guest_halt_poll_ns` is 0) a do-nothing uvloop server answered wrk at concurrency 1 in a p50 of 88 µs sleeping
+between requests and 26 µs polling (bench/c1_floor.py). The kernel's own answer is halt polling (cpuidle-haltpoll
 in a guest, `halt_poll_ns` in KVM, both 200 µs by default), where the host allows it; servers built for latency
 (Seastar, DPDK) poll all the time. This module polls only after requests, and only as long as polling has been
 catching the next one.

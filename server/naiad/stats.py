@@ -62,9 +62,9 @@ class ModelStats:
         self.failures_by_reason: dict[str, int] = {}
         self.response_stats: dict[str, dict] = {}
         self.observers: list[Observer] = []
-        # executions recorded by record_run, counted at the end of the event loop's turn (flush)
+        # executions recorded by record_run, counted at the end of the event loop's turn (flush); a flush is
+        # queued whenever the list stops being empty
         self._deferred: list[tuple[int, int, int, int, list[tuple[bool, int, int]]]] = []
-        self._flush_queued = False
 
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One execution of the model on a (possibly batched) set of requests."""
@@ -120,16 +120,14 @@ class ModelStats:
         a reader never sees a finished request uncounted."""
         with self.lock:
             self._deferred.append((batch_size, input_ns, infer_ns, output_ns, requests))
-            if self._flush_queued:
-                return
-            self._flush_queued = True
-        loop.call_soon(self.flush)
+            first = len(self._deferred) == 1
+        if first:
+            loop.call_soon(self.flush)
 
     def flush(self) -> None:
         """Count what record_run deferred."""
         with self.lock:
             deferred, self._deferred = self._deferred, []
-            self._flush_queued = False
         for batch_size, input_ns, infer_ns, output_ns, requests in deferred:
             self.record_execution(batch_size, input_ns, infer_ns, output_ns)
             for ok, total_ns, queue_ns in requests:

@@ -5,6 +5,7 @@ the calls' request messages. The call layer above (h2grpc.py) supplies `_start_c
 
 from __future__ import annotations
 
+import abc
 import struct
 
 import grpc
@@ -59,7 +60,7 @@ SELF_DEPENDENT = 0x100  # (not a wire flag) the HEADERS frame made its stream de
 MAX_RESETS_PER_TICK = 1000  # streams a client may reset between two sweeps before GOAWAY ENHANCE_YOUR_CALM
 
 
-class H2Reader(H2Connection):
+class H2Reader(H2Connection, abc.ABC):
     """What the client sends, frame by frame, applied to the connection's state."""
 
     def data_received(self, data: bytes):
@@ -388,14 +389,14 @@ class H2Reader(H2Connection):
             self._remote_end(st)
 
     # ---- supplied by the call layer (h2grpc._Connection) ----
+    @abc.abstractmethod
     def _start_call(self, st: Stream, path: bytes, timeout: float | None) -> None:
         """A new stream's request headers arrived: find its method and start the call."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _remote_end(self, st: Stream) -> None:
         """The client ended its half of the stream: the request is complete."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _finish_error(self, st: Stream, code, message: str) -> None:
         """End the call with a gRPC error status."""
-        raise NotImplementedError

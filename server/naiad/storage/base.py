@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from pathlib import Path
 
 
@@ -9,30 +10,30 @@ class StorageError(Exception):
     """A repository location could not be read; the message names the URI and the cause."""
 
 
-class ModelSource:
+class ModelSource(abc.ABC):
     """One model directory in a repository. `fetch()` may block on the network: call it off the event loop."""
 
     name: str
     uri: str
 
+    @abc.abstractmethod
     def versions(self) -> list[int]:
         """Numeric version folders, sorted, as listed (no download)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def config_text(self) -> str | None:
         """The model's config.pbtxt, or None when it has none."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def signature(self) -> tuple:
         """Changes whenever the model's files change (poll mode's change detector)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fetch(self) -> Path:
         """A local directory holding a complete copy of the model."""
-        raise NotImplementedError
 
 
-class RepositorySource:
+class RepositorySource(abc.ABC):
     """One --model-repository value."""
 
     uri: str
@@ -41,6 +42,6 @@ class RepositorySource:
     def refresh(self) -> None:
         """Read the listing again (remote sources; blocking). Raises StorageError."""
 
+    @abc.abstractmethod
     def models(self) -> dict[str, ModelSource]:
         """The models as of the last refresh (remote) or as they are now (local)."""
-        raise NotImplementedError

@@ -1,0 +1,36 @@
+"""What a loaded LLM model tells the OpenAI frontend about itself: its chat template, special tokens, context size.
+
+A backend that owns a tokenizer (a GGUF's metadata, a Hugging Face folder) publishes one `LLMInfo` per model
+version with `publish(ctx, info)` from its load hook; the frontend reads it with `of(ctx)`. Models that publish
+none (a python model, an ensemble written for Triton) get their template from `tokenizer_config.json` in the model
+folder or from `--chat-template`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+_KEY = "llm"
+
+
+@dataclass
+class LLMInfo:
+    chat_template: str | None = None  # Jinja2, as Hugging Face tokenizers and GGUF `tokenizer.chat_template`
+    bos_token: str = ""
+    eos_token: str = ""
+    context_length: int | None = None  # tokens; prompts plus max_tokens beyond it are refused
+    # text -> token ids, for counting and validation without a round trip through the engine (None: unknown)
+    tokenize: Callable[[str], list[int]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def publish(ctx: Any, info: LLMInfo) -> None:
+    """Attach `info` to a model version's context (backends.base.ModelContext)."""
+    ctx.extra[_KEY] = info
+
+
+def of(ctx: Any) -> LLMInfo | None:
+    """The LLMInfo a backend published for this model version, or None."""
+    return ctx.extra.get(_KEY)

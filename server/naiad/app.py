@@ -22,6 +22,7 @@ API_GROUPS = (
     "statistics",
     "trace",
     "logging",
+    "openai",  # Naiad's own: the OpenAI-compatible API under /v1, on the HTTP port and on --openai-port
 )
 
 
@@ -163,6 +164,16 @@ class App:
             from .frontends.busy_poll import BusyPoll
 
             busy_poll = BusyPoll(asyncio.get_running_loop(), a.busy_poll_us)
+        openai = None
+        if a.allow_http or a.openai_port:
+            from .frontends.openai.routes import OpenAIFrontend
+
+            openai = OpenAIFrontend(
+                self.server,
+                chat_template=a.chat_template,
+                stall_timeout=a.openai_stall_timeout,
+                max_input_size=a.http_max_input_size,
+            )
         if a.allow_http:
             from .frontends.http import HttpFrontend
 
@@ -172,10 +183,20 @@ class App:
                 max_input_size=a.http_max_input_size,
                 restricted=http_restricted,
                 busy_poll=busy_poll,
+                openai=openai,
             )
             context = self._tls_context(http_tls, ["http/1.1"], "HTTP")
             self._runners.append(await http.start(a.http_address, a.http_port, ssl=context))
             self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}{tls.describe(http_tls)}")
+        if a.openai_port and openai is not None:
+            # the OpenAI API on a port of its own (Triton's OpenAI app uses 9000), with the HTTP port's TLS and
+            # restricted-API settings
+            host = a.openai_address or a.http_address
+            context = self._tls_context(http_tls, ["http/1.1"], "OpenAI")
+            self._runners.append(
+                await openai.start(host, a.openai_port, ssl=context, restricted=http_restricted)
+            )
+            self.endpoints.append(f"OpenAI API at {host}:{a.openai_port}{tls.describe(http_tls)}")
         if a.allow_grpc:
             from .frontends.grpc import GrpcFrontend, h2_settings
 

@@ -201,6 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="response cache: local,size=<bytes> (models opt in with response_cache { enable: true })",
     )
+    # the OpenAI-compatible API (docs/llm.md): always under /v1 on the HTTP port, and on a port of its own
+    s.add_argument(
+        "--openai-port", type=int, default=0, help="also serve the OpenAI API (/v1) on this port (0: off)"
+    )
+    s.add_argument(
+        "--openai-address", default=None, help="address the OpenAI port binds (default: the HTTP address)"
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja2 chat template file for models that bring none (no LLMInfo, no tokenizer_config.json)",
+    )
+    s.add_argument(
+        "--openai-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streaming client may leave its stream unread before it is dropped and its request cancelled",
+    )
     from .frontends import tls
 
     for endpoint in tls.ENDPOINTS:

@@ -63,8 +63,10 @@ async def _errors(request: web.Request, handler):
 
 
 def api_category(path: str) -> str:
-    """Triton's restricted-API groups for an HTTP path."""
+    """Triton's restricted-API groups for an HTTP path (and Naiad's `openai` group for the OpenAI API)."""
     parts = path.strip("/").split("/")
+    if parts[0] == "v1":
+        return "openai"
     if len(parts) < 2:
         return "metadata"
     head = parts[1]
@@ -96,7 +98,9 @@ class HttpFrontend:
         max_input_size: int = 64 * 1024 * 1024,
         restricted: dict | None = None,
         busy_poll: BusyPoll | None = None,
+        openai=None,
     ):
+        """`openai`: an openai.routes.OpenAIFrontend whose /v1 routes this app serves too."""
         self.server = server
         self.busy_poll = busy_poll
         self.shm = shm
@@ -138,16 +142,23 @@ class HttpFrontend:
         r.add_post("/v2/cudasharedmemory/region/{region}/register", self.cuda_shm)
         r.add_post("/v2/cudasharedmemory/region/{region}/unregister", self.cuda_shm)
         r.add_post("/v2/cudasharedmemory/unregister", self.cuda_shm)
+        if openai is not None:
+            openai.add_routes(r)
 
     @web.middleware
     async def _restrict(self, request: web.Request, handler):
-        rule = self.restricted.get(api_category(request.path))
+        category = api_category(request.path)
+        rule = self.restricted.get(category)
         if rule is not None:
             key, value = rule
             given = request.headers.get(key)
             if given is None or not hmac.compare_digest(
                 given.encode("utf-8", "surrogateescape"), value.encode("utf-8", "surrogateescape")
             ):
+                if category == "openai":
+                    from .openai.routes import restricted_response
+
+                    return restricted_response(key)
                 return _json({"error": restricted_message(key)}, status=403)
         return await handler(request)
 
@@ -329,7 +340,8 @@ class HttpFrontend:
         m = request.match_info
         version = model_version(m.get("version", ""))
         mv = self.server.repository.get(m["model"], version)
-        return generate.decode(mv, await self._body_json(request), version)
+        body = await read_body(request, self.max_input_size)
+        return generate.decode(mv, generate.parse(body), version)
 
     async def generate(self, request):
         req = await self._generate_request(request)
@@ -337,35 +349,41 @@ class HttpFrontend:
         async for resp in self.server.infer_stream(req):
             if resp.error is not None:
                 raise resp.error if isinstance(resp.error, NaiadError) else InvalidArgument(str(resp.error))
-            if resp.outputs:
+            if resp.outputs or resp.parameters or not resp.final:
                 responses.append(resp)
         if len(responses) != 1:
-            raise InvalidArgument(
-                f"model '{req.model_name}' sent {len(responses)} responses; /generate returns "
-                "exactly one, use /generate_stream for a stream"
-            )
+            raise InvalidArgument(generate.EXACTLY_ONE)
         return _json(generate.encode(responses[0]))
 
     async def generate_stream(self, request):
-        """Server-Sent Events: one `data: {...}` event per response; an error ends the stream as an event."""
+        """Server-Sent Events, one `data: {...}` event per response and no end marker, as Triton sends them. The
+        first response sets the status (an error first: its status, with the error as the event); an error after
+        it is an event under the 200. An error before any response is a plain JSON error."""
         req = await self._generate_request(request)
         stream = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
         )
         started = False
+        responses = self.server.infer_stream(req)
         try:
-            async for resp in self.server.infer_stream(req):
+            async for resp in responses:
+                if resp.error is None and not resp.outputs and not resp.parameters and resp.final:
+                    continue  # the final flag alone: nothing to send
                 if not started:
+                    if resp.error is not None:
+                        stream.set_status(error_payload(resp.error)[0])
                     await stream.prepare(request)
                     started = True
                 if resp.error is not None:
                     await stream.write(b"data: " + orjson.dumps({"error": str(resp.error)}) + b"\n\n")
-                elif resp.outputs:
+                else:
                     await stream.write(b"data: " + orjson.dumps(generate.encode(resp)) + b"\n\n")
         except NaiadError as exc:
             if not started:
                 raise
             await stream.write(b"data: " + orjson.dumps({"error": exc.message}) + b"\n\n")
+        finally:
+            await responses.aclose()  # a client that went away cancels the request
         if not started:
             await stream.prepare(request)
         await stream.write_eof()

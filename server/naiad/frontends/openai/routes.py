@@ -1,0 +1,463 @@
+"""The `/v1` routes: OpenAI requests in, inference requests to `Server`, OpenAI responses and event streams out.
+Served on the HTTP port's aiohttp app, and on a port of its own with `--openai-port`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from aiohttp import web
+
+from ...errors import NaiadError, NotFound
+from ...inference import InferenceRequest, InferenceResponse
+from ...llm import info as llm_info
+from ...server import Server
+from ..http_codec import read_body
+from . import mapping, protocol, templates
+from .errors import OpenAIError, error_object
+from .protocol import Generation
+from .responses import (
+    Builder,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+    embedding_list,
+    model_card,
+    parse_tool_calls,
+)
+from .sse import EventStream, StreamStalled
+
+log = logging.getLogger("naiad.openai")
+
+API_GROUP = (
+    "openai"  # the restricted-API group of every /v1 route (--http-restricted-api openai:<header>=<value>)
+)
+DISCONNECT_POLL_S = 0.5  # how often a request waiting on its model looks for a client that went away
+DEFAULT_STALL_TIMEOUT_S = 60.0
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the model was still working."""
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status, body = error_object(exc)
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _json(data: dict) -> web.Response:
+    return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+
+def _raise_response_error(resp: InferenceResponse) -> None:
+    if resp.error is not None:
+        raise (
+            resp.error
+            if isinstance(resp.error, (NaiadError, OpenAIError))
+            else OpenAIError(str(resp.error), 500)
+        )
+
+
+class OpenAIFrontend:
+    def __init__(
+        self,
+        server: Server,
+        chat_template: str | None = None,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+        max_input_size: int = 64 * 1024 * 1024,
+    ):
+        self.server = server
+        self.chat_template = templates.from_file(chat_template) if chat_template else None
+        self.stall_timeout = stall_timeout
+        self.max_input_size = max_input_size
+        self._created: dict[tuple[str, int], int] = {}
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_get("/v1/models", self.guard(self.list_models))
+        router.add_get("/v1/models/{model:.+}", self.guard(self.get_model))
+        router.add_post("/v1/chat/completions", self.guard(self.chat_completions))
+        router.add_post("/v1/completions", self.guard(self.completions))
+        router.add_post("/v1/embeddings", self.guard(self.embeddings))
+
+    @staticmethod
+    def guard(handler):
+        """Every error a handler meets answered as OpenAI's error object."""
+
+        async def run(request: web.Request):
+            try:
+                return await handler(request)
+            except (OpenAIError, NaiadError) as exc:
+                return error_response(exc)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                return error_response(OpenAIError(exc.reason or "error", exc.status))
+            except (ClientGone, StreamStalled, ConnectionResetError):
+                raise
+            except Exception as exc:
+                log.exception("unhandled error on %s %s", request.method, request.path)
+                return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500))
+
+        return run
+
+    # ---- models ----
+    def _model(self, name: str):
+        try:
+            return self.server.repository.get(name, -1)
+        except NotFound:
+            raise OpenAIError(
+                f"The model '{name}' does not exist", 404, param="model", code="model_not_found"
+            ) from None
+
+    def _card(self, mv) -> dict:
+        created = self._created.setdefault((mv.name, mv.version), int(time.time()))
+        return model_card(mv.name, created)
+
+    def _served(self, mv) -> bool:
+        return mapping.llm_kind(mv) is not None or mapping.supports_embeddings(mv)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        cards = []
+        for name in sorted(self.server.repository.records):
+            rec = self.server.repository.records[name]
+            if rec.versions:
+                mv = rec.versions[max(rec.versions)]
+                if self._served(mv):
+                    cards.append(self._card(mv))
+        return _json({"object": "list", "data": cards})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        mv = self._model(name)
+        if not self._served(mv):
+            raise OpenAIError(
+                f"The model '{name}' does not exist", 404, param="model", code="model_not_found"
+            )
+        return _json(self._card(mv))
+
+    # ---- shared ----
+    async def _body(self, request: web.Request) -> dict:
+        return protocol.parse_body(await read_body(request, self.max_input_size))
+
+    async def _iterate(self, request: web.Request, req: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+        """The model's responses; a client that goes away while the model works cancels the request."""
+        stream = self.server.infer_stream(req)
+        try:
+            while True:
+                task = asyncio.ensure_future(stream.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                    if done:
+                        break
+                    transport = request.transport
+                    if transport is None or transport.is_closing():
+                        task.cancel()
+                        raise ClientGone()
+                try:
+                    resp = task.result()
+                except StopAsyncIteration:
+                    return
+                yield resp
+        finally:
+            await stream.aclose()
+
+    def _prompt_tokens(self, mv, prompt: str, gen: Generation) -> int | None:
+        """The prompt's token count when the model's tokenizer is known here, checked against its context (and
+        max_tokens filled in to what the context leaves, as vLLM does)."""
+        published = llm_info.of(mv.ctx)
+        if published is None or published.tokenize is None:
+            return None
+        try:
+            n = len(published.tokenize(prompt))
+        except Exception as exc:  # a tokenizer failing is the engine's to report
+            log.debug("tokenize failed for model '%s': %s", mv.name, exc)
+            return None
+        ctx = published.context_length
+        if ctx:
+            if n >= ctx:
+                raise OpenAIError(
+                    f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} tokens. "
+                    "Please reduce the length of the prompt.",
+                    param="messages" if gen.messages is not None else "prompt",
+                    code="context_length_exceeded",
+                )
+            if gen.max_tokens is not None and n + gen.max_tokens > ctx:
+                raise OpenAIError(
+                    f"This model's maximum context length is {ctx} tokens. However, you requested "
+                    f"{n + gen.max_tokens} tokens ({n} in the prompt, {gen.max_tokens} for the completion). "
+                    "Please reduce the length of the prompt or max_tokens.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            if gen.max_tokens is None:
+                gen.max_tokens = ctx - n
+        return n
+
+    def _count(self, mv, text: str) -> int | None:
+        published = llm_info.of(mv.ctx)
+        if published is None or published.tokenize is None:
+            return None
+        try:
+            return len(published.tokenize(text))
+        except Exception:
+            return None
+
+    def _prepare(self, gen: Generation, chat: bool):
+        mv = self._model(gen.model)
+        kind = mapping.require_llm(mv, "/v1/chat/completions" if chat else "/v1/completions")
+        if chat:
+            template = templates.resolve(mv, self.chat_template)
+            if template is None:
+                raise OpenAIError(
+                    f"model '{mv.name}' has no chat template (none published by its backend, no chat_template in a "
+                    "tokenizer_config.json beside it, no --chat-template): use /v1/completions, or give one",
+                    param="messages",
+                )
+            add_prompt = gen.add_generation_prompt and not gen.continue_final_message
+            prompt = templates.render(
+                template, gen.messages or [], gen.tools, add_prompt, gen.chat_template_kwargs
+            )
+            if gen.continue_final_message and gen.messages and gen.messages[-1].get("content"):
+                # the prompt stops where the last (assistant) message stops, for the model to go on from there
+                last = gen.messages[-1]["content"]
+                cut = prompt.rfind(last)
+                if cut >= 0:
+                    prompt = prompt[: cut + len(last)]
+        else:
+            prompt = gen.prompt or ""
+        return mv, kind, prompt
+
+    # ---- chat and completions ----
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, protocol.chat(await self._body(request)), chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, protocol.completion(await self._body(request)), chat=False)
+
+    async def _generate(self, request: web.Request, gen: Generation, chat: bool) -> web.StreamResponse:
+        mv, kind, prompt = self._prepare(gen, chat)
+        prompt_tokens = self._prompt_tokens(mv, prompt, gen)
+        builder = Builder(chat, mv.name, gen)
+        req = mapping.generation_request(mv, kind, prompt, gen, builder.id)
+        if gen.stream:
+            return await self._stream(request, req, mv, gen, builder, prompt, prompt_tokens)
+        parts: list[str] = []
+        usage = Usage(prompt_tokens=None)
+        reason = None
+        logprobs: list[dict] = []
+        async for resp in self._iterate(request, req):
+            _raise_response_error(resp)
+            piece = mapping.read_response(resp)
+            parts.append(piece.text)
+            reason = piece.finish_reason or reason
+            logprobs.extend(piece.logprobs)
+            self._add_usage(usage, piece)
+        text = "".join(parts)
+        self._finish_usage(usage, mv, prompt, text, prompt_tokens)
+        if gen.echo:
+            text = prompt + text
+        lp = None
+        if gen.logprobs is not None:
+            lp = (
+                chat_logprobs(logprobs, gen.logprobs) if chat else completion_logprobs(logprobs, gen.logprobs)
+            )
+        return _json(builder.whole(text, self._reason(reason, gen, usage), usage, lp))
+
+    @staticmethod
+    def _add_usage(usage: Usage, piece: mapping.Piece) -> None:
+        if piece.num_input_tokens is not None and usage.prompt_tokens is None:
+            usage.prompt_tokens = piece.num_input_tokens
+        if piece.num_output_tokens is not None:
+            usage.completion_tokens = (usage.completion_tokens or 0) + piece.num_output_tokens
+
+    def _finish_usage(self, usage: Usage, mv, prompt: str, text: str, prompt_tokens: int | None) -> None:
+        if usage.prompt_tokens is None:
+            usage.prompt_tokens = prompt_tokens if prompt_tokens is not None else self._count(mv, prompt)
+        if usage.completion_tokens is None:
+            usage.completion_tokens = self._count(mv, text) if text else 0
+
+    @staticmethod
+    def _reason(reason: str | None, gen: Generation, usage: Usage) -> str:
+        if reason in ("stop", "length", "tool_calls", "content_filter"):
+            return reason
+        if (
+            gen.max_tokens is not None
+            and usage.completion_tokens is not None
+            and usage.completion_tokens >= gen.max_tokens
+        ):
+            return "length"
+        return "stop"
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: InferenceRequest,
+        mv,
+        gen: Generation,
+        builder: Builder,
+        prompt: str,
+        prompt_tokens: int | None,
+    ) -> web.StreamResponse:
+        events = EventStream(request, self.stall_timeout)
+        chat = builder.chat
+        usage = Usage()
+        reason = None
+        texts: list[str] = []
+        # with tools, text that may be a tool call is held back until it is known whether it is one
+        held: list[str] | None = [] if chat and gen.tools and gen.tool_choice != "none" else None
+        offset = len(prompt) if gen.echo else 0
+        try:
+            async for resp in self._iterate(request, req):
+                _raise_response_error(resp)
+                piece = mapping.read_response(resp)
+                reason = piece.finish_reason or reason
+                self._add_usage(usage, piece)
+                texts.append(piece.text)
+                if not events.started:
+                    await events.start()
+                    if chat:
+                        await events.send(builder.chunk("", role=True))
+                    elif gen.echo:
+                        await events.send(builder.chunk(prompt))
+                if held is not None:
+                    held.append(piece.text)
+                    start = "".join(held).lstrip()
+                    if not start or start[0] in "{[<":
+                        continue
+                    piece.text, held = "".join(held), None
+                if not piece.text and not piece.logprobs:
+                    continue
+                lp = None
+                if gen.logprobs is not None and piece.logprobs:
+                    lp = (
+                        chat_logprobs(piece.logprobs, gen.logprobs)
+                        if chat
+                        else completion_logprobs(piece.logprobs, gen.logprobs, offset)
+                    )
+                offset += len(piece.text)
+                await events.send(builder.chunk(piece.text, logprobs=lp))
+            if not events.started:
+                await events.start()
+                if chat:
+                    await events.send(builder.chunk("", role=True))
+            text = "".join(texts)
+            self._finish_usage(usage, mv, prompt, text, prompt_tokens)
+            final_reason = self._reason(reason, gen, usage)
+            if held is not None:
+                calls = parse_tool_calls("".join(held), gen)
+                if calls:
+                    await events.send(builder.tool_call_chunk(calls))
+                    final_reason = "tool_calls"
+                elif "".join(held):
+                    await events.send(builder.chunk("".join(held)))
+            await events.send(builder.chunk(None if chat else "", finish_reason=final_reason))
+            if gen.include_usage:
+                await events.send(builder.usage_chunk(usage))
+            return await events.done()
+        except (ClientGone, StreamStalled, ConnectionResetError):
+            log.debug("stream %s ended early: the client went away or stopped reading", builder.id)
+            return events.response
+        except Exception as exc:
+            if not events.started:
+                raise
+            if not isinstance(exc, (OpenAIError, NaiadError)):
+                log.exception("error in stream %s", builder.id)
+            try:
+                await events.send(error_object(exc)[1])
+                return await events.done()
+            except (StreamStalled, ConnectionResetError):
+                return events.response
+
+    # ---- embeddings ----
+    async def embeddings(self, request: web.Request) -> web.Response:
+        emb = protocol.embedding(await self._body(request))
+        mv = self._model(emb.model)
+        if not mapping.supports_embeddings(mv):
+            raise OpenAIError(
+                f"model '{mv.name}' does not serve embeddings: /v1/embeddings needs a model with an "
+                "'embedding_request' input (the vLLM shape)",
+                param="model",
+            )
+
+        request_id = f"embd-{id(request):x}"
+
+        async def one(value) -> tuple[list[float], int]:
+            req = mapping.embedding_request(mv, value, emb.dimensions, request_id)
+            result = None
+            async for resp in self._iterate(request, req):
+                _raise_response_error(resp)
+                if resp.outputs:
+                    result = resp
+            if result is None:
+                raise OpenAIError(f"model '{mv.name}' returned no embedding", 500)
+            vector, tokens = mapping.embedding_values(result)
+            if tokens is None:
+                counted = self._count(mv, value) if isinstance(value, str) else len(value)
+                tokens = counted or 0
+            return vector, tokens
+
+        results = await asyncio.gather(*(one(v) for v in emb.inputs))
+        return _json(
+            embedding_list(mv.name, [r[0] for r in results], emb.encoding_format, sum(r[1] for r in results))
+        )
+
+    # ---- a port of its own ----
+    def restrict_middleware(self, restricted: dict):
+        rule = restricted.get(API_GROUP)
+
+        @web.middleware
+        async def restrict(request: web.Request, handler):
+            if rule is not None:
+                key, value = rule
+                given = request.headers.get(key)
+                if given is None or not hmac.compare_digest(
+                    given.encode("utf-8", "surrogateescape"), value.encode("utf-8", "surrogateescape")
+                ):
+                    return restricted_response(key)
+            return await handler(request)
+
+        return restrict
+
+    def application(self, restricted: dict | None = None) -> web.Application:
+        """The app of `--openai-port`: the /v1 routes alone, OpenAI errors for anything else."""
+
+        @web.middleware
+        async def not_found(request: web.Request, handler):
+            try:
+                return await handler(request)
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                return error_response(
+                    OpenAIError(f"{exc.reason}: {request.method} {request.path}", exc.status)
+                )
+
+        app = web.Application(
+            client_max_size=self.max_input_size,
+            middlewares=[not_found, self.restrict_middleware(restricted or {})],
+        )
+        self.add_routes(app.router)
+        return app
+
+    async def start(self, host: str, port: int, ssl=None, restricted: dict | None = None) -> web.AppRunner:
+        runner = web.AppRunner(
+            self.application(restricted), access_log=None, handle_signals=False, auto_decompress=False
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024, ssl_context=ssl)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        return runner
+
+
+def restricted_response(key: str) -> web.Response:
+    from ..http_codec import restricted_message
+
+    return error_response(OpenAIError(restricted_message(key), 403))

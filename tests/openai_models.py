@@ -3,7 +3,7 @@ TensorRT-LLM shape (decoupled and not, batched), an embedding model, and a model
 
 The generators make tokens " tok0", " tok1", ... up to max_tokens (finish "length"), so every count is known. Words
 in the prompt steer them: SHOWPROMPT answers the prompt itself, SHOWPARAMS the settings the model received, SLOW
-sleeps between tokens, STOPAT:k finishes with "stop" after k tokens, FAIL:k sends an error after k tokens,
+sleeps between tokens (PACE a little), WIDE makes each token 4 kB, STOPAT:k finishes with "stop" after k tokens, FAIL:k sends an error after k tokens,
 CANCELFILE:path writes the path when the request is cancelled, TOOLCALL:name answers a call of that tool.
 """
 
@@ -39,12 +39,25 @@ def words(prompt):
     return steer
 
 
+class Tokens:
+    # the tokens of one answer, made as they are read (max_tokens may be huge)
+
+    def __init__(self, n, pad):
+        self.n, self.pad = n, pad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i >= self.n:
+            raise IndexError(i)
+        return " tok%d" % i + self.pad
+
+
 def tokens(n, steer):
     stop_at = int(steer.get("STOPAT", n))
-    out = []
-    for i in range(min(n, stop_at)):
-        out.append(" tok%d" % i)
-    return out, ("stop" if stop_at < n else "length")
+    pad = "x" * 4000 if "WIDE" in steer else ""
+    return Tokens(min(n, stop_at), pad), ("stop" if stop_at < n else "length")
 
 
 def cancelled(sender, steer):
@@ -111,6 +124,11 @@ class TritonPythonModel:
         n_in = len(prompt.split())
         prefix = "" if exclude else prompt
         if not stream:
+            for _ in toks if "SLOW" in steer else ():
+                time.sleep(0.05)
+                if cancelled(sender, steer):
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    return
             lps = [self.logprob(i, t) for i, t in enumerate(toks)] if want_logprobs else None
             sender.send(self.response(prefix + "".join(toks), reason, n_in, len(toks), lps),
                         flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -125,6 +143,8 @@ class TritonPythonModel:
                 return
             if "SLOW" in steer:
                 time.sleep(0.05)
+            elif "PACE" in steer:
+                time.sleep(0.001)
             last = i == len(toks) - 1
             lps = [self.logprob(i, t)] if want_logprobs else None
             sender.send(self.response((prefix if i == 0 else "") + t, reason if last else None, n_in, 1, lps))

@@ -414,28 +414,54 @@ def test_disconnect_cancels_the_request(server, tmp_path):
     assert marker.exists(), "the model was not told that its client went away"
 
 
+def test_disconnect_cancels_a_request_that_does_not_stream(server, tmp_path):
+    marker = tmp_path / "cancelled"
+    body = {"model": "counting_vllm", "prompt": f"SLOW CANCELFILE:{marker}", "max_tokens": 400}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{server.url}/v1/completions", json=body, timeout=1)
+    deadline = time.monotonic() + 15
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), "the model was not told that its client went away"
+
+
+def _rss_kb(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0])
+
+
 def test_a_reader_that_stalls_is_dropped(server, tmp_path):
-    """A client that stops reading: the server's buffer stays bounded and after the stall timeout (2 s here) the
-    stream is dropped and the model request cancelled."""
+    """A client that stops reading a stream of 4 kB tokens made at up to 1,000 a second: the server's buffers stay
+    bounded, and after the stall timeout (2 s here) the stream is dropped and the model request cancelled."""
     marker = tmp_path / "cancelled"
     body = json.dumps(
-        {"model": "counting_vllm", "prompt": f"CANCELFILE:{marker}", "max_tokens": 10_000_000, "stream": True}
+        {
+            "model": "counting_vllm",
+            "prompt": f"WIDE PACE CANCELFILE:{marker}",
+            "max_tokens": 1_000_000,
+            "stream": True,
+        }
     ).encode()
+    before = _rss_kb(server.proc.pid)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.http_port))
+    started = time.monotonic()
     try:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        peak = before
+        while not marker.exists() and time.monotonic() - started < 30:
+            peak = max(peak, _rss_kb(server.proc.pid))
+            time.sleep(0.1)
         assert marker.exists(), "a stalled stream kept its model request running"
+        took = time.monotonic() - started
     finally:
         sock.close()
+    assert took < 15, f"the stall was noticed after {took:.1f} s"
+    assert peak - before < 200_000, f"the server grew by {peak - before} kB for one stalled stream"
     assert requests.get(f"{server.url}/v1/models", timeout=5).status_code == 200
 
 

@@ -146,6 +146,7 @@ class OpenAIFrontend:
     async def _iterate(self, request: web.Request, req: InferenceRequest) -> AsyncIterator[InferenceResponse]:
         """The model's responses; a client that goes away while the model works cancels the request."""
         stream = self.server.infer_stream(req)
+        task: asyncio.Future | None = None
         try:
             while True:
                 task = asyncio.ensure_future(stream.__anext__())
@@ -155,7 +156,6 @@ class OpenAIFrontend:
                         break
                     transport = request.transport
                     if transport is None or transport.is_closing():
-                        task.cancel()
                         raise ClientGone()
                 try:
                     resp = task.result()
@@ -163,6 +163,11 @@ class OpenAIFrontend:
                     return
                 yield resp
         finally:
+            if task is not None and not task.done():
+                task.cancel()  # the generator's own finally marks the request cancelled
+                await asyncio.wait({task})
+            if task is not None and task.done() and not task.cancelled():
+                task.exception()  # retrieved: an error here is the one already raised, or moot
             await stream.aclose()
 
     def _prompt_tokens(self, mv, prompt: str, gen: Generation) -> int | None:

@@ -4,11 +4,13 @@ buffer; a client that stops reading for longer than the stall timeout has its co
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import orjson
 from aiohttp import web
 
 WRITE_BUFFER_HIGH = 64 * 1024  # bytes the transport holds for a slow reader before writes wait
+KERNEL_SEND_BUFFER = 256 * 1024  # SO_SNDBUF of a streaming connection
 
 
 class StreamStalled(Exception):
@@ -30,6 +32,10 @@ class EventStream:
             transport = self.request.transport
             if transport is not None:
                 transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+                sock = transport.get_extra_info("socket")
+                if sock is not None:
+                    # the kernel's share of an unread stream is bounded too (autotuning lets it grow to MBs)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SEND_BUFFER)
             self.started = True
 
     def gone(self) -> bool:

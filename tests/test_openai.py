@@ -522,6 +522,24 @@ def test_openai_port_serves_only_v1(server):
     )
 
 
+def test_chat_template_flag_serves_models_without_one(repo, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    with NaiadProcess(repo, "--allow-grpc", "false", "--chat-template", str(template)) as proc:
+        c = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(
+            model="counting_trtllm_stream", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+        assert r.choices[0].message.content == " tok0 tok1"
+        # a model's own template still comes first
+        r = c.chat.completions.create(
+            model="counting_vllm", messages=[{"role": "user", "content": "SHOWPROMPT"}]
+        )
+        assert r.choices[0].message.content.startswith("<s><|user|>")
+    with pytest.raises(RuntimeError, match="--chat-template"):
+        NaiadProcess(repo, "--chat-template", str(tmp_path / "missing.jinja")).start()
+
+
 # ---- restricted API and TLS ----
 
 

@@ -155,16 +155,7 @@ class App:
         if a.trace_config:
             settings, self.server.tracer.otel_settings = parse_trace_config(a.trace_config)
             self.server.tracer.update(settings, startup=True)
-        from .shared_memory import shared_memory_manager  # system shared memory, plus CUDA with a GPU
-
-        shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
-        await self.server.start()
-        busy_poll = None
-        if a.busy_poll_us:
-            from .frontends.busy_poll import BusyPoll
-
-            busy_poll = BusyPoll(asyncio.get_running_loop(), a.busy_poll_us)
-        openai = None
+        openai = None  # before the models load: a --chat-template that cannot be read stops the start
         if a.allow_http or a.openai_port:
             from .frontends.openai.routes import OpenAIFrontend
 
@@ -174,6 +165,15 @@ class App:
                 stall_timeout=a.openai_stall_timeout,
                 max_input_size=a.http_max_input_size,
             )
+        from .shared_memory import shared_memory_manager  # system shared memory, plus CUDA with a GPU
+
+        shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
+        await self.server.start()
+        busy_poll = None
+        if a.busy_poll_us:
+            from .frontends.busy_poll import BusyPoll
+
+            busy_poll = BusyPoll(asyncio.get_running_loop(), a.busy_poll_us)
         if a.allow_http:
             from .frontends.http import HttpFrontend
 

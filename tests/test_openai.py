@@ -465,6 +465,32 @@ def test_a_reader_that_stalls_is_dropped(server, tmp_path):
     assert requests.get(f"{server.url}/v1/models", timeout=5).status_code == 200
 
 
+def test_many_concurrent_streams_all_complete(server):
+    import asyncio
+
+    async def one(c, i: int) -> str:
+        stream = await c.completions.create(
+            model="counting_vllm",
+            prompt=f"PACE {i}",
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(ch.text for ch in chunk.choices)
+            usage = chunk.usage or usage
+        assert usage.completion_tokens == 20
+        return text
+
+    async def run() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(48)))
+
+    texts = asyncio.run(run())
+    assert all(t == "".join(f" tok{i}" for i in range(20)) for t in texts)
+
+
 # ---- curl and the OpenAI port ----
 
 
@@ -538,6 +564,11 @@ def test_chat_template_flag_serves_models_without_one(repo, tmp_path):
         assert r.choices[0].message.content.startswith("<s><|user|>")
     with pytest.raises(RuntimeError, match="--chat-template"):
         NaiadProcess(repo, "--chat-template", str(tmp_path / "missing.jinja")).start()
+
+
+def test_server_log_has_no_tracebacks(server):
+    """Everything above (disconnects, stalls, bad input) was answered without an unhandled error."""
+    assert "Traceback" not in server.output() and "Error handling request" not in server.output()
 
 
 # ---- restricted API and TLS ----

@@ -8,6 +8,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import orjson
 from aiohttp import web
@@ -97,7 +98,7 @@ class OpenAIFrontend:
                     raise
                 return error_response(OpenAIError(exc.reason or "error", exc.status))
             except (ClientGone, StreamStalled, ConnectionResetError):
-                raise
+                return web.Response(status=499)  # nobody is left to read it
             except Exception as exc:
                 log.exception("unhandled error on %s %s", request.method, request.path)
                 return error_response(OpenAIError(f"internal error: {type(exc).__name__}: {exc}", 500))
@@ -144,31 +145,35 @@ class OpenAIFrontend:
         return protocol.parse_body(await read_body(request, self.max_input_size))
 
     async def _iterate(self, request: web.Request, req: InferenceRequest) -> AsyncIterator[InferenceResponse]:
-        """The model's responses; a client that goes away while the model works cancels the request."""
+        """The model's responses. A timer looks for a client that went away every DISCONNECT_POLL_S and cancels
+        the handler if so (nothing is spent per response); closing the stream cancels the model request."""
+        loop = asyncio.get_running_loop()
+        handler = asyncio.current_task()
+        gone = False
+        handle: asyncio.TimerHandle | None = None
+
+        def check() -> None:
+            nonlocal gone, handle
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                gone = True
+                if handler is not None:
+                    handler.cancel()
+            else:
+                handle = loop.call_later(DISCONNECT_POLL_S, check)
+
+        handle = loop.call_later(DISCONNECT_POLL_S, check)
         stream = self.server.infer_stream(req)
-        task: asyncio.Future | None = None
         try:
-            while True:
-                task = asyncio.ensure_future(stream.__anext__())
-                while True:
-                    done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                    if done:
-                        break
-                    transport = request.transport
-                    if transport is None or transport.is_closing():
-                        raise ClientGone()
-                try:
-                    resp = task.result()
-                except StopAsyncIteration:
-                    return
+            async for resp in stream:
                 yield resp
+        except asyncio.CancelledError:
+            if gone:
+                raise ClientGone() from None
+            raise
         finally:
-            if task is not None and not task.done():
-                task.cancel()  # the generator's own finally marks the request cancelled
-                await asyncio.wait({task})
-            if task is not None and task.done() and not task.cancelled():
-                task.exception()  # retrieved: an error here is the one already raised, or moot
-            await stream.aclose()
+            handle.cancel()
+            await stream.aclose()  # the generator's own finally marks the request cancelled
 
     def _prompt_tokens(self, mv, prompt: str, gen: Generation) -> int | None:
         """The prompt's token count when the model's tokenizer is known here, checked against its context (and
@@ -254,13 +259,14 @@ class OpenAIFrontend:
         usage = Usage(prompt_tokens=None)
         reason = None
         logprobs: list[dict] = []
-        async for resp in self._iterate(request, req):
-            _raise_response_error(resp)
-            piece = mapping.read_response(resp)
-            parts.append(piece.text)
-            reason = piece.finish_reason or reason
-            logprobs.extend(piece.logprobs)
-            self._add_usage(usage, piece)
+        async with aclosing(self._iterate(request, req)) as responses:
+            async for resp in responses:
+                _raise_response_error(resp)
+                piece = mapping.read_response(resp)
+                parts.append(piece.text)
+                reason = piece.finish_reason or reason
+                logprobs.extend(piece.logprobs)
+                self._add_usage(usage, piece)
         text = "".join(parts)
         self._finish_usage(usage, mv, prompt, text, prompt_tokens)
         if gen.echo:
@@ -316,35 +322,36 @@ class OpenAIFrontend:
         held: list[str] | None = [] if chat and gen.tools and gen.tool_choice != "none" else None
         offset = len(prompt) if gen.echo else 0
         try:
-            async for resp in self._iterate(request, req):
-                _raise_response_error(resp)
-                piece = mapping.read_response(resp)
-                reason = piece.finish_reason or reason
-                self._add_usage(usage, piece)
-                texts.append(piece.text)
-                if not events.started:
-                    await events.start()
-                    if chat:
-                        await events.send(builder.chunk("", role=True))
-                    elif gen.echo:
-                        await events.send(builder.chunk(prompt))
-                if held is not None:
-                    held.append(piece.text)
-                    start = "".join(held).lstrip()
-                    if not start or start[0] in "{[<":
+            async with aclosing(self._iterate(request, req)) as responses:
+                async for resp in responses:
+                    _raise_response_error(resp)
+                    piece = mapping.read_response(resp)
+                    reason = piece.finish_reason or reason
+                    self._add_usage(usage, piece)
+                    texts.append(piece.text)
+                    if not events.started:
+                        await events.start()
+                        if chat:
+                            await events.send(builder.chunk("", role=True))
+                        elif gen.echo:
+                            await events.send(builder.chunk(prompt))
+                    if held is not None:
+                        held.append(piece.text)
+                        start = "".join(held).lstrip()
+                        if not start or start[0] in "{[<":
+                            continue
+                        piece.text, held = "".join(held), None
+                    if not piece.text and not piece.logprobs:
                         continue
-                    piece.text, held = "".join(held), None
-                if not piece.text and not piece.logprobs:
-                    continue
-                lp = None
-                if gen.logprobs is not None and piece.logprobs:
-                    lp = (
-                        chat_logprobs(piece.logprobs, gen.logprobs)
-                        if chat
-                        else completion_logprobs(piece.logprobs, gen.logprobs, offset)
-                    )
-                offset += len(piece.text)
-                await events.send(builder.chunk(piece.text, logprobs=lp))
+                    lp = None
+                    if gen.logprobs is not None and piece.logprobs:
+                        lp = (
+                            chat_logprobs(piece.logprobs, gen.logprobs)
+                            if chat
+                            else completion_logprobs(piece.logprobs, gen.logprobs, offset)
+                        )
+                    offset += len(piece.text)
+                    await events.send(builder.chunk(piece.text, logprobs=lp))
             if not events.started:
                 await events.start()
                 if chat:
@@ -365,6 +372,11 @@ class OpenAIFrontend:
             return await events.done()
         except (ClientGone, StreamStalled, ConnectionResetError):
             log.debug("stream %s ended early: the client went away or stopped reading", builder.id)
+            return events.response
+        except asyncio.CancelledError:
+            if not events.gone():  # cancelled for another reason than the client's leaving (the server stops)
+                raise
+            log.debug("stream %s ended early: the client went away", builder.id)
             return events.response
         except Exception as exc:
             if not events.started:
@@ -393,10 +405,11 @@ class OpenAIFrontend:
         async def one(value) -> tuple[list[float], int]:
             req = mapping.embedding_request(mv, value, emb.dimensions, request_id)
             result = None
-            async for resp in self._iterate(request, req):
-                _raise_response_error(resp)
-                if resp.outputs:
-                    result = resp
+            async with aclosing(self._iterate(request, req)) as responses:
+                async for resp in responses:
+                    _raise_response_error(resp)
+                    if resp.outputs:
+                        result = resp
             if result is None:
                 raise OpenAIError(f"model '{mv.name}' returned no embedding", 500)
             vector, tokens = mapping.embedding_values(result)

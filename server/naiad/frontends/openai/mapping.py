@@ -265,7 +265,7 @@ def read_response(resp: InferenceResponse) -> Piece:
             bytes(v).decode("utf-8", "replace") if isinstance(v, (bytes, np.bytes_)) else str(v) for v in data
         )
     reason = _scalar(resp, "finish_reason")
-    if reason:
+    if reason and reason != "None":  # vllm_backend writes str(None) while a sequence runs
         piece.finish_reason = str(reason)
     for name in ("num_input_tokens", "num_output_tokens"):
         value = _scalar(resp, name)

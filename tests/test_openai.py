@@ -383,6 +383,9 @@ def test_bad_input(server):
     )
     err = assert_openai_error(post(server, "/v1/embeddings", {"model": "counting_trtllm", "input": "a"}), 400)
     assert "embeddings" in err["message"]
+    # a route or method the API does not have: OpenAI's error object too
+    assert_openai_error(requests.get(f"{server.url}/v1/chat/completions"), 405)
+    assert_openai_error(post(server, "/v1/responses", {"model": "counting_vllm"}), 404)
     # unknown fields are accepted
     ok = post(server, chat, {"model": "counting_vllm", "messages": msgs, "max_tokens": 1, "frobnicate": [1]})
     assert ok.status_code == 200, ok.text

@@ -50,6 +50,11 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status >= 400:
+            if request.path.startswith("/v1/"):  # the OpenAI API answers with OpenAI's error object
+                from .openai.errors import OpenAIError
+                from .openai.routes import error_response as openai_error
+
+                return openai_error(OpenAIError(f"{exc.reason}: {request.method} {request.path}", exc.status))
             return _json({"error": exc.reason or exc.text or "error"}, status=exc.status)
         raise
     except NaiadError as exc:

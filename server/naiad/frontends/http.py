@@ -346,16 +346,16 @@ class HttpFrontend:
         version = model_version(m.get("version", ""))
         mv = self.server.repository.get(m["model"], version)
         body = await read_body(request, self.max_input_size)
-        return generate.decode(mv, generate.parse(body), version)
+        return mv, generate.decode(mv, generate.parse(body), version)
 
     async def generate(self, request):
-        req = await self._generate_request(request)
+        mv, req = await self._generate_request(request)
         responses = []
         async for resp in self.server.infer_stream(req):
             if resp.error is not None:
                 raise resp.error if isinstance(resp.error, NaiadError) else InvalidArgument(str(resp.error))
-            if resp.outputs or resp.parameters or not resp.final:
-                responses.append(resp)
+            if resp.outputs or resp.parameters or not resp.final or not mv.decoupled:
+                responses.append(resp)  # (a decoupled model's final flag alone is no response)
         if len(responses) != 1:
             raise InvalidArgument(generate.EXACTLY_ONE)
         return _json(generate.encode(responses[0]))
@@ -364,7 +364,7 @@ class HttpFrontend:
         """Server-Sent Events, one `data: {...}` event per response and no end marker, as Triton sends them. The
         first response sets the status (an error first: its status, with the error as the event); an error after
         it is an event under the 200. An error before any response is a plain JSON error."""
-        req = await self._generate_request(request)
+        _, req = await self._generate_request(request)
         stream = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
         )

@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from helpers import ROOT, NaiadProcess
+from tritonclient.utils import InferenceServerException
 
 MODELS = ROOT / "tests" / "models"
 WORKER_MODULE = "naiad.engine.worker"
@@ -337,3 +338,16 @@ def test_frontend_workers_auto_reads_the_cgroup_quota(tmp_path):
     with pytest.raises(ValueError):
         cpus.frontend_workers("0")
     assert cpus.frontend_workers("3") == 3
+
+
+def test_errors_come_back_as_the_single_process_sends_them(server):
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}
+    answer = requests.post(f"{server.url}/v2/models/no_such_model/infer", json=body, timeout=10)
+    assert answer.status_code in (400, 404) and "no_such_model" in answer.json()["error"]
+    wrong = {"inputs": [{"name": "WRONG", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}
+    answer = requests.post(f"{server.url}/v2/models/identity_fp32/infer", json=wrong, timeout=10)
+    assert answer.status_code == 400 and "WRONG" in answer.json()["error"]
+    client = grpcclient.InferenceServerClient(server.grpc)
+    with pytest.raises(InferenceServerException, match="no_such_model"):
+        client.infer("no_such_model", identity_inputs(grpcclient, np.ones((1, 2), np.float32)))
+    client.close()

@@ -14,6 +14,11 @@ from .core import EngineService
 log = logging.getLogger("naiad.engine")
 
 RESTART_DELAY_S = 0.5
+# glibc returns a freed block of 128 KiB or more to the kernel, so each large request body is read into freshly
+# mapped pages and pays a page fault per 4 KiB (measured: 4 MiB requests at c1 cost a worker 7.8 ms of CPU with
+# glibc's defaults, 4.5 ms with these). Bodies up to 32 MiB come from the heap instead, and up to 128 MiB of
+# freed heap is kept for the next ones. An operator's own GLIBC_TUNABLES wins.
+WORKER_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=134217728"
 
 
 class FrontendWorkers:
@@ -32,6 +37,7 @@ class FrontendWorkers:
     async def _spawn(self) -> asyncio.subprocess.Process:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.setdefault("GLIBC_TUNABLES", WORKER_MALLOC)
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "naiad.engine.worker", self.engine.path, *self.argv, env=env
         )

@@ -3,8 +3,9 @@ HTTP binary identity requests (16 values at c64, 4 MiB at c8), the settings alte
 
     .venv/bin/python bench/frontend_workers.py --workers 1,2 --rounds 3 --duration 8
 
-The server is not pinned (N workers need N cores); wrk runs beside it. The machine may be shared: each round
-runs every setting once, and a figure is the median over rounds.
+The server is not pinned (N workers need N cores); wrk runs beside it. The machine may be shared: the server
+and wrk run at nice -20 in scheduling groups of nice -20 (as bench/run.py does), each round runs every setting
+once, and a figure is the median over rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 LUA = ROOT / "bench" / "lua" / "infer_binary.lua"
 MODEL_PY = ROOT / "bench" / "models" / "repo" / "identity_16" / "1" / "model.py"
+NICE = ["nice", "-n", "-20"] if os.geteuid() == 0 else []
 SCENARIOS = {"small_c64": (16, 64), "large_c8": (1024 * 1024, 8)}  # FP32 values, connections
 
 CONFIG = """name: "identity_var"
@@ -72,10 +74,20 @@ def body_file(values: int, tmp: Path) -> tuple[Path, int]:
     return path, len(header)
 
 
+def boost(pid: int) -> None:
+    """The session's scheduling group (CONFIG_SCHED_AUTOGROUP) at nice -20: a nice value only counts inside it."""
+    if NICE:
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text("-20")
+        except OSError:
+            pass
+
+
 class Server:
     def __init__(self, repo: Path, workers: int, log: Path):
         self.port = free_port()
         cmd = [
+            *NICE,
             sys.executable,
             "-m",
             "naiad.cli",
@@ -97,6 +109,7 @@ class Server:
         self.proc = subprocess.Popen(
             cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        boost(self.proc.pid)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -129,11 +142,13 @@ class Server:
 def wrk(port: int, body: Path, header_len: int, conns: int, seconds: float) -> dict:
     env = dict(os.environ, BENCH_BODY=str(body), BENCH_HEADER_LEN=str(header_len))
     threads = 2 if conns >= 8 else 1
-    out = subprocess.run(
-        ["wrk", f"-t{threads}", f"-c{conns}", f"-d{max(1, round(seconds))}s", "-s", str(LUA),
-         f"http://127.0.0.1:{port}/v2/models/identity_var/infer"],
-        capture_output=True, text=True, env=env, timeout=seconds + 60, check=True,
-    ).stdout  # fmt: skip
+    cmd = [*NICE, "wrk", f"-t{threads}", f"-c{conns}", f"-d{max(1, round(seconds))}s", "-s", str(LUA),
+           f"http://127.0.0.1:{port}/v2/models/identity_var/infer"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    boost(p.pid)
+    out, _ = p.communicate(timeout=seconds + 60)
+    if p.returncode:
+        raise RuntimeError(f"wrk exited with {p.returncode}")
     line = next(ln for ln in out.splitlines() if ln.startswith("BENCH_RESULT "))
     return json.loads(line[len("BENCH_RESULT ") :])
 

@@ -24,35 +24,52 @@ from . import wire
 from .channel import Channel
 from .slabs import SlabMaps, SlabPool
 
+CONTROL_TIMEOUT_S = 30.0
+
 
 class ControlChannel:
     """Blocking request/answer calls for the frontends' synchronous queries (health, metadata, statistics,
-    settings): one Unix-socket round trip while the worker's event loop waits."""
+    settings): one Unix-socket round trip while the worker's event loop waits (at most CONTROL_TIMEOUT_S; an
+    answer that comes later is skipped by the next call)."""
 
     def __init__(self, path: str):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(path)
+        self.sock.settimeout(CONTROL_TIMEOUT_S)
         self.sock.sendall(wire.frame(wire.Hello(os.getpid(), "", True)))
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._buf = bytearray()
 
     def call(self, method: str, *args: Any) -> Any:
         with self._lock:
-            self.sock.sendall(wire.frame(wire.Call(next(self._ids), method, list(args))))
-            n = int.from_bytes(self._recv(4), "little")
-            msg = wire.decoder.decode(self._recv(n))
+            rid = next(self._ids)
+            try:
+                self.sock.sendall(wire.frame(wire.Call(rid, method, list(args))))
+                while True:
+                    msg = wire.decoder.decode(self._read_frame())
+                    if msg.id == rid:
+                        break
+            except TimeoutError:
+                raise Unavailable(f"the engine did not answer '{method}' in {CONTROL_TIMEOUT_S:g}s") from None
         if type(msg) is wire.Error:
             raise wire.raise_error(msg.kind, msg.message)
         return msg.value
 
-    def _recv(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
+    def _read_frame(self) -> bytes:
+        """The next frame's body; what a timeout interrupts stays buffered for the next call."""
+        buf = self._buf
+        while True:
+            if len(buf) >= 4:
+                n = int.from_bytes(buf[:4], "little")
+                if len(buf) >= 4 + n:
+                    body = bytes(buf[4 : 4 + n])
+                    del buf[: 4 + n]
+                    return body
+            chunk = self.sock.recv(65536)
             if not chunk:
                 raise Unavailable("the engine process is gone")
             buf += chunk
-        return bytes(buf)
 
 
 class RemoteModel:

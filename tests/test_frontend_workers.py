@@ -3,6 +3,7 @@ statistics counted once for all workers, a killed worker replaced, the engine's 
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import os
 import queue
@@ -335,8 +336,10 @@ def test_frontend_workers_auto_reads_the_cgroup_quota(tmp_path):
     assert cpus.pod_cpus(str(tmp_path)) == min(2, len(os.sched_getaffinity(0)))
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert cpus.quota_cpus(str(tmp_path)) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(argparse.ArgumentTypeError):
         cpus.frontend_workers("0")
+    with pytest.raises(argparse.ArgumentTypeError):
+        cpus.frontend_workers("many")
     assert cpus.frontend_workers("3") == 3
 
 

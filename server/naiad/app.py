@@ -112,7 +112,8 @@ class App:
         self._grpc = None
         self._tls_contexts: list = []
         self.endpoints: list[str] = []
-        self.workers = None  # engine.supervisor.FrontendWorkers with --frontend-workers > 1
+        self.engine = None  # engine.core.EngineService and engine.supervisor.FrontendWorkers with
+        self.workers = None  # --frontend-workers > 1
 
     def _tls_context(self, settings, alpn: list[str], name: str):
         from .frontends import tls
@@ -159,9 +160,7 @@ class App:
 
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
         await self.server.start()
-        from .engine.cpus import frontend_workers
-
-        workers = frontend_workers(str(getattr(a, "frontend_workers", "1")))
+        workers = int(getattr(a, "frontend_workers", 1))
         in_process = workers == 1  # more: worker processes serve HTTP and gRPC, this process is the engine
         busy_poll = None
         if a.busy_poll_us:
@@ -230,6 +229,7 @@ class App:
             reloading.close()
         if self.workers is not None:
             await self.workers.stop(timeout)
+        if self.engine is not None:
             await self.engine.stop()
         await self.server.stop(timeout)
         if self._grpc is not None:

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from . import __version__, memory
+from .engine.cpus import frontend_workers
 from .errors import NaiadError
 from .flags import parse_bool as _bool
 from .gpu import device_count
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--frontend-workers",
+        type=frontend_workers,
         default="1",
         help="processes that serve HTTP and gRPC (SO_REUSEPORT) in front of one engine process that owns the "
         "models; 'auto': the CPUs the pod may use (its cgroup quota); 1: one process, as before",

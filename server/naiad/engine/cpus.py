@@ -3,6 +3,7 @@ this process may run on. The default of `--frontend-workers auto`."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 
@@ -41,13 +42,13 @@ def pod_cpus(root: str = CGROUP) -> int:
 
 
 def frontend_workers(value: str) -> int:
-    """`--frontend-workers`: a positive number, or `auto` for the pod's CPUs."""
-    if value.strip().lower() == "auto":
+    """`--frontend-workers` (an argparse type): a positive number, or `auto` for the pod's CPUs."""
+    if str(value).strip().lower() == "auto":
         return pod_cpus()
     try:
         n = int(value)
     except ValueError:
-        raise ValueError(f"--frontend-workers expects a positive number or 'auto', got '{value}'") from None
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'auto', got '{value}'") from None
     if n < 1:
-        raise ValueError(f"--frontend-workers must be at least 1, got {n}")
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n

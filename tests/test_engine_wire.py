@@ -65,3 +65,33 @@ def test_response_error_and_outputs():
         assert type(err).__name__ == "InvalidArgument" and "bad input" in str(err)
     finally:
         pool.close()
+
+
+def test_an_output_that_is_the_input_stays_in_the_request_slab():
+    worker_pool = SlabPool(f"naiad-test{os.getpid()}w")
+    engine_pool = SlabPool(f"naiad-test{os.getpid()}e")
+    engine_maps, worker_maps = SlabMaps(), SlabMaps()
+    try:
+        data = np.arange(100000, dtype=np.float32)
+        req = InferenceRequest("m", {"IN": data}, {"IN": "FP32"})
+        desc = wire.encode_request(req, worker_pool)
+        engine_freed: list = []
+        got = wire.decode_request(desc, engine_maps, engine_freed.append)
+        out = got.inputs["IN"][10:]  # the model answers with a view of its input
+        resp = InferenceResponse("m", "1", [OutputTensor("OUT", "FP32", out)])
+        reply = wire.encode_response(resp, engine_pool, engine_maps.view(desc.slab))
+        assert reply.slab == "" and reply.outputs[0].peer and reply.outputs[0].offset == 40
+        del got, out, resp
+        gc.collect()
+        assert engine_freed == [desc.slab]
+        own = (desc.slab, worker_pool.retain(desc.slab), worker_pool.free)
+        worker_pool.free(desc.slab)  # the engine's Free: the response's view still holds the slab
+        back = wire.decode_response(reply, worker_maps, lambda _: None, own)
+        np.testing.assert_array_equal(back.outputs[0].data, data[10:])
+        assert worker_pool.alloc(desc.inputs[0].nbytes).name != desc.slab  # still in use
+        del back
+        gc.collect()
+        assert worker_pool.alloc(desc.inputs[0].nbytes).name == desc.slab  # back in the pool
+    finally:
+        worker_pool.close()
+        engine_pool.close()

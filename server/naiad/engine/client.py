@@ -204,6 +204,7 @@ class EngineClient:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._streams: dict[int, asyncio.Queue] = {}
+        self._request_slabs: dict[int, str] = {}  # a request's slab, where the engine may describe outputs
         self.repository = RemoteRepository(self)
         self.log_settings = RemoteLogSettings(self)
         self.tracer = RemoteTracer(self)
@@ -241,12 +242,19 @@ class EngineClient:
                 self.shm.generation = msg.shm_generation
                 self.shm.drop()
             queue = self._streams.get(msg.id)
-            if queue is not None:
-                queue.put_nowait(msg.response)
+            fut = self._pending.pop(msg.id, None) if queue is None else None
+            if queue is None and (fut is None or fut.done()):
                 return
-            fut = self._pending.pop(msg.id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg.response)
+            own = None
+            if any(t.peer for t in msg.response.outputs):
+                # outputs in this worker's own request slab: hold it now, before the engine's Free of it
+                # (read in this same call) could return it to the pool
+                name = self._request_slabs[msg.id]
+                own = (name, self.pool.retain(name), self.pool.free)
+            if queue is not None:
+                queue.put_nowait((msg.response, own))
+            else:
+                fut.set_result((msg.response, own))  # type: ignore[union-attr]
         elif t is wire.Free:
             for name in msg.slabs:
                 self.pool.free(name)
@@ -285,13 +293,18 @@ class EngineClient:
         rid = next(self._ids)
         fut = self._pending[rid] = asyncio.get_running_loop().create_future()
         try:
-            self._send(wire.Infer(rid, wire.encode_request(request, self.pool)))
+            desc = wire.encode_request(request, self.pool)
+            if desc.slab:
+                self._request_slabs[rid] = desc.slab
+            self._send(wire.Infer(rid, desc))
+            del desc
             msg = await fut
         finally:
             self._pending.pop(rid, None)
+            self._request_slabs.pop(rid, None)
         if type(msg) is wire.Error:
             raise wire.raise_error(msg.kind, msg.message)
-        return wire.decode_response(msg, self.maps, self._release)
+        return wire.decode_response(msg[0], self.maps, self._release, msg[1])
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
         rid = next(self._ids)
@@ -299,7 +312,11 @@ class EngineClient:
         self._streams[rid] = queue
         done = False
         try:
-            self._send(wire.Stream(rid, wire.encode_request(request, self.pool)))
+            desc = wire.encode_request(request, self.pool)
+            if desc.slab:
+                self._request_slabs[rid] = desc.slab
+            self._send(wire.Stream(rid, desc))
+            del desc
             while True:
                 msg = await queue.get()
                 if isinstance(msg, Exception):
@@ -310,7 +327,7 @@ class EngineClient:
                 if type(msg) is wire.Value:
                     done = True
                     return
-                resp = wire.decode_response(msg, self.maps, self._release)
+                resp = wire.decode_response(msg[0], self.maps, self._release, msg[1])
                 if resp.final:
                     done = True
                 if request.response_callback is not None:
@@ -320,6 +337,11 @@ class EngineClient:
                     return
         finally:
             self._streams.pop(rid, None)
+            self._request_slabs.pop(rid, None)
+            while not queue.empty():  # responses nobody will read: give back the slab they hold
+                left = queue.get_nowait()
+                if type(left) is tuple and left[1] is not None:
+                    self.pool.free(left[1][0])
             if not done and self.channel is not None and not self.channel.closed:
                 self.channel.send(wire.Cancel(rid))
 

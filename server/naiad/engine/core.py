@@ -166,19 +166,19 @@ class WorkerConnection:
         if self.prefix:
             self.engine.maps.forget(self.prefix)
 
-    def _reply(self, rid: int, resp) -> None:
+    def _reply(self, rid: int, resp, peer) -> None:
         e = self.engine
-        self.channel.send(
-            wire.Reply(rid, wire.encode_response(resp, e.pool), e.server.tracer.active, e.shm_generation)
-        )
+        reply = wire.encode_response(resp, e.pool, peer)
+        self.channel.send(wire.Reply(rid, reply, e.server.tracer.active, e.shm_generation))
 
     async def _infer(self, rid: int, msg: wire.Request) -> None:
         try:
             req = wire.decode_request(msg, self.engine.maps, self._release)
+            peer = self.engine.maps.view(msg.slab) if msg.slab else None  # outputs that are inputs stay there
             del msg
             resp = await self.engine.server.infer(req)
             del req
-            self._reply(rid, resp)
+            self._reply(rid, resp, peer)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -189,9 +189,10 @@ class WorkerConnection:
     async def _stream(self, rid: int, msg: wire.Request) -> None:
         try:
             req = wire.decode_request(msg, self.engine.maps, self._release)
+            peer = self.engine.maps.view(msg.slab) if msg.slab else None
             del msg
             async for resp in self.engine.server.infer_stream(req):
-                self._reply(rid, resp)
+                self._reply(rid, resp, peer)
                 if resp.final:
                     return
             self.channel.send(wire.Value(rid, None))  # the stream ended without a final response

@@ -47,6 +47,7 @@ class SlabPool:
         self.prefix = prefix
         self._free: dict[int, list[Slab]] = {}
         self._all: dict[str, Slab] = {}
+        self._refs: dict[str, int] = {}  # users of an allocated slab: the peer, and views of it here
         self._lock = threading.Lock()  # `free` may run in a finalizer on any thread
 
     def alloc(self, nbytes: int) -> Slab:
@@ -54,17 +55,33 @@ class SlabPool:
         with self._lock:
             free = self._free.get(size)
             if free:
-                return free.pop()
+                slab = free.pop()
+                self._refs[slab.name] = 1
+                return slab
             name = f"{self.prefix}-{len(self._all)}"
         slab = Slab(name, size)
         with self._lock:
             self._all[name] = slab
+            self._refs[name] = 1
         return slab
 
+    def retain(self, name: str) -> np.ndarray:
+        """One more user of an allocated slab (views of it in a response); its bytes."""
+        with self._lock:
+            self._refs[name] += 1
+            return self._all[name].array
+
     def free(self, name: str) -> None:
+        """One user is done; the last one returns the slab for reuse."""
         with self._lock:
             slab = self._all.get(name)
-            if slab is not None:
+            refs = self._refs.get(name, 0) - 1
+            if slab is None or refs < 0:
+                return
+            if refs:
+                self._refs[name] = refs
+            else:
+                del self._refs[name]
                 self._free.setdefault(slab.size, []).append(slab)
 
     def close(self) -> None:

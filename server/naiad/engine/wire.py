@@ -28,6 +28,7 @@ class Tensor(msgspec.Struct, array_like=True):
     data: bytes | None = None  # inline
     offset: int = 0  # in the message's slab
     nbytes: int = 0
+    peer: bool = False  # an output whose bytes are the request's own, at `offset` in the request's slab
 
 
 class Request(msgspec.Struct, array_like=True):
@@ -140,9 +141,17 @@ def raise_error(kind: str, message: str) -> errors.NaiadError:
 # ---- tensors ----
 
 
-def pack_tensors(items: list[tuple[str, str, np.ndarray]], pool: SlabPool) -> tuple[list[Tensor], str]:
-    """Describe tensors for the peer: small ones inline, the rest copied once into one slab of `pool`."""
+def pack_tensors(
+    items: list[tuple[str, str, np.ndarray]], pool: SlabPool, peer: np.ndarray | None = None
+) -> tuple[list[Tensor], str]:
+    """Describe tensors for the peer: small ones inline, the rest copied once into one slab of `pool`. With
+    `peer` (the request's slab, as mapped here), an output that lies in it is described by its offset there,
+    not copied: a model that answers with (a view of) its input."""
     out: list[Tensor] = []
+    base = end = 0
+    if peer is not None:
+        base = peer.__array_interface__["data"][0]
+        end = base + peer.nbytes
     big: list[tuple[Tensor, Any]] = []
     total = 0
     for name, datatype, arr in items:
@@ -156,6 +165,12 @@ def pack_tensors(items: list[tuple[str, str, np.ndarray]], pool: SlabPool) -> tu
             dtype = arr.dtype.str
         t = Tensor(name, datatype, dtype, list(arr.shape))
         n = len(raw)
+        if base and n > INLINE_LIMIT and dtype:
+            at = arr.__array_interface__["data"][0]
+            if base <= at and at + n <= end:
+                t.offset, t.nbytes, t.peer = at - base, n, True
+                out.append(t)
+                continue
         if n <= INLINE_LIMIT:
             t.data = raw if isinstance(raw, bytes) else bytes(raw)
         else:
@@ -172,21 +187,36 @@ def pack_tensors(items: list[tuple[str, str, np.ndarray]], pool: SlabPool) -> tu
     return out, slab.name
 
 
+def _holder(buf: np.ndarray, items: list[Tensor], release: Callable[[str], None], slab: str) -> np.ndarray:
+    end = max(t.offset + t.nbytes for t in items)
+    # an array over a memoryview, so numpy keeps every view's base pointing here (and the finalizer honest)
+    holder = np.frombuffer(memoryview(buf)[:end], np.uint8)
+    weakref.finalize(holder, release, slab)
+    return holder
+
+
 def unpack_tensors(
-    items: list[Tensor], slab: str, maps: SlabMaps, release: Callable[[str], None]
+    items: list[Tensor],
+    slab: str,
+    maps: SlabMaps,
+    release: Callable[[str], None],
+    own: tuple[str, np.ndarray, Callable[[str], None]] | None = None,
 ) -> list[tuple[str, str, np.ndarray]]:
     """Arrays for described tensors; those in a slab are views of it, and `release(slab)` runs once every view
-    (and anything made from one) is gone."""
-    holder = None
+    (and anything made from one) is gone. `own`: (name, bytes, release) of this side's request slab, for
+    outputs the peer described in it."""
+    holder = peer_holder = None
     if slab:
-        end = max(t.offset + t.nbytes for t in items if t.data is None)
-        # an array over a memoryview, so numpy keeps every view's base pointing here (and the finalizer honest)
-        holder = np.frombuffer(memoryview(maps.view(slab))[:end], np.uint8)
-        weakref.finalize(holder, release, slab)
+        holder = _holder(maps.view(slab), [t for t in items if t.data is None and not t.peer], release, slab)
+    if own is not None:
+        name, buf, release_own = own
+        peer_holder = _holder(buf, [t for t in items if t.peer], release_own, name)
     out = []
     for t in items:
         if t.data is not None:
             raw: Any = t.data
+        elif t.peer:
+            raw = peer_holder[t.offset : t.offset + t.nbytes]  # type: ignore[index]
         else:
             raw = holder[t.offset : t.offset + t.nbytes]  # type: ignore[index]
         if not t.dtype:
@@ -237,9 +267,9 @@ def decode_request(msg: Request, maps: SlabMaps, release: Callable[[str], None])
     )
 
 
-def encode_response(resp: InferenceResponse, pool: SlabPool) -> Response:
+def encode_response(resp: InferenceResponse, pool: SlabPool, peer: np.ndarray | None = None) -> Response:
     items = [(o.name, o.datatype, o.data) for o in resp.outputs]
-    outputs, slab = pack_tensors(items, pool) if items else ([], "")
+    outputs, slab = pack_tensors(items, pool, peer) if items else ([], "")
     err = None
     if resp.error is not None:  # as the frontends report a response's error: a NaiadError as it is
         e = resp.error
@@ -251,8 +281,13 @@ def encode_response(resp: InferenceResponse, pool: SlabPool) -> Response:
     )
 
 
-def decode_response(msg: Response, maps: SlabMaps, release: Callable[[str], None]) -> InferenceResponse:
-    arrays = unpack_tensors(msg.outputs, msg.slab, maps, release)
+def decode_response(
+    msg: Response,
+    maps: SlabMaps,
+    release: Callable[[str], None],
+    own: tuple[str, np.ndarray, Callable[[str], None]] | None = None,
+) -> InferenceResponse:
+    arrays = unpack_tensors(msg.outputs, msg.slab, maps, release, own)
     return InferenceResponse(
         model_name=msg.model_name,
         model_version=msg.model_version,

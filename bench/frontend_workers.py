@@ -84,7 +84,8 @@ def boost(pid: int) -> None:
 
 
 class Server:
-    def __init__(self, repo: Path, workers: int, log: Path):
+    def __init__(self, repo: Path, setting: str, log: Path):
+        workers, *extra = setting.split()
         self.port = free_port()
         cmd = [
             *NICE,
@@ -103,7 +104,8 @@ class Server:
             "--allow-metrics",
             "false",
             "--frontend-workers",
-            str(workers),
+            workers,
+            *extra,
         ]
         env = dict(os.environ, PYTHONPATH=str(ROOT / "server"))
         self.proc = subprocess.Popen(
@@ -155,13 +157,18 @@ def wrk(port: int, body: Path, header_len: int, conns: int, seconds: float) -> d
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", default="1,2", help="settings of --frontend-workers to compare")
+    p.add_argument(
+        "--workers",
+        default="1,2",
+        help="settings to compare: --frontend-workers values, each optionally followed by more flags "
+        "('1,2,2 --busy-poll-us 0')",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = p.parse_args()
-    settings = [int(w) for w in args.workers.split(",")]
+    settings = [w.strip() for w in args.workers.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="naiad-fw-bench-"))
     repo = make_repo(tmp / "repo")
     log = tmp / "server.log"

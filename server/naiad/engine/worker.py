@@ -35,6 +35,7 @@ async def run(path: str, args) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)  # the engine reopens the log file; a worker has none
     busy_poll = None
     if args.busy_poll_us:
         from ..frontends.busy_poll import BusyPoll

@@ -52,7 +52,7 @@ class ControlChannel:
                         break
             except TimeoutError:
                 raise Unavailable(f"the engine did not answer '{method}' in {CONTROL_TIMEOUT_S:g}s") from None
-        if type(msg) is wire.Error:
+        if isinstance(msg, wire.Error):
             raise wire.raise_error(msg.kind, msg.message)
         return msg.value
 
@@ -235,8 +235,7 @@ class EngineClient:
         self.lost.set()
 
     def _on_message(self, msg: wire.Message) -> None:
-        t = type(msg)
-        if t is wire.Reply:
+        if isinstance(msg, wire.Reply):
             self.tracer.active = msg.tracing
             if self.shm is not None and msg.shm_generation != self.shm.generation:
                 self.shm.generation = msg.shm_generation
@@ -255,10 +254,10 @@ class EngineClient:
                 queue.put_nowait((msg.response, own))
             else:
                 fut.set_result((msg.response, own))  # type: ignore[union-attr]
-        elif t is wire.Free:
+        elif isinstance(msg, wire.Free):
             for name in msg.slabs:
                 self.pool.free(name)
-        elif t is wire.Value or t is wire.Error:
+        elif isinstance(msg, (wire.Value, wire.Error)):
             queue = self._streams.get(msg.id)
             if queue is not None:
                 queue.put_nowait(msg)
@@ -285,7 +284,7 @@ class EngineClient:
         fut = self._pending[rid] = asyncio.get_running_loop().create_future()
         self._send(wire.Call(rid, method, list(args)))
         msg = await fut
-        if type(msg) is wire.Error:
+        if isinstance(msg, wire.Error):
             raise wire.raise_error(msg.kind, msg.message)
         return msg.value
 
@@ -302,7 +301,7 @@ class EngineClient:
         finally:
             self._pending.pop(rid, None)
             self._request_slabs.pop(rid, None)
-        if type(msg) is wire.Error:
+        if isinstance(msg, wire.Error):
             raise wire.raise_error(msg.kind, msg.message)
         return wire.decode_response(msg[0], self.maps, self._release, msg[1])
 
@@ -321,10 +320,10 @@ class EngineClient:
                 msg = await queue.get()
                 if isinstance(msg, Exception):
                     raise msg
-                if type(msg) is wire.Error:
+                if isinstance(msg, wire.Error):
                     done = True
                     raise wire.raise_error(msg.kind, msg.message)
-                if type(msg) is wire.Value:
+                if isinstance(msg, wire.Value):
                     done = True
                     return
                 resp = wire.decode_response(msg[0], self.maps, self._release, msg[1])

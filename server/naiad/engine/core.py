@@ -132,16 +132,15 @@ class WorkerConnection:
             pass
 
     def on_message(self, msg: wire.Message) -> None:
-        t = type(msg)
         loop = self.channel.loop
-        if t is wire.Infer:
+        if isinstance(msg, wire.Infer):
             self.tasks[msg.id] = loop.create_task(self._infer(msg.id, msg.request))
-        elif t is wire.Stream:
+        elif isinstance(msg, wire.Stream):
             self.tasks[msg.id] = loop.create_task(self._stream(msg.id, msg.request))
-        elif t is wire.Free:
+        elif isinstance(msg, wire.Free):
             for name in msg.slabs:
                 self.engine.pool.free(name)
-        elif t is wire.Call:
+        elif isinstance(msg, wire.Call):
             if msg.method in _ASYNC_CALLS:
                 self.tasks[msg.id] = loop.create_task(self._call_async(msg.id, msg.method, msg.args))
             else:
@@ -151,11 +150,11 @@ class WorkerConnection:
                     self.channel.send(wire.Error(msg.id, *wire.error_of(exc)))
                 else:
                     self.channel.send(wire.Value(msg.id, value))
-        elif t is wire.Cancel:
+        elif isinstance(msg, wire.Cancel):
             task = self.tasks.pop(msg.id, None)
             if task is not None:
                 task.cancel()
-        elif t is wire.Hello:
+        elif isinstance(msg, wire.Hello):
             self.pid, self.prefix = msg.pid, msg.prefix
 
     def on_lost(self) -> None:

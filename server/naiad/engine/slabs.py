@@ -96,7 +96,7 @@ class SlabPool:
 class SlabMaps:
     """The receiver's mappings of a peer's segments, made on first sight and kept (the pool reuses names)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._maps: dict[str, np.ndarray] = {}
 
     def view(self, name: str) -> np.ndarray:

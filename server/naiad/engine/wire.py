@@ -161,7 +161,7 @@ def pack_tensors(
             dtype = ""
         else:
             arr = np.ascontiguousarray(arr)
-            raw = memoryview(arr.reshape(-1).view(np.uint8))
+            raw = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             dtype = arr.dtype.str
         t = Tensor(name, datatype, dtype, list(arr.shape))
         n = len(raw)
@@ -190,7 +190,7 @@ def pack_tensors(
 def _holder(buf: np.ndarray, items: list[Tensor], release: Callable[[str], None], slab: str) -> np.ndarray:
     end = max(t.offset + t.nbytes for t in items)
     # an array over a memoryview, so numpy keeps every view's base pointing here (and the finalizer honest)
-    holder = np.frombuffer(memoryview(buf)[:end], np.uint8)
+    holder = np.frombuffer(memoryview(buf)[:end], np.uint8)  # type: ignore[arg-type]
     weakref.finalize(holder, release, slab)
     return holder
 

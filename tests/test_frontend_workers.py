@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import os
 import queue
 import shutil
@@ -29,7 +30,19 @@ WORKER_MODULE = "naiad.engine.worker"
 def make_repo(path):
     for name in ("identity_fp32", "repeat", "seq_accumulator"):
         shutil.copytree(MODELS / name, path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (path / "batched" / "1").mkdir(parents=True)  # dynamic batching, 300 ms queue delay; BATCH = batch size
+    shutil.copy(MODELS / "batched" / "config.pbtxt", path / "batched" / "config.pbtxt")
+    shutil.copy(MODELS / "batch_probe.py", path / "batched" / "1" / "model.py")
     return path
+
+
+def connection_owner(server, conn: http.client.HTTPConnection, pids: list[int]) -> int | None:
+    """The worker that accepted a connection (by the client's port among the workers' sockets)."""
+    port = conn.sock.getsockname()[1]
+    for pid in pids:
+        if any(c.raddr and c.raddr.port == port for c in psutil.Process(pid).net_connections("tcp")):
+            return pid
+    return None
 
 
 def worker_pids(server: NaiadProcess) -> list[int]:
@@ -354,3 +367,34 @@ def test_errors_come_back_as_the_single_process_sends_them(server):
     with pytest.raises(InferenceServerException, match="no_such_model"):
         client.infer("no_such_model", identity_inputs(grpcclient, np.ones((1, 2), np.float32)))
     client.close()
+
+
+def test_dynamic_batching_batches_across_workers(server):
+    pids = worker_pids(server)
+    per_worker: dict[int, list] = {pid: [] for pid in pids}
+    for _ in range(60):  # four keep-alive connections on each worker
+        conn = http.client.HTTPConnection(*server.http.split(":"), timeout=30)
+        conn.request("GET", "/v2/health/live")
+        conn.getresponse().read()
+        owner = connection_owner(server, conn, pids)
+        if owner is not None and len(per_worker[owner]) < 4:
+            per_worker[owner].append(conn)
+        else:
+            conn.close()
+        if all(len(c) == 4 for c in per_worker.values()):
+            break
+    conns = [c for cs in per_worker.values() for c in cs]
+    assert len(conns) == 8, {pid: len(c) for pid, c in per_worker.items()}
+    body = json.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}
+    ).encode()
+    for conn in conns:  # all eight within the 300 ms queue delay
+        conn.request("POST", "/v2/models/batched/infer", body, {"Content-Type": "application/json"})
+    batches = []
+    for conn in conns:
+        answer = conn.getresponse()
+        assert answer.status == 200
+        outputs = {o["name"]: o["data"] for o in json.loads(answer.read())["outputs"]}
+        batches.append(outputs["BATCH"][0])
+        conn.close()
+    assert max(batches) > 4, batches  # one execution held requests from both workers

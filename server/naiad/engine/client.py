@@ -209,7 +209,7 @@ class EngineClient:
         self.log_settings = RemoteLogSettings(self)
         self.tracer = RemoteTracer(self)
         self.shm: RemoteSharedMemory | None = None
-        self.extensions = list(self.control.call("metadata")["extensions"])
+        self.extensions = list(self.metadata()["extensions"])
         self.lost = asyncio.Event()
 
     async def connect(self) -> None:
@@ -352,7 +352,11 @@ class EngineClient:
         return bool(self.control.call("ready"))
 
     def metadata(self) -> dict:
-        return self.control.call("metadata")
+        """The engine's, less CUDA shared memory: a worker does not serve it (its registrations are not
+        forwarded to the engine yet), so clients that read the extensions do not try."""
+        md = self.control.call("metadata")
+        md["extensions"] = [e for e in md["extensions"] if e != "cuda_shared_memory"]
+        return md
 
     def model(self, name: str, version: str | int = "") -> RemoteModel:
         return RemoteModel(*self.control.call("model_info", name, parse_version(version)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .naming import (
@@ -165,8 +166,31 @@ def server_args(spec: Spec, restricted: bool = False) -> list[str]:
         f"--metrics-port={METRICS_PORT}",
         *(restriction_args() if restricted else []),
         *(tls_args() if tls_secret_name(spec) else []),
+        *frontend_workers_args(spec),
         *[str(arg) for arg in spec.get("args") or []],
     ]
+
+
+def frontend_workers(spec: Spec) -> int | None:
+    """Frontend worker processes for the pod's CPUs: its CPU limit (the cgroup quota the server would read), else
+    its request, rounded up; None when the spec sets neither (the server then reads its own cgroup)."""
+    resources = spec.get("resources") or {}
+    cpu = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu")
+    if cpu is None:
+        return None
+    try:
+        cpus = parse_quantity(cpu)
+    except (TypeError, ValueError):
+        return None
+    return max(1, math.ceil(cpus))
+
+
+def frontend_workers_args(spec: Spec) -> list[str]:
+    """`--frontend-workers=N` from the pod's CPUs, unless the user's args set it."""
+    if any(_flag_name(str(a)) == "--frontend-workers" for a in spec.get("args") or []):
+        return []
+    n = frontend_workers(spec)
+    return [] if n is None else [f"--frontend-workers={n}"]
 
 
 def autoscaling_active(spec: Spec) -> bool:

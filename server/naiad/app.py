@@ -113,6 +113,8 @@ class App:
         self._grpc = None
         self._tls_contexts: list = []
         self.endpoints: list[str] = []
+        self.engine = None  # engine.core.EngineService and engine.supervisor.FrontendWorkers with
+        self.workers = None  # --frontend-workers > 1
 
     def _tls_context(self, settings, alpn: list[str], name: str):
         from .frontends import tls
@@ -169,12 +171,14 @@ class App:
 
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
         await self.server.start()
+        workers = int(getattr(a, "frontend_workers", 1))
+        in_process = workers == 1  # more: worker processes serve HTTP and gRPC, this process is the engine
         busy_poll = None
         if a.busy_poll_us:
             from .frontends.busy_poll import BusyPoll
 
             busy_poll = BusyPoll(asyncio.get_running_loop(), a.busy_poll_us)
-        if a.allow_http:
+        if a.allow_http and in_process:
             from .frontends.http import HttpFrontend
 
             http = HttpFrontend(
@@ -197,7 +201,7 @@ class App:
                 await openai.start(host, a.openai_port, ssl=context, restricted=http_restricted)
             )
             self.endpoints.append(f"OpenAI API at {host}:{a.openai_port}{tls.describe(http_tls)}")
-        if a.allow_grpc:
+        if a.allow_grpc and in_process:
             from .frontends.grpc import GrpcFrontend, h2_settings
 
             self._grpc = GrpcFrontend(
@@ -212,6 +216,8 @@ class App:
             self.endpoints.append(
                 f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port}{tls.describe(grpc_tls)}"
             )
+        if not in_process:
+            await self._start_workers(shm, workers)
         if self.metrics is not None:
             host = a.metrics_address or a.http_address
             context = self._tls_context(metrics_tls, ["http/1.1"], "metrics")
@@ -220,12 +226,32 @@ class App:
         for reloading in self._tls_contexts:
             reloading.start()
 
+    async def _start_workers(self, shm, count: int) -> None:
+        from .engine.core import EngineService
+        from .engine.supervisor import FrontendWorkers
+
+        a = self.args
+        self.engine = EngineService(self.server, shm)
+        await self.engine.start()
+        self.workers = FrontendWorkers(self.engine, count, a.argv)
+        await self.workers.start()
+        if a.allow_http:
+            self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port} ({count} frontend workers)")
+        if a.allow_grpc:
+            self.endpoints.append(
+                f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port} ({count} frontend workers)"
+            )
+
     def endpoints_banner(self) -> str:
         return "Started " + ", ".join(self.endpoints)
 
     async def stop(self, timeout: float) -> None:
         for reloading in self._tls_contexts:
             reloading.close()
+        if self.workers is not None:
+            await self.workers.stop(timeout)
+        if self.engine is not None:
+            await self.engine.stop()
         await self.server.stop(timeout)
         if self._grpc is not None:
             await self._grpc.stop(1.0)

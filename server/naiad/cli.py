@@ -10,6 +10,7 @@ import signal
 import sys
 
 from . import __version__, memory
+from .engine.cpus import frontend_workers
 from .errors import NaiadError
 from .flags import parse_bool as _bool
 from .gpu import device_count
@@ -130,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=200,
         help="µs the event loop may keep polling after requests before it sleeps (adaptive; 0: off)",
+    )
+    s.add_argument(
+        "--frontend-workers",
+        type=frontend_workers,
+        default="1",
+        help="processes that serve HTTP and gRPC (SO_REUSEPORT) in front of one engine process that owns the "
+        "models; 'auto': the CPUs the pod may use (its cgroup quota); 1: one process, as before",
     )
     s.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics")
     s.add_argument("--allow-gpu-metrics", type=_bool, default=True, help="export nv_gpu_* metrics (NVML)")
@@ -396,6 +404,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # frontend workers parse the same arguments
     if args.command == "analyze":
         from .analyze.cli import run as analyze
 

@@ -94,14 +94,15 @@ class GrpcFrontend:
         self._health = None
         self._tls_context = None
 
-    async def start(self, host: str, port: int, tls_settings=None) -> None:
-        """`tls_settings` (tls.TlsSettings): serve over TLS, reloading the certificate when its files change."""
+    async def start(self, host: str, port: int, tls_settings=None, reuse_port: bool = False) -> None:
+        """`tls_settings` (tls.TlsSettings): serve over TLS, reloading the certificate when its files change.
+        `reuse_port`: SO_REUSEPORT for frontend worker processes (grpcio sets it on every port already)."""
         if self.implementation == "grpcio":
             await self._start_grpcio(host, port, tls_settings)
         else:
-            await self._start_h2(host, port, tls_settings)
+            await self._start_h2(host, port, tls_settings, reuse_port)
 
-    async def _start_h2(self, host: str, port: int, tls_settings=None) -> None:
+    async def _start_h2(self, host: str, port: int, tls_settings=None, reuse_port: bool = False) -> None:
         from . import h2grpc
 
         methods = h2grpc.service_methods(
@@ -134,7 +135,7 @@ class GrpcFrontend:
             self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")
             context = self._tls_context.context
         try:
-            await self._grpc.start(host, port, ssl=context)
+            await self._grpc.start(host, port, ssl=context, reuse_port=reuse_port)
         except OSError as exc:
             raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
         if self._tls_context is not None:

@@ -374,12 +374,19 @@ class H2GrpcServer:
         ]
         self.tick_interval = max(0.05, min([1.0, *(t / 4 for t in timers)]))
 
-    async def start(self, host: str, port: int, ssl=None) -> None:
-        """`ssl`: an ssl.SSLContext (ALPN "h2") to serve h2 over TLS instead of cleartext h2c."""
+    async def start(self, host: str, port: int, ssl=None, reuse_port: bool = False) -> None:
+        """`ssl`: an ssl.SSLContext (ALPN "h2") to serve h2 over TLS instead of cleartext h2c. `reuse_port`:
+        SO_REUSEPORT, so that every frontend worker process listens on the port."""
         self.loop = asyncio.get_running_loop()
         host = host.strip("[]") or None
         self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True, backlog=1024, ssl=ssl
+            lambda: _Connection(self),
+            host,
+            port,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            backlog=1024,
+            ssl=ssl,
         )
         self._sweeper = self.loop.call_later(self.tick_interval, self._sweep)
 

@@ -394,22 +394,35 @@ class HttpFrontend:
         await stream.write_eof()
         return stream
 
-    async def start(self, host: str, port: int, ssl=None) -> HttpListener | web.AppRunner:
+    async def start(
+        self, host: str, port: int, ssl=None, reuse_port: bool = False
+    ) -> HttpListener | web.AppRunner:
         """Listen with the fast HTTP/1.1 protocol (http_fast); it hands the aiohttp app every connection
         that sends anything but a plain infer request. `cleanup()` on the result stops both.
         NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before.
-        `ssl`: an ssl.SSLContext to serve HTTPS (both paths see the decrypted stream)."""
+        `ssl`: an ssl.SSLContext to serve HTTPS (both paths see the decrypted stream). `reuse_port`:
+        SO_REUSEPORT, so that every frontend worker process listens on the port."""
         # bodies are inflated by read_body (bounded, off the event loop), not by aiohttp
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         if os.environ.get("NAIAD_HTTP_FAST", "1") == "0":  # escape hatch (and A/B benchmarks): aiohttp only
-            site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024, ssl_context=ssl)
+            site = web.TCPSite(
+                runner,
+                host,
+                port,
+                reuse_address=True,
+                reuse_port=reuse_port or None,
+                backlog=1024,
+                ssl_context=ssl,
+            )
             await site.start()
             return runner
         fast = FastHttpServer(self, runner.server, self.max_input_size, self.restricted, self.busy_poll)
         loop = asyncio.get_running_loop()
         try:
-            listener = await loop.create_server(fast, host, port, reuse_address=True, backlog=1024, ssl=ssl)
+            listener = await loop.create_server(
+                fast, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024, ssl=ssl
+            )
         except BaseException:
             await runner.cleanup()
             raise

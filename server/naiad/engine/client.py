@@ -1,0 +1,379 @@
+"""The frontend worker's `Server`: the same interface the HTTP and gRPC frontends call, each call forwarded to
+the engine process (inference and model control over the asynchronous data channel, the small synchronous
+queries over a blocking control channel), with tensors in shared-memory slabs."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as pb
+
+from ..errors import Unavailable
+from ..inference import InferenceRequest, InferenceResponse
+from ..model import _specs
+from ..server import parse_version
+from ..shared_memory.system import Region, SharedMemoryManager
+from . import wire
+from .channel import Channel
+from .slabs import SlabMaps, SlabPool
+
+CONTROL_TIMEOUT_S = 30.0
+
+
+class ControlChannel:
+    """Blocking request/answer calls for the frontends' synchronous queries (health, metadata, statistics,
+    settings): one Unix-socket round trip while the worker's event loop waits (at most CONTROL_TIMEOUT_S; an
+    answer that comes later is skipped by the next call)."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.settimeout(CONTROL_TIMEOUT_S)
+        self.sock.sendall(wire.frame(wire.Hello(os.getpid(), "", True)))
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._buf = bytearray()
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            rid = next(self._ids)
+            try:
+                self.sock.sendall(wire.frame(wire.Call(rid, method, list(args))))
+                while True:
+                    msg = wire.decoder.decode(self._read_frame())
+                    if msg.id == rid:
+                        break
+            except TimeoutError:
+                raise Unavailable(f"the engine did not answer '{method}' in {CONTROL_TIMEOUT_S:g}s") from None
+        if isinstance(msg, wire.Error):
+            raise wire.raise_error(msg.kind, msg.message)
+        return msg.value
+
+    def _read_frame(self) -> bytes:
+        """The next frame's body; what a timeout interrupts stays buffered for the next call."""
+        buf = self._buf
+        while True:
+            if len(buf) >= 4:
+                n = int.from_bytes(buf[:4], "little")
+                if len(buf) >= 4 + n:
+                    body = bytes(buf[4 : 4 + n])
+                    del buf[: 4 + n]
+                    return body
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise Unavailable("the engine process is gone")
+            buf += chunk
+
+
+class RemoteModel:
+    """What frontends read of a `ModelVersion` (config, inputs, batching, decoupled), from the engine."""
+
+    def __init__(self, name: str, version: int, config: bytes):
+        self.name = name
+        self.version = version
+        self.config = mc.ModelConfig.FromString(config)
+        self.inputs = _specs(self.config.input)
+        self.max_batch_size = self.config.max_batch_size
+        self.decoupled = self.config.model_transaction_policy.decoupled
+
+
+class RemoteRepository:
+    def __init__(self, client: EngineClient):
+        self._client = client
+        self.records = _RemoteRecords(client)
+        self._index: list = []
+
+    def get(self, name: str, version: int = -1) -> RemoteModel:
+        return self._client.model(name, version)
+
+    async def refresh(self) -> None:
+        self._index = await self._client.call("index", False)
+
+    def index(self, ready: bool = False) -> list:
+        return [e for e in self._index if e.get("state") == "READY"] if ready else self._index
+
+
+class _RemoteRecords:
+    """`name in repository.records`, asked of the engine."""
+
+    def __init__(self, client: EngineClient):
+        self._client = client
+
+    def __contains__(self, name: object) -> bool:
+        return bool(self._client.control.call("has_model", name))
+
+
+class RemoteLogSettings:
+    def __init__(self, client: EngineClient):
+        self._control = client.control
+
+    def get(self) -> dict:
+        return self._control.call("log_get")
+
+    def update(self, changes: dict) -> dict:
+        return self._control.call("log_update", changes)
+
+    def grpc(self, request):
+        return pb.LogSettingsResponse.FromString(self._control.call("log_grpc", request.SerializeToString()))
+
+    def reopen(self) -> None:
+        """The log file belongs to the engine; a worker logs to its stderr."""
+
+
+class RemoteTracer:
+    """The engine's trace settings; `active` is refreshed by every inference reply."""
+
+    def __init__(self, client: EngineClient):
+        self._control = client.control
+        self.active = bool(self._control.call("trace_active"))
+
+    def get(self, model: str = "") -> dict:
+        return self._control.call("trace_get", model)
+
+    def update(self, changes: dict, model: str = "") -> dict:
+        out = self._control.call("trace_update", changes, model)
+        self.active = bool(self._control.call("trace_active"))
+        return out
+
+    def grpc(self, request):
+        out = pb.TraceSettingResponse.FromString(
+            self._control.call("trace_grpc", request.SerializeToString())
+        )
+        self.active = bool(self._control.call("trace_active"))
+        return out
+
+
+class RemoteSharedMemory(SharedMemoryManager):
+    """System shared memory registrations live in the engine (every worker answers the same); a worker maps a
+    region itself when a request names it, and drops its mappings when the engine's registrations change."""
+
+    def __init__(self, client: EngineClient, enabled: bool = True):
+        super().__init__(enabled)
+        self._client = client
+        self.generation = 0
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.check_enabled()
+        self._client.control.call("shm_register", name, key, offset, byte_size)
+        self.drop()
+
+    def unregister(self, name: str = "") -> None:
+        self.check_enabled()
+        self._client.control.call("shm_unregister", name)
+        self.drop()
+
+    def status(self, name: str = "") -> list[dict]:
+        self.check_enabled()
+        return self._client.control.call("shm_status", name)
+
+    def drop(self) -> None:
+        with self._lock:
+            self._regions.clear()
+
+    def _region(self, name: str) -> Region:
+        with self._lock:
+            region = self._regions.get(name)
+        if region is not None:
+            return region
+        key, offset, byte_size = self._client.control.call("shm_region", name)
+        try:
+            super().register(name, key, offset, byte_size)
+        except Exception:
+            pass  # registered here meanwhile: use that mapping
+        return super()._region(name)
+
+
+class EngineClient:
+    """Duck-types `naiad.server.Server` for the frontends of a worker process."""
+
+    name = "naiad"
+
+    def __init__(self, path: str):
+        self.path = path
+        self.control = ControlChannel(path)
+        self.pool = SlabPool(f"naiad-w{os.getpid()}")
+        self.maps = SlabMaps()
+        self.channel: Channel | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._request_slabs: dict[int, str] = {}  # a request's slab, where the engine may describe outputs
+        self.repository = RemoteRepository(self)
+        self.log_settings = RemoteLogSettings(self)
+        self.tracer = RemoteTracer(self)
+        self.shm: RemoteSharedMemory | None = None
+        self.extensions = list(self.metadata()["extensions"])
+        self.lost = asyncio.Event()
+
+    async def connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        _, self.channel = await loop.create_unix_connection(
+            lambda: Channel(self._on_message, self._on_lost), self.path
+        )
+        self.channel.send(wire.Hello(os.getpid(), self.pool.prefix, False))
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.pool.close()
+
+    # ---- the data channel ----
+    def _on_lost(self) -> None:
+        gone = Unavailable("the engine process is gone")
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(gone)
+        for queue in self._streams.values():
+            queue.put_nowait(gone)
+        self.lost.set()
+
+    def _on_message(self, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Reply):
+            self.tracer.active = msg.tracing
+            if self.shm is not None and msg.shm_generation != self.shm.generation:
+                self.shm.generation = msg.shm_generation
+                self.shm.drop()
+            queue = self._streams.get(msg.id)
+            fut = self._pending.pop(msg.id, None) if queue is None else None
+            if queue is None and (fut is None or fut.done()):
+                return
+            own = None
+            if any(t.peer for t in msg.response.outputs):
+                # outputs in this worker's own request slab: hold it now, before the engine's Free of it
+                # (read in this same call) could return it to the pool
+                name = self._request_slabs[msg.id]
+                own = (name, self.pool.retain(name), self.pool.free)
+            if queue is not None:
+                queue.put_nowait((msg.response, own))
+            else:
+                fut.set_result((msg.response, own))  # type: ignore[union-attr]
+        elif isinstance(msg, wire.Free):
+            for name in msg.slabs:
+                self.pool.free(name)
+        elif isinstance(msg, (wire.Value, wire.Error)):
+            queue = self._streams.get(msg.id)
+            if queue is not None:
+                queue.put_nowait(msg)
+                return
+            fut = self._pending.pop(msg.id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _release(self, slab: str) -> None:
+        """A response's output views are all gone: the engine may reuse its slab (any thread)."""
+        if self.channel is not None:
+            try:
+                self.channel.send_threadsafe(wire.Free([slab]))
+            except RuntimeError:
+                pass
+
+    def _send(self, msg: wire.Message) -> None:
+        if self.channel is None or self.channel.closed:
+            raise Unavailable("the engine process is gone")
+        self.channel.send(msg)
+
+    async def call(self, method: str, *args: Any) -> Any:
+        rid = next(self._ids)
+        fut = self._pending[rid] = asyncio.get_running_loop().create_future()
+        self._send(wire.Call(rid, method, list(args)))
+        msg = await fut
+        if isinstance(msg, wire.Error):
+            raise wire.raise_error(msg.kind, msg.message)
+        return msg.value
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        rid = next(self._ids)
+        fut = self._pending[rid] = asyncio.get_running_loop().create_future()
+        try:
+            desc = wire.encode_request(request, self.pool)
+            if desc.slab:
+                self._request_slabs[rid] = desc.slab
+            self._send(wire.Infer(rid, desc))
+            del desc
+            msg = await fut
+        finally:
+            self._pending.pop(rid, None)
+            self._request_slabs.pop(rid, None)
+        if isinstance(msg, wire.Error):
+            raise wire.raise_error(msg.kind, msg.message)
+        return wire.decode_response(msg[0], self.maps, self._release, msg[1])
+
+    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+        rid = next(self._ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        done = False
+        try:
+            desc = wire.encode_request(request, self.pool)
+            if desc.slab:
+                self._request_slabs[rid] = desc.slab
+            self._send(wire.Stream(rid, desc))
+            del desc
+            while True:
+                msg = await queue.get()
+                if isinstance(msg, Exception):
+                    raise msg
+                if isinstance(msg, wire.Error):
+                    done = True
+                    raise wire.raise_error(msg.kind, msg.message)
+                if isinstance(msg, wire.Value):
+                    done = True
+                    return
+                resp = wire.decode_response(msg[0], self.maps, self._release, msg[1])
+                if resp.final:
+                    done = True
+                if request.response_callback is not None:
+                    request.response_callback(resp)
+                yield resp
+                if done:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            self._request_slabs.pop(rid, None)
+            while not queue.empty():  # responses nobody will read: give back the slab they hold
+                left = queue.get_nowait()
+                if type(left) is tuple and left[1] is not None:
+                    self.pool.free(left[1][0])
+            if not done and self.channel is not None and not self.channel.closed:
+                self.channel.send(wire.Cancel(rid))
+
+    # ---- the synchronous queries ----
+    def live(self) -> bool:
+        return bool(self.control.call("live"))
+
+    def ready(self) -> bool:
+        return bool(self.control.call("ready"))
+
+    def metadata(self) -> dict:
+        """The engine's, less CUDA shared memory: a worker does not serve it (its registrations are not
+        forwarded to the engine yet), so clients that read the extensions do not try."""
+        md = self.control.call("metadata")
+        md["extensions"] = [e for e in md["extensions"] if e != "cuda_shared_memory"]
+        return md
+
+    def model(self, name: str, version: str | int = "") -> RemoteModel:
+        return RemoteModel(*self.control.call("model_info", name, parse_version(version)))
+
+    def model_metadata(self, name: str, version: str | int = "") -> dict:
+        return self.control.call("model_metadata", name, version)
+
+    def model_ready(self, name: str, version: str | int = "") -> bool:
+        return bool(self.control.call("model_ready", name, version))
+
+    def model_statistics(self, name: str = "", version: str | int = "") -> list[dict]:
+        return self.control.call("model_statistics", name, version)
+
+    async def load_model(
+        self, name: str, config: str | dict | None = None, files: dict[str, bytes] | None = None
+    ) -> None:
+        await self.call("load_model", name, config, files)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await self.call("unload_model", name, unload_dependents)

@@ -1,0 +1,215 @@
+"""The engine side of `--frontend-workers`: serves the workers' connections on a Unix socket, running each
+forwarded request, stream and control call on the one in-process `Server`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from tritonclient.grpc import service_pb2 as pb
+
+from ..server import Server
+from ..shared_memory.system import SharedMemoryManager
+from . import wire
+from .channel import Channel
+from .slabs import SlabMaps, SlabPool
+
+log = logging.getLogger("naiad.engine")
+
+
+class EngineService:
+    """Listens for frontend workers; each gets a `WorkerConnection` (data) and a control connection."""
+
+    def __init__(self, server: Server, shm: SharedMemoryManager):
+        self.server = server
+        self.shm = shm
+        self.shm_generation = 0  # bumped on every (un)registration, so workers drop stale mappings
+        self.pool = SlabPool(f"naiad-e{os.getpid()}")
+        self.maps = SlabMaps()
+        self._dir = tempfile.mkdtemp(prefix="naiad-engine-")
+        self.path = os.path.join(self._dir, "engine.sock")
+        self._listener: asyncio.AbstractServer | None = None
+        self.connections: set[WorkerConnection] = set()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_unix_server(lambda: WorkerConnection(self).channel, self.path)
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self.connections):
+            conn.channel.close()
+        self.pool.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- control calls: name -> (server, args) -> a msgpack-able value ----
+    def call(self, method: str, args: list[Any]) -> Any:
+        s = self.server
+        if method == "live":
+            return s.live()
+        if method == "ready":
+            return s.ready()
+        if method == "metadata":
+            return s.metadata()
+        if method == "model_info":
+            mv = s.model(*args)
+            return [mv.name, mv.version, mv.config.SerializeToString()]
+        if method == "model_metadata":
+            return s.model_metadata(*args)
+        if method == "model_ready":
+            return s.model_ready(*args)
+        if method == "model_statistics":
+            return s.model_statistics(*args)
+        if method == "has_model":
+            return args[0] in s.repository.records
+        if method == "log_get":
+            return s.log_settings.get()
+        if method == "log_update":
+            return s.log_settings.update(args[0])
+        if method == "log_grpc":
+            return s.log_settings.grpc(pb.LogSettingsRequest.FromString(args[0])).SerializeToString()
+        if method == "trace_get":
+            return s.tracer.get(*args)
+        if method == "trace_update":
+            return s.tracer.update(*args)
+        if method == "trace_grpc":
+            return s.tracer.grpc(pb.TraceSettingRequest.FromString(args[0])).SerializeToString()
+        if method == "trace_active":
+            return s.tracer.active
+        if method == "shm_register":
+            self.shm.register(*args)
+            self.shm_generation += 1
+            return None
+        if method == "shm_unregister":
+            self.shm.unregister(*args)
+            self.shm_generation += 1
+            return None
+        if method == "shm_status":
+            return self.shm.status(*args)
+        if method == "shm_region":
+            r = self.shm._region(args[0])
+            return [r.key, r.offset, r.byte_size]
+        raise wire.raise_error("InvalidArgument", f"unknown engine call '{method}'")
+
+    async def call_async(self, method: str, args: list[Any]) -> Any:
+        s = self.server
+        if method == "index":
+            await s.repository.refresh()
+            return s.repository.index(*args)
+        if method == "load_model":
+            await s.load_model(*args)
+            return None
+        if method == "unload_model":
+            await s.unload_model(*args)
+            return None
+        return self.call(method, args)
+
+
+_ASYNC_CALLS = frozenset({"index", "load_model", "unload_model"})
+
+
+class WorkerConnection:
+    """One worker's connection: requests and streams run as tasks, replies go back in the order they finish."""
+
+    def __init__(self, engine: EngineService):
+        self.engine = engine
+        self.channel = Channel(self.on_message, self.on_lost)
+        self.pid = 0
+        self.prefix = ""
+        self.tasks: dict[int, asyncio.Task] = {}
+        engine.connections.add(self)
+
+    def _release(self, slab: str) -> None:
+        """A request's input views are all gone: the worker may reuse its slab (any thread)."""
+        try:
+            self.channel.send_threadsafe(wire.Free([slab]))
+        except RuntimeError:  # the loop is closed: the process is exiting
+            pass
+
+    def on_message(self, msg: wire.Message) -> None:
+        loop = self.channel.loop
+        if isinstance(msg, wire.Infer):
+            self.tasks[msg.id] = loop.create_task(self._infer(msg.id, msg.request))
+        elif isinstance(msg, wire.Stream):
+            self.tasks[msg.id] = loop.create_task(self._stream(msg.id, msg.request))
+        elif isinstance(msg, wire.Free):
+            for name in msg.slabs:
+                self.engine.pool.free(name)
+        elif isinstance(msg, wire.Call):
+            if msg.method in _ASYNC_CALLS:
+                self.tasks[msg.id] = loop.create_task(self._call_async(msg.id, msg.method, msg.args))
+            else:
+                try:
+                    value = self.engine.call(msg.method, msg.args)
+                except Exception as exc:
+                    self.channel.send(wire.Error(msg.id, *wire.error_of(exc)))
+                else:
+                    self.channel.send(wire.Value(msg.id, value))
+        elif isinstance(msg, wire.Cancel):
+            task = self.tasks.pop(msg.id, None)
+            if task is not None:
+                task.cancel()
+        elif isinstance(msg, wire.Hello):
+            self.pid, self.prefix = msg.pid, msg.prefix
+
+    def on_lost(self) -> None:
+        self.engine.connections.discard(self)
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
+        if self.prefix:
+            self.engine.maps.forget(self.prefix)
+
+    def _reply(self, rid: int, resp, peer) -> None:
+        e = self.engine
+        reply = wire.encode_response(resp, e.pool, peer)
+        self.channel.send(wire.Reply(rid, reply, e.server.tracer.active, e.shm_generation))
+
+    async def _infer(self, rid: int, msg: wire.Request) -> None:
+        try:
+            req = wire.decode_request(msg, self.engine.maps, self._release)
+            peer = self.engine.maps.view(msg.slab) if msg.slab else None  # outputs that are inputs stay there
+            del msg
+            resp = await self.engine.server.infer(req)
+            del req
+            self._reply(rid, resp, peer)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.channel.send(wire.Error(rid, *wire.error_of(exc)))
+        finally:
+            self.tasks.pop(rid, None)
+
+    async def _stream(self, rid: int, msg: wire.Request) -> None:
+        try:
+            req = wire.decode_request(msg, self.engine.maps, self._release)
+            peer = self.engine.maps.view(msg.slab) if msg.slab else None
+            del msg
+            async for resp in self.engine.server.infer_stream(req):
+                self._reply(rid, resp, peer)
+                if resp.final:
+                    return
+            self.channel.send(wire.Value(rid, None))  # the stream ended without a final response
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.channel.send(wire.Error(rid, *wire.error_of(exc)))
+        finally:
+            self.tasks.pop(rid, None)
+
+    async def _call_async(self, rid: int, method: str, args: list[Any]) -> None:
+        try:
+            value = await self.engine.call_async(method, args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.channel.send(wire.Error(rid, *wire.error_of(exc)))
+        else:
+            self.channel.send(wire.Value(rid, value))
+        finally:
+            self.tasks.pop(rid, None)

@@ -1,0 +1,299 @@
+"""What crosses between a frontend worker and the engine: msgspec messages in length-prefixed frames over a Unix
+socket, with tensor bytes inline when small and in a shared-memory slab (read in place) when large."""
+
+from __future__ import annotations
+
+import struct
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .. import errors, tensors
+from ..inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
+from .slabs import SlabMaps, SlabPool
+
+INLINE_LIMIT = 64 * 1024  # tensors up to this many bytes ride in the message; larger ones in a slab
+_ALIGN = 64
+_LEN = struct.Struct("<I")
+
+
+class Tensor(msgspec.Struct, array_like=True):
+    name: str
+    datatype: str
+    dtype: str  # numpy's dtype string of the array ("" for BYTES, which travel serialized)
+    shape: list[int]
+    data: bytes | None = None  # inline
+    offset: int = 0  # in the message's slab
+    nbytes: int = 0
+    peer: bool = False  # an output whose bytes are the request's own, at `offset` in the request's slab
+
+
+class Request(msgspec.Struct, array_like=True):
+    model_name: str
+    model_version: int
+    id: str
+    inputs: list[Tensor]
+    outputs: list[tuple[str, bool | None, int, dict]]
+    parameters: dict[str, Any]
+    priority: int
+    timeout_us: int
+    correlation_id: int | str
+    flags: int
+    traceparent: str | None
+    slab: str = ""
+
+
+class Response(msgspec.Struct, array_like=True):
+    model_name: str
+    model_version: str
+    id: str
+    outputs: list[Tensor]
+    parameters: dict[str, Any]
+    final: bool
+    error: tuple[str, str] | None = None
+    slab: str = ""
+
+
+# ---- messages (the first element of each frame's array is its tag) ----
+
+
+class Hello(msgspec.Struct, tag="h", array_like=True):
+    pid: int
+    prefix: str  # the worker's slab names start with this
+    control: bool  # the blocking control channel (one call at a time) rather than the data channel
+
+
+class Infer(msgspec.Struct, tag="i", array_like=True):
+    id: int
+    request: Request
+
+
+class Stream(msgspec.Struct, tag="s", array_like=True):
+    id: int
+    request: Request
+
+
+class Cancel(msgspec.Struct, tag="x", array_like=True):
+    id: int
+
+
+class Call(msgspec.Struct, tag="c", array_like=True):
+    id: int
+    method: str
+    args: list[Any]
+
+
+class Free(msgspec.Struct, tag="f", array_like=True):
+    slabs: list[str]
+
+
+class Reply(msgspec.Struct, tag="r", array_like=True):
+    id: int
+    response: Response
+    tracing: bool  # the engine's tracer is active (workers read the traceparent header only then)
+    shm_generation: int  # changes whenever a system shared memory region is (un)registered
+
+
+class Value(msgspec.Struct, tag="v", array_like=True):
+    id: int
+    value: Any
+
+
+class Error(msgspec.Struct, tag="e", array_like=True):
+    id: int
+    kind: str  # a naiad.errors class name
+    message: str
+
+
+Message = Hello | Infer | Stream | Cancel | Call | Free | Reply | Value | Error
+
+
+def _enc_hook(obj: Any) -> Any:
+    """numpy scalars (a model's response parameters) as Python ones; anything else by its text."""
+    item = getattr(obj, "item", None)
+    return item() if callable(item) else str(obj)
+
+
+encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+decoder = msgspec.msgpack.Decoder(Message)
+
+
+def frame(msg: Message) -> bytes:
+    body = encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def error_of(exc: BaseException) -> tuple[str, str]:
+    err = errors.as_naiad_error(exc)
+    return type(err).__name__, err.message
+
+
+def raise_error(kind: str, message: str) -> errors.NaiadError:
+    cls = getattr(errors, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.NaiadError)):
+        cls = errors.Internal
+    return cls(message)
+
+
+# ---- tensors ----
+
+
+def pack_tensors(
+    items: list[tuple[str, str, np.ndarray]], pool: SlabPool, peer: np.ndarray | None = None
+) -> tuple[list[Tensor], str]:
+    """Describe tensors for the peer: small ones inline, the rest copied once into one slab of `pool`. With
+    `peer` (the request's slab, as mapped here), an output that lies in it is described by its offset there,
+    not copied: a model that answers with (a view of) its input."""
+    out: list[Tensor] = []
+    base = end = 0
+    if peer is not None:
+        base = peer.__array_interface__["data"][0]
+        end = base + peer.nbytes
+    big: list[tuple[Tensor, Any]] = []
+    total = 0
+    for name, datatype, arr in items:
+        arr = np.asarray(arr)
+        if datatype == "BYTES" or arr.dtype == np.object_:
+            raw: Any = tensors.serialize_bytes(arr)
+            dtype = ""
+        else:
+            arr = np.ascontiguousarray(arr)
+            raw = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+            dtype = arr.dtype.str
+        t = Tensor(name, datatype, dtype, list(arr.shape))
+        n = len(raw)
+        if base and n > INLINE_LIMIT and dtype:
+            at = arr.__array_interface__["data"][0]
+            if base <= at and at + n <= end:
+                t.offset, t.nbytes, t.peer = at - base, n, True
+                out.append(t)
+                continue
+        if n <= INLINE_LIMIT:
+            t.data = raw if isinstance(raw, bytes) else bytes(raw)
+        else:
+            t.offset, t.nbytes = total, n
+            total += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+            big.append((t, raw))
+        out.append(t)
+    if not big:
+        return out, ""
+    slab = pool.alloc(total)
+    dst = slab.array
+    for t, raw in big:
+        dst[t.offset : t.offset + t.nbytes] = np.frombuffer(raw, np.uint8)
+    return out, slab.name
+
+
+def _holder(buf: np.ndarray, items: list[Tensor], release: Callable[[str], None], slab: str) -> np.ndarray:
+    end = max(t.offset + t.nbytes for t in items)
+    # an array over a memoryview, so numpy keeps every view's base pointing here (and the finalizer honest)
+    holder = np.frombuffer(memoryview(buf)[:end], np.uint8)  # type: ignore[arg-type]
+    weakref.finalize(holder, release, slab)
+    return holder
+
+
+def unpack_tensors(
+    items: list[Tensor],
+    slab: str,
+    maps: SlabMaps,
+    release: Callable[[str], None],
+    own: tuple[str, np.ndarray, Callable[[str], None]] | None = None,
+) -> list[tuple[str, str, np.ndarray]]:
+    """Arrays for described tensors; those in a slab are views of it, and `release(slab)` runs once every view
+    (and anything made from one) is gone. `own`: (name, bytes, release) of this side's request slab, for
+    outputs the peer described in it."""
+    holder = peer_holder = None
+    if slab:
+        holder = _holder(maps.view(slab), [t for t in items if t.data is None and not t.peer], release, slab)
+    if own is not None:
+        name, buf, release_own = own
+        peer_holder = _holder(buf, [t for t in items if t.peer], release_own, name)
+    out = []
+    for t in items:
+        if t.data is not None:
+            raw: Any = t.data
+        elif t.peer:
+            raw = peer_holder[t.offset : t.offset + t.nbytes]  # type: ignore[index]
+        else:
+            raw = holder[t.offset : t.offset + t.nbytes]  # type: ignore[index]
+        if not t.dtype:
+            arr = tensors.deserialize_bytes(raw).reshape(t.shape)
+        elif t.data is not None:
+            arr = np.frombuffer(raw, np.dtype(t.dtype)).reshape(t.shape)
+        else:
+            arr = raw.view(np.dtype(t.dtype)).reshape(t.shape)
+        out.append((t.name, t.datatype, arr))
+    return out
+
+
+def encode_request(req: InferenceRequest, pool: SlabPool) -> Request:
+    items = [(name, req.datatypes.get(name, ""), arr) for name, arr in req.inputs.items()]
+    inputs, slab = pack_tensors(items, pool)
+    tp = req.traceparent if isinstance(req.traceparent, str) else None
+    return Request(
+        req.model_name,
+        req.model_version,
+        req.id,
+        inputs,
+        [(o.name, o.binary, o.classification, o.parameters) for o in req.outputs],
+        req.parameters,
+        req.priority,
+        req.timeout_us,
+        req.correlation_id,
+        req.flags,
+        tp,
+        slab,
+    )
+
+
+def decode_request(msg: Request, maps: SlabMaps, release: Callable[[str], None]) -> InferenceRequest:
+    arrays = unpack_tensors(msg.inputs, msg.slab, maps, release)
+    return InferenceRequest(
+        model_name=msg.model_name,
+        inputs={name: arr for name, _, arr in arrays},
+        datatypes={name: dt for name, dt, _ in arrays},
+        model_version=msg.model_version,
+        id=msg.id,
+        outputs=[RequestedOutput(n, b, c, p) for n, b, c, p in msg.outputs],
+        parameters=msg.parameters,
+        priority=msg.priority,
+        timeout_us=msg.timeout_us,
+        correlation_id=msg.correlation_id,
+        flags=msg.flags,
+        traceparent=msg.traceparent,
+    )
+
+
+def encode_response(resp: InferenceResponse, pool: SlabPool, peer: np.ndarray | None = None) -> Response:
+    items = [(o.name, o.datatype, o.data) for o in resp.outputs]
+    outputs, slab = pack_tensors(items, pool, peer) if items else ([], "")
+    err = None
+    if resp.error is not None:  # as the frontends report a response's error: a NaiadError as it is
+        e = resp.error
+        err = (
+            (type(e).__name__, e.message) if isinstance(e, errors.NaiadError) else ("InvalidArgument", str(e))
+        )
+    return Response(
+        resp.model_name, resp.model_version, resp.id, outputs, resp.parameters, resp.final, err, slab
+    )
+
+
+def decode_response(
+    msg: Response,
+    maps: SlabMaps,
+    release: Callable[[str], None],
+    own: tuple[str, np.ndarray, Callable[[str], None]] | None = None,
+) -> InferenceResponse:
+    arrays = unpack_tensors(msg.outputs, msg.slab, maps, release, own)
+    return InferenceResponse(
+        model_name=msg.model_name,
+        model_version=msg.model_version,
+        outputs=[OutputTensor(name, dt, arr) for name, dt, arr in arrays],
+        id=msg.id,
+        parameters=msg.parameters,
+        error=raise_error(*msg.error) if msg.error is not None else None,
+        final=msg.final,
+    )

@@ -1,0 +1,111 @@
+"""A frontend worker process: HTTP and gRPC on SO_REUSEPORT sockets over an `EngineClient`, started by the
+engine (`python -m naiad.engine.worker <engine socket> serve <naiad serve's arguments>`). It exits when the
+engine goes away, and drains its connections on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger("naiad.worker")
+
+ENGINE_GONE = 3  # the worker's exit status when the engine process went away
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the engine process dies, however it dies (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+async def run(path: str, args) -> int:
+    from ..app import parse_restricted
+    from ..frontends import tls
+    from .client import EngineClient, RemoteSharedMemory
+
+    client = EngineClient(path)
+    shm = client.shm = RemoteSharedMemory(client, enabled=args.allow_client_shm)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)  # the engine reopens the log file; a worker has none
+    busy_poll = None
+    if args.busy_poll_us:
+        from ..frontends.busy_poll import BusyPoll
+
+        busy_poll = BusyPoll(loop, args.busy_poll_us)
+    runners, contexts, grpc_frontend = [], [], None
+    if args.allow_http:
+        from ..frontends.http import HttpFrontend
+
+        http = HttpFrontend(
+            client,  # type: ignore[arg-type]
+            shm=shm,
+            max_input_size=args.http_max_input_size,
+            restricted=parse_restricted(args.http_restricted_api),
+            busy_poll=busy_poll,
+        )
+        settings = tls.settings_from_args(args, "http")
+        context = None
+        if settings is not None:
+            reloading = tls.ReloadingContext(settings, ["http/1.1"], "HTTP")
+            contexts.append(reloading)
+            context = reloading.context
+        runners.append(await http.start(args.http_address, args.http_port, ssl=context, reuse_port=True))
+    if args.allow_grpc:
+        from ..frontends.grpc import GrpcFrontend, h2_settings
+
+        grpc_frontend = GrpcFrontend(
+            client,  # type: ignore[arg-type]
+            shm=shm,
+            restricted=parse_restricted(args.grpc_restricted_protocol),
+            implementation=args.grpc_implementation,
+            settings=h2_settings(args),
+            busy_poll=busy_poll,
+        )
+        await grpc_frontend.start(
+            args.grpc_address, args.grpc_port, tls.settings_from_args(args, "grpc"), reuse_port=True
+        )
+    for reloading in contexts:
+        reloading.start()
+    await client.connect()  # the engine counts a worker as started once its data channel is up
+    lost = loop.create_task(client.lost.wait())
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if client.lost.is_set():
+        log.error("frontend worker %d: the engine process is gone; exiting", os.getpid())
+        client.pool.close()
+        return ENGINE_GONE
+    for reloading in contexts:
+        reloading.close()
+    if grpc_frontend is not None:
+        await grpc_frontend.stop(1.0)
+    for runner in runners:
+        await runner.cleanup()
+    client.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    from ..cli import build_parser, configure_logging
+
+    path, rest = argv[0], argv[1:]
+    args = build_parser().parse_args(rest)
+    configure_logging(args.log_verbose, args.log_info, args.log_format)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run(path, args))
+    return uvloop.run(run(path, args))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""What crosses between a frontend worker and the engine: tensors inline or in a slab, read in place, and the
+slab released only when the last view of it is gone."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+
+from naiad.engine import wire
+from naiad.engine.slabs import SlabMaps, SlabPool
+from naiad.inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
+
+
+def test_request_round_trip_inline_and_in_a_slab():
+    pool = SlabPool(f"naiad-test{os.getpid()}")
+    maps = SlabMaps()
+    try:
+        small = np.arange(16, dtype=np.float32).reshape(1, 16)
+        big = np.random.default_rng(0).random((2, 40000)).astype(np.float64)  # 640 KB: a slab
+        text = np.array([b"a", b"bc", b""], dtype=np.object_)
+        req = InferenceRequest(
+            "m",
+            {"SMALL": small, "BIG": big, "TEXT": text},
+            {"SMALL": "FP32", "BIG": "FP64", "TEXT": "BYTES"},
+            model_version=2,
+            id="r1",
+            outputs=[RequestedOutput("OUT", True, 0, {"shared_memory_region": "x"})],
+            parameters={"sequence_id": 7},
+            correlation_id=7,
+            flags=1,
+        )
+        msg = wire.encoder.encode(wire.Infer(1, wire.encode_request(req, pool)))
+        decoded = wire.decoder.decode(msg)
+        released = []
+        got = wire.decode_request(decoded.request, maps, released.append)
+        assert decoded.request.slab and decoded.request.inputs[0].data is not None
+        np.testing.assert_array_equal(got.inputs["SMALL"], small)
+        np.testing.assert_array_equal(got.inputs["BIG"], big)
+        assert list(got.inputs["TEXT"]) == [b"a", b"bc", b""]
+        assert got.datatypes == req.datatypes and got.model_version == 2 and got.correlation_id == 7
+        assert got.outputs[0].parameters == {"shared_memory_region": "x"}
+        view = got.inputs["BIG"][1, 10:20]  # a view of a view keeps the slab
+        del got
+        gc.collect()
+        assert released == []
+        del view
+        gc.collect()
+        assert released == [decoded.request.slab]
+    finally:
+        pool.close()
+
+
+def test_response_error_and_outputs():
+    pool = SlabPool(f"naiad-test{os.getpid()}r")
+    try:
+        out = np.ones((3, 50000), np.int32)
+        resp = InferenceResponse("m", "1", [OutputTensor("OUT", "INT32", out)], id="x", final=False)
+        got = wire.decode_response(wire.encode_response(resp, pool), SlabMaps(), lambda _: None)
+        np.testing.assert_array_equal(got.outputs[0].data, out)
+        assert not got.final and got.id == "x"
+        failed = InferenceResponse("m", "1", error=ValueError("bad input"))
+        err = wire.decode_response(wire.encode_response(failed, pool), SlabMaps(), lambda _: None).error
+        assert type(err).__name__ == "InvalidArgument" and "bad input" in str(err)
+    finally:
+        pool.close()
+
+
+def test_an_output_that_is_the_input_stays_in_the_request_slab():
+    worker_pool = SlabPool(f"naiad-test{os.getpid()}w")
+    engine_pool = SlabPool(f"naiad-test{os.getpid()}e")
+    engine_maps, worker_maps = SlabMaps(), SlabMaps()
+    try:
+        data = np.arange(100000, dtype=np.float32)
+        req = InferenceRequest("m", {"IN": data}, {"IN": "FP32"})
+        desc = wire.encode_request(req, worker_pool)
+        engine_freed: list = []
+        got = wire.decode_request(desc, engine_maps, engine_freed.append)
+        out = got.inputs["IN"][10:]  # the model answers with a view of its input
+        resp = InferenceResponse("m", "1", [OutputTensor("OUT", "FP32", out)])
+        reply = wire.encode_response(resp, engine_pool, engine_maps.view(desc.slab))
+        assert reply.slab == "" and reply.outputs[0].peer and reply.outputs[0].offset == 40
+        del got, out, resp
+        gc.collect()
+        assert engine_freed == [desc.slab]
+        own = (desc.slab, worker_pool.retain(desc.slab), worker_pool.free)
+        worker_pool.free(desc.slab)  # the engine's Free: the response's view still holds the slab
+        back = wire.decode_response(reply, worker_maps, lambda _: None, own)
+        np.testing.assert_array_equal(back.outputs[0].data, data[10:])
+        assert worker_pool.alloc(desc.inputs[0].nbytes).name != desc.slab  # still in use
+        del back
+        gc.collect()
+        assert worker_pool.alloc(desc.inputs[0].nbytes).name == desc.slab  # back in the pool
+    finally:
+        worker_pool.close()
+        engine_pool.close()

@@ -20,6 +20,7 @@ from .logsettings import LogSettings
 from .repository import ModelRepository
 from .scheduling.ratelimit import RateLimiter
 from .trace import Tracer
+from .version_string import parse_version
 from .warmup import run_warmup
 
 if TYPE_CHECKING:
@@ -367,18 +368,3 @@ def _labels(mv, output_name: str) -> list[str]:
             except OSError as exc:
                 log.warning("cannot read labels %s: %s", path, exc)
     return []
-
-
-def parse_version(version: str | int) -> int:
-    """A request's model version: '' or -1 is the latest, otherwise a non-negative integer."""
-    if isinstance(version, int):
-        return version
-    if version in ("", None):
-        return -1
-    try:
-        v = int(version)
-    except ValueError:
-        raise InvalidArgument(f"failed to parse model version '{version}': must be an integer") from None
-    if v < 0:
-        raise InvalidArgument(f"invalid model version '{version}'")
-    return v

@@ -9,7 +9,7 @@ from tritonclient.grpc import service_pb2 as pb
 from .. import tensors
 from ..errors import InvalidArgument
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
-from ..server import parse_version
+from ..version_string import parse_version
 from . import grpc_wire
 from .common import request_options
 

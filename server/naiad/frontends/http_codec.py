@@ -13,6 +13,7 @@ from aiohttp import web
 from .. import tensors
 from ..errors import InvalidArgument, NotFound, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
+from ..version_string import parse_version
 from .common import request_options
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -154,12 +155,12 @@ def decode_infer_request(
 
 
 def model_version(version: str) -> int:
-    """Triton's routes only match numeric versions: anything else is a 404."""
+    """Triton's routes only match ASCII-digit versions (anything else is a 404); those parse as its gRPC ones do."""
     if not version:
         return -1
-    if not version.isdigit():
+    if not (version.isascii() and version.isdigit()):
         raise NotFound(f"Not Found: model version '{version}' must be a non-negative integer")
-    return int(version)
+    return parse_version(version)
 
 
 def encode_infer_response(

@@ -63,6 +63,7 @@ def decode_infer_request(
     if not isinstance(params, dict):
         raise InvalidArgument("'parameters' must be a JSON object")
     inputs: dict[str, np.ndarray] = {}
+    device = False
     datatypes: dict[str, str] = {}
     offset = 0
     for item in raw_inputs:
@@ -100,6 +101,7 @@ def decode_infer_request(
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
             inputs[name] = shm.read_input(name, datatype, shape, iparams)
+            device = device or not isinstance(inputs[name], np.ndarray)  # a CUDA shared-memory span
         elif "binary_data_size" in iparams:
             size = iparams["binary_data_size"]
             if not isinstance(size, int) or size < 0:
@@ -148,6 +150,7 @@ def decode_infer_request(
         model_version=model_version(version),
         id=req_id,
         outputs=outputs,
+        device_inputs=device,
         parameters=params,
     )
     request_options(request, params)

@@ -400,3 +400,90 @@ def test_bls_response_keeps_gpu_outputs_for_a_model_that_takes_them(gpu_server, 
         client.close()
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * x)
     assert result.as_numpy("IS_CPU").tolist() == [not on_gpu]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: the holder and the routing, with a DeviceTensor over host memory standing in for GPU memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_device_tensor_holder():
+    import torch
+
+    t = device_tensors.DeviceTensor(torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert t.shape == (2, 3) and t.ndim == 2 and t.size == 6 and t.nbytes == 24 and t.dtype == np.float32
+    assert t.reshape(3, 2).shape == (3, 2) and t[1:].shape == (1, 3)
+    np.testing.assert_array_equal(t.to_host(), np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert device_tensors.DeviceTensor(torch.ones(2, dtype=torch.bool)).dtype == np.bool_
+    bf16 = device_tensors.DeviceTensor(torch.tensor([1.0, -2.0], dtype=torch.bfloat16))
+    assert bf16.dtype == np.uint16 and bf16.to_host().tolist() == [
+        0x3F80,
+        0xC000,
+    ]  # BF16 words, as on the host
+
+
+def test_pb_utils_tensor_over_device_memory():
+    import torch
+    from naiad.backends.python import triton_python_backend_utils as pb_utils
+
+    held = device_tensors.DeviceTensor(torch.arange(4, dtype=torch.int32))
+    t = pb_utils.Tensor("X", held)
+    assert not t.is_cpu() and t.shape() == [4] and t.name() == "X"
+    with pytest.raises(
+        pb_utils.TritonModelException, match="Tensor is stored in GPU and cannot be converted to NumPy"
+    ):
+        t.as_numpy()
+    assert torch.from_dlpack(t.to_dlpack()).data_ptr() == held.torch.data_ptr()  # no copy
+
+
+ENSEMBLE_OF = """
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 0
+input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 4 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] }}, {{ name: "IS_CPU" data_type: TYPE_BOOL dims: [ 1 ] }} ]
+ensemble_scheduling {{ step [
+  {{ model_name: "{step}" model_version: -1 input_map {{ key: "INPUT0" value: "IN" }}
+    output_map [ {{ key: "OUTPUT0" value: "OUT" }}, {{ key: "IS_CPU" value: "IS_CPU" }} ] }}
+] }}
+"""
+
+
+@pytest.mark.parametrize(
+    "model, on_device",
+    [
+        ("probe_no", True),
+        ("probe_default", False),
+        ("probe_yes", False),
+        ("ens_probe_no", True),
+        ("ens_probe_default", False),
+    ],
+)
+async def test_server_routes_device_inputs_by_the_model(tmp_path, model, on_device):
+    """In-process: a device-held input reaches a "no" model as it is (directly or through an ensemble step) and
+    every other model as host memory; the response leaves Server.infer in host memory."""
+    import torch
+
+    from naiad.server import Server, ServerOptions
+
+    repo = _repo(tmp_path)
+    for probe in ("probe_no", "probe_default"):
+        (repo / f"ens_{probe}" / "1").mkdir(parents=True)
+        (repo / f"ens_{probe}" / "config.pbtxt").write_text(
+            ENSEMBLE_OF.format(name=f"ens_{probe}", step=probe)
+        )
+    server = Server(ServerOptions(model_repositories=[str(repo)]))
+    await server.start()
+    try:
+        x = torch.tensor([1.0, 2.0, -3.0, 0.5])
+        name = "IN" if model.startswith("ens_") else "INPUT0"
+        request = InferenceRequest(
+            model, {name: device_tensors.DeviceTensor(x)}, {name: "FP32"}, device_inputs=True
+        )
+        response = await server.infer(request)
+        outputs = {o.name: o.data for o in response.outputs}
+        assert all(isinstance(v, np.ndarray) for v in outputs.values()) and not response.device_outputs
+        np.testing.assert_array_equal(outputs["OUT" if name == "IN" else "OUTPUT0"], x.numpy())
+        assert outputs["IS_CPU"].tolist() == [not on_device]
+    finally:
+        await server.stop()

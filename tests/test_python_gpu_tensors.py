@@ -424,6 +424,7 @@ def test_device_tensor_holder():
 
 def test_pb_utils_tensor_over_device_memory():
     import torch
+
     from naiad.backends.python import triton_python_backend_utils as pb_utils
 
     held = device_tensors.DeviceTensor(torch.arange(4, dtype=torch.int32))

@@ -114,9 +114,11 @@ class PythonInstance(ModelInstance):
         self._initialized = False
         self.metrics_owner = object()  # what owns the custom metrics this instance creates
         # Inline execution on the event loop is for plain synchronous models only: BLS needs the loop to be
-        # free, async execute needs its own loop, decoupled models may block until they have sent everything.
+        # free, async execute needs its own loop, decoupled models may block until they have sent everything,
+        # and a model keeping GPU tensors needs its thread's setting (context.keep_device_tensors).
         self.inline = InlinePolicy(
             not self.decoupled
+            and not self.device_tensors
             and not inspect.iscoroutinefunction(self.model.execute)
             and not _uses_bls(module)
         )

@@ -1,4 +1,4 @@
-"""A small model repository that both Naiad and the real Triton load: reshape, UINT64 identity, ensembles."""
+"""A small model repository that both Naiad and the real Triton load: reshape, UINT64 identity, INT8 add/sub, ensembles."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ ROOT = Path(__file__).resolve().parent.parent
 TRITON_MODELS = ROOT / "tools" / "triton" / "models"
 
 #: The models loaded at start-up (--load-model), in load order (the ensemble after the model it composes).
-CLIENT_MODELS = ("identity_fp32", "add_sub", "reshape_py", "reshape_nobatch", "identity_u64", "ens_identity")
+CLIENT_MODELS = (
+    "identity_fp32",
+    "add_sub",
+    "reshape_py",
+    "reshape_nobatch",
+    "identity_u64",
+    "simple_int8",
+    "ens_identity",
+)
 #: Models left unloaded at start-up: `ens_dep` composes `identity_dep`, which only the ensemble's load brings in.
 LATER_MODELS = ("identity_dep", "ens_dep")
 
@@ -60,6 +68,21 @@ input [ { name: "INPUT0" data_type: TYPE_UINT64 dims: [ -1 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_UINT64 dims: [ -1 ] } ]
 """
 
+#: Triton's example model `simple_int8` (grpc_explicit_int8_content_client.py): add_sub's python model on INT8.
+SIMPLE_INT8_CONFIG = """
+name: "simple_int8"
+backend: "python"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_INT8 dims: [ 16 ] },
+  { name: "INPUT1" data_type: TYPE_INT8 dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_INT8 dims: [ 16 ] },
+  { name: "OUTPUT1" data_type: TYPE_INT8 dims: [ 16 ] }
+]
+"""
+
 ENSEMBLE_CONFIG = """
 name: "{name}"
 platform: "ensemble"
@@ -89,6 +112,9 @@ def build_client_repo(out: Path) -> Path:
     (out / "identity_u64" / "1").mkdir(parents=True)
     shutil.copy(TRITON_MODELS / "identity_fp32" / "1" / "model.py", out / "identity_u64" / "1" / "model.py")
     (out / "identity_u64" / "config.pbtxt").write_text(IDENTITY_U64_CONFIG)
+    (out / "simple_int8" / "1").mkdir(parents=True)
+    shutil.copy(TRITON_MODELS / "add_sub" / "1" / "model.py", out / "simple_int8" / "1" / "model.py")
+    (out / "simple_int8" / "config.pbtxt").write_text(SIMPLE_INT8_CONFIG)
     shutil.copytree(
         TRITON_MODELS / "identity_fp32", out / "identity_dep", ignore=shutil.ignore_patterns("__pycache__")
     )

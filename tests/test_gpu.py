@@ -586,10 +586,13 @@ def test_cuda_shm_manager_register_read_write_unregister(fake_cuda):
     with pytest.raises(AlreadyExists):
         cuda.register("r", raw, 0, 8)
     # inputs, through the combined manager (what the frontends call)
-    got = mgr.read_input(
+    lazy = mgr.read_input(
         "INPUT0", "FP32", [2, 3], {"shared_memory_region": "r", "shared_memory_byte_size": 24}
     )
-    np.testing.assert_array_equal(got, x.reshape(2, 3))
+    # checked now, copied once the model is known (Server.infer): to the host for every model but a python
+    # model with FORCE_CPU_ONLY_INPUT_TENSORS "no"
+    assert isinstance(lazy, cuda_shm.CudaInput) and lazy.shape == (2, 3) and lazy.dtype == np.float32
+    np.testing.assert_array_equal(lazy.to_host(), x.reshape(2, 3))
     got = mgr.read_input(
         "S",
         "BYTES",
@@ -638,8 +641,10 @@ def test_cuda_shm_manager_register_read_write_unregister(fake_cuda):
         cuda.register("s", bytes(64), 0, 8)
     with pytest.raises(InvalidArgument, match="byte_size' must be greater than zero"):
         cuda.register("s", raw, 0, 0)
-    # unregister closes the mapping; later reads fail clearly
+    # unregister closes the mapping; later reads fail clearly, also of an input decoded before
     cuda.unregister("r")
+    with pytest.raises(InvalidArgument, match="cuda shared memory region 'r' was unregistered"):
+        lazy.to_host()
     assert fake_cuda.closed == [ptr] and cuda.status() == []
     with pytest.raises(InvalidArgument, match="Unable to find shared memory region: 'r'"):
         mgr.read_input("INPUT0", "FP32", [2, 3], {"shared_memory_region": "r", "shared_memory_byte_size": 24})

@@ -1583,3 +1583,53 @@ def test_grpc_inputs_mixing_shared_memory_and_tensor_data(clients: Pair, shm_inp
     _same_grpc(f"mixed_{second}", t, n)
     if t.response is not None:
         assert list(n.response.raw_output_contents) == list(t.response.raw_output_contents)
+
+
+# ---- 7. Triton's grpc_explicit_int8_content_client.py example (issue 34) ----
+
+
+def _explicit_int8_request(version: str):
+    """The example's request: `simple_int8`, INT8 inputs as typed `int_contents`, both outputs asked for."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="simple_int8", model_version=version)
+    for name, values in (("INPUT0", range(16)), ("INPUT1", [1] * 16)):
+        inp = req.inputs.add(name=name, datatype="INT8", shape=[1, 16])
+        inp.contents.int_contents[:] = list(values)
+    req.outputs.add(name="OUTPUT0")
+    req.outputs.add(name="OUTPUT1")
+    return req
+
+
+def test_explicit_int8_content_example(clients: Pair):
+    t, n = (grpc_call(ep, "ModelInfer", _explicit_int8_request("")) for ep in clients.both())
+    _same_grpc("explicit_int8", t, n)
+    assert list(n.response.raw_output_contents) == list(t.response.raw_output_contents)
+    total, diff = (np.frombuffer(raw, np.int8) for raw in n.response.raw_output_contents)
+    assert total.tolist() == [i + 1 for i in range(16)] and diff.tolist() == [i - 1 for i in range(16)]
+    t, n = (
+        grpc_call(ep, "ModelInfer", _explicit_int8_request("wrong_specification")) for ep in clients.both()
+    )
+    _same_grpc("explicit_int8_wrong_version", t, n)
+    # what the example itself checks
+    assert "failed to get model version from specified version string 'wrong_specification'" in n.details
+
+
+@pytest.mark.parametrize("version", ["wrong_specification", "-1", "2abc", "99999999999999999999"])
+@pytest.mark.parametrize("rpc", ["ModelMetadata", "ModelConfig", "ModelReady", "ModelStatistics"])
+def test_version_string_on_per_model_rpcs(clients: Pair, rpc: str, version: str):
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = getattr(pb, f"{rpc}Request")(name="simple_int8", version=version)
+    t, n = (grpc_call(ep, rpc, req) for ep in clients.both())
+    _same_grpc(f"version_{rpc}", t, n)
+    if rpc == "ModelReady" and t.response is not None:
+        assert n.response.ready == t.response.ready
+
+
+@pytest.mark.parametrize("version", ["wrong_specification", "99999999999999999999", "01"])
+@pytest.mark.parametrize("suffix", ["", "/ready", "/config", "/stats"])
+def test_version_string_on_http_routes(clients: Pair, suffix: str, version: str):
+    path = f"/v2/models/simple_int8/versions/{version}{suffix}"
+    t, n = (http(ep, "GET", path) for ep in clients.both())
+    _same_http(f"version_http{suffix}", t, n, same_body=t.status == 400)

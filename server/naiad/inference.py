@@ -44,6 +44,10 @@ class InferenceRequest:
     # The caller's span, when tracing: a W3C traceparent header from a frontend, or the calling request's
     # trace for ensemble steps and BLS calls
     traceparent: Any = None
+    # Some input is in device memory (a device_tensors.DeviceTensor, or a CUDA shared-memory span not read yet)
+    device_inputs: bool = False
+    # The caller takes outputs in device memory (ensemble steps; BLS calls from a model that keeps GPU tensors)
+    device_consumer: bool = False
 
     def batch_size(self, batched: bool) -> int:
         if not batched or not self.inputs:
@@ -72,6 +76,7 @@ class InferenceResponse:
     parameters: dict[str, Any] = field(default_factory=dict)
     error: Exception | None = None
     final: bool = True
+    device_outputs: bool = False  # some output is a device_tensors.DeviceTensor
 
     def output(self, name: str) -> OutputTensor | None:
         for o in self.outputs:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import __version__, backends
+from . import __version__, backends, device_tensors
 from .cache import ResponseCache, request_key
 from .classification import classify
 from .custom_metrics import CustomMetrics
@@ -20,6 +20,7 @@ from .logsettings import LogSettings
 from .repository import ModelRepository
 from .scheduling.ratelimit import RateLimiter
 from .trace import Tracer
+from .version_string import parse_version
 from .warmup import run_warmup
 
 if TYPE_CHECKING:
@@ -224,9 +225,12 @@ class Server:
                 f"ModelInfer RPC doesn't support models with decoupled transaction policy; use "
                 f"ModelStreamInfer (gRPC) or /generate_stream (HTTP) for model '{request.model_name}'"
             )
+        if request.device_inputs:
+            device_tensors.place_inputs(request, mv.config)
         mv.validate(request)
         cache_key = None
-        if self.cache is not None and mv.config.response_cache.enable:
+        # (GPU inputs, kept for a model that takes them, are not hashed: such a request is not cached)
+        if self.cache is not None and mv.config.response_cache.enable and not request.device_inputs:
             t0 = time.monotonic_ns()
             cache_key = request_key(request, mv.version)
             hit = self.cache.get(cache_key)
@@ -260,6 +264,10 @@ class Server:
         response.model_name = mv.name
         response.model_version = str(mv.version)
         response.id = request.id
+        if response.device_outputs and (
+            not request.device_consumer or cache_key is not None or mv.output_reshape or _classifies(request)
+        ):
+            device_tensors.outputs_to_host(response)
         if mv.output_reshape:
             mv.reshape_outputs(response)
         self._postprocess(mv, request, response)
@@ -277,6 +285,8 @@ class Server:
         if not mv.decoupled:
             yield await self.infer(request)
             return
+        if request.device_inputs:
+            device_tensors.place_inputs(request, mv.config)
         mv.validate(request)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -312,6 +322,10 @@ class Server:
                     resp.model_name, resp.model_version, resp.id = mv.name, str(mv.version), request.id
                     error = resp.error or error
                     if resp.error is None:
+                        if resp.device_outputs and (
+                            not request.device_consumer or mv.output_reshape or _classifies(request)
+                        ):
+                            device_tensors.outputs_to_host(resp)
                         if mv.output_reshape:
                             mv.reshape_outputs(resp)
                         self._postprocess(mv, request, resp)
@@ -358,6 +372,10 @@ class Server:
         run_warmup(mv)
 
 
+def _classifies(request: InferenceRequest) -> bool:
+    return any(o.classification for o in request.outputs)
+
+
 def _labels(mv, output_name: str) -> list[str]:
     for o in mv.config.output:
         if o.name == output_name and o.label_filename:
@@ -367,18 +385,3 @@ def _labels(mv, output_name: str) -> list[str]:
             except OSError as exc:
                 log.warning("cannot read labels %s: %s", path, exc)
     return []
-
-
-def parse_version(version: str | int) -> int:
-    """A request's model version: '' or -1 is the latest, otherwise a non-negative integer."""
-    if isinstance(version, int):
-        return version
-    if version in ("", None):
-        return -1
-    try:
-        v = int(version)
-    except ValueError:
-        raise InvalidArgument(f"failed to parse model version '{version}': must be an integer") from None
-    if v < 0:
-        raise InvalidArgument(f"invalid model version '{version}'")
-    return v

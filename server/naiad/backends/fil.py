@@ -1,4 +1,5 @@
-"""FIL backend: tree models (XGBoost, LightGBM, Treelite checkpoints) with Triton FIL's layout and parameters."""
+"""FIL backend: tree models (XGBoost, LightGBM, Treelite checkpoints) with Triton FIL's layout, parameters and SHAP
+output (`treeshap_output`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from ..config import ModelConfig
 from ..errors import InvalidArgument, Unavailable
 from .api import Backend, InstanceState, ModelState
+from .fil_treeshap import TreeShap
 
 log = logging.getLogger("naiad.fil")
 
@@ -30,6 +32,8 @@ MODEL_FILES = {
 DEFAULT_MODEL_TYPE = "xgboost"
 STORAGE_TYPES = ("AUTO", "DENSE", "SPARSE", "SPARSE8")
 ALGOS = ("ALGO_AUTO", "NAIVE", "TREE_REORG", "BATCH_TREE_REORG")
+#: Triton FIL's optional second output: SHAP values, [n_features + 1] or [n_classes, n_features + 1], bias last.
+SHAP_OUTPUT = "treeshap_output"
 
 
 def _library(name: str, extra_hint: str = "naiad[fil]"):
@@ -104,6 +108,11 @@ class Forest(abc.ABC):
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Scores for the rows of `x` (float32, shape (n, num_features))."""
 
+    @abc.abstractmethod
+    def contributions(self, x: np.ndarray) -> np.ndarray:
+        """SHAP values of the rows of `x` in the raw-score (margin) space, shaped (n, num_classes, num_features + 1)
+        with the bias last: the library's own TreeSHAP where it has one."""
+
 
 class XGBoostForest(Forest):
     def __init__(self, path: Path, nthread: int, device: str):
@@ -121,12 +130,20 @@ class XGBoostForest(Forest):
         self.booster.set_param({"nthread": nthread, "device": device})
         self.num_features = self.booster.num_features()
         self.num_classes = max(1, int(learner["learner_model_param"].get("num_class", "0")))
+        self.xgb, self.nthread = xgb, nthread
 
     def predict(self, x):
         with warnings.catch_warnings():
             # a CUDA booster fed host memory warns once per call that it copies the input
             warnings.simplefilter("ignore", UserWarning)
             return self.booster.inplace_predict(x, validate_features=False)
+
+    def contributions(self, x):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dm = self.xgb.DMatrix(x, nthread=self.nthread)
+            out = self.booster.predict(dm, pred_contribs=True, validate_features=False)
+        return out.reshape(x.shape[0], self.num_classes, self.num_features + 1)
 
 
 class LightGBMForest(Forest):
@@ -142,6 +159,11 @@ class LightGBMForest(Forest):
 
     def predict(self, x):
         return self.booster.predict(x, num_threads=self.nthread)
+
+    def contributions(self, x):
+        # multi-class: one row of (features + 1) per class, side by side
+        out = self.booster.predict(x, pred_contrib=True, num_threads=self.nthread)
+        return np.asarray(out).reshape(x.shape[0], self.num_classes, self.num_features + 1)
 
 
 class TreeliteForest(Forest):
@@ -162,11 +184,21 @@ class TreeliteForest(Forest):
         self.nthread = nthread
         self.num_features = self.model.num_feature
         self.num_classes = int(np.max(header.get_field("num_class")))
+        self._treeshap: TreeShap | None = None
 
     def predict(self, x):
         out = self.gtil.predict(self.model, x, nthread=self.nthread)  # (n, targets, classes)
         out = out.reshape(out.shape[0], -1)
         return out[:, 0] if out.shape[1] == 1 else out
+
+    def explainer(self) -> TreeShap:
+        """The trees as TreeSHAP reads them (built from the model's JSON dump on first use)."""
+        if self._treeshap is None:
+            self._treeshap = TreeShap(self.model.dump_as_json(pretty_print=False))
+        return self._treeshap
+
+    def contributions(self, x):
+        return self.explainer().shap_values(x)
 
 
 def load_forest(model_type: str, path: Path, nthread: int, device: str = "cpu") -> Forest:
@@ -175,6 +207,14 @@ def load_forest(model_type: str, path: Path, nthread: int, device: str = "cpu") 
     if model_type == "lightgbm":
         return LightGBMForest(path, nthread)
     return TreeliteForest(path, nthread)
+
+
+def shap_dims(forest: Forest) -> list[int]:
+    """treeshap_output's dims (no batch): Triton FIL's [n_features + 1], or [n_classes, n_features + 1] when the
+    model scores more than one class."""
+    if forest.num_classes > 1:
+        return [forest.num_classes, forest.num_features + 1]
+    return [forest.num_features + 1]
 
 
 def output_width(forest: Forest, params: FilParameters) -> int:
@@ -212,6 +252,9 @@ class _FilModel:
     input_name: str
     output_name: str
     width: int  # output__0 columns the config declares
+    shap_dims: list[int] | None = (
+        None  # treeshap_output's dims (no batch dimension) when the config declares it
+    )
 
 
 class FilBackend(Backend):
@@ -241,20 +284,26 @@ class FilBackend(Backend):
     def model_initialize(self, model: ModelState) -> None:
         config = model.config
         params = FilParameters.parse(config)
-        if len(config.input) != 1 or len(config.output) != 1:
+        shap = [o for o in config.output if o.name == SHAP_OUTPUT]
+        outputs = [o for o in config.output if o.name != SHAP_OUTPUT]
+        if len(config.input) != 1 or len(outputs) != 1:
             raise InvalidArgument(
                 f"model '{model.name}': the fil backend takes one input (input__0) and gives one output "
-                f"(output__0); the config declares {len(config.input)} and {len(config.output)}"
+                f"(output__0), and optionally '{SHAP_OUTPUT}'; the config declares {len(config.input)} input(s) "
+                f"and {len(config.output)} output(s)"
             )
-        for kind, t in (("input", config.input[0]), ("output", config.output[0])):
+        for kind, t in (("input", config.input[0]), ("output", outputs[0]), *(("output", o) for o in shap)):
             if t.data_type != mc.TYPE_FP32:
                 raise InvalidArgument(
                     f"model '{model.name}': FIL {kind} '{t.name}' must be TYPE_FP32, got "
                     f"{mc.DataType.Name(t.data_type)}"
                 )
-        dims = list(config.output[0].dims)
+        dims = list(outputs[0].dims)
         width = dims[-1] if dims and dims[-1] > 0 else 1
-        model.state = _FilModel(params, config.input[0].name, config.output[0].name, width)
+        shap_dims = None
+        if shap:
+            shap_dims = list(shap[0].dims)[0 if config.max_batch_size > 0 else 1 :]
+        model.state = _FilModel(params, config.input[0].name, outputs[0].name, width, shap_dims)
 
     def instance_initialize(self, instance: InstanceState) -> None:
         state: _FilModel = instance.model.state
@@ -286,6 +335,18 @@ class FilBackend(Backend):
                 f"for this model (output_class={str(params.output_class).lower()}, "
                 f"predict_proba={str(params.predict_proba).lower()}), the config says {state.width}"
             )
+        if state.shap_dims is not None:
+            want = shap_dims(forest)
+            got = state.shap_dims
+            if len(got) != len(want) or any(g not in (-1, w) for g, w in zip(got, want)):
+                raise InvalidArgument(
+                    f"model '{instance.model.name}': output '{SHAP_OUTPUT}' must have dims {want} for this model "
+                    f"({forest.num_features} features + the bias"
+                    + (f", per class of {forest.num_classes}" if forest.num_classes > 1 else "")
+                    + f"), the config says {got}"
+                )
+            if isinstance(forest, TreeliteForest):
+                forest.explainer()  # read the trees now: a model TreeSHAP cannot explain fails to load
         instance.state = forest
 
     def instance_execute(self, instance: InstanceState, requests):
@@ -294,8 +355,11 @@ class FilBackend(Backend):
         x = batch.inputs[state.input_name]
         x = np.ascontiguousarray(x.reshape(x.shape[0], -1) if x.ndim != 2 else x, dtype=np.float32)
         forest: Forest = instance.state
-        out = postprocess(forest.predict(x), state.params, state.width)
-        return instance.scatter(requests, batch, {state.output_name: out})
+        outputs = {state.output_name: postprocess(forest.predict(x), state.params, state.width)}
+        if state.shap_dims is not None and SHAP_OUTPUT in batch.outputs:
+            phi = np.asarray(forest.contributions(x), dtype=np.float32)
+            outputs[SHAP_OUTPUT] = phi[:, 0] if forest.num_classes == 1 else phi
+        return instance.scatter(requests, batch, outputs)
 
     def instance_finalize(self, instance: InstanceState) -> None:
         instance.state = None

@@ -9,7 +9,7 @@ from tritonclient.grpc import service_pb2 as pb
 from .. import tensors
 from ..errors import InvalidArgument
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
-from ..server import parse_version
+from ..version_string import parse_version
 from . import grpc_wire
 from .common import request_options
 
@@ -42,6 +42,7 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRe
         raw = req.raw_input_contents
     n_raw = len(raw)
     used_raw = 0  # as Triton: the inputs not in shared memory take the raw entries in order
+    device = False
     inputs: dict[str, np.ndarray] = {}
     datatypes: dict[str, str] = {}
     for t in req.inputs:
@@ -62,6 +63,7 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRe
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
             inputs[name] = shm.read_input(name, datatype, shape, tparams)
+            device = device or not isinstance(inputs[name], np.ndarray)  # a CUDA shared-memory span
         elif n_raw:
             if t.HasField("contents"):
                 raise InvalidArgument(
@@ -120,6 +122,7 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRe
         id=req.id,
         outputs=outputs,
         parameters=params,
+        device_inputs=device,
     )
     request_options(request, params)
     return request

@@ -179,23 +179,23 @@ class HttpFrontend:
 
     async def model_metadata(self, request):
         m = request.match_info
-        return _json(self.server.model_metadata(m["model"], m.get("version", "")))
+        return _json(self.server.model_metadata(m["model"], model_version(m.get("version", ""))))
 
     async def model_ready(self, request):
         m = request.match_info
-        model_version(m.get("version", ""))
-        if self.server.model_ready(m["model"], m.get("version", "")):
+        if self.server.model_ready(m["model"], model_version(m.get("version", ""))):
             return web.Response(status=200)
         return _json({"error": "Model version not ready"}, status=400)
 
     async def model_config(self, request):
         m = request.match_info
-        mv = self.server.model(m["model"], m.get("version", ""))
+        mv = self.server.model(m["model"], model_version(m.get("version", "")))
         return _json(cfg.to_dict(mv.config))
 
     async def stats(self, request):
         m = request.match_info
-        return _json({"model_stats": self.server.model_statistics(m.get("model", ""), m.get("version", ""))})
+        version = model_version(m.get("version", ""))
+        return _json({"model_stats": self.server.model_statistics(m.get("model", ""), version)})
 
     # repository extension
     async def _body_json(self, request) -> dict:

@@ -13,6 +13,7 @@ from aiohttp import web
 from .. import tensors
 from ..errors import InvalidArgument, NotFound, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
+from ..version_string import parse_version
 from .common import request_options
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -62,6 +63,7 @@ def decode_infer_request(
     if not isinstance(params, dict):
         raise InvalidArgument("'parameters' must be a JSON object")
     inputs: dict[str, np.ndarray] = {}
+    device = False
     datatypes: dict[str, str] = {}
     offset = 0
     for item in raw_inputs:
@@ -99,6 +101,7 @@ def decode_infer_request(
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
             inputs[name] = shm.read_input(name, datatype, shape, iparams)
+            device = device or not isinstance(inputs[name], np.ndarray)  # a CUDA shared-memory span
         elif "binary_data_size" in iparams:
             size = iparams["binary_data_size"]
             if not isinstance(size, int) or size < 0:
@@ -147,6 +150,7 @@ def decode_infer_request(
         model_version=model_version(version),
         id=req_id,
         outputs=outputs,
+        device_inputs=device,
         parameters=params,
     )
     request_options(request, params)
@@ -154,12 +158,12 @@ def decode_infer_request(
 
 
 def model_version(version: str) -> int:
-    """Triton's routes only match numeric versions: anything else is a 404."""
+    """Triton's routes only match ASCII-digit versions (anything else is a 404); those parse as its gRPC ones do."""
     if not version:
         return -1
-    if not version.isdigit():
+    if not (version.isascii() and version.isdigit()):
         raise NotFound(f"Not Found: model version '{version}' must be a non-negative integer")
-    return int(version)
+    return parse_version(version)
 
 
 def encode_infer_response(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
+
 from ..backends.base import ModelContext
 from ..errors import InvalidArgument, NaiadError
 from ..inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
@@ -96,7 +98,12 @@ class EnsembleScheduler:
             outputs = [OutputTensor(n, tensors[n][1], tensors[n][0]) for n in names]
             ok = True
             return InferenceResponse(
-                model_name=ctx.name, model_version=str(ctx.version), outputs=outputs, id=request.id
+                model_name=ctx.name,
+                model_version=str(ctx.version),
+                outputs=outputs,
+                id=request.id,
+                # a GPU model's output went straight to the end: the caller (or Server.infer) decides where
+                device_outputs=any(o.data.__class__ is not np.ndarray for o in outputs),
             )
         finally:
             for task in running:
@@ -126,5 +133,8 @@ async def _run_step(server, parent: InferenceRequest, step, tensors) -> Inferenc
         priority=parent.priority,
         timeout_us=parent.timeout_us,
         traceparent=parent.trace,
+        # tensors in device memory go from step to step as they are; each step's model says where it takes them
+        device_inputs=any(v.__class__ is not np.ndarray for v in inputs.values()),
+        device_consumer=True,
     )
     return await server.infer(req)

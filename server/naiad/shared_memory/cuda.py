@@ -3,7 +3,9 @@
 CUDA shared memory follows Triton's protocol: a client allocates device memory, exports it with
 `cudaIpcGetMemHandle`, and registers the 64-byte raw handle (base64 in HTTP's `{"raw_handle": {"b64": ...}}`,
 bytes over gRPC) with its device id and byte size. The server maps it with `cudaIpcOpenMemHandle`; an input
-in a region is copied device->host once when the request is decoded, an output is copied host->device once
+in a region is checked when the request is decoded and copied once when the model is known: device->host for
+every model but those that take GPU inputs (a python model with `FORCE_CPU_ONLY_INPUT_TENSORS: "no"`, an ensemble),
+device->device into a tensor of the server's own for those (`CudaInput`). An output is copied host->device once
 when the response is encoded. Regions share one name space with system shared memory regions, as in Triton.
 """
 
@@ -184,8 +186,8 @@ class CudaSharedMemoryManager:
             cuda_runtime.check(rt.cudaMemcpyAsync(dst, src, size, kind, stream), "cudaMemcpyAsync")
             cuda_runtime.check(rt.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
-    def read_input(self, name: str, datatype: str, shape: list[int], params: dict) -> np.ndarray:
-        """The tensor's bytes, copied device->host once."""
+    def read_input(self, name: str, datatype: str, shape: list[int], params: dict) -> np.ndarray | CudaInput:
+        """BYTES: the tensor, copied device->host now. Other types: checked now, copied when the model is known."""
         self.check_enabled()
         region, offset, size = self._span(params, None)
         count = tensors.element_count(shape)
@@ -196,12 +198,11 @@ class CudaSharedMemoryManager:
                     f"input '{name}': shared memory byte size {size} does not match the tensor's "
                     f"{count * dt.itemsize} bytes ({count} {datatype} elements)"
                 )
+            return CudaInput(self, region, offset, size, datatype, tuple(shape))
         host = np.empty(size, dtype=np.uint8)
         if size:
             self._copy(region, host.ctypes.data, region.pointer + offset, size, "cudaMemcpyDeviceToHost")
-        if datatype == "BYTES":
-            return tensors.deserialize_bytes(host.tobytes(), count).reshape(shape)
-        return host.view(dt).reshape(shape)
+        return tensors.deserialize_bytes(host.tobytes(), count).reshape(shape)
 
     def write_output(self, out, params: dict) -> dict:
         """Copy an output host->device into its region; returns the response parameters describing it."""
@@ -217,6 +218,53 @@ class CudaSharedMemoryManager:
         if params.get("shared_memory_offset"):
             result["shared_memory_offset"] = params["shared_memory_offset"]
         return result
+
+
+@dataclass
+class CudaInput:
+    """An input tensor in a CUDA shared-memory region, not read yet (request.device_inputs says one is there):
+    `Server.infer` turns it into host memory or into a device tensor once it knows the model."""
+
+    manager: CudaSharedMemoryManager
+    region: CudaRegion
+    offset: int
+    size: int
+    datatype: str
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return tensors.numpy_dtype(self.datatype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size
+
+    def to_host(self) -> np.ndarray:
+        """Device->host, once (what every model that does not take GPU inputs gets)."""
+        host = np.empty(self.size, dtype=np.uint8)
+        if self.size:
+            src = self.region.pointer + self.offset
+            self.manager._copy(self.region, host.ctypes.data, src, self.size, "cudaMemcpyDeviceToHost")
+        return host.view(self.dtype).reshape(self.shape)
+
+    def to_device(self):
+        """Device->device into a tensor the server owns on the region's GPU (the client may reuse its region as
+        soon as the response is back; the model may keep its input longer)."""
+        import torch
+
+        from ..device_tensors import DeviceTensor
+
+        data = torch.empty(self.size, dtype=torch.uint8, device=f"cuda:{self.region.device_id}")
+        if self.size:
+            src = self.region.pointer + self.offset
+            self.manager._copy(self.region, data.data_ptr(), src, self.size, "cudaMemcpyDeviceToDevice")
+        dtype = torch.bfloat16 if self.datatype == "BF16" else torch.from_numpy(np.empty(0, self.dtype)).dtype
+        return DeviceTensor(data.view(dtype).reshape(self.shape))
 
 
 class SharedMemoryManagerWithCuda(SharedMemoryManager):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from ...device_tensors import force_cpu_only
 from ..api import ModuleBackend
 from ..base import ModelContext, ModelInstance
 from . import triton_python_backend_utils, worker
@@ -24,6 +25,7 @@ sys.modules.setdefault("triton_python_backend_utils", triton_python_backend_util
 
 def create_instance(ctx: ModelContext, group, device_id: int, index: int) -> ModelInstance:
     """In-process or in a worker process, as `isolation.execution_isolation` decides for the model."""
+    force_cpu_only(ctx.config)  # a value other than "yes" or "no" fails the load, as in Triton
     if execution_isolation(ctx.config) == "process":
         return ProcessInstance(ctx, group, device_id, index, worker.main)
     return PythonInstance(ctx, group, device_id, index)

@@ -19,6 +19,16 @@ def bind(server, loop, owner=None) -> None:
     _default["server"], _default["loop"] = server, loop
 
 
+def keep_device_tensors(keep: bool) -> None:
+    """On an instance thread: whether the model's GPU tensors stay on the GPU (FORCE_CPU_ONLY_INPUT_TENSORS "no")."""
+    _context.device_tensors = keep
+
+
+def device_tensors() -> bool:
+    """Whether the model on the calling thread keeps GPU tensors on the GPU (default: no, host copies)."""
+    return getattr(_context, "device_tensors", False)
+
+
 def server():
     """The server the calling thread's model talks to, or None outside a running server."""
     return getattr(_context, "server", None) or _default.get("server")

@@ -6,6 +6,7 @@ The glue between `triton_python_backend_utils` and the server: it reads the pb_u
 
 from __future__ import annotations
 
+from ...device_tensors import DeviceTensor
 from ...errors import Internal
 from ...inference import InferenceResponse, OutputTensor
 
@@ -27,11 +28,12 @@ def to_native(request, response, final: bool) -> InferenceResponse:
             final=final,
         )
     requested = set(request._requested) if native.outputs else None
-    outputs = [
-        OutputTensor(t.name(), t._datatype, t.as_numpy())
-        for t in response.output_tensors()
-        if requested is None or t.name() in requested
-    ]
+    outputs = []
+    device = False
+    for t in response.output_tensors():
+        if requested is None or t.name() in requested:
+            device = device or t._array.__class__ is DeviceTensor
+            outputs.append(OutputTensor(t.name(), t._datatype, t._array))
     return InferenceResponse(
         model_name=native.model_name,
         model_version=str(native.model_version),
@@ -39,4 +41,5 @@ def to_native(request, response, final: bool) -> InferenceResponse:
         id=native.id,
         parameters=response._parameters,
         final=final,
+        device_outputs=device,
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ... import config as cfg
-from ... import errors
+from ... import device_tensors, errors
 from ...config import ModelConfig
 from ...custom_metrics import CustomMetrics
 from ...errors import Internal, InvalidArgument, NaiadError
@@ -105,6 +105,8 @@ class PythonInstance(ModelInstance):
             module = ctx.extra["python_module"] = load_module(ctx.model_file, ctx.name)
         self.model = module.TritonPythonModel()
         self.decoupled = ctx.config.model_transaction_policy.decoupled
+        # FORCE_CPU_ONLY_INPUT_TENSORS "no": GPU inputs arrive as GPU tensors, GPU outputs stay on the GPU
+        self.device_tensors = device_tensors.takes_device_inputs(ctx.config)
         self.all_outputs = [o.name for o in ctx.config.output]
         # numpy has no bfloat16: uint16 words are BF16 where the config says so
         self.bf16_outputs = {o.name for o in ctx.config.output if o.data_type == mc.TYPE_BF16}
@@ -112,9 +114,11 @@ class PythonInstance(ModelInstance):
         self._initialized = False
         self.metrics_owner = object()  # what owns the custom metrics this instance creates
         # Inline execution on the event loop is for plain synchronous models only: BLS needs the loop to be
-        # free, async execute needs its own loop, decoupled models may block until they have sent everything.
+        # free, async execute needs its own loop, decoupled models may block until they have sent everything,
+        # and a model keeping GPU tensors needs its thread's setting (context.keep_device_tensors).
         self.inline = InlinePolicy(
             not self.decoupled
+            and not self.device_tensors
             and not inspect.iscoroutinefunction(self.model.execute)
             and not _uses_bls(module)
         )
@@ -142,6 +146,7 @@ class PythonInstance(ModelInstance):
 
     def warmup_thread_init(self) -> None:
         context.bind(self.ctx.server, self.ctx.loop, self.metrics_owner)
+        context.keep_device_tensors(self.device_tensors)
         if not self._initialized:
             self._initialize()
 

@@ -17,6 +17,7 @@ import threading
 import numpy as np
 
 from ... import custom_metrics as _cm
+from ... import device_tensors as _dev
 from ... import tensors as _t
 from ...errors import NaiadError as _NaiadError
 from ...trace import Nested as _Nested
@@ -201,12 +202,13 @@ class TritonModelException(Exception):
 
 
 class Tensor:
-    """A named tensor held as a numpy array (zero-copy views where the request allows)."""
+    """A named tensor held as a numpy array (zero-copy views where the request allows), or in GPU memory as a
+    `device_tensors.DeviceTensor` (only for a model with FORCE_CPU_ONLY_INPUT_TENSORS "no")."""
 
     __slots__ = ("_array", "_datatype", "_name")
 
     def __init__(self, name: str, tensor, datatype: str | None = None):
-        if not isinstance(tensor, np.ndarray):
+        if not isinstance(tensor, (np.ndarray, _dev.DeviceTensor)):
             tensor = np.asarray(tensor)
         if tensor.dtype.kind in ("S", "U"):
             tensor = tensor.astype(np.object_)
@@ -218,6 +220,8 @@ class Tensor:
         return self._name
 
     def as_numpy(self) -> np.ndarray:
+        if self._array.__class__ is _dev.DeviceTensor:
+            raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
         return self._array
 
     def shape(self) -> list[int]:
@@ -227,24 +231,29 @@ class Tensor:
         return _TYPE_BY_NAME[self._datatype]
 
     def is_cpu(self) -> bool:
-        return True
+        return self._array.__class__ is not _dev.DeviceTensor
 
     def to_dlpack(self):
         return self._array.__dlpack__()
 
-    def __dlpack__(self, stream=None):
-        return self._array.__dlpack__()
+    def __dlpack__(self, stream=None, **kwargs):
+        # a consumer that reads versioned DLPack (numpy >= 2.1, torch) also takes a read-only request buffer
+        return self._array.__dlpack__(stream=stream, **kwargs)
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()
 
     @staticmethod
     def from_dlpack(name: str, dlpack_tensor) -> Tensor:
-        """From an object with `__dlpack__` (a torch tensor, a Tensor, ...) or a raw DLPack capsule."""
+        """From an object with `__dlpack__` (a torch tensor, a Tensor, ...) or a raw DLPack capsule. GPU memory
+        stays on the GPU for a model with FORCE_CPU_ONLY_INPUT_TENSORS "no"; other models get a host copy."""
+        keep_device = _bound.device_tensors()
         if hasattr(dlpack_tensor, "__dlpack__"):
             source = dlpack_tensor
-            if hasattr(source, "device") and getattr(source.device, "type", "cpu") != "cpu":
-                source = source.cpu()  # Naiad's python models work on CPU tensors
+            if _dev.is_device(source):
+                if keep_device:
+                    return Tensor(name, _dev.DeviceTensor(source))
+                source = _dev.DeviceTensor(source).to_host()
             return Tensor(name, np.from_dlpack(source))
         try:  # a raw capsule of CPU memory (what `to_dlpack` returns) needs no framework
             return Tensor(name, np.from_dlpack(_Capsule(dlpack_tensor)))
@@ -254,7 +263,8 @@ class Tensor:
             import torch.utils.dlpack as tdl
         except ImportError:
             raise TritonModelException(f"Tensor.from_dlpack: cannot read the capsule: {reason}") from None
-        return Tensor(name, tdl.from_dlpack(dlpack_tensor).cpu().numpy())
+        device = _dev.DeviceTensor(tdl.from_dlpack(dlpack_tensor))
+        return Tensor(name, device if keep_device else device.to_host())
 
     def __repr__(self) -> str:
         return f"Tensor(name={self._name!r}, datatype={self._datatype}, shape={self.shape()})"
@@ -472,10 +482,14 @@ class InferenceRequest:
         from ...inference import RequestedOutput
 
         inputs, datatypes = {}, {}
+        device = False
         for t in self._inputs:
-            inputs[t.name()] = t.as_numpy()
+            inputs[t.name()] = t._array
             datatypes[t.name()] = t._datatype
+            device = device or not t.is_cpu()
         return Native(
+            device_inputs=device,
+            device_consumer=_bound.device_tensors(),
             model_name=self._model_name,
             inputs=inputs,
             datatypes=datatypes,

@@ -23,6 +23,7 @@ BUILTIN = {
     "pytorch": "naiad.backends.pytorch:backend",
     "tensorrt": "naiad.backends.tensorrt:backend",
     "transformers": "naiad.backends.transformers:backend",
+    "vllm": "naiad.backends.vllm:backend",
 }
 
 

@@ -250,4 +250,11 @@ def test_cancelling_a_grpc_stream_frees_the_sequence(server):
         time.sleep(0.05)
     assert running(server) == 0
     text = requests.get(f"http://{server.metrics}/metrics").text
-    assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"}' in text or "abort" in text
+    aborted = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
+        and 'finished_reason="abort"' in line
+        and '"tiny"' in line
+    ]
+    assert aborted == [1.0]

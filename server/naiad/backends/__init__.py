@@ -22,6 +22,8 @@ BUILTIN = {
     "python": "naiad.backends.python:backend",
     "pytorch": "naiad.backends.pytorch:backend",
     "tensorrt": "naiad.backends.tensorrt:backend",
+    "transformers": "naiad.backends.transformers:backend",
+    "vllm": "naiad.backends.vllm:backend",
 }
 
 

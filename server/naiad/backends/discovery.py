@@ -11,7 +11,7 @@ from pathlib import Path
 from ..errors import InvalidArgument
 from .api import Backend
 from .base import ModelContext, ModelInstance
-from .python.instance import PythonInstance, load_module, run_auto_complete
+from .python.instance import PythonInstance, add_search_path, load_module, run_auto_complete
 
 _module_ids = itertools.count()
 
@@ -33,7 +33,7 @@ class PythonModelBackend(Backend):
     def _module(self, model_name: str):
         if self.module is not None:
             return self.module
-        return load_module(self.path, model_name)
+        return load_module(self.path, model_name, self.path.parent)
 
     def auto_complete_config(self, config, model_file):
         run_auto_complete(config, self._module(config.name))
@@ -67,6 +67,7 @@ def from_directory(name: str, model_py: Path) -> Backend:
     """A backend directory's `<name>/model.py`: a native Backend (`backend = ...`) or a TritonPythonModel."""
     spec = importlib.util.spec_from_file_location(f"naiad_backend_{name}_{next(_module_ids)}", model_py)
     module = importlib.util.module_from_spec(spec)
+    add_search_path(model_py.parent)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:

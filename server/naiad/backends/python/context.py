@@ -9,14 +9,16 @@ _context = threading.local()
 _default: dict[str, Any] = {}
 
 
-def bind(server, loop, owner=None) -> None:
+def bind(server, loop, owner=None, model_dir: str | None = None) -> None:
     """On an instance thread: BLS and model control from this thread go to `server` on `loop`, and custom
     metrics created on it belong to `owner` (the instance; they go when it is unloaded). Threads the model
-    starts itself use the last server bound, and their metrics stay for the server's lifetime."""
+    starts itself use the last server bound, and their metrics stay for the server's lifetime. `model_dir` is
+    what `pb_utils.get_model_dir()` answers there (the version folder, as Triton's stub does)."""
     _context.server = server
     _context.loop = loop
     _context.owner = owner
-    _default["server"], _default["loop"] = server, loop
+    _context.model_dir = model_dir
+    _default["server"], _default["loop"], _default["model_dir"] = server, loop, model_dir
 
 
 def keep_device_tensors(keep: bool) -> None:
@@ -42,3 +44,8 @@ def loop():
 def owner():
     """What owns the custom metrics created on this thread (None: the server, for its lifetime)."""
     return getattr(_context, "owner", None)
+
+
+def model_dir() -> str | None:
+    """The version folder of the model whose code runs on this thread (or the one bound last)."""
+    return getattr(_context, "model_dir", None) or _default.get("model_dir")

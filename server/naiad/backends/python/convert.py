@@ -6,9 +6,25 @@ The glue between `triton_python_backend_utils` and the server: it reads the pb_u
 
 from __future__ import annotations
 
+from ... import errors
 from ...device_tensors import DeviceTensor
-from ...errors import Internal
+from ...errors import NaiadError
 from ...inference import InferenceResponse, OutputTensor
+
+# pb_utils.TritonError codes -> the server's errors (and so HTTP statuses and gRPC codes)
+_ERROR_NAMES = {
+    2: "NotFound",  # NOT_FOUND
+    3: "InvalidArgument",  # INVALID_ARG
+    4: "Unavailable",  # UNAVAILABLE
+    5: "Unsupported",  # UNSUPPORTED
+    6: "AlreadyExists",  # ALREADY_EXISTS
+    7: "Cancelled",  # CANCELLED
+}
+
+
+def naiad_error(err) -> NaiadError:
+    """The server's error for a pb_utils.TritonError, by its code (Internal for UNKNOWN and INTERNAL)."""
+    return getattr(errors, _ERROR_NAMES.get(err.code(), "Internal"))(err.message())
 
 
 def to_native(request, response, final: bool) -> InferenceResponse:
@@ -24,7 +40,7 @@ def to_native(request, response, final: bool) -> InferenceResponse:
             model_name=native.model_name,
             model_version=str(native.model_version),
             id=native.id,
-            error=Internal(response.error().message()),
+            error=naiad_error(response.error()),
             final=final,
         )
     requested = set(request._requested) if native.outputs else None

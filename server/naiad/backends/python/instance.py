@@ -7,13 +7,14 @@ import importlib.util
 import inspect
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ... import config as cfg
-from ... import device_tensors, errors
+from ... import device_tensors
 from ...config import ModelConfig
 from ...custom_metrics import CustomMetrics
 from ...errors import Internal, InvalidArgument, NaiadError
@@ -21,28 +22,27 @@ from ...inference import InferenceResponse
 from ..base import InlinePolicy, ModelContext, ModelInstance
 from . import context
 from . import triton_python_backend_utils as pb_utils
-from .convert import to_native
+from .convert import naiad_error, to_native
 
 _module_ids = itertools.count()
 
-_ERROR_CODES = {
-    pb_utils.TritonError.NOT_FOUND: "NotFound",
-    pb_utils.TritonError.INVALID_ARG: "InvalidArgument",
-    pb_utils.TritonError.UNAVAILABLE: "Unavailable",
-    pb_utils.TritonError.UNSUPPORTED: "Unsupported",
-    pb_utils.TritonError.ALREADY_EXISTS: "AlreadyExists",
-    pb_utils.TritonError.CANCELLED: "Cancelled",
-}
+
+def add_search_path(folder: Path) -> None:
+    """Let a python-based backend's model.py import the modules beside it (vllm_backend's `from utils.metrics
+    import ...`), as Triton's stub puts the backend folder on sys.path. First, so that no installed package of the
+    same name shadows them."""
+    entry = str(folder)
+    if entry not in sys.path:
+        sys.path.insert(0, entry)
 
 
-def _naiad_error(err: pb_utils.TritonError) -> NaiadError:
-    return getattr(errors, _ERROR_CODES.get(err.code(), "Internal"))(err.message())
-
-
-def load_module(model_file: Path, model_name: str):
-    """Import model.py under a unique module name, so versions and models never share globals."""
+def load_module(model_file: Path, model_name: str, search_path: Path | None = None):
+    """Import model.py under a unique module name, so versions and models never share globals; `search_path`
+    (a backend directory's `<name>/` folder) goes on sys.path first."""
     if not model_file.is_file():
         raise InvalidArgument(f"model '{model_name}': {model_file} not found")
+    if search_path is not None:
+        add_search_path(search_path)
     unique = f"naiad_model_{next(_module_ids)}"
     spec = importlib.util.spec_from_file_location(unique, model_file)
     module = importlib.util.module_from_spec(spec)
@@ -124,7 +124,10 @@ class PythonInstance(ModelInstance):
         )
 
     def _initialize(self) -> None:
-        kind = "GPU" if self.group.kind == mc.ModelInstanceGroup.KIND_GPU else "CPU"
+        # TRITONSERVER_InstanceGroupKindString: vllm_backend takes KIND_MODEL ("MODEL") for multi-GPU engines
+        kind = {mc.ModelInstanceGroup.KIND_GPU: "GPU", mc.ModelInstanceGroup.KIND_MODEL: "MODEL"}.get(
+            self.group.kind, "CPU"
+        )
         args = {
             "model_config": json.dumps(cfg.to_dict(self.ctx.config)),
             "model_instance_kind": kind,
@@ -145,7 +148,7 @@ class PythonInstance(ModelInstance):
         self._initialized = True
 
     def warmup_thread_init(self) -> None:
-        context.bind(self.ctx.server, self.ctx.loop, self.metrics_owner)
+        context.bind(self.ctx.server, self.ctx.loop, self.metrics_owner, str(self.ctx.version_dir))
         context.keep_device_tensors(self.device_tensors)
         if not self._initialized:
             self._initialize()
@@ -169,7 +172,7 @@ class PythonInstance(ModelInstance):
         except pb_utils.TritonModelException as exc:
             raise Internal(exc.message() or str(exc)) from None
         except pb_utils.TritonError as exc:
-            raise _naiad_error(exc) from None
+            raise naiad_error(exc) from None
         except NaiadError:
             raise
         except Exception as exc:
@@ -202,7 +205,7 @@ class PythonInstance(ModelInstance):
                 if t.datatype == "UINT16" and t.name in self.bf16_outputs:
                     t.datatype = "BF16"
             if resp.has_error():
-                out.error = _naiad_error(resp.error())
+                out.error = naiad_error(resp.error())
             responses.append(out)
         return responses
 

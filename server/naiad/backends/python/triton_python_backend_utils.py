@@ -591,6 +591,15 @@ def _from_native_result(fut) -> InferenceResponse:
 # ---- lookups ----
 
 
+def get_model_dir() -> str:
+    """The model version's folder (`<repository>/<model>/<version>`), where a python-based backend such as
+    vllm_backend reads its files (`model.json`); Triton's stub answers the same."""
+    folder = _bound.model_dir()
+    if folder is None:
+        raise TritonModelException("get_model_dir() is only available to a model loaded by a Naiad server")
+    return folder
+
+
 def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
     for t in inference_request.inputs():
         if t.name() == name:
@@ -755,9 +764,35 @@ def load_model(model_name: str, config: str = "", files: dict | None = None) -> 
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    """Start unloading a model and return once it is out of service (no longer ready); as Triton's, it does
+    not wait for the unload to finish, so a model may unload itself from its own `execute` (vllm_backend does
+    when its engine fails a health check) while that execution is still in flight."""
     if model_name is None:
         raise TritonModelException("unload_model needs a model name")
-    _control("unload_model", model_name, bool(unload_dependents))
+    server, loop = _target()
+
+    async def ready() -> bool:
+        answer = server.model_ready(model_name, "")
+        return bool(await answer) if inspect.isawaitable(answer) else bool(answer)
+
+    def finished(task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("unloading model '%s' failed: %s", model_name, task.exception())
+
+    async def run():
+        task = asyncio.ensure_future(server.unload_model(model_name, bool(unload_dependents)))
+        await asyncio.sleep(0)
+        while not task.done() and await ready():
+            await asyncio.sleep(0.002)
+        if task.done():
+            task.result()
+        else:
+            task.add_done_callback(finished)
+
+    try:
+        asyncio.run_coroutine_threadsafe(run(), loop).result()
+    except _NaiadError as exc:
+        raise TritonModelException(exc.message) from None
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:

@@ -1,0 +1,345 @@
+"""The `transformers` backend: a Hugging Face model folder served with transformers' continuous batching.
+
+The version folder holds what `save_pretrained` writes (`config.json`, weights, tokenizer files). Each instance loads
+the model with torch on its device (KIND_CPU, or KIND_GPU's device) and starts transformers' own
+`ContinuousBatchingManager` (`model.init_continuous_batching`): requests join and leave the running batch between
+steps, every step is one forward over the tokens of all running sequences (paged KV cache). Requests and responses
+are in the vLLM shape (`naiad.llm.shape`); a bare `backend: "transformers"` config is completed to it.
+
+Per request: `max_tokens`, `temperature` (0: greedy), `top_p`, `top_k`, `stop` strings, `ignore_eos`, streaming
+deltas, cancellation (the sequence leaves the batch at the next step). transformers' manager samples with one
+generator for all sequences, so a request's `seed` is refused (400) rather than silently ignored. Embeddings
+(`embedding_request`) are the mean of the last hidden state over the prompt's tokens.
+
+Config parameters (`parameters { key: ... value: { string_value: ... } }`): `max_num_seqs` (sequences in one
+batch, 16), `num_blocks` and `block_size` (the paged KV cache: blocks of tokens, 256 of 32 by default; sized
+explicitly because transformers' automatic sizing probes memory for half a minute on CPU), `max_batch_tokens`
+(tokens in one forward, 512), `dtype` (`float32`, `bfloat16`, `float16`; default float32 on CPU, the model's on GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..config import ModelConfig
+from ..errors import InvalidArgument, NaiadError, Unavailable
+from ..inference import InferenceRequest
+from ..llm import info as llm_info
+from ..llm import vllm_request
+from ..llm.metrics import EngineMetrics
+from ..llm.shape import auto_complete_vllm_shape
+from .api import Backend, InstanceState, ResponseSender
+
+log = logging.getLogger("naiad.transformers")
+
+_DEFAULTS = {"max_num_seqs": 16, "num_blocks": 256, "block_size": 32, "max_batch_tokens": 512}
+
+
+def _int_parameter(params: dict[str, str], key: str) -> int:
+    value = params.get(key, "") or str(_DEFAULTS[key])
+    try:
+        number = int(value)
+    except ValueError:
+        raise InvalidArgument(f"parameter '{key}' must be an integer, got '{value}'") from None
+    if number < 1:
+        raise InvalidArgument(f"parameter '{key}' must be at least 1, got {number}")
+    return number
+
+
+class Engine:
+    """One instance's model, tokenizer and continuous-batching manager, with an asyncio loop thread on which
+    the requests wait for their tokens."""
+
+    def __init__(self, instance: InstanceState):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        model = instance.model
+        folder = model.version_path
+        if not (folder / "config.json").is_file():
+            raise InvalidArgument(
+                f"model '{model.name}': {folder} holds no config.json (a Hugging Face model folder)"
+            )
+        params = model.parameters
+        self.device = f"cuda:{instance.device_id}" if instance.kind == "GPU" else "cpu"
+        dtype_name = params.get("dtype", "") or ("float32" if self.device == "cpu" else "auto")
+        if dtype_name not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidArgument(
+                f"parameter 'dtype' must be float32, bfloat16, float16 or auto, got '{dtype_name}'"
+            )
+        dtype = dtype_name if dtype_name == "auto" else getattr(torch, dtype_name)
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(self.device).eval()
+        config = self.model.config
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        self.vocab_size = int(config.vocab_size)
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else config.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.name = model.name
+        self.metrics = EngineMetrics(model.ctx.server, model.name, self.context_length or 65536)
+        self.max_sequences = 1  # the most sequences one forward has carried
+        self.model.register_forward_pre_hook(self._count_sequences, with_kwargs=True)
+        # Sampling: one manager-wide mode; temperature, top_k and top_p per request (the processors exist only
+        # when the generation config's values are not the neutral ones, hence 0.5 / vocab / 0.99 here).
+        generation = GenerationConfig(
+            do_sample=True,
+            temperature=0.5,
+            top_k=self.vocab_size,
+            top_p=0.99,
+            max_new_tokens=16,
+            pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0,
+            eos_token_id=self.eos_ids[0] if self.eos_ids else None,
+        )
+        batching = ContinuousBatchingConfig(
+            block_size=_int_parameter(params, "block_size"),
+            num_blocks=_int_parameter(params, "num_blocks"),
+            max_batch_tokens=_int_parameter(params, "max_batch_tokens"),
+            max_requests_per_batch=_int_parameter(params, "max_num_seqs"),
+            per_request_processors=True,
+            use_cuda_graph=False,
+        )
+        self.manager = self.model.init_continuous_batching(
+            generation_config=generation, continuous_batching_config=batching
+        )
+        self.manager.start()
+        self._ids = itertools.count()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name=f"transformers-{model.name}", daemon=True
+        )
+        self._thread.start()
+        tok = self.tokenizer
+        llm_info.publish(
+            model.ctx,
+            llm_info.LLMInfo(
+                chat_template=getattr(tok, "chat_template", None),
+                bos_token=tok.bos_token or "",
+                eos_token=tok.eos_token or "",
+                context_length=self.context_length,
+                tokenize=lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
+            ),
+        )
+
+    def _count_sequences(self, module: Any, args: Any, kwargs: dict) -> None:
+        lens = kwargs.get("cu_seq_lens_q")
+        if lens is not None and len(lens) - 1 > self.max_sequences:
+            self.max_sequences = len(lens) - 1
+            log.info("model '%s': %d sequences in one forward", self.name, self.max_sequences)
+
+    def close(self) -> None:
+        self.manager.stop(block=True, timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.metrics.close()
+
+    # ---- requests ----
+    def submit(self, request: InferenceRequest, sender: ResponseSender) -> None:
+        """Parse a request and run it on the engine loop; errors go back as the request's final response."""
+        try:
+            req = vllm_request.parse(request)
+        except NaiadError as exc:
+            sender.send(error=exc, final=True)
+            return
+        work = self._embed(req, sender) if req.embedding is not None else self._generate(req, sender)
+        asyncio.run_coroutine_threadsafe(work, self.loop)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    async def _embed(self, req: vllm_request.VllmRequest, sender: ResponseSender) -> None:
+        try:
+            source = req.embedding["input"] if req.embedding else ""
+            if isinstance(source, str):
+                ids = self._encode(source)
+            elif isinstance(source, list) and source and all(isinstance(i, int) for i in source):
+                ids = list(source)
+            else:
+                raise InvalidArgument("embedding_request 'input' must be a string or a list of token ids")
+            if not ids:
+                raise InvalidArgument("embedding_request 'input' is empty")
+            if self.context_length and len(ids) > self.context_length:
+                raise InvalidArgument(
+                    f"the input has {len(ids)} tokens, more than the context length {self.context_length}"
+                )
+            vector = await asyncio.get_running_loop().run_in_executor(None, self._mean_hidden, ids)
+            dims = (req.embedding or {}).get("pooling_params", {}).get("dimensions")
+            if dims:
+                vector = vector[: int(dims[0] if isinstance(dims, list) else dims)]
+            out = vllm_request.outputs(req, json.dumps(vector), num_input_tokens=len(ids))
+            sender.send(out, final=True)
+        except Exception as exc:
+            sender.send(error=exc, final=True)
+
+    def _mean_hidden(self, ids: list[int]) -> list[float]:
+        with self.torch.inference_mode():
+            hidden = self.model.model(
+                input_ids=self.torch.tensor([ids], device=self.device)
+            ).last_hidden_state
+            return hidden[0].float().mean(dim=0).cpu().tolist()
+
+    def _sampling(self, sampling: dict[str, Any], prompt_len: int) -> tuple[int, dict[str, Any]]:
+        if sampling.get("seed") is not None:
+            raise InvalidArgument(
+                "the transformers backend does not take a per-request 'seed': transformers' continuous batching "
+                "samples every sequence with one generator"
+            )
+        if int(vllm_request.number(sampling, "n", int, 1)) != 1:
+            raise InvalidArgument("the transformers backend generates one sequence per request (n must be 1)")
+        max_tokens = vllm_request.number(sampling, "max_tokens", int, 16)
+        if max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be at least 1, got {max_tokens}")
+        if self.context_length and prompt_len + max_tokens > self.context_length:
+            raise InvalidArgument(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is longer than the context "
+                f"length {self.context_length}"
+            )
+        temperature = vllm_request.number(sampling, "temperature", float, 1.0)
+        top_p = vllm_request.number(sampling, "top_p", float, 1.0)
+        top_k = vllm_request.number(sampling, "top_k", int, 0)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise InvalidArgument("temperature must be >= 0 and top_p in (0, 1]")
+        if temperature == 0:  # greedy: the top token only
+            return max_tokens, {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+        top_k = self.vocab_size if top_k <= 0 else min(top_k, self.vocab_size)
+        return max_tokens, {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+
+    async def _generate(self, req: vllm_request.VllmRequest, sender: ResponseSender) -> None:
+        metrics = self.metrics.arrived()
+        rid = f"naiad-{next(self._ids)}"
+        prompt_ids: list[int] = []
+        generated = 0
+        finish = "abort"
+        try:
+            prompt_ids = self._encode(req.prompt)
+            if not prompt_ids:
+                raise InvalidArgument("the prompt is empty")
+            max_tokens, processors = self._sampling(req.sampling, len(prompt_ids))
+            stops = vllm_request.stop_strings(req.sampling)
+            ignore_eos = bool(req.sampling.get("ignore_eos", False))
+            results: asyncio.Queue = asyncio.Queue()
+            self.manager.register_result_handler(rid, results.put_nowait)
+            added = self.manager.add_request(
+                prompt_ids,
+                request_id=rid,
+                max_new_tokens=max_tokens,
+                streaming=True,
+                eos_token_id=-1 if ignore_eos else (self.eos_ids[0] if self.eos_ids else -1),
+                **processors,
+            )
+            if added is None:
+                raise Unavailable(f"model '{self.name}': the continuous-batching manager refused the request")
+            text, sent, tokens = "", 0, []
+            while True:
+                try:
+                    result = await asyncio.wait_for(results.get(), timeout=0.25)
+                except TimeoutError:
+                    result = None
+                if sender.is_cancelled():
+                    self.manager.cancel_request(rid)
+                    return
+                if result is None:
+                    continue
+                if result.error:
+                    raise Unavailable(f"model '{self.name}': generation failed: {result.error}")
+                metrics.scheduled()
+                new = list(result.generated_tokens)[len(tokens) :]
+                tokens.extend(new)
+                metrics.tokens(len(new))
+                done = result.is_finished()
+                visible = [t for t in tokens if t not in self.eos_ids]
+                text = self.tokenizer.decode(visible, skip_special_tokens=True)
+                stopped = False
+                for stop in stops:
+                    at = text.find(stop)
+                    if at >= 0:
+                        text, stopped = text[:at], True
+                if stopped:
+                    self.manager.cancel_request(rid)
+                    finish, done = "stop", True
+                elif done:
+                    finish = "stop" if tokens and tokens[-1] in self.eos_ids and not ignore_eos else "length"
+                generated = len(tokens)
+                # hold back what could be the start of a stop string or a partial UTF-8 character
+                end = len(text) if done else _safe_end(text, stops)
+                if req.stream and (end > sent or done):
+                    out = vllm_request.outputs(
+                        req,
+                        text[sent:end],
+                        finish_reason=finish if done else None,
+                        num_input_tokens=len(prompt_ids),
+                        num_output_tokens=len(new),
+                    )
+                    sent = end
+                    sender.send(out, final=done)
+                if done:
+                    break
+            if not req.stream:
+                full = (req.prompt if req.prepend_input else "") + text
+                out = vllm_request.outputs(
+                    req,
+                    full,
+                    finish_reason=finish,
+                    num_input_tokens=len(prompt_ids),
+                    num_output_tokens=generated,
+                )
+                sender.send(out, final=True)
+        except Exception as exc:
+            sender.send(error=exc, final=True)
+        finally:
+            metrics.finished(len(prompt_ids), generated, finish)
+
+
+def _safe_end(text: str, stops: list[str]) -> int:
+    """How much of `text` may go out now: not a trailing replacement character (a UTF-8 sequence still being
+    decoded) nor a suffix that starts one of the stop strings."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[end - k : end] == stop[:k]:
+                end -= k
+                break
+    return end
+
+
+class TransformersBackend(Backend):
+    """`backend: "transformers"`: see the module docstring."""
+
+    name = "transformers"
+    default_model_filename = None
+
+    def auto_complete_config(self, config: ModelConfig, model_file: Path | None) -> None:
+        auto_complete_vllm_shape(config)
+
+    def model_initialize(self, model) -> None:
+        if not model.decoupled:
+            raise InvalidArgument(
+                f"model '{model.name}': the transformers backend needs a decoupled transaction policy"
+            )
+
+    def instance_initialize(self, instance: InstanceState) -> None:
+        instance.state = Engine(instance)
+
+    def instance_execute(self, instance: InstanceState, requests: list[InferenceRequest]) -> None:
+        engine: Engine = instance.state
+        for request in requests:
+            engine.submit(request, instance.sender(request))
+        return None
+
+    def instance_finalize(self, instance: InstanceState) -> None:
+        engine = instance.state
+        instance.state = None
+        if engine is not None:
+            engine.close()
+
+
+backend = TransformersBackend()

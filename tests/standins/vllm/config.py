@@ -1,0 +1,28 @@
+"""Stand-in of vllm.config: the parts of VllmConfig that stat loggers and servers read."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    max_model_len: int = 2048
+    runner_type: str = "generate"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+
+
+@dataclass
+class VllmConfig:
+    model_config: ModelConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,5 @@
+"""Stand-in of vllm.inputs."""
+
+from vllm.inputs.data import TokensPrompt
+
+__all__ = ["TokensPrompt"]

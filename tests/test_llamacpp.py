@@ -303,3 +303,57 @@ def test_embeddings(naiad):
     assert r.status_code == 200, r.text
     vector = json.loads(r.json()["text_output"])
     assert len(vector) == 64 and all(isinstance(v, float) for v in vector)
+
+
+def test_logprobs(naiad):
+    out = generate(
+        naiad,
+        "Hello",
+        max_tokens=3,
+        temperature=0,
+        ignore_eos=True,
+        logprobs=2,
+        return_logprobs=True,
+        exclude_input_in_output=True,
+    )
+    logprobs = json.loads(out["logprobs"])
+    assert len(logprobs) == 3
+    for entry in logprobs:
+        ranks = sorted(v["rank"] for v in entry.values())
+        assert ranks[0] == 1 and len(entry) >= 2  # greedy: the sampled token is the most likely one
+        assert all(v["logprob"] <= 0 for v in entry.values())
+
+
+def test_prefix_reuse_keeps_the_common_prefix_and_the_same_text(tmp_path):
+    from naiad.backends.llamacpp.engine import GenerationRequest, LlamaEngine
+    from naiad.backends.llamacpp.params import EngineSettings, SamplingParams
+
+    path = write_tiny_gguf(tmp_path / "model.gguf")
+
+    def run(engine, text):
+        done, out = threading.Event(), []
+
+        def emit(o):
+            out.append(o.text)
+            if o.finish_reason is not None:
+                done.set()
+
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        engine.submit(GenerationRequest(engine.tokenize(text), sp, emit, lambda e: done.set()))
+        assert done.wait(30)
+        return "".join(out)
+
+    base = "The user asked a question and the assistant answered"
+    warm = LlamaEngine(path, EngineSettings(n_ctx=256, n_parallel=1, n_threads=1))
+    cold = LlamaEngine(path, EngineSettings(n_ctx=256, n_parallel=1, n_threads=1))
+    try:
+        run(warm, base + " with a story")
+        hits = warm.prefix_hits
+        again = run(warm, base + " about the sea")
+        assert warm.prefix_hits - hits >= len(warm.tokenize(base)) - 1
+        assert again == run(
+            cold, base + " about the sea"
+        )  # the reused cache gives the same text as a fresh one
+    finally:
+        warm.close()
+        cold.close()

@@ -145,6 +145,7 @@ class LlamaEngine:
         self._stop = False
         self._eog = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
         self._pieces: dict[int, bytes] = {}
+        self.prefix_hits = 0  # prompt tokens found in a slot's KV cache instead of decoded (prefix reuse)
         self._thread = threading.Thread(target=self._run, name="llamacpp-engine", daemon=True)
         self._thread.start()
 
@@ -389,6 +390,7 @@ class LlamaEngine:
                 lc.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
             del slot.tokens[keep:]
         slot.pending = list(req.prompt[keep:])
+        self.prefix_hits += keep
         slot.request = req
         slot.text = TextStream(req.sampling.stop)
         slot.sampler = self._sampler(req.sampling, ban_eog=req.sampling.ignore_eos)

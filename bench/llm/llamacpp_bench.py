@@ -18,6 +18,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -135,8 +136,27 @@ def _sse_stamps(resp) -> list[float]:
     return stamps
 
 
+def _post(way, level: Level) -> None:
+    """One streaming request on this thread's keep-alive session; a connection the server closed while idle is
+    opened again (llama-server drops idle keep-alive connections)."""
+    for attempt in range(2):
+        session = getattr(way.local, "session", None) or requests.Session()
+        way.local.session = session
+        sent = time.perf_counter()
+        try:
+            with session.post(way.url, json=way.body, stream=True, timeout=600) as r:
+                r.raise_for_status()
+                level.add(sent, _sse_stamps(r))
+                return
+        except requests.ConnectionError:
+            way.local.session = None
+            if attempt:
+                raise
+
+
 class Naiad:
     name = "naiad"
+    server_args: tuple[str, ...] = ()
 
     def __init__(self, gguf: Path, args):
         self.repo = Path(tempfile.mkdtemp(prefix="llm-bench-"))
@@ -149,7 +169,7 @@ class Naiad:
                 f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params.items()
             )
         )
-        self.proc = NaiadProcess(self.repo, timeout=300).start()
+        self.proc = NaiadProcess(self.repo, *self.server_args, timeout=300).start()
         self.url = f"{self.proc.url}/v2/models/llm/generate_stream"
         self.body = {
             "text_input": PROMPT,
@@ -163,15 +183,17 @@ class Naiad:
         self.local = threading.local()
 
     def one(self, level: Level) -> None:
-        session = getattr(self.local, "session", None) or requests.Session()
-        self.local.session = session
-        sent = time.perf_counter()
-        with session.post(self.url, json=self.body, stream=True, timeout=600) as r:
-            r.raise_for_status()
-            level.add(sent, _sse_stamps(r))
+        _post(self, level)
 
     def close(self):
         self.proc.stop()
+
+
+class NaiadNoPoll(Naiad):
+    """Naiad with busy polling off (`--busy-poll-us 0`): the event loop sleeps as soon as it is idle."""
+
+    name = "naiad-nopoll"
+    server_args = ("--busy-poll-us", "0")
 
 
 class LlamaServer:
@@ -224,12 +246,7 @@ class LlamaServer:
         self.local = threading.local()
 
     def one(self, level: Level) -> None:
-        session = getattr(self.local, "session", None) or requests.Session()
-        self.local.session = session
-        sent = time.perf_counter()
-        with session.post(self.url, json=self.body, stream=True, timeout=600) as r:
-            r.raise_for_status()
-            level.add(sent, _sse_stamps(r))
+        _post(self, level)
 
     def close(self):
         self.proc.terminate()
@@ -246,7 +263,7 @@ def _llama_server() -> Path:
     return Path(out.stdout.strip().splitlines()[-1]) / "bin" / "llama-server"
 
 
-WAYS = {"inproc": InProcess, "naiad": Naiad, "llama-server": LlamaServer}
+WAYS = {"inproc": InProcess, "naiad": Naiad, "naiad-nopoll": NaiadNoPoll, "llama-server": LlamaServer}
 
 
 def _print(row: dict) -> None:
@@ -279,6 +296,7 @@ def main() -> None:
         gguf = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="llm-bench-")) / "tiny.gguf")
     else:
         gguf = cached_large_gguf()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers started below on a kill too
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
     ways = [WAYS[w](gguf, args) for w in args.ways.split(",")]

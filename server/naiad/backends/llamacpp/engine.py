@@ -66,6 +66,24 @@ except ImportError:  # reported when an engine is created
     _quiet_log = None
 
 
+class _HeldGil:
+    """The short, hot calls of a step bound through `ctypes.PyDLL`, which keeps the GIL during the call.
+
+    A CDLL call releases the GIL and takes it back afterwards; while the server's event loop is busy (streaming
+    the previous step's tokens) taking it back can wait a whole switch interval (5 ms) each time. Sampling one
+    token and copying one piece take microseconds, so they hold the GIL instead and a step hands it over once,
+    around `llama_decode` (a CDLL call: other threads run while the model computes).
+    """
+
+    def __init__(self, lc):
+        import sys
+
+        lib = ctypes.PyDLL(sys.modules["llama_cpp.llama_cpp"]._lib._name)
+        self.sample = lib.llama_sampler_sample
+        self.sample.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+        self.sample.restype = ctypes.c_int32
+
+
 @dataclass
 class Output:
     """What one step produced for one request."""
@@ -144,8 +162,10 @@ class LlamaEngine:
         self._cond = threading.Condition()
         self._stop = False
         self._eog = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
+        self._eog_set = frozenset(self._eog)  # no ctypes call per token: each one hands the GIL over and back
         self._pieces: dict[int, bytes] = {}
         self.prefix_hits = 0  # prompt tokens found in a slot's KV cache instead of decoded (prefix reuse)
+        self._hot = _HeldGil(lc)
         self._thread = threading.Thread(target=self._run, name="llamacpp-engine", daemon=True)
         self._thread.start()
 
@@ -425,7 +445,6 @@ class LlamaEngine:
         return chain
 
     def _sample(self, slot: _Slot) -> None:
-        lc = self._lc
         req = slot.request
         assert req is not None
         sampler = (
@@ -433,7 +452,7 @@ class LlamaEngine:
             if slot.sampler_eos is not None and req.generated < req.sampling.min_tokens
             else slot.sampler
         )
-        token = lc.llama_sampler_sample(sampler, self.ctx, slot.batch_index)
+        token = self._hot.sample(sampler, self.ctx, slot.batch_index)
         logprobs = (
             self._logprobs(slot.batch_index, token, req.sampling.logprobs)
             if req.sampling.logprobs is not None
@@ -443,7 +462,7 @@ class LlamaEngine:
         if req.metrics is not None:
             req.metrics.tokens(1)
         finish = None
-        if lc.llama_vocab_is_eog(self.vocab, token) and not req.sampling.ignore_eos:
+        if token in self._eog_set and not req.sampling.ignore_eos:
             text = slot.text.finish()
             finish = "stop"
         else:

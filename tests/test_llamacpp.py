@@ -357,3 +357,26 @@ def test_prefix_reuse_keeps_the_common_prefix_and_the_same_text(tmp_path):
     finally:
         warm.close()
         cold.close()
+
+
+def test_a_failed_engine_refuses_new_requests_instead_of_queueing_them(tmp_path):
+    from naiad.backends.llamacpp.engine import GenerationRequest, LlamaEngine
+    from naiad.backends.llamacpp.params import EngineSettings, SamplingParams
+    from naiad.errors import Unavailable
+
+    engine = LlamaEngine(
+        write_tiny_gguf(tmp_path / "m.gguf"), EngineSettings(n_ctx=128, n_parallel=1, n_threads=1)
+    )
+    failed = queue.Queue()
+
+    def broken_step():
+        raise RuntimeError("llama_decode returned -1")
+
+    engine._step = broken_step
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    engine.submit(GenerationRequest(engine.tokenize("hi"), sp, lambda o: None, failed.put))
+    assert "llama_decode" in str(failed.get(timeout=10))
+    engine._thread.join(10)
+    with pytest.raises(Unavailable):
+        engine.submit(GenerationRequest(engine.tokenize("hi"), sp, lambda o: None, failed.put))
+    engine.close()

@@ -305,6 +305,8 @@ class LlamaEngine:
                 self._step()
         except BaseException as exc:  # a broken engine fails everything it holds, never hangs a client
             log.exception("llama.cpp engine thread failed")
+            with self._cond:
+                self._stop = True  # later submits are refused instead of queued for a thread that is gone
             self._fail_all(exc)
         self._fail_all(Unavailable("the model was unloaded while the request was running"))
 

@@ -1,4 +1,5 @@
-"""Random-weight llama GGUF models for the LLM tests and benchmarks, written with the `gguf` package.
+"""Random-weight llama models for the LLM tests and benchmarks: GGUFs written with the `gguf` package, and a tiny
+Hugging Face folder (`write_tiny_hf_llama`) for the transformers backend.
 
 `write_tiny_gguf(path)` writes a ~0.4 MB llama (2 layers, n_embd 64) with a real byte-level BPE tokenizer (GPT-2
 style: 256 byte tokens, merges learnt from a short text here, special tokens `<s>`, `</s>`, `<|im_start|>`,
@@ -180,3 +181,47 @@ def cached_large_gguf() -> Path:
     if not path.exists():
         write_large_gguf(path)
     return path
+
+
+# ---- a Hugging Face folder for the transformers backend ----
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a small model writes words one after another",
+    "naiad serves large language models with continuous batching",
+    "every request streams its tokens as they come",
+]
+HF_CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}<|assistant|>"
+
+
+def write_tiny_hf_llama(folder: Path) -> None:
+    """A tiny random-weight `LlamaConfig` model and a word-level tokenizer trained on SENTENCES, saved with
+    `save_pretrained` into `folder` (a Hugging Face folder the transformers backend serves)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        SENTENCES, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.chat_template = HF_CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    torch.manual_seed(1234)
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)

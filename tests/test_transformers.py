@@ -16,48 +16,10 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 from helpers import NaiadProcess
+from llm_models import SENTENCES, write_tiny_hf_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-SENTENCES = [
-    "the quick brown fox jumps over the lazy dog",
-    "a small model writes words one after another",
-    "naiad serves large language models with continuous batching",
-    "every request streams its tokens as they come",
-]
-TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}<|assistant|>"
-
-
-def build_model(folder: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(
-        SENTENCES, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
-    )
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
-    )
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(folder)
-    torch.manual_seed(1234)
-    config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +30,7 @@ def repo(tmp_path_factory) -> Path:
         'backend: "transformers"\ninstance_group [ { count: 1 kind: KIND_CPU } ]\n'
         'parameters: { key: "max_num_seqs" value: { string_value: "8" } }\n'
     )
-    build_model(repo / "tiny" / "1")
+    write_tiny_hf_llama(repo / "tiny" / "1")
     return repo
 
 
@@ -221,7 +183,19 @@ def running(server) -> float:
     raise AssertionError("vllm:num_requests_running is missing from /metrics")
 
 
+def aborted(server) -> float:
+    text = requests.get(f"http://{server.metrics}/metrics").text
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("vllm:request_success_total{")
+        and 'finished_reason="abort"' in line
+        and '"tiny"' in line
+    )
+
+
 def test_cancelling_a_grpc_stream_frees_the_sequence(server):
+    aborted_before = aborted(server)
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -249,12 +223,4 @@ def test_cancelling_a_grpc_stream_frees_the_sequence(server):
     while running(server) != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert running(server) == 0
-    text = requests.get(f"http://{server.metrics}/metrics").text
-    aborted = [
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("vllm:request_success_total{")
-        and 'finished_reason="abort"' in line
-        and '"tiny"' in line
-    ]
-    assert aborted == [1.0]
+    assert aborted(server) - aborted_before == 1

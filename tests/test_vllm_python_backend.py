@@ -237,6 +237,12 @@ def write_model(repo: Path, name: str, extra: str = "") -> None:
     (repo / name / "1" / "model.json").write_text(
         json.dumps({"model": "stand-in", "disable_log_stats": False})
     )
+    # a Hugging Face tokenizer's config beside the model, as a vLLM model folder has: the OpenAI frontend's template
+    (repo / name / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}", "eos_token": ""}
+        )
+    )
 
 
 def standin_path(tmp: Path) -> str:
@@ -368,3 +374,18 @@ def test_failed_health_check_unloads_the_model_and_answers_unavailable(server):
         time.sleep(0.1)
     assert state == "UNAVAILABLE"
     assert requests.post(url, json=body, timeout=20).status_code == 404
+
+
+def test_openai_chat_through_the_vllm_backend_model(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "one two three"}]
+    whole = client.chat.completions.create(model="vllm_model", messages=messages, max_tokens=4)
+    assert whole.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model="vllm_model", messages=messages, max_tokens=4, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == whole.choices[0].message.content
+    client.close()

@@ -236,7 +236,7 @@ class Engine:
             )
             if added is None:
                 raise Unavailable(f"model '{self.name}': the continuous-batching manager refused the request")
-            text, sent, tokens = "", 0, []
+            text, sent, tokens, counted = "", 0, [], 0
             while True:
                 try:
                     result = await asyncio.wait_for(results.get(), timeout=0.25)
@@ -275,9 +275,9 @@ class Engine:
                         text[sent:end],
                         finish_reason=finish if done else None,
                         num_input_tokens=len(prompt_ids),
-                        num_output_tokens=len(new),
+                        num_output_tokens=len(tokens) - counted,  # held-back tokens count in this delta
                     )
-                    sent = end
+                    sent, counted = end, len(tokens)
                     sender.send(out, final=done)
                 if done:
                     break
@@ -292,6 +292,7 @@ class Engine:
                 )
                 sender.send(out, final=True)
         except Exception as exc:
+            finish = "error"  # not an abort: the request failed (vLLM's FinishReason.ERROR)
             sender.send(error=exc, final=True)
         finally:
             metrics.finished(len(prompt_ids), generated, finish)

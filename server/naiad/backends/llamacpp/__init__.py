@@ -159,15 +159,17 @@ class LlamaCppBackend(Backend):
                 for entry in o.logprobs:
                     state["cumulative"] += next(iter(entry.values()))["logprob"]
             if stream:
+                # a token that is no text yet (a partial UTF-8 character, a possible stop string) is counted,
+                # with its logprob, in the next delta that carries text
+                state["tokens"] += o.tokens
+                if o.logprobs:
+                    state["logprobs"].extend(o.logprobs)
                 if o.text or o.finish_reason is not None:
                     sender.send(
-                        outputs(o.text, o.tokens, o.finish_reason, o.logprobs),
+                        outputs(o.text, state["tokens"], o.finish_reason, state["logprobs"]),
                         final=o.finish_reason is not None,
                     )
-                elif (
-                    o.logprobs and flags["return_logprobs"]
-                ):  # a token that is not text yet still has a logprob
-                    state["logprobs"].extend(o.logprobs)
+                    state["tokens"], state["logprobs"] = 0, []
                 return
             state["text"].append(o.text)
             state["tokens"] += o.tokens

@@ -44,6 +44,7 @@ class InferenceRequest:
     # The caller's span, when tracing: a W3C traceparent header from a frontend, or the calling request's
     # trace for ensemble steps and BLS calls
     traceparent: Any = None
+    load_wait_ns: int = 0  # set when the request waited for its model to load on demand
 
     def batch_size(self, batched: bool) -> int:
         if not batched or not self.inputs:

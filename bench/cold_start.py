@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Cold start of a model loaded on demand: first-request latency (p50/p95) next to the model's own load time,
+for a model on local disk and in S3 (a local MinIO, built by `make tools`).
+
+Each round unloads the model (and, for S3, empties the server's storage cache), then times one HTTP infer request
+from the client; the server's `naiad_model_load_duration_seconds` gives the load itself (fetch, session creation,
+warm-up) and `X-Naiad-Load-Wait-Ms` the time that request waited for it. A warm request is timed too.
+
+    python bench/cold_start.py                    # 20 rounds, local disk and S3, the bench MLP (12.6 MB ONNX)
+    python bench/cold_start.py --rounds 50 --hidden 2048,2048,2048 --no-s3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench" / "models"))
+
+from export_mlp import IN_FEATURES, build_model  # noqa: E402
+from helpers import NaiadProcess  # noqa: E402
+
+CONFIG = """name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {features} ] }} ]
+output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }} ]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+"""
+MODEL = "mlp_cold"
+BODY = {
+    "inputs": [
+        {
+            "name": "INPUT0",
+            "datatype": "FP32",
+            "shape": [1, IN_FEATURES],
+            "data": np.linspace(-1, 1, IN_FEATURES).tolist(),
+        }
+    ]
+}
+
+
+def write_model(repo: Path, hidden: tuple[int, ...]) -> int:
+    data = build_model(hidden).SerializeToString()
+    (repo / MODEL / "1").mkdir(parents=True)
+    (repo / MODEL / "1" / "model.onnx").write_bytes(data)
+    (repo / MODEL / "config.pbtxt").write_text(CONFIG.format(name=MODEL, features=IN_FEATURES))
+    return len(data)
+
+
+def load_seconds_sum(server: NaiadProcess) -> float:
+    text = requests.get(f"http://{server.metrics}/metrics", timeout=10).text
+    match = re.search(
+        r'^naiad_model_load_duration_seconds_sum\{[^}]*model="%s"[^}]*\} (\S+)$' % MODEL, text, re.M
+    )
+    return float(match.group(1)) if match else 0.0
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def rounds(server: NaiadProcess, n: int, before_round=None) -> dict:
+    first, load, waited, warm = [], [], [], []
+    url = f"{server.url}/v2/models/{MODEL}/infer"
+    for _ in range(n):
+        requests.post(
+            f"{server.url}/v2/repository/models/{MODEL}/unload", json={}, timeout=60
+        ).raise_for_status()
+        if before_round is not None:
+            before_round()
+        loaded_before = load_seconds_sum(server)
+        t0 = time.perf_counter()
+        answer = requests.post(url, json=BODY, timeout=300)
+        first.append(time.perf_counter() - t0)
+        answer.raise_for_status()
+        waited.append(float(answer.headers["X-Naiad-Load-Wait-Ms"]) / 1000)
+        load.append(load_seconds_sum(server) - loaded_before)
+        t0 = time.perf_counter()
+        requests.post(url, json=BODY, timeout=60).raise_for_status()
+        warm.append(time.perf_counter() - t0)
+
+    def figures(values: list[float]) -> dict:
+        return {
+            "p50_ms": round(pct(values, 0.5) * 1000, 1),
+            "p95_ms": round(pct(values, 0.95) * 1000, 1),
+            "mean_ms": round(statistics.fmean(values) * 1000, 1),
+        }
+
+    return {
+        "first_request": figures(first),
+        "load": figures(load),
+        "wait_header": figures(waited),
+        "warm_request": figures(warm),
+    }
+
+
+def local(repo: Path, n: int) -> dict:
+    with NaiadProcess(repo, "--model-control-mode", "explicit", "--load-on-demand") as server:
+        return rounds(server, n)
+
+
+def s3(repo: Path, n: int, work: Path) -> dict:
+    from minio_server import MinioServer
+
+    minio = MinioServer().start()
+    try:
+        client = minio.client()
+        client.create_bucket(Bucket="models")
+        minio.upload_tree(client, "models", "repo", repo)
+        cache = work / "cache"
+        env = {k: None for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN")} | minio.env(
+            AWS_EC2_METADATA_DISABLED="true"
+        )
+        args = ("--model-control-mode", "explicit", "--load-on-demand", "--storage-cache-dir", str(cache))
+        with NaiadProcess(f"s3://{minio.host}/models/repo", *args, env=env, timeout=120) as server:
+            return rounds(server, n, before_round=lambda: shutil.rmtree(cache / MODEL, ignore_errors=True))
+    finally:
+        minio.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--hidden", default="1024,1024,1024", help="MLP hidden widths (default %(default)s)")
+    p.add_argument("--no-s3", action="store_true", help="local disk only")
+    args = p.parse_args()
+    hidden = tuple(int(w) for w in args.hidden.split(","))
+    work = Path(tempfile.mkdtemp(prefix="naiad-cold-"))
+    try:
+        size = write_model(work / "repo", hidden)
+        out = {
+            "model": f"ONNX MLP 64-{'-'.join(map(str, hidden))}-16",
+            "model_bytes": size,
+            "rounds": args.rounds,
+        }
+        out["local"] = local(work / "repo", args.rounds)
+        if not args.no_s3:
+            out["s3_minio"] = s3(work / "repo", args.rounds, work)
+        print(json.dumps(out, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -62,15 +62,14 @@ def write_model(repo: Path, hidden: tuple[int, ...]) -> int:
 
 def load_seconds_sum(server: NaiadProcess) -> float:
     text = requests.get(f"http://{server.metrics}/metrics", timeout=10).text
-    match = re.search(
-        r'^naiad_model_load_duration_seconds_sum\{[^}]*model="%s"[^}]*\} (\S+)$' % MODEL, text, re.M
-    )
+    pattern = r'^naiad_model_load_duration_seconds_sum\{[^}]*model="' + MODEL + r'"[^}]*\} (\S+)$'
+    match = re.search(pattern, text, re.M)
     return float(match.group(1)) if match else 0.0
 
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def rounds(server: NaiadProcess, n: int, before_round=None) -> dict:

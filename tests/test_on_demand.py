@@ -226,7 +226,7 @@ def test_waiters_beyond_the_bound_get_429_and_a_slow_load_times_out(tmp_path):
 
 def test_failed_load_answers_every_waiter_with_its_error(tmp_path):
     make_model(tmp_path, "broken", LOAD_SLEEP="1", FAIL="boom in initialize")
-    with serve(tmp_path, "--strict-readiness", "false") as server:
+    with serve(tmp_path) as server:
         with ThreadPoolExecutor(10) as pool:
             answers = list(pool.map(lambda _: infer(server, "broken"), range(10)))
         assert {a.status_code for a in answers} == {400}
@@ -238,6 +238,8 @@ def test_failed_load_answers_every_waiter_with_its_error(tmp_path):
         assert (
             metric(server, "naiad_model_load_wait_failures_total", model="broken", reason="load_failed") == 10
         )
+        # a client asking for a broken model does not take the server out of service
+        assert requests.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
 
 
 def test_memory_budget_evicts_least_recently_used_and_keeps_pinned(tmp_path):
@@ -278,10 +280,11 @@ def test_memory_budget_evicts_least_recently_used_and_keeps_pinned(tmp_path):
         )
     # a model that cannot fit even alone is refused with the figures
     make_model(tmp_path, "huge", NAIAD_MEMORY="1Gi")
-    with serve(tmp_path, "--model-memory-limit", "host:512Mi", "--strict-readiness", "false") as server:
+    with serve(tmp_path, "--model-memory-limit", "host:512Mi") as server:
         answer = infer(server, "huge")
         assert answer.status_code == 400
         assert "1.0 GiB" in answer.json()["error"] and "512.0 MiB" in answer.json()["error"]
+        assert requests.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
 
 
 def test_idle_model_unloads_after_its_idle_time(tmp_path):

@@ -61,6 +61,7 @@ class ModelRecord:
     memory: dict[str, int] = field(default_factory=dict)  # measured bytes per device ('host', 'gpu0', ...)
     memory_measured: bool = False  # (kept across unloads: the next load is admitted with it)
     loaded_at: float = 0.0  # wall-clock time of the last successful load
+    cause: str = ""  # why it was last loaded: startup, explicit, poll, on_demand
 
 
 class ModelRepository:
@@ -186,7 +187,7 @@ class ModelRepository:
         orch = self.orchestrator
         async with self._lock(name):
             rec = self.records.setdefault(name, ModelRecord(name))
-            rec.state, rec.reason = LOADING, ""
+            rec.state, rec.reason, rec.cause = LOADING, "", cause
             started = time.monotonic()
             ticket = None
             try:

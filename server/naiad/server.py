@@ -175,8 +175,10 @@ class Server:
             return True
         if self.repository.source_errors:
             return False
+        # (a model that failed to load because a request asked for it leaves the server ready: no client may
+        # take a server out of service by asking for a broken model)
         return not any(
-            rec.reason and rec.reason != "unloaded" and not rec.versions
+            rec.reason and rec.reason != "unloaded" and not rec.versions and rec.cause != "on_demand"
             for rec in self.repository.records.values()
         )
 

@@ -238,6 +238,11 @@ def test_failed_load_answers_every_waiter_with_its_error(tmp_path):
         assert (
             metric(server, "naiad_model_load_wait_failures_total", model="broken", reason="load_failed") == 10
         )
+        # for a few seconds the next requests get the same error without another load
+        again = infer(server, "broken")
+        assert again.status_code == 400 and "boom in initialize" in again.json()["error"]
+        assert again.headers.get("Retry-After") == "5"
+        assert server.output().count("loading model 'broken' on demand") == 1
         # a client asking for a broken model does not take the server out of service
         assert requests.get(f"{server.url}/v2/health/ready", timeout=10).status_code == 200
 

@@ -13,6 +13,8 @@ from ..errors import NaiadError, TooManyRequests, Unavailable, as_naiad_error
 
 log = logging.getLogger("naiad.orchestration")
 
+# after a failed load, requests for the model get its error at once for this long instead of loading it again
+FAILED_LOAD_BACKOFF_SECONDS = 5.0
 LOAD_WAIT_HEADER = "X-Naiad-Load-Wait-Ms"  # HTTP response header of a request that waited for its model
 # the same as a gRPC response parameter (Naiad's HTTP/2 server sends its OK trailers as one constant block)
 LOAD_WAIT_PARAMETER = "naiad_load_wait_ms"
@@ -27,6 +29,7 @@ class OnDemandLoader:
         self.max_waiters = max_waiters
         self.timeout = timeout
         self.loads: dict[str, asyncio.Future] = {}
+        self.failures: dict[str, tuple[float, NaiadError]] = {}  # model -> (when, the error of its last load)
 
     def _retry_after(self, name: str) -> float:
         rec = self.repository.records.get(name)
@@ -40,6 +43,14 @@ class OnDemandLoader:
             raise miss
         waiting = self.orchestrator.waiting
         metrics = self.orchestrator.metrics
+        failed = self.failures.get(name)
+        if failed is not None:
+            if time.monotonic() - failed[0] < FAILED_LOAD_BACKOFF_SECONDS:
+                metrics.wait_failed(name, "load_failed")
+                err = type(failed[1])(failed[1].message)
+                err.retry_after = FAILED_LOAD_BACKOFF_SECONDS
+                raise err
+            del self.failures[name]
         if waiting.get(name, 0) >= self.max_waiters:
             metrics.wait_failed(name, "too_many_waiters")
             raise TooManyRequests(
@@ -81,7 +92,9 @@ class OnDemandLoader:
             log.info("loading model '%s' on demand", name)
             await self.repository.ensure_loaded(name, "on_demand")
         except BaseException as exc:
-            raise as_naiad_error(exc) from None
+            err = as_naiad_error(exc)
+            self.failures[name] = (time.monotonic(), err)
+            raise err from None
         finally:
             self.loads.pop(name, None)
 

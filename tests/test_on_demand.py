@@ -123,6 +123,25 @@ def test_victims_are_least_valuable_first_never_busy_or_pinned():
     assert choose_victims(models, {}) == []
 
 
+def test_gpu_memory_is_each_devices_used_memory_delta(monkeypatch):
+    import sys
+    import types
+
+    from naiad.orchestration.measure import MemoryProbe
+
+    used = {0: 1000, 1: 5000}
+    fake = types.ModuleType("pynvml")
+    fake.nvmlInit = lambda: None
+    fake.nvmlDeviceGetHandleByIndex = lambda i: i
+    fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=used[h], total=1 << 40)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    probe = MemoryProbe(gpu_count=2)
+    before = probe.snapshot()
+    used[1] += 3 << 20
+    measured = probe.measure(before, worker_pids=[])
+    assert measured["gpu0"] == 0 and measured["gpu1"] == 3 << 20 and measured["host"] >= 0
+
+
 def test_load_on_demand_needs_explicit_mode(tmp_path):
     make_model(tmp_path, "m")
     server = NaiadProcess(tmp_path, "--load-on-demand")

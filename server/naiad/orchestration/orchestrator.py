@@ -42,6 +42,7 @@ class ModelOrchestrator:
         # Loads are serialised while a budget is kept: admission decisions and RSS deltas need one at a time.
         self._load_lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
+        self._started = False
 
     # ---- the figures ----
     def memory_of(self, rec) -> tuple[dict[str, int], str]:
@@ -161,6 +162,7 @@ class ModelOrchestrator:
                 rec.memory = self.probe.measure(ticket.before, worker_pids(rec.versions.values()))
             rec.memory_measured = True
             rec.loaded_at = time.time()
+            self._ensure_sweeper()
             self.metrics.load(rec.name, ticket.cause, seconds, True)
             log.info(
                 "model '%s' loaded (%s) in %.3f s, measured memory: %s",
@@ -228,15 +230,28 @@ class ModelOrchestrator:
 
     # ---- idle unload ----
     def start(self) -> None:
-        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+        """The server is up: from now on models with an idle time are swept (by a task that runs only while one
+        is loaded, so that a server without them never wakes for it)."""
+        self._started = True
+        self._ensure_sweeper()
+
+    def _idle_models_loaded(self) -> bool:
+        return any(rec.versions and rec.settings.idle_seconds > 0 for rec in self.repository.records.values())
+
+    def _ensure_sweeper(self) -> None:
+        if self._started and self._sweeper is None and self._idle_models_loaded():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
     async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(IDLE_SWEEP_SECONDS)
-            try:
-                await self.sweep_idle()
-            except Exception:
-                log.exception("idle model sweep failed")
+        try:
+            while self._idle_models_loaded():
+                await asyncio.sleep(IDLE_SWEEP_SECONDS)
+                try:
+                    await self.sweep_idle()
+                except Exception:
+                    log.exception("idle model sweep failed")
+        finally:
+            self._sweeper = None
 
     async def sweep_idle(self) -> None:
         now = time.time()
@@ -254,6 +269,7 @@ class ModelOrchestrator:
                 await self.evict(rec.name, "idle")
 
     async def close(self) -> None:
+        self._started = False
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Cold start of a model loaded on demand: first-request latency (p50/p95) next to the model's own load time,
-for a model on local disk and in S3 (a local MinIO, built by `make tools`).
+for a model on local disk and in S3 (a local MinIO, built by `make tools`). Both servers run at once and their
+rounds alternate, so that on a shared machine both see the same load.
 
 Each round unloads the model (and, for S3, empties the server's storage cache), then times one HTTP infer request
 from the client; the server's `naiad_model_load_duration_seconds` gives the load itself (fetch, session creation,
@@ -13,6 +14,7 @@ warm-up) and `X-Naiad-Load-Wait-Ms` the time that request waited for it. A warm 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shutil
@@ -72,63 +74,82 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def rounds(server: NaiadProcess, n: int, before_round=None) -> dict:
-    first, load, waited, warm = [], [], [], []
-    url = f"{server.url}/v2/models/{MODEL}/infer"
-    for _ in range(n):
-        requests.post(
-            f"{server.url}/v2/repository/models/{MODEL}/unload", json={}, timeout=60
-        ).raise_for_status()
-        if before_round is not None:
-            before_round()
+class Target:
+    """One server serving the model, and its figures."""
+
+    def __init__(self, server: NaiadProcess, before_round=None):
+        self.server = server
+        self.before_round = before_round
+        self.first: list[float] = []
+        self.load: list[float] = []
+        self.waited: list[float] = []
+        self.warm: list[float] = []
+
+    def round(self) -> None:
+        server = self.server
+        url = f"{server.url}/v2/models/{MODEL}/infer"
+        unload = f"{server.url}/v2/repository/models/{MODEL}/unload"
+        requests.post(unload, json={}, timeout=60).raise_for_status()
+        if self.before_round is not None:
+            self.before_round()
         loaded_before = load_seconds_sum(server)
         t0 = time.perf_counter()
         answer = requests.post(url, json=BODY, timeout=300)
-        first.append(time.perf_counter() - t0)
+        self.first.append(time.perf_counter() - t0)
         answer.raise_for_status()
-        waited.append(float(answer.headers["X-Naiad-Load-Wait-Ms"]) / 1000)
-        load.append(load_seconds_sum(server) - loaded_before)
+        self.waited.append(float(answer.headers["X-Naiad-Load-Wait-Ms"]) / 1000)
+        self.load.append(load_seconds_sum(server) - loaded_before)
         t0 = time.perf_counter()
         requests.post(url, json=BODY, timeout=60).raise_for_status()
-        warm.append(time.perf_counter() - t0)
+        self.warm.append(time.perf_counter() - t0)
 
-    def figures(values: list[float]) -> dict:
+    def figures(self) -> dict:
+        def summary(values: list[float]) -> dict:
+            return {
+                "p50_ms": round(pct(values, 0.5) * 1000, 1),
+                "p95_ms": round(pct(values, 0.95) * 1000, 1),
+                "mean_ms": round(statistics.fmean(values) * 1000, 1),
+            }
+
         return {
-            "p50_ms": round(pct(values, 0.5) * 1000, 1),
-            "p95_ms": round(pct(values, 0.95) * 1000, 1),
-            "mean_ms": round(statistics.fmean(values) * 1000, 1),
+            "first_request": summary(self.first),
+            "load": summary(self.load),
+            "wait_header": summary(self.waited),
+            "warm_request": summary(self.warm),
         }
 
-    return {
-        "first_request": figures(first),
-        "load": figures(load),
-        "wait_header": figures(waited),
-        "warm_request": figures(warm),
-    }
 
+def run(repo: Path, n: int, work: Path, with_s3: bool) -> dict:
+    """Both servers up at once, their rounds alternating, so that both see the same machine."""
+    with contextlib.ExitStack() as stack:
+        targets = {
+            "local": Target(
+                stack.enter_context(
+                    NaiadProcess(repo, "--model-control-mode", "explicit", "--load-on-demand")
+                )
+            )
+        }
+        if with_s3:
+            from minio_server import MinioServer
 
-def local(repo: Path, n: int) -> dict:
-    with NaiadProcess(repo, "--model-control-mode", "explicit", "--load-on-demand") as server:
-        return rounds(server, n)
-
-
-def s3(repo: Path, n: int, work: Path) -> dict:
-    from minio_server import MinioServer
-
-    minio = MinioServer().start()
-    try:
-        client = minio.client()
-        client.create_bucket(Bucket="models")
-        minio.upload_tree(client, "models", "repo", repo)
-        cache = work / "cache"
-        env = {k: None for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN")} | minio.env(
-            AWS_EC2_METADATA_DISABLED="true"
-        )
-        args = ("--model-control-mode", "explicit", "--load-on-demand", "--storage-cache-dir", str(cache))
-        with NaiadProcess(f"s3://{minio.host}/models/repo", *args, env=env, timeout=120) as server:
-            return rounds(server, n, before_round=lambda: shutil.rmtree(cache / MODEL, ignore_errors=True))
-    finally:
-        minio.stop()
+            minio = MinioServer().start()
+            stack.callback(minio.stop)
+            client = minio.client()
+            client.create_bucket(Bucket="models")
+            minio.upload_tree(client, "models", "repo", repo)
+            cache = work / "cache"
+            env = {k: None for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN")} | minio.env(
+                AWS_EC2_METADATA_DISABLED="true"
+            )
+            args = ("--model-control-mode", "explicit", "--load-on-demand", "--storage-cache-dir", str(cache))
+            server = stack.enter_context(
+                NaiadProcess(f"s3://{minio.host}/models/repo", *args, env=env, timeout=120)
+            )
+            targets["s3_minio"] = Target(server, lambda: shutil.rmtree(cache / MODEL, ignore_errors=True))
+        for _ in range(n):
+            for target in targets.values():
+                target.round()
+        return {name: target.figures() for name, target in targets.items()}
 
 
 def main() -> None:
@@ -146,9 +167,7 @@ def main() -> None:
             "model_bytes": size,
             "rounds": args.rounds,
         }
-        out["local"] = local(work / "repo", args.rounds)
-        if not args.no_s3:
-            out["s3_minio"] = s3(work / "repo", args.rounds, work)
+        out.update(run(work / "repo", args.rounds, work, not args.no_s3))
         print(json.dumps(out, indent=2))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -317,10 +317,11 @@ class HttpFrontend:
             req, default_binary = decode_infer_request(model, version, body, header_length, self.shm)
         req.traceparent = traceparent
         response = await self.server.infer(req)
-        chunks, headers = encode_infer_response(response, req, default_binary, self.shm)
-        if req.load_wait_ns:
+        if req.load_wait_ns:  # (the one check the loaded model's path pays)
+            chunks, headers = encode_infer_response(response, req, default_binary, self.shm)
             load_wait_header(req, headers)
-        return chunks, headers
+            return chunks, headers
+        return encode_infer_response(response, req, default_binary, self.shm)
 
     async def infer(self, request: web.Request):
         m = request.match_info

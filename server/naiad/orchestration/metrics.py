@@ -13,9 +13,6 @@ from prometheus_client.utils import floatToGoString
 LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 AGE_BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 
-CAUSES = ("startup", "explicit", "poll", "on_demand")
-EVICTION_REASONS = ("memory", "idle")
-
 
 class _Histogram:
     __slots__ = ("bounds", "counts", "sum")

@@ -214,7 +214,8 @@ class ModelOrchestrator:
 
     async def evict(self, name: str, reason: str) -> None:
         rec = self.repository.records.get(name)
-        if rec is None or not rec.versions:
+        if rec is None or not rec.versions or self.repository.busy(name):
+            # (a model being loaded right now may be waiting for the load lock this caller holds: leave it)
             return
         age = max(0.0, time.time() - rec.loaded_at)
         memory, _ = self.memory_of(rec)

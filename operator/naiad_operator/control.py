@@ -44,10 +44,22 @@ class IndexEntry:
     version: str
     state: str
     reason: str = ""
+    # Bytes the server measured the loaded model to hold (host + GPU, after warm-up); None: not measured yet
+    memory_bytes: int | None = None
 
     @property
     def ready(self) -> bool:
         return self.state == "READY"
+
+
+def _measured_bytes(entry: Mapping[str, Any]) -> int | None:
+    """A READY entry's measured memory (host + GPU) from a Naiad server's index; None when declared or absent."""
+    if entry.get("memory_source") != "measured":
+        return None
+    host, gpu = entry.get("host_memory_bytes"), entry.get("gpu_memory_bytes")
+    if not isinstance(host, int) or not isinstance(gpu, int):
+        return None
+    return host + gpu
 
 
 def base_url(host: str, port: int = HTTP_PORT, scheme: str = "http") -> str:
@@ -156,7 +168,7 @@ class ModelControlClient:
 
     async def index(self, host: str) -> list[IndexEntry]:
         """Every model the server knows, with state (READY, UNAVAILABLE, LOADING, ...)."""
-        status, text = await self._call("POST", host, "/v2/repository/index", body={})
+        status, text = await self._call("POST", host, "/v2/repository/index", body={"memory": True})
         if status != 200:
             raise ServerUnreachable(
                 f"repository index on {host} answered {status}: {_error_message(status, text)}"
@@ -176,6 +188,7 @@ class ModelControlClient:
                         version=str(entry.get("version") or ""),
                         state=str(entry.get("state") or ""),
                         reason=str(entry.get("reason") or ""),
+                        memory_bytes=_measured_bytes(entry),
                     )
                 )
         return result

@@ -17,6 +17,7 @@ from . import timeline
 from .control import ControlError
 from .events import post as post_event
 from .kube import KubeError
+from .measured_memory import measured_memory, placement_memory
 from .model_resources import ModelIntent, endpoint, model_selector_string
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
 from .observe import (
@@ -115,12 +116,13 @@ class _Pass:
         await self._drop_lost_models()
 
         valid = [m for m in models if not m.problems]
+        measured = measured_memory(snap.index)
         demands = {
             m.intent.name: Demand(
                 name=m.intent.name,
                 revision=m.intent.revision,
                 replicas=0 if m.deleting else m.intent.wanted_replicas,
-                memory=m.intent.memory,
+                memory=placement_memory(m.intent.memory, m.intent.model_name, measured),
                 avoid=frozenset(self._avoid(m.intent)),
                 canary_revision=m.intent.canary.revision if m.intent.canary else None,
                 canary_percent=m.intent.canary.percent if m.intent.canary else 0,

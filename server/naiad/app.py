@@ -144,6 +144,9 @@ class App:
                 gpu=a.allow_gpu_metrics,
                 interval_ms=a.metrics_interval_ms,
             )
+            from .orchestration.metrics import OrchestrationCollector
+
+            self.metrics.registry.register(OrchestrationCollector(self.server))
         self.server.log_settings.configure(
             {
                 "log_verbose_level": a.log_verbose,

@@ -50,6 +50,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="model to load at startup in explicit mode (repeatable; '*' loads all)",
     )
+    # models on demand (orchestration/): load on the first request, a memory budget, eviction
+    s.add_argument(
+        "--load-on-demand",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="explicit mode: a request for a model in a repository that is not loaded loads it and waits",
+    )
+    s.add_argument(
+        "--load-on-demand-max-waiters",
+        type=int,
+        default=1000,
+        help="requests that may wait for one model's load; beyond: HTTP 429 / gRPC UNAVAILABLE with Retry-After",
+    )
+    s.add_argument(
+        "--load-on-demand-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a request waits for its model's load before a 503 / UNAVAILABLE",
+    )
+    s.add_argument(
+        "--model-memory-limit",
+        default=None,
+        help="host:BYTES[,gpu<N>:BYTES] (K, M, G, Ki, Mi, Gi suffixes) the loaded models may hold; a load "
+        "beyond it unloads idle models first, least valuable first",
+    )
     s.add_argument(
         "--backend-directory",
         default=None,
@@ -346,6 +373,13 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
         raise ValueError(f"--backend-directory {args.backend_directory} is not a directory")
     if args.busy_poll_us < 0:
         raise ValueError(f"--busy-poll-us must be >= 0, got {args.busy_poll_us}")
+    if args.load_on_demand_max_waiters < 1:
+        raise ValueError(f"--load-on-demand-max-waiters must be >= 1, got {args.load_on_demand_max_waiters}")
+    if args.load_on_demand_timeout <= 0:
+        raise ValueError(f"--load-on-demand-timeout must be > 0, got {args.load_on_demand_timeout}")
+    from .orchestration.memory_budget import parse_memory
+
+    memory_limit = parse_memory(args.model_memory_limit) if args.model_memory_limit else {}
     return ServerOptions(
         model_repositories=args.model_repository,
         model_control_mode=args.model_control_mode,
@@ -361,6 +395,10 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
         rate_limit_resources=parse_resources(args.rate_limit_resource),
         backend_directory=args.backend_directory,
         storage_cache_dir=args.storage_cache_dir,
+        load_on_demand=args.load_on_demand,
+        load_on_demand_max_waiters=args.load_on_demand_max_waiters,
+        load_on_demand_timeout=args.load_on_demand_timeout,
+        model_memory_limit=memory_limit,
     )
 
 

@@ -11,6 +11,7 @@ class NaiadError(Exception):
     http_status = 400
     grpc_status = grpc.StatusCode.INVALID_ARGUMENT
     triton_code = "TRITONSERVER_ERROR_INVALID_ARG"
+    retry_after: float | None = None  # seconds: HTTP `Retry-After`, gRPC `retry-after` trailing metadata
 
     def __init__(self, message: str):
         super().__init__(message)
@@ -30,6 +31,16 @@ class NotFound(NaiadError):
 
 class Unavailable(NaiadError):
     http_status, grpc_status, triton_code = 503, grpc.StatusCode.UNAVAILABLE, "TRITONSERVER_ERROR_UNAVAILABLE"
+
+
+class TooManyRequests(NaiadError):
+    """Refused for now, come back later: HTTP 429, gRPC UNAVAILABLE, both saying when (`retry_after`)."""
+
+    http_status, grpc_status, triton_code = 429, grpc.StatusCode.UNAVAILABLE, "TRITONSERVER_ERROR_UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Internal(NaiadError):

@@ -48,6 +48,7 @@ class InferenceRequest:
     device_inputs: bool = False
     # The caller takes outputs in device memory (ensemble steps; BLS calls from a model that keeps GPU tensors)
     device_consumer: bool = False
+    load_wait_ns: int = 0  # set when the request waited for its model to load on demand
 
     def batch_size(self, batched: bool) -> int:
         if not batched or not self.inputs:

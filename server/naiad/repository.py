@@ -11,6 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -19,10 +20,14 @@ from . import config as cfg
 from .backends.base import ModelContext, ModelInstance
 from .errors import InvalidArgument, NaiadError, NotFound, Unavailable, as_naiad_error
 from .model import ModelVersion
+from .orchestration.model_settings import ModelSettings, model_settings
 from .scheduling.pool import InstancePool
 from .scheduling.scheduler import create_scheduler
 from .stats import ModelStats
 from .storage.local import numeric_versions, tree_signature
+
+if TYPE_CHECKING:
+    from .orchestration.orchestrator import ModelOrchestrator
 
 log = logging.getLogger("naiad.repository")
 
@@ -52,6 +57,11 @@ class ModelRecord:
     override_dir: Path | None = None
     load_seconds: float = 0.0
     explicit: bool = False  # loaded by its own name (startup list, load API), not only as a composing model
+    settings: ModelSettings = field(default_factory=ModelSettings)  # NAIAD_MEMORY, NAIAD_PINNED, ...
+    memory: dict[str, int] = field(default_factory=dict)  # measured bytes per device ('host', 'gpu0', ...)
+    memory_measured: bool = False  # (kept across unloads: the next load is admitted with it)
+    loaded_at: float = 0.0  # wall-clock time of the last successful load
+    cause: str = ""  # why it was last loaded: startup, explicit, poll, on_demand
 
 
 class ModelRepository:
@@ -76,6 +86,9 @@ class ModelRepository:
         self.records: dict[str, ModelRecord] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.on_change: list = []  # callbacks(name) after load/unload, e.g. metrics
+        self.orchestrator: ModelOrchestrator | None = (
+            None  # budget, measurement, eviction (set by the Server)
+        )
 
     # ---- discovery ----
     def scan(self) -> dict[str, storage.ModelSource]:
@@ -155,11 +168,13 @@ class ModelRepository:
         files: dict[str, bytes] | None = None,
         _chain: tuple = (),
         refresh: bool = True,
+        cause: str = "explicit",
     ) -> None:
         """Load (or reload) a model; new versions go live before old ones are drained and unloaded.
 
         An ensemble's composing models are loaded first when they are not loaded yet (as Triton does). Remote
         repositories are listed again first (unless the caller just did), so a load sees the bucket as it is now.
+        `cause` (startup, explicit, poll, on_demand) labels the load in the metrics.
         """
         loop = asyncio.get_running_loop()
         if refresh:
@@ -168,15 +183,22 @@ class ModelRepository:
             if step_model in _chain:
                 raise InvalidArgument(f"ensemble '{name}' depends on itself through '{step_model}'")
             if not self.is_ready(step_model):
-                await self.load(step_model, _chain=_chain + (name,), refresh=False)
+                await self.load(step_model, _chain=_chain + (name,), refresh=False, cause=cause)
+        orch = self.orchestrator
         async with self._lock(name):
             rec = self.records.setdefault(name, ModelRecord(name))
-            rec.state, rec.reason = LOADING, ""
+            rec.state, rec.reason, rec.cause = LOADING, "", cause
             started = time.monotonic()
+            ticket = None
             try:
+                if orch is not None:
+                    config = await loop.run_in_executor(None, self._config_to_load, name, config_json)
+                    ticket = await orch.admit(rec, config, cause)
                 model_dir, signature = await loop.run_in_executor(None, self._model_dir, name, rec, files)
                 config, built = await loop.run_in_executor(None, self._build, name, model_dir, config_json)
             except BaseException as exc:
+                if orch is not None:
+                    orch.failed(ticket, name, cause, time.monotonic() - started)
                 err = as_naiad_error(exc)
                 rec.reason = err.message
                 rec.state = READY if rec.versions else UNAVAILABLE
@@ -201,10 +223,48 @@ class ModelRepository:
                     rec.version_states[v] = (UNAVAILABLE, "unloaded")
             rec.signature = signature
             rec.load_seconds = time.monotonic() - started
+            rec.settings = model_settings(config)
+            if orch is not None and ticket is not None:
+                orch.loaded(ticket, rec, rec.load_seconds)
             log.info("successfully loaded '%s' version(s) %s", name, ", ".join(map(str, sorted(built))))
             self._changed(name)
         for mv in old.values():
             await mv.close(self.server.options.exit_timeout_secs)
+        if orch is not None:
+            too_big = await orch.settle(name)
+            if too_big is not None:
+                await self.unload(name)
+                rec.reason = f"failed to load '{name}', {too_big}"
+                rec.version_states = {v: (UNAVAILABLE, rec.reason) for v in rec.version_states}
+                raise InvalidArgument(rec.reason)
+
+    async def ensure_loaded(self, name: str, cause: str) -> None:
+        """Load `name` unless it is ready; a load already under way is waited for, not repeated."""
+        lock = self._lock(name)
+        if lock.locked():
+            async with lock:
+                pass
+        if not self.is_ready(name):
+            await self.load(name, cause=cause)
+
+    def busy(self, name: str) -> bool:
+        """Whether the model is being loaded or unloaded right now."""
+        lock = self._locks.get(name)
+        return lock is not None and lock.locked()
+
+    def listed(self, name: str) -> bool:
+        """Whether a repository holds `name` (remote ones as last listed) or it was loaded with file overrides."""
+        rec = self.records.get(name)
+        return (rec is not None and rec.override_dir is not None) or name in self.scan()
+
+    def _config_to_load(self, name: str, config_json) -> mc.ModelConfig | None:
+        """The config a load will use, for admission (None when it cannot be read: the load reports why)."""
+        try:
+            if config_json:
+                return cfg.parse_json(config_json)
+            return self._listed_config(name)
+        except (NaiadError, storage.StorageError, OSError):
+            return None
 
     def _composing_models(self, name: str, config_json) -> list[str]:
         try:
@@ -295,6 +355,7 @@ class ModelRepository:
                 if model_file is None or model_file.exists():
                     backend.auto_complete_config(config, model_file)
         cfg.normalize(config, self.gpu_count)
+        model_settings(config)  # a bad orchestration parameter fails the load
         versions = select_versions(config.version_policy, available)
         if not versions:
             raise InvalidArgument(
@@ -416,16 +477,16 @@ class ModelRepository:
         for cb in self.on_change:
             cb(name)
 
-    async def load_many(self, names: list[str]) -> None:
+    async def load_many(self, names: list[str], cause: str = "startup") -> None:
         """Load models concurrently; failures are recorded and logged, never fatal to the others. The caller has
         just refreshed the repositories' listings."""
         ordered = await asyncio.get_running_loop().run_in_executor(None, self._dependency_order, names)
         for wave in ordered:
-            await asyncio.gather(*(self._load_quietly(n) for n in wave))
+            await asyncio.gather(*(self._load_quietly(n, cause) for n in wave))
 
-    async def _load_quietly(self, name: str) -> None:
+    async def _load_quietly(self, name: str, cause: str) -> None:
         try:
-            await self.load(name, refresh=False)
+            await self.load(name, refresh=False, cause=cause)
         except NaiadError:
             pass
 
@@ -456,10 +517,12 @@ class ModelRepository:
             if known is None or (known.override_dir is None and source.signature() != known.signature):
                 changed.append(name)
         if changed:
-            await self.load_many(changed)
+            await self.load_many(changed, cause="poll")
 
-    def index(self, ready_only: bool = False) -> list[dict]:
-        """Triton's repository index: a bare `{"name"}` for models never loaded; `reason` only when set."""
+    def index(self, ready_only: bool = False, memory: bool = False) -> list[dict]:
+        """Triton's repository index: a bare `{"name"}` for models never loaded; `reason` only when set.
+        `memory`: READY entries also carry `host_memory_bytes` and `gpu_memory_bytes` (all GPUs; per device in
+        `gpu_memory_bytes_by_device`), measured after load and warm-up, declared (NAIAD_MEMORY) until then."""
         out = []
         for name in sorted(set(self.scan()) | set(self.records)):
             rec = self.records.get(name)
@@ -478,6 +541,8 @@ class ModelRepository:
                 entry = {"name": name, "version": str(v) if v else "", "state": state}
                 if reason:
                     entry["reason"] = reason
+                if memory and state == READY and self.orchestrator is not None:
+                    entry.update(self.orchestrator.index_fields(rec))
                 out.append(entry)
         return out
 

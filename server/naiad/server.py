@@ -17,6 +17,9 @@ from .custom_metrics import CustomMetrics
 from .errors import Internal, InvalidArgument, NaiadError, Unavailable
 from .inference import InferenceRequest, InferenceResponse, OutputTensor
 from .logsettings import LogSettings
+from .orchestration.memory_budget import MemoryBudget
+from .orchestration.on_demand import OnDemandLoader
+from .orchestration.orchestrator import ModelOrchestrator
 from .repository import ModelRepository
 from .scheduling.ratelimit import RateLimiter
 from .trace import Tracer
@@ -47,6 +50,10 @@ class ServerOptions:
     rate_limit_resources: dict = field(default_factory=dict)
     backend_directory: str | None = None  # Triton's python-based backends: <dir>/<name>/model.py
     storage_cache_dir: str | None = None  # where s3:// and https:// models are copied (None: the default)
+    load_on_demand: bool = False  # explicit mode: a request for an unloaded model loads it and waits
+    load_on_demand_max_waiters: int = 1000  # per model; beyond: 429 / UNAVAILABLE with Retry-After
+    load_on_demand_timeout: float = 120.0  # seconds a request waits for its model's load
+    model_memory_limit: dict = field(default_factory=dict)  # {'host': bytes, 'gpu0': bytes}; empty: no budget
 
 
 class Server:
@@ -72,6 +79,21 @@ class Server:
             gpu_count=options.gpu_count,
             cache_dir=options.storage_cache_dir,
         )
+        self.orchestrator = ModelOrchestrator(
+            self.repository,
+            gpu_count=options.gpu_count,
+            budget=MemoryBudget(options.model_memory_limit) if options.model_memory_limit else None,
+        )
+        self.repository.orchestrator = self.orchestrator
+        # the repository index carries each model's memory when the server manages it
+        self.orchestrated = options.load_on_demand or bool(options.model_memory_limit)
+        self.on_demand: OnDemandLoader | None = None
+        if options.load_on_demand:
+            if options.model_control_mode != "explicit":
+                raise InvalidArgument("--load-on-demand needs --model-control-mode explicit")
+            self.on_demand = OnDemandLoader(
+                self.repository, options.load_on_demand_max_waiters, options.load_on_demand_timeout
+            )
         self.rate_limiter = (
             RateLimiter(options.rate_limit_resources) if options.rate_limit == "execution_count" else None
         )
@@ -110,6 +132,7 @@ class Server:
             wanted = self.options.load_models
             names = list(self.repository.scan()) if "*" in wanted else list(dict.fromkeys(wanted))
         await self.repository.load_many(names)
+        self.orchestrator.start()
         if mode == "poll":
             self._poll_task = self.loop.create_task(self._poll_forever())
         self._started = True
@@ -135,6 +158,7 @@ class Server:
                 await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 break
+        await self.orchestrator.close()
         await self.repository.close(max(0.0, deadline - time.monotonic()))
         self.backends.finalize()
         await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)
@@ -152,8 +176,10 @@ class Server:
             return True
         if self.repository.source_errors:
             return False
+        # (a model that failed to load because a request asked for it leaves the server ready: no client may
+        # take a server out of service by asking for a broken model)
         return not any(
-            rec.reason and rec.reason != "unloaded" and not rec.versions
+            rec.reason and rec.reason != "unloaded" and not rec.versions and rec.cause != "on_demand"
             for rec in self.repository.records.values()
         )
 
@@ -210,6 +236,18 @@ class Server:
             )
         await self.repository.load(name, config, files)
 
+    async def ready_model(self, name: str, version: str | int = "") -> tuple[ModelVersion, int]:
+        """The ready model version an inference request asks for, and the ns it waited: with --load-on-demand a
+        model in a repository that is not loaded is loaded first. (Metadata, config and readiness lookups never
+        load: they use `model`.)"""
+        v = parse_version(version)
+        try:
+            return self.repository.get(name, v), 0
+        except NaiadError as exc:
+            if self.on_demand is None:
+                raise
+            return await self.on_demand.ready_model(name, v, exc)
+
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         self._check_explicit("load / unload")
         await self.repository.unload(name, unload_dependents)
@@ -219,7 +257,14 @@ class Server:
         """Run one request to completion; errors are raised as NaiadError."""
         if self._stopping:
             raise Unavailable("Server is shutting down")
-        mv = self.repository.get(request.model_name, request.model_version)
+        try:
+            mv = self.repository.get(request.model_name, request.model_version)
+        except NaiadError as miss:
+            if self.on_demand is None:
+                raise
+            mv, request.load_wait_ns = await self.on_demand.ready_model(
+                request.model_name, request.model_version, miss
+            )
         if mv.decoupled:
             raise InvalidArgument(
                 f"ModelInfer RPC doesn't support models with decoupled transaction policy; use "
@@ -281,7 +326,14 @@ class Server:
         """Decoupled (or not) inference as a stream of responses; the last one has `final` set."""
         if self._stopping:
             raise Unavailable("Server is shutting down")
-        mv = self.repository.get(request.model_name, request.model_version)
+        try:
+            mv = self.repository.get(request.model_name, request.model_version)
+        except NaiadError as miss:
+            if self.on_demand is None:
+                raise
+            mv, request.load_wait_ns = await self.on_demand.ready_model(
+                request.model_name, request.model_version, miss
+            )
         if not mv.decoupled:
             yield await self.infer(request)
             return

@@ -12,6 +12,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from ..errors import NaiadError, as_naiad_error
+from ..orchestration.on_demand import LOAD_WAIT_PARAMETER
 from ..server import Server
 from . import grpc_wire
 from . import shm as shm_handlers
@@ -37,9 +38,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _fail(self, context, exc: BaseException):
         err = as_naiad_error(exc)
         code, message = err.grpc_status, err.message
+        metadata = () if err.retry_after is None else (("retry-after", str(max(1, round(err.retry_after)))),)
         # the traceback holds the frames, and with them the request: drop it now, not at the next full GC
         exc.__traceback__ = err.__traceback__ = None
         del err, exc
+        if metadata:
+            await context.abort(code, message, metadata)
         await context.abort(code, message)
 
     async def ServerLive(self, request, context):
@@ -125,6 +129,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 chunked = False
             req.traceparent = _traceparent(context) if self.server.tracer.active else None
             resp = await self.server.infer(req)
+            if req.load_wait_ns:
+                resp.parameters[LOAD_WAIT_PARAMETER] = round(req.load_wait_ns / 1e6, 1)
             return encode_response(resp, req, self.shm, chunked)
         except NaiadError as exc:
             return await self._fail(context, exc)
@@ -144,9 +150,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 req = decode_request(msg, self.shm)
                 req.traceparent = _traceparent(context) if self.server.tracer.active else None
                 empty_final = bool(req.parameters.get("triton_enable_empty_final_response", False))
-                mv = self.server.repository.get(req.model_name, req.model_version)
+                mv, req.load_wait_ns = await self.server.ready_model(req.model_name, req.model_version)
                 if not mv.decoupled:
                     resp = await self.server.infer(req)
+                    if req.load_wait_ns:
+                        resp.parameters[LOAD_WAIT_PARAMETER] = round(req.load_wait_ns / 1e6, 1)
                     queue.put_nowait(
                         pb.ModelStreamInferResponse(infer_response=encode_response(resp, req, self.shm))
                     )

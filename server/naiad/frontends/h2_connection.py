@@ -132,7 +132,7 @@ class Stream:
 
     # -- the grpc.aio ServicerContext subset --
     async def abort(self, code, details: str = "", trailing_metadata=()):
-        raise Abort(code, details)
+        raise Abort(code, details, trailing_metadata)
 
     def invocation_metadata(self):
         return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.metadata)

@@ -191,7 +191,7 @@ class _Connection(H2Reader):
                     self._reply(st, response.SerializeToString())
         except Abort as exc:
             exc.__traceback__ = exc.__context__ = None  # holds the frames, and with them the request
-            self._finish_error(st, exc.code, exc.details)
+            self._finish_error(st, exc.code, exc.details, exc.trailing_metadata)
         except asyncio.CancelledError:
             if not st.done:
                 self._finish_error(st, grpc.StatusCode.CANCELLED, "the call was cancelled")
@@ -325,10 +325,10 @@ class _Connection(H2Reader):
         self._closed_local(st, out)
         self.transport.writelines(out)
 
-    def _finish_error(self, st: Stream, code, message: str) -> None:
+    def _finish_error(self, st: Stream, code, message: str, metadata=()) -> None:
         if st.task is not None and st.task is not asyncio.current_task() and not st.task.done():
             st.task.cancel()
-        self._finish(st, status_block(status_code(code), message))
+        self._finish(st, status_block(status_code(code), message, metadata))
 
     def _respond_http(self, st: Stream) -> None:
         """Not a gRPC request: an HTTP status and a line of text saying what this server is (flow-controlled

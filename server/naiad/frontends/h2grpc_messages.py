@@ -27,8 +27,10 @@ RESPONSE_HEADERS = b"\x88" + hpack_int(31, 4) + hpack_int(16, 7) + b"application
 _GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 
-def status_block(code: int, message: str) -> bytes:
+def status_block(code: int, message: str, metadata=()) -> bytes:
     block = hpack_literal(b"grpc-status", str(code).encode())
+    for key, value in metadata:
+        block += hpack_literal(key.lower().encode("latin-1"), str(value).encode("latin-1"))
     if len(message) > MAX_STATUS_MESSAGE:
         message = message[: MAX_STATUS_MESSAGE - 3] + "..."
     if message:
@@ -56,10 +58,11 @@ class WireMessage:
 class Abort(Exception):
     """Raised by `Stream.abort` (the servicers' `context.abort`): ends the call with a status."""
 
-    def __init__(self, code, details: str):
+    def __init__(self, code, details: str, trailing_metadata=()):
         super().__init__(details)
         self.code = status_code(code)
         self.details = details
+        self.trailing_metadata = tuple(trailing_metadata)  # (key, value) pairs sent after grpc-status
 
 
 @dataclass(frozen=True)

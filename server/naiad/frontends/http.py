@@ -24,7 +24,9 @@ from .http_codec import (
     compress_response,
     decode_infer_request,
     encode_infer_response,
+    error_headers,
     error_payload,
+    load_wait_header,
     model_version,
     read_body,
     response_coding,
@@ -41,6 +43,9 @@ def _json(data, status: int = 200) -> web.Response:
 
 def error_response(exc: BaseException) -> web.Response:
     status, body = error_payload(exc)
+    headers = error_headers(exc)
+    if headers is not None:
+        return web.Response(body=body, status=status, headers=headers)
     return web.Response(body=body, status=status, content_type="application/json")
 
 
@@ -213,7 +218,8 @@ class HttpFrontend:
     async def index(self, request):
         doc = await self._body_json(request)
         await self.server.repository.refresh()
-        return _json(self.server.repository.index(bool(doc.get("ready", False))))
+        memory = bool(doc.get("memory", False)) or self.server.orchestrated
+        return _json(self.server.repository.index(bool(doc.get("ready", False)), memory))
 
     async def load(self, request):
         doc = await self._body_json(request)
@@ -281,10 +287,8 @@ class HttpFrontend:
         raise InvalidArgument("CUDA shared memory is not supported by this server: it needs a CUDA device")
 
     # inference
-    def _raw_binary_request(self, model: str, version: str, body: bytes) -> InferenceRequest:
+    def _raw_binary_request(self, mv, model: str, v: int, body: bytes) -> InferenceRequest:
         """Triton's raw binary request (no JSON header): the whole body is the only input's tensor."""
-        v = model_version(version)
-        mv = self.server.repository.get(model, v)
         if len(mv.inputs) != 1:
             raise InvalidArgument(
                 f"a raw binary request (no JSON header) needs a model with exactly one input; "
@@ -321,11 +325,18 @@ class HttpFrontend:
 
         The one implementation behind the aiohttp route and the fast HTTP/1.1 path (http_fast)."""
         if header_length == "0" or (header_length is None and not body):
-            req, default_binary = self._raw_binary_request(model, version, body), True
+            v = model_version(version)
+            mv, waited = await self.server.ready_model(model, v)
+            req, default_binary = self._raw_binary_request(mv, model, v, body), True
+            req.load_wait_ns = waited
         else:
             req, default_binary = decode_infer_request(model, version, body, header_length, self.shm)
         req.traceparent = traceparent
         response = await self.server.infer(req)
+        if req.load_wait_ns:  # (the one check the loaded model's path pays)
+            chunks, headers = encode_infer_response(response, req, default_binary, self.shm)
+            load_wait_header(req, headers)
+            return chunks, headers
         return encode_infer_response(response, req, default_binary, self.shm)
 
     async def infer(self, request: web.Request):
@@ -344,9 +355,11 @@ class HttpFrontend:
     async def _generate_request(self, request):
         m = request.match_info
         version = model_version(m.get("version", ""))
-        mv = self.server.repository.get(m["model"], version)
+        mv, waited = await self.server.ready_model(m["model"], version)
         body = await read_body(request, self.max_input_size)
-        return mv, generate.decode(mv, generate.parse(body), version)
+        req = generate.decode(mv, generate.parse(body), version)
+        req.load_wait_ns = waited
+        return mv, req
 
     async def generate(self, request):
         mv, req = await self._generate_request(request)
@@ -358,7 +371,10 @@ class HttpFrontend:
                 responses.append(resp)  # (a decoupled model's final flag alone is no response)
         if len(responses) != 1:
             raise InvalidArgument(generate.EXACTLY_ONE)
-        return _json(generate.encode(responses[0]))
+        out = _json(generate.encode(responses[0]))
+        if req.load_wait_ns:
+            load_wait_header(req, out.headers)
+        return out
 
     async def generate_stream(self, request):
         """Server-Sent Events, one `data: {...}` event per response and no end marker, as Triton sends them. The
@@ -368,6 +384,8 @@ class HttpFrontend:
         stream = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
         )
+        if req.load_wait_ns:
+            load_wait_header(req, stream.headers)
         started = False
         responses = self.server.infer_stream(req)
         try:

@@ -13,6 +13,7 @@ from aiohttp import web
 from .. import tensors
 from ..errors import InvalidArgument, NotFound, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
+from ..orchestration.on_demand import LOAD_WAIT_HEADER
 from ..version_string import parse_version
 from .common import request_options
 
@@ -24,6 +25,19 @@ def error_payload(exc: BaseException) -> tuple[int, bytes]:
     """(HTTP status, JSON body) of an error, for the aiohttp app and the fast path alike."""
     err = as_naiad_error(exc)
     return err.http_status, orjson.dumps({"error": err.message})
+
+
+def error_headers(exc: BaseException) -> dict | None:
+    """Extra response headers of an error: `Retry-After` when it says when to come back."""
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is None:
+        return None
+    return {"Content-Type": "application/json", "Retry-After": str(max(1, round(retry_after)))}
+
+
+def load_wait_header(request: InferenceRequest, headers: dict) -> None:
+    """Say on the response of a request that waited for its model to load on demand how long it waited."""
+    headers[LOAD_WAIT_HEADER] = f"{request.load_wait_ns / 1e6:.1f}"
 
 
 def restricted_message(key: str) -> str:

@@ -32,7 +32,7 @@ import orjson
 from ..errors import NaiadError
 from . import eager
 from .busy_poll import BusyPoll
-from .http_codec import compress_response, error_payload, response_coding, restricted_message
+from .http_codec import compress_response, error_headers, error_payload, response_coding, restricted_message
 
 log = logging.getLogger("naiad.http")
 
@@ -458,6 +458,7 @@ class FastHttpProtocol(asyncio.Protocol):
                             log.exception("unhandled error on POST %s", _path(model, version))
                         status, payload = srv.error_payload(exc)
                         chunks = [payload]
+                        headers = error_headers(exc)
                 if self.lost or self.transport.is_closing():
                     break
                 if not queue and (srv.closing or self.eof or self.final == _CLOSE):

@@ -114,6 +114,16 @@ class OpenAIFrontend:
                 f"The model '{name}' does not exist", 404, param="model", code="model_not_found"
             ) from None
 
+    async def _ready_model(self, name: str):
+        """The model an inference route runs: with --load-on-demand, loaded first if it is in a repository."""
+        try:
+            mv, _ = await self.server.ready_model(name)
+            return mv
+        except NotFound:
+            raise OpenAIError(
+                f"The model '{name}' does not exist", 404, param="model", code="model_not_found"
+            ) from None
+
     def _card(self, mv) -> dict:
         created = self._created.setdefault((mv.name, mv.version), int(time.time()))
         return model_card(mv.name, created)
@@ -216,8 +226,8 @@ class OpenAIFrontend:
         except Exception:
             return None
 
-    def _prepare(self, gen: Generation, chat: bool):
-        mv = self._model(gen.model)
+    async def _prepare(self, gen: Generation, chat: bool):
+        mv = await self._ready_model(gen.model)
         kind = mapping.require_llm(mv, "/v1/chat/completions" if chat else "/v1/completions")
         if chat:
             template = templates.resolve(mv, self.chat_template)
@@ -249,7 +259,7 @@ class OpenAIFrontend:
         return await self._generate(request, protocol.completion(await self._body(request)), chat=False)
 
     async def _generate(self, request: web.Request, gen: Generation, chat: bool) -> web.StreamResponse:
-        mv, kind, prompt = self._prepare(gen, chat)
+        mv, kind, prompt = await self._prepare(gen, chat)
         prompt_tokens = self._prompt_tokens(mv, prompt, gen)
         builder = Builder(chat, mv.name, gen)
         req = mapping.generation_request(mv, kind, prompt, gen, builder.id)
@@ -392,7 +402,7 @@ class OpenAIFrontend:
     # ---- embeddings ----
     async def embeddings(self, request: web.Request) -> web.Response:
         emb = protocol.embedding(await self._body(request))
-        mv = self._model(emb.model)
+        mv = await self._ready_model(emb.model)
         if not mapping.supports_embeddings(mv):
             raise OpenAIError(
                 f"model '{mv.name}' does not serve embeddings: /v1/embeddings needs a model with an "

@@ -1,0 +1,1 @@
+"""Model orchestration: loading on demand, measured model memory, the memory budget, eviction and idle unload."""

@@ -72,15 +72,23 @@ class H2Reader(H2Connection, abc.ABC):
         try:
             if self.buf:
                 buf = self.buf
-                buf += data
-                if self.preface and len(buf) >= 9:
-                    length = int.from_bytes(buf[:3], "big")
-                    if length > RECV_MAX_FRAME:
-                        raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
-                    if len(buf) < 9 + length:
-                        return  # the frame is still incomplete: wait without copying
-                data = bytes(buf)
-                buf.clear()
+                rest = None
+                if self.preface and len(buf) >= 9 and len(data) >= POOLED_MIN:
+                    rest = self._complete_frame(data)  # (a large read is not copied again to join it)
+                if rest is not None:
+                    if self.closed:
+                        return
+                    data = rest
+                else:
+                    buf += data
+                    if self.preface and len(buf) >= 9:
+                        length = int.from_bytes(buf[:3], "big")
+                        if length > RECV_MAX_FRAME:
+                            raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                        if len(buf) < 9 + length:
+                            return  # the frame is still incomplete: wait without copying
+                    data = bytes(buf)
+                    buf.clear()
             pos = 0
             if not self.preface:
                 if len(data) < 24:
@@ -122,6 +130,24 @@ class H2Reader(H2Connection, abc.ABC):
             self._close_with(exc.code, str(exc))
         except hpack.HPACKError as exc:
             self._close_with(COMPRESSION_ERROR, f"header block: {type(exc).__name__}")
+
+    def _complete_frame(self, data: bytes) -> memoryview | None:
+        """The frame begun in `self.buf` completed from the head of `data`, which holds the rest of it: the
+        frame is handled and what follows it in `data` returned as a view (None: `data` does not finish it)."""
+        buf = self.buf
+        length = int.from_bytes(buf[:3], "big")
+        if length > RECV_MAX_FRAME:
+            raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+        need = 9 + length - len(buf)
+        if len(data) < need:
+            return None
+        view = memoryview(data)
+        buf += view[:need]
+        whole = bytes(buf)
+        buf.clear()
+        lt, flags, sid = _FRAME.unpack_from(whole, 0)
+        self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, memoryview(whole)[9:])
+        return view[need:]
 
     # ---- frames ----
     def _frame(self, ftype: int, flags: int, sid: int, payload: memoryview) -> None:
@@ -419,8 +445,13 @@ class H2Reader(H2Connection, abc.ABC):
                     if not in_place:
                         st.msg[fill : fill + len(payload)] = payload
                     st.msg_fill = fill + len(payload)
-            elif not st.body and len(payload) >= 5 and self._pool_message(st, payload):
-                pass
+            elif (
+                not st.body
+                and not flags & END_STREAM
+                and len(payload) >= 5
+                and self._pool_message(st, payload)
+            ):
+                pass  # (a message whole in one frame stays a view of that frame)
             else:
                 st.body.append(payload)  # a view: the frame's bytes stay alive, uncopied, until parsed
         if flags & END_STREAM:

@@ -339,10 +339,6 @@ class FastHttpProtocol(asyncio.Protocol):
             self.raw = raw
         else:
             self.raw = data
-        self._parse(data)
-
-    def _parse(self, data) -> None:
-        """Feed the parser; then start the requests it completed, or read a large body into a buffer."""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
@@ -472,8 +468,7 @@ class FastHttpProtocol(asyncio.Protocol):
         """The whole body is in the buffer: the parser skips over it (it keeps no body bytes) and completes
         the request."""
         self.transport.set_protocol(self)
-        self.last_active = self.loop.time()
-        self._parse(reader.view[reader.seeded : reader.size])
+        self.data_received(reader.view[reader.seeded : reader.size])
 
     # ---- answering ----
     async def _run(self) -> None:

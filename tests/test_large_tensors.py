@@ -208,3 +208,45 @@ def test_receive_pool_reuses_only_free_buffers():
     big = pool.take(50 * MIB)  # over the limit: idle buffers are dropped to make room
     assert pool.bytes <= 64 * MIB
     assert len(big) >= 50 * MIB
+
+
+def test_large_tensors_over_tls(tmp_path_factory):
+    """The same buffers behind TLS (uvloop's SSL transport hands a BufferedProtocol the decrypted bytes)."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from pki import Pki
+
+    repo = tmp_path_factory.mktemp("large-tls") / "models"
+    shutil.copytree(MODELS / MODEL, repo / MODEL)
+    pki = Pki(tmp_path_factory.mktemp("pki"), "naiad-test-ca")
+    cert, key = pki.issue("server")
+    args = []
+    for endpoint in ("grpc", "http"):
+        args += [
+            f"--{endpoint}-server-cert",
+            cert,
+            f"--{endpoint}-server-key",
+            key,
+            f"--{endpoint}-use-ssl=true",
+        ]
+    sent = tensors_for(5, odd=True)
+    with NaiadProcess(repo, *args) as proc:
+        for _ in range(2):
+            h = httpclient.InferenceServerClient(
+                f"localhost:{proc.http_port}", ssl=True, ssl_options={"ca_certs": pki.ca}, network_timeout=120
+            )
+            g = grpcclient.InferenceServerClient(
+                f"localhost:{proc.grpc_port}", ssl=True, root_certificates=pki.ca
+            )
+            try:
+                for module, client in ((httpclient, h), (grpcclient, g)):
+                    inputs = []
+                    for dtype, arr in sent.items():
+                        i = module.InferInput(f"IN_{dtype}", list(arr.shape), dtype)
+                        i.set_data_from_numpy(arr)
+                        inputs.append(i)
+                    result = client.infer(MODEL, inputs)
+                    same_bytes({dtype: result.as_numpy(f"OUT_{dtype}") for dtype in sent}, sent)
+            finally:
+                h.close()
+                g.close()

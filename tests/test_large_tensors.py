@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -250,3 +251,55 @@ def test_large_tensors_over_tls(tmp_path_factory):
             finally:
                 h.close()
                 g.close()
+
+
+def raw_grpc_call(server, message: bytes, cuts: list[int], claimed: int | None = None) -> tuple[dict, bytes]:
+    """One ModelInfer over a raw HTTP/2 connection: the gRPC message (its length prefix saying `claimed`
+    bytes, if given) as DATA frames ending at each offset in `cuts`, each frame written in two pieces with a
+    pause between them; (trailers, response message)."""
+    from h2frames import DATA, END_STREAM, HEADERS, WINDOW_UPDATE, RawH2, frame
+
+    body = struct.pack(">BI", 0, len(message) if claimed is None else claimed) + message
+    with RawH2(server.grpc, settings=struct.pack(">HI", 4, 1 << 30)) as conn:  # (the response needs window)
+        conn.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30)))
+        conn.send(conn.request_headers("/inference.GRPCInferenceService/ModelInfer"))
+        start = 0
+        for i, end in enumerate(cuts):
+            data = frame(DATA, END_STREAM if i == len(cuts) - 1 else 0, 1, body[start:end])
+            half = len(data) // 3
+            conn.send(data[:half])
+            time.sleep(0.05)
+            conn.send(data[half:])
+            start = end
+        frames = conn.frames(timeout=30, until=lambda f: f[0] == HEADERS and f[1] & END_STREAM)
+        trailers, payload = {}, b""
+        for ftype, _, _, data in frames:
+            if ftype == HEADERS:
+                trailers.update(conn.decode(data))
+            elif ftype == DATA:
+                payload += data
+        return trailers, payload[5:]
+
+
+def test_grpc_large_frames_read_in_place(server):
+    """Large DATA frames that arrive in pieces (read straight into the message buffer), then messages whose
+    length prefix says more or less than what comes: a clear INTERNAL error, and the connection still works."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    arr = np.random.default_rng(3).integers(0, 256, 700_001, dtype=np.uint8)
+    req = pb.ModelInferRequest(model_name=MODEL)
+    t = req.inputs.add(name="IN_UINT8", datatype="UINT8")
+    t.shape.append(arr.size)
+    req.raw_input_contents.append(arr.tobytes())
+    msg = req.SerializeToString()
+    n = len(msg) + 5
+    for cuts in ([n], [300_000, n], [1000, 600_000, n]):
+        trailers, payload = raw_grpc_call(server, msg, cuts)
+        assert trailers.get("grpc-status") == "0", trailers
+        resp = pb.ModelInferResponse.FromString(payload)
+        assert resp.raw_output_contents[0] == arr.tobytes()
+    for claimed in (len(msg) - 100_000, len(msg) + 100_000):
+        trailers, _ = raw_grpc_call(server, msg, [400_000, n], claimed=claimed)
+        assert trailers.get("grpc-status") == "13", trailers
+        assert "expected one request message of" in trailers.get("grpc-message", ""), trailers
+    same_bytes(grpc_infer(server, {"UINT8": arr}), {"UINT8": arr})

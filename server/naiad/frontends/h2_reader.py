@@ -379,6 +379,20 @@ class H2Reader(H2Connection, abc.ABC):
         the transport reads the rest of it into the buffer, in place, and hands it to `_data` then."""
         st = self.streams.get(sid)
         if (
+            st is not None
+            and st.msg is None
+            and not st.body
+            and st.method is not None
+            and st.queue is None
+            and not st.remote_closed
+            and len(part) >= 5
+            and not flags & PADDED
+        ):  # the call's first frame: its message's buffer is made now
+            size = 5 + int.from_bytes(part[1:5], "big")
+            if POOLED_MIN <= size <= self.max_message + 5 and length <= size:
+                st.msg = memoryview(POOL.take(size))[:size]
+                st.msg_fill = 0
+        if (
             st is None
             or st.msg is None
             or flags & PADDED

@@ -114,6 +114,8 @@ IDENTITY_MODELS = {"identity_16": (16,), "identity_64k": (65536,)}
 # The same identity model behind dynamic_batching (max_batch_size 64): one [1, 65536] row per request, gRPC.
 BATCHED_IDENTITY_MODELS = {"identity_64k_batched": (1, 65536)}
 MLP_MODELS = {"mlp": (1, 64), "mlp_batched": (1, 64)}
+# Large tensors (issue 32): 4 MiB and 16 MiB of FP32, binary protocols only, at concurrency 1 and 8.
+LARGE_IDENTITY_MODELS = {"identity_4m": (1048576,), "identity_16m": (4194304,)}
 
 
 def all_scenarios() -> list[Scenario]:
@@ -121,6 +123,10 @@ def all_scenarios() -> list[Scenario]:
     for model, shape in IDENTITY_MODELS.items():
         for proto in PROTOCOLS:
             for conc in (1, 8, 64):
+                out.append(Scenario(model, proto, conc, shape, "identity"))
+    for model, shape in LARGE_IDENTITY_MODELS.items():
+        for proto in ("http_binary", "grpc"):
+            for conc in (1, 8):
                 out.append(Scenario(model, proto, conc, shape, "identity"))
     for model, shape in BATCHED_IDENTITY_MODELS.items():
         for conc in (1, 8, 64):
@@ -289,7 +295,8 @@ def check_answer(sc: Scenario, body: Body) -> None:
         import grpc
         from tritonclient.grpc import service_pb2 as pb
 
-        with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as ch:
+        unlimited = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}", options=unlimited) as ch:
             call = ch.unary_unary(
                 GRPC_PATH,
                 request_serializer=lambda b: b,
@@ -455,6 +462,23 @@ class Server(abc.ABC):
             with contextlib.suppress(psutil.Error):
                 t = p.cpu_times()
                 total += t.user + t.system
+        return total
+
+    def page_faults(self) -> int:
+        """Minor page faults of the server and its children so far (a fresh page mapped on first touch)."""
+        import psutil
+
+        if self.proc is None:
+            return 0
+        total = 0
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            return 0
+        for p in procs:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                total += int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
         return total
 
 
@@ -867,11 +891,11 @@ def measure_scenario(ctx: Ctx, server: Server, sc: Scenario, rnd: int) -> dict:
     before = wait_drained(server, sc.model, settle)
     bstats0 = server.batch_stats(sc.model) if sc.model == "mlp_batched" else None
     bns0 = server.batch_infer_ns(sc.model) if bstats0 is not None else None
-    load0, cpu0, scpu0 = os.getloadavg(), cpu_times(), server.cpu_seconds()
+    load0, cpu0, scpu0, flt0 = os.getloadavg(), cpu_times(), server.cpu_seconds(), server.page_faults()
     t0 = time.monotonic()
     res = run_load(sc, body, duration)
     wall = time.monotonic() - t0
-    cpu1, scpu1, load1 = cpu_times(), server.cpu_seconds(), os.getloadavg()
+    cpu1, scpu1, load1, flt1 = cpu_times(), server.cpu_seconds(), os.getloadavg(), server.page_faults()
     after = wait_drained(server, sc.model, settle)
     rec = {
         "type": "run",
@@ -896,6 +920,9 @@ def measure_scenario(ctx: Ctx, server: Server, sc: Scenario, rnd: int) -> dict:
     }
     if rec["server_cpu_pct"]:
         rec["rps_per_server_cpu_s"] = res["rps"] / (rec["server_cpu_pct"] / 100.0)
+    if res.get("client_ok"):
+        rec["server_cpu_ms_per_req"] = 1000.0 * (scpu1 - scpu0) / res["client_ok"]
+        rec["page_faults_per_req"] = (flt1 - flt0) / res["client_ok"]
     if rec["cpu_server_core_busy_pct"] is not None and rec["server_cpu_pct"] is not None:
         # CPU time on the server's core that the server did not use itself: other tenants.
         rec["cpu_server_core_other_pct"] = max(0.0, rec["cpu_server_core_busy_pct"] - rec["server_cpu_pct"])
@@ -979,6 +1006,7 @@ def run_round(ctx: Ctx, rnd: int, servers: list[str]) -> None:
                 log(
                     f"  {name:8s} {sc.name:28s} {rec.get('rps', 0):10.1f} req/s  lat {lat if lat is not None else '-'} ms"
                     f"  srv-cpu {rec.get('server_cpu_pct') or 0:5.1f}%  other-on-core {rec.get('cpu_server_core_other_pct') or 0:5.1f}%"
+                    f"  {rec.get('server_cpu_ms_per_req') or 0:.3f} ms cpu/req  {rec.get('page_faults_per_req') or 0:.0f} faults/req"
                     f"{'' if rec['valid'] else '  INVALID: ' + rec['invalid_reason']}"
                 )
                 if rec.get("batch_executions"):
@@ -1095,6 +1123,8 @@ def summarize(ctx: Ctx) -> tuple[list[dict], list[dict]]:
                 "lat_p99_ms": median_spread([r.get("lat_p99_ms") for r in good]),
                 "server_cpu_pct": median_spread([r.get("server_cpu_pct") for r in good]),
                 "rps_per_server_cpu_s": median_spread([r.get("rps_per_server_cpu_s") for r in good]),
+                "server_cpu_ms_per_req": median_spread([r.get("server_cpu_ms_per_req") for r in good]),
+                "page_faults_per_req": median_spread([r.get("page_faults_per_req") for r in good]),
                 "other_on_server_core_pct": median_spread([r.get("cpu_server_core_other_pct") for r in good]),
             }
             if any(r.get("mean_batch_size") for r in good):

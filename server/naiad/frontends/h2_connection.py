@@ -94,6 +94,8 @@ class Stream:
         "last_data",
         "metadata",
         "method",
+        "msg",
+        "msg_fill",
         "pending",
         "queue",
         "received",
@@ -112,6 +114,8 @@ class Stream:
         self.metadata: tuple = ()
         self.encoding = b""
         self.body: list = []  # unary request: DATA payloads until END_STREAM
+        self.msg: memoryview | None = None  # or a large unary request's message, in a pooled buffer
+        self.msg_fill = 0
         self.received = 0
         self.unacked = 0
         self.held = 0  # received bytes whose window is granted only once the call takes its queued messages

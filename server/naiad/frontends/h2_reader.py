@@ -6,6 +6,7 @@ the calls' request messages. The call layer above (h2grpc.py) supplies `_start_c
 from __future__ import annotations
 
 import abc
+import asyncio
 import struct
 
 import grpc
@@ -52,6 +53,7 @@ from .h2_framing import (
     frame,
 )
 from .h2grpc_messages import Abort, RequestHead, split_messages
+from .receive_buffers import POOL, POOLED_MIN
 
 # Bound here, not imported: CPython 3.11 compiles `imported_name.method(...)` without LOAD_METHOD, which
 # would build a bound-method object at every call in these hot paths.
@@ -70,15 +72,23 @@ class H2Reader(H2Connection, abc.ABC):
         try:
             if self.buf:
                 buf = self.buf
-                buf += data
-                if self.preface and len(buf) >= 9:
-                    length = int.from_bytes(buf[:3], "big")
-                    if length > RECV_MAX_FRAME:
-                        raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
-                    if len(buf) < 9 + length:
-                        return  # the frame is still incomplete: wait without copying
-                data = bytes(buf)
-                buf.clear()
+                rest = None
+                if self.preface and len(buf) >= 9 and len(data) >= POOLED_MIN:
+                    rest = self._complete_frame(data)  # (a large read is not copied again to join it)
+                if rest is not None:
+                    if self.closed:
+                        return
+                    data = rest
+                else:
+                    buf += data
+                    if self.preface and len(buf) >= 9:
+                        length = int.from_bytes(buf[:3], "big")
+                        if length > RECV_MAX_FRAME:
+                            raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                        if len(buf) < 9 + length:
+                            return  # the frame is still incomplete: wait without copying
+                    data = bytes(buf)
+                    buf.clear()
             pos = 0
             if not self.preface:
                 if len(data) < 24:
@@ -99,6 +109,12 @@ class H2Reader(H2Connection, abc.ABC):
                     raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
                 end = pos + 9 + length
                 if end > n:
+                    if (
+                        lt & 0xFF == DATA
+                        and end - n >= POOLED_MIN
+                        and self._read_data(flags, sid, length, view[pos + 9 :])
+                    ):
+                        return  # the rest of this DATA frame goes straight into its message (DataReader)
                     break
                 self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, view[pos + 9 : end])
                 pos = end
@@ -114,6 +130,24 @@ class H2Reader(H2Connection, abc.ABC):
             self._close_with(exc.code, str(exc))
         except hpack.HPACKError as exc:
             self._close_with(COMPRESSION_ERROR, f"header block: {type(exc).__name__}")
+
+    def _complete_frame(self, data: bytes) -> memoryview | None:
+        """The frame begun in `self.buf` completed from the head of `data`, which holds the rest of it: the
+        frame is handled and what follows it in `data` returned as a view (None: `data` does not finish it)."""
+        buf = self.buf
+        length = int.from_bytes(buf[:3], "big")
+        if length > RECV_MAX_FRAME:
+            raise H2ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+        need = 9 + length - len(buf)
+        if len(data) < need:
+            return None
+        view = memoryview(data)
+        buf += view[:need]
+        whole = bytes(buf)
+        buf.clear()
+        lt, flags, sid = _FRAME.unpack_from(whole, 0)
+        self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, memoryview(whole)[9:])
+        return view[need:]
 
     # ---- frames ----
     def _frame(self, ftype: int, flags: int, sid: int, payload: memoryview) -> None:
@@ -340,7 +374,40 @@ class H2Reader(H2Connection, abc.ABC):
             self.header_cache.clear()
         return head
 
-    def _data(self, flags: int, sid: int, payload: memoryview) -> None:
+    def _read_data(self, flags: int, sid: int, length: int, part: memoryview) -> bool:
+        """A large DATA frame of a unary call whose message has a pooled buffer, of which `part` has come:
+        the transport reads the rest of it into the buffer, in place, and hands it to `_data` then."""
+        st = self.streams.get(sid)
+        if (
+            st is not None
+            and st.msg is None
+            and not st.body
+            and st.method is not None
+            and st.queue is None
+            and not st.remote_closed
+            and len(part) >= 5
+            and not flags & PADDED
+        ):  # the call's first frame: its message's buffer is made now
+            size = 5 + int.from_bytes(part[1:5], "big")
+            if POOLED_MIN <= size <= self.max_message + 5 and length <= size:
+                st.msg = memoryview(POOL.take(size))[:size]
+                st.msg_fill = 0
+        if (
+            st is None
+            or st.msg is None
+            or flags & PADDED
+            or st.remote_closed
+            or st.msg_fill + length > len(st.msg)
+        ):
+            return False
+        have = len(part)
+        st.msg[st.msg_fill : st.msg_fill + have] = part
+        self.buf.clear()
+        self.transport.set_protocol(DataReader(self, flags, st, length, have))
+        return True
+
+    def _data(self, flags: int, sid: int, payload: memoryview, in_place: bool = False) -> None:
+        """A DATA frame (`in_place`: its payload already sits in its stream's message buffer)."""
         n = len(payload)
         st = self.streams.get(sid)
         if st is None or st.remote_closed:
@@ -383,10 +450,37 @@ class H2Reader(H2Connection, abc.ABC):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"Received message larger than max ({st.received - 5} vs. {self.max_message})",
                 )
+            elif st.msg is not None:
+                fill = st.msg_fill
+                if fill + len(payload) > len(st.msg):  # more than the message announced: _remote_end says so
+                    st.body = [st.msg[:fill], bytes(payload)]
+                    st.msg = None
+                else:
+                    if not in_place:
+                        st.msg[fill : fill + len(payload)] = payload
+                    st.msg_fill = fill + len(payload)
+            elif (
+                not st.body
+                and not flags & END_STREAM
+                and len(payload) >= 5
+                and self._pool_message(st, payload)
+            ):
+                pass  # (a message whole in one frame stays a view of that frame)
             else:
                 st.body.append(payload)  # a view: the frame's bytes stay alive, uncopied, until parsed
         if flags & END_STREAM:
             self._remote_end(st)
+
+    def _pool_message(self, st: Stream, payload: memoryview) -> bool:
+        """The first DATA of a unary call announces a large message: it is assembled in a pooled buffer
+        (receive_buffers.py), so its tensors are views of memory that is reused, not of fresh copies."""
+        size = 5 + int.from_bytes(payload[1:5], "big")
+        if size < POOLED_MIN or size > self.max_message + 5 or len(payload) > size:
+            return False
+        st.msg = memoryview(POOL.take(size))[:size]
+        st.msg[: len(payload)] = payload
+        st.msg_fill = len(payload)
+        return True
 
     # ---- supplied by the call layer (h2grpc._Connection) ----
     @abc.abstractmethod
@@ -400,3 +494,48 @@ class H2Reader(H2Connection, abc.ABC):
     @abc.abstractmethod
     def _finish_error(self, st: Stream, code, message: str) -> None:
         """End the call with a gRPC error status."""
+
+
+class DataReader(asyncio.BufferedProtocol):
+    """The transport's protocol while the rest of a large DATA frame arrives: the kernel writes it into the
+    call's message buffer, then the connection reads frames again."""
+
+    __slots__ = ("conn", "fill", "flags", "size", "start", "stream", "view")
+
+    def __init__(self, conn: H2Reader, flags: int, st: Stream, length: int, have: int):
+        self.conn = conn
+        self.flags = flags
+        self.stream = st
+        self.start = st.msg_fill
+        self.size = length
+        self.fill = have
+        self.view = st.msg[self.start : self.start + length]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.fill :]  # never past this frame: what follows is the next frame's
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.fill += nbytes
+        conn = self.conn
+        conn.last_recv = conn.loop.time()
+        if self.fill < self.size:
+            return
+        conn.transport.set_protocol(conn)
+        if conn.closed:
+            return
+        try:
+            conn._data(self.flags, self.stream.sid, self.view, in_place=True)
+        except H2ConnectionError as exc:
+            conn._close_with(exc.code, str(exc))
+
+    def connection_lost(self, exc) -> None:
+        self.conn.connection_lost(exc)
+
+    def eof_received(self):
+        return self.conn.eof_received()
+
+    def pause_writing(self) -> None:
+        self.conn.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.conn.resume_writing()

@@ -109,7 +109,11 @@ class _Connection(H2Reader):
             st.queue.put_nowait(None)
         elif st.method is not None and st.task is None and not st.done:
             # one frame: a view of it; more: joined once, and the message is a view of that (no second copy)
-            body = st.body[0] if len(st.body) == 1 else memoryview(b"".join(st.body))
+            if st.msg is not None:  # a large message, assembled in a pooled buffer: parsed in place
+                body = st.msg[: st.msg_fill].toreadonly()
+                st.msg = None
+            else:
+                body = st.body[0] if len(st.body) == 1 else memoryview(b"".join(st.body))
             st.body = []
             error = None
             if len(body) < 5:

@@ -33,6 +33,7 @@ from ..errors import NaiadError
 from . import eager
 from .busy_poll import BusyPoll
 from .http_codec import compress_response, error_headers, error_payload, response_coding, restricted_message
+from .receive_buffers import POOL, POOLED_MIN
 
 log = logging.getLogger("naiad.http")
 
@@ -201,7 +202,8 @@ class FastHttpServer:
                     conn.close()
             elif conn.head_end >= 0:  # in a body
                 elapsed = now - conn.started
-                if elapsed > self.body_grace and len(conn.raw) - conn.head_end < self.min_body_rate * elapsed:
+                received = conn.reader.fill if conn.reader is not None else len(conn.raw) - conn.head_end
+                if elapsed > self.body_grace and received < self.min_body_rate * elapsed:
                     conn.close()
             elif conn.task is None and not conn.queue and conn.last_active < deadline:
                 conn.close()
@@ -245,6 +247,7 @@ class FastHttpProtocol(asyncio.Protocol):
         "parser",
         "queue",
         "raw",
+        "reader",
         "reading_paused",
         "restricted_value",
         "route",
@@ -272,6 +275,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.in_head = False
         self.started = 0.0  # when the request being received began (its head), then its body
         self.error = "malformed HTTP request"  # the 400 message once final is _BAD_REQUEST
+        self.reader: BodyReader | None = None  # a large body being read into a pooled buffer
         self._reset()
 
     def _reset(self) -> None:
@@ -296,6 +300,7 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.lost = True
+        self.reader = None
         self.queue.clear()
         self.raw = b""
         self.parser = None  # it holds our bound methods: break the cycle
@@ -349,6 +354,8 @@ class FastHttpProtocol(asyncio.Protocol):
                 self.error = str(exc) or type(exc).__name__
         if self.final is None and self.in_head and len(self.raw) > MAX_HEAD:
             self.final = _HANDOFF  # aiohttp applies its own header size limits and answers them
+        if self.final is None and self.head_end >= 0 and self.content_length >= POOLED_MIN:
+            self._read_body()
         if self.task is None:
             if self.queue:
                 self.task = self.srv.starter.start(self.loop, self._run())
@@ -411,19 +418,29 @@ class FastHttpProtocol(asyncio.Protocol):
         raw = self.raw
         start = self.head_end
         end = start + self.content_length
-        if start < 4 or end > len(raw):  # cannot happen with strict llhttp; never answer from a wrong offset
+        if self.reader is None and (
+            start < 4 or end > len(raw)
+        ):  # cannot happen with strict llhttp; never answer from a wrong offset
             log.error(
                 "HTTP fast path: message bounds %d..%d outside the %d buffered bytes", start, end, len(raw)
             )
             self.final = _BAD_REQUEST
             self.error = "internal HTTP framing error"
             raise _Stop
-        if type(raw) is bytes:
+        reader = self.reader
+        if (
+            reader is not None
+        ):  # the body was read into a pooled buffer: the request's tensors are views of it
+            body = reader.body
+            self.reader = None
+            self.raw = b""
+        elif type(raw) is bytes:
             body = raw[start:end]
+            self.raw = raw[end:] if end < len(raw) else b""
         else:  # a request that came in several reads: copy its body out once
             with memoryview(raw) as view:
                 body = bytes(view[start:end])
-        self.raw = raw[end:] if end < len(raw) else b""
+            self.raw = raw[end:] if end < len(raw) else b""
         keep_alive = self.parser.should_keep_alive()
         srv = self.srv
         denied = srv.restrict_key is not None and self.restricted_value != srv.restrict_value
@@ -432,6 +449,26 @@ class FastHttpProtocol(asyncio.Protocol):
         if not keep_alive:
             self.final = _CLOSE
             raise _Stop
+
+    # ---- large bodies ----
+    def _read_body(self) -> None:
+        """The head of a large request is parsed and its body is still coming: the bytes already here go into
+        a pooled buffer and the transport reads the rest straight into it (BodyReader)."""
+        raw = self.raw
+        have = len(raw) - self.head_end
+        reader = self.reader = BodyReader(self, POOL.take(self.content_length), self.content_length)
+        if have:
+            with memoryview(raw) as view:
+                reader.view[:have] = view[self.head_end :]
+            reader.fill = reader.seeded = have
+        self.raw = b""  # (the head is parsed; a handoff can no longer happen for this request)
+        self.transport.set_protocol(reader)
+
+    def body_received(self, reader: BodyReader) -> None:
+        """The whole body is in the buffer: the parser skips over it (it keeps no body bytes) and completes
+        the request."""
+        self.transport.set_protocol(self)
+        self.data_received(reader.view[reader.seeded : reader.size])
 
     # ---- answering ----
     async def _run(self) -> None:
@@ -534,3 +571,39 @@ class FastHttpProtocol(asyncio.Protocol):
 
 def _path(model: str, version: str) -> str:
     return f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"
+
+
+class BodyReader(asyncio.BufferedProtocol):
+    """The transport's protocol while a large request body arrives: the kernel writes it into a pooled
+    buffer (receive_buffers.py), then the connection's FastHttpProtocol takes over again."""
+
+    __slots__ = ("body", "conn", "fill", "seeded", "size", "view")
+
+    def __init__(self, conn: FastHttpProtocol, buf, size: int):
+        self.conn = conn
+        self.size = size
+        self.view = memoryview(buf)
+        self.body = self.view[:size].toreadonly()  # what the request decodes: its arrays are read-only views
+        self.fill = 0
+        self.seeded = 0  # bytes that came with the head (the parser has seen those already)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.fill : self.size]  # never past this body: what follows is the parser's
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.fill += nbytes
+        self.conn.last_active = self.conn.loop.time()
+        if self.fill >= self.size:
+            self.conn.body_received(self)
+
+    def connection_lost(self, exc) -> None:
+        self.conn.connection_lost(exc)
+
+    def eof_received(self):
+        return self.conn.eof_received()
+
+    def pause_writing(self) -> None:
+        self.conn.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.conn.resume_writing()

@@ -1,0 +1,83 @@
+"""Pooled receive buffers for large request bodies and gRPC messages.
+
+The kernel copies a large tensor straight into one of these (asyncio.BufferedProtocol) and the request's
+numpy arrays are read-only views of it. A buffer is an anonymous private mapping, reused by later requests
+of about the same size: once its pages have been written they stay mapped, so a large request neither
+copies its bytes around in user space nor faults in fresh pages. A new mapping takes memory only as the
+client's bytes arrive (a Content-Length or gRPC message length alone allocates nothing), and one the pool
+does not keep goes back to the system as soon as its request is done.
+
+A buffer is reused only when nothing refers to it any more: every view of it (memoryview, numpy array, a
+write the transport has not finished) holds a reference to the mapping, so its reference count says when
+the request, its response and any tensor a model kept are done with it. There is no release call to forget.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+
+POOLED_MIN = 64 * 1024  # smaller bodies are read as before (the parser's own buffers)
+# buffers the pool keeps, in use or idle; past this a large request gets a buffer of its own, freed after it
+POOL_BYTES = int(os.environ.get("NAIAD_RECEIVE_POOL_BYTES", str(256 << 20)))
+_FREE_REFS = 3  # a buffer nothing else refers to: the pool's list, the loop variable, getrefcount's argument
+
+
+def size_class(n: int) -> int:
+    """`n` rounded up to a sixteenth of its power of two (at most ~6% more), so that requests of about
+    the same size share buffers."""
+    step = 1 << max(12, n.bit_length() - 5)
+    return (n + step - 1) // step * step
+
+
+class ReceivePool:
+    """Receive buffers by size class; a buffer is handed out again once no request refers to it."""
+
+    def __init__(self, limit: int = POOL_BYTES):
+        self.limit = limit
+        self.classes: dict[int, list[mmap.mmap]] = {}
+        self.bytes = 0  # what the pool's buffers take, in use or idle
+
+    def take(self, n: int) -> mmap.mmap:
+        """A buffer of at least `n` bytes that no request is using."""
+        cap = size_class(n)
+        bufs = self.classes.get(cap)
+        if bufs is None:
+            bufs = self.classes[cap] = []
+        for buf in bufs:
+            if sys.getrefcount(buf) == _FREE_REFS:
+                return buf
+        if self.bytes + cap > self.limit:
+            self._evict(cap)
+        buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
+        if self.bytes + cap <= self.limit:
+            bufs.append(buf)
+            self.bytes += cap
+        return buf
+
+    def _evict(self, need: int) -> None:
+        """Drop idle buffers (largest classes first) until `need` more bytes fit under the limit."""
+        for cap in sorted(self.classes, reverse=True):
+            bufs = self.classes[cap]
+            keep = []
+            for buf in bufs:
+                if self.bytes + need > self.limit and sys.getrefcount(buf) == _FREE_REFS:
+                    self.bytes -= cap  # dropped: freed once the last reference goes
+                else:
+                    keep.append(buf)
+            bufs[:] = keep
+            if self.bytes + need <= self.limit:
+                return
+
+    def idle_bytes(self) -> int:
+        """Bytes in buffers no request is using (for tests and diagnostics)."""
+        total = 0
+        for cap, bufs in self.classes.items():
+            for buf in bufs:
+                if sys.getrefcount(buf) == _FREE_REFS:
+                    total += cap
+        return total
+
+
+POOL = ReceivePool()  # one per process: the HTTP and gRPC frontends share it (one event loop)

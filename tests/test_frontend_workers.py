@@ -201,7 +201,7 @@ def test_decoupled_stream_in_order(server):
     got = []
     while not results.empty():
         result, error = results.get()
-        assert error is None
+        assert error is None, str(error)
         got.append(int(result.as_numpy("IDX")[0]))
     assert got == list(range(20))
     client.close()

@@ -84,6 +84,12 @@ class RemoteModel:
         self.decoupled = self.config.model_transaction_policy.decoupled
 
 
+# what a READY index entry carries beyond Triton's keys when asked for memory (orchestration.measure)
+_MEMORY_KEYS = frozenset(
+    {"host_memory_bytes", "gpu_memory_bytes", "gpu_memory_bytes_by_device", "memory_source"}
+)
+
+
 class RemoteRepository:
     def __init__(self, client: EngineClient):
         self._client = client
@@ -94,10 +100,13 @@ class RemoteRepository:
         return self._client.model(name, version)
 
     async def refresh(self) -> None:
-        self._index = await self._client.call("index", False)
+        self._index = await self._client.call("index", False, True)
 
-    def index(self, ready: bool = False) -> list:
-        return [e for e in self._index if e.get("state") == "READY"] if ready else self._index
+    def index(self, ready: bool = False, memory: bool = False) -> list:
+        entries = [e for e in self._index if e.get("state") == "READY"] if ready else self._index
+        if memory:
+            return entries
+        return [{k: v for k, v in e.items() if k not in _MEMORY_KEYS} for e in entries]
 
 
 class _RemoteRecords:
@@ -360,6 +369,16 @@ class EngineClient:
 
     def model(self, name: str, version: str | int = "") -> RemoteModel:
         return RemoteModel(*self.control.call("model_info", name, parse_version(version)))
+
+    async def ready_model(self, name: str, version: str | int = "") -> tuple[RemoteModel, int]:
+        """The model an inference request runs and the ns it waited (the engine loads it on demand)."""
+        *info, waited = await self.call("ready_model", name, version)
+        return RemoteModel(*info), waited
+
+    @property
+    def orchestrated(self) -> bool:
+        """Whether the engine manages memory (the repository index then carries it)."""
+        return bool(self.control.call("orchestrated"))
 
     def model_metadata(self, name: str, version: str | int = "") -> dict:
         return self.control.call("model_metadata", name, version)

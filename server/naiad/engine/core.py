@@ -65,6 +65,8 @@ class EngineService:
             return s.model_ready(*args)
         if method == "model_statistics":
             return s.model_statistics(*args)
+        if method == "orchestrated":
+            return s.orchestrated
         if method == "has_model":
             return args[0] in s.repository.records
         if method == "log_get":
@@ -107,10 +109,13 @@ class EngineService:
         if method == "unload_model":
             await s.unload_model(*args)
             return None
+        if method == "ready_model":  # with --load-on-demand, the engine loads the model first
+            mv, waited = await s.ready_model(*args)
+            return [mv.name, mv.version, mv.config.SerializeToString(), waited]
         return self.call(method, args)
 
 
-_ASYNC_CALLS = frozenset({"index", "load_model", "unload_model"})
+_ASYNC_CALLS = frozenset({"index", "load_model", "unload_model", "ready_model"})
 
 
 class WorkerConnection:

@@ -1,5 +1,6 @@
 """Build examples/model_repository from examples/src: configs and python models are copied, the tutorial's
-SimpleModel is traced to TorchScript and exported to ONNX (weights seeded, so outputs are reproducible)."""
+SimpleModel is traced to TorchScript and exported to ONNX (weights seeded, so outputs are reproducible), and a
+tiny random-weight llama GGUF is written for the llama.cpp engine (the OpenAI API's example model)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
 def build(out: Path) -> None:
@@ -45,6 +47,11 @@ def build(out: Path) -> None:
                 opset_version=17,
                 dynamo=False,
             )
+    # the same tiny GGUF the LLM tests serve (a byte-level BPE tokenizer and a ChatML template in its metadata)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from llm_models import write_tiny_gguf
+
+    write_tiny_gguf(out / "tiny_llama" / "1" / "model.gguf")
 
 
 def main() -> None:

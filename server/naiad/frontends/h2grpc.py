@@ -10,7 +10,7 @@ selects that one).
 
 What is served: unary-unary, stream-stream and unary-stream methods given as a path table; gRPC message
 compression gzip/deflate on requests (responses are sent uncompressed, which every client accepts), inflated
-with a bound and off the event loop; trailers-only error responses with percent-encoded `grpc-message`;
+in bounded steps off the event loop and refused past the message size or the decompression ratio; trailers-only error responses with percent-encoded `grpc-message`;
 `grpc-timeout` deadlines (DEADLINE_EXCEEDED, the call's work cancelled); TLS with ALPN "h2" when started with an
 SSL context. A unary call starts in the frame handler that completes its request (eager.py). Not served: server
 push.
@@ -22,8 +22,9 @@ ping-abuse policy (GOAWAY ENHANCE_YOUR_CALM "too_many_pings"), and handshake, id
 RFC 9113 checks h2spec makes are applied (docs/security.md).
 
 The layers: h2_framing.py (the wire), h2_connection.py (a connection's state, sending, flow control,
-keepalive), h2_reader.py (frames in), h2grpc_messages.py (gRPC messages, status, compression) and this module:
-the calls (dispatch, request messages, responses and trailers) and the listening server.
+keepalive), h2_reader.py (frames in), h2grpc_messages.py (gRPC messages, status), h2grpc_compression.py
+(inflating compressed messages) and this module: the calls (dispatch, request messages, responses and
+trailers) and the listening server.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""gRPC over HTTP/2 at the message level: request header blocks, length-prefixed messages and their
-compression, status trailers, and the types servicers meet (Method, Abort, WireMessage)."""
+"""gRPC over HTTP/2 at the message level: request header blocks, length-prefixed messages, status trailers, and
+the types servicers meet (Method, Abort, WireMessage). Compressed messages are h2grpc_compression.py's."""
 
 from __future__ import annotations
 

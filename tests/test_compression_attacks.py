@@ -28,6 +28,8 @@ ANSWER_WITHIN = {"naiad": 2.0, "grpcio": 30.0}  # grpcio inflates 512 MiB first 
 # grpcio (grpc core) is not Naiad's code: it must answer the bomb and stay up; how its other clients fare and what
 # memory it holds meanwhile and after are recorded (printed; docs/security.md), not bounded
 STRICT = {"naiad": True, "grpcio": False}
+# the HTTP app inflates up to --http-max-input-size (64 MiB) before its 413: 0.5-1.4 s here, up to 4 s at load 23
+HTTP_ANSWER_WITHIN = 8.0
 CLIENT_DEADLINE = 2.0  # the concurrent client's deadline per call
 
 
@@ -278,5 +280,5 @@ def test_http_gzip_bomb(http_server, bomb):
     took = time.monotonic() - start
     print(f"HTTP gzip bomb: {r.status_code} after {took:.2f}s")
     assert r.status_code == 413, r.text
-    assert took < ANSWER_WITHIN["naiad"]
+    assert took < HTTP_ANSWER_WITHIN
     watch.finish("HTTP gzip bomb")

@@ -40,21 +40,19 @@ class HeapTrimmer:
         self.min_interval = min_interval
         self.trim = _malloc_trim()
         self.last = float("-inf")  # time.monotonic() of the last trim
-        self.scheduled = False
-        self.running = False
-        self.again = False  # a release came while a trim ran: trim once more after it
+        self.scheduled = False  # a trim is scheduled or running
+        self.rounds = 0  # trims still to run for the releases noted so far
         self.trims = 0
 
     def released(self, loop: asyncio.AbstractEventLoop, nbytes: int) -> None:
-        """A request message of `nbytes` was released (or is about to be, in this loop turn)."""
+        """A request message of `nbytes` was released (or is about to be, in this loop turn). Two trims follow:
+        one at once (rate permitting), and one MIN_INTERVAL later, for memory that outlives the call a little
+        (a reply's last window of bytes, views of the request, still in the transport's write queue)."""
         if nbytes < LARGE_MESSAGE or self.trim is None:
             return
-        if self.running:
-            self.again = True
-            return
-        if self.scheduled:
-            return
-        self._schedule(loop)
+        self.rounds = 2
+        if not self.scheduled:
+            self._schedule(loop)
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         self.scheduled = True
@@ -62,7 +60,7 @@ class HeapTrimmer:
         loop.call_later(delay, self._start, loop)  # (later: after this turn has dropped the message)
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.running = True
+        self.rounds -= 1
         fut = loop.run_in_executor(None, self._run)
         fut.add_done_callback(lambda f: self._done(loop, f))
 
@@ -70,13 +68,12 @@ class HeapTrimmer:
         self.trim(0)  # (ctypes releases the GIL for the call)
 
     def _done(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
-        self.scheduled = self.running = False
+        self.scheduled = False
         self.last = time.monotonic()
         self.trims += 1
         if not fut.cancelled() and fut.exception() is not None:
             log.warning("malloc_trim failed: %s", fut.exception())
-        if self.again:
-            self.again = False
+        if self.rounds > 0 and not loop.is_closed():
             self._schedule(loop)
 
 

@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--grpc-max-message-size", type=int, default=2**31 - 1, help="bytes per request message, inflated"
     )
+    s.add_argument(
+        "--grpc-max-decompression-ratio",
+        type=int,
+        default=100,
+        help="a gzip/deflate request message may inflate to this many times its size, once past 4 MiB "
+        "(Envoy's max_inflate_ratio; 0: no ratio limit; Naiad's HTTP/2 server)",
+    )
     s.add_argument("--grpc-handshake-timeout", type=int, default=10_000, help="preface and header blocks")
     s.add_argument("--grpc-max-connection-idle", type=int, default=3_600_000, help="no call open: GOAWAY")
     s.add_argument(

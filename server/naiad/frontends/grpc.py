@@ -54,6 +54,7 @@ def h2_settings(args):
     names = {
         "max_concurrent_streams": "grpc_max_concurrent_streams",
         "max_message": "grpc_max_message_size",
+        "max_decompression_ratio": "grpc_max_decompression_ratio",
         "keepalive_time_ms": "grpc_keepalive_time",
         "keepalive_timeout_ms": "grpc_keepalive_timeout",
         "keepalive_permit_without_calls": "grpc_keepalive_permit_without_calls",

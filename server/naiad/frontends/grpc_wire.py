@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from .h2grpc_messages import WireMessage
 
 # Below this size a message is parsed and serialized by protobuf as a whole: the copies cost less than the scan.
 SPLIT_MIN = 16384
+MAX_SPLIT_FIELDS = 65536  # top-level fields walked in Python before protobuf is left to parse the message
 _RAW_INPUT_KEY = 7 << 3 | 2  # ModelInferRequest.raw_input_contents, length-delimited
 _RAW_OUTPUT_KEY = bytes([6 << 3 | 2])  # ModelInferResponse.raw_output_contents, length-delimited
 
@@ -28,13 +30,24 @@ def _varint(view, pos: int, end: int) -> tuple[int, int]:
 
 def _split(view) -> tuple[list, list]:
     """The top-level fields of a serialized ModelInferRequest: (spans of the other fields, raw_input_contents
-    payloads), all memoryviews of `view`. ValueError where the wire format is not one it can walk."""
+    payloads), all memoryviews of `view`. ValueError where the wire format is not one it can walk, or not
+    quickly (more than MAX_SPLIT_FIELDS fields): protobuf then parses or refuses it in C. A field number 0 is
+    protobuf's DecodeError at once: 512 MiB of zeros are 268 million two-byte "fields", minutes of the event
+    loop had this loop walked them."""
     n = len(view)
     pos = start = 0
     keep, raw = [], []
+    fields = 0
     while pos < n:
         field_start = pos
         key, pos = _varint(view, pos, n)
+        if key < 8:  # field number 0: protobuf refuses it too, but only after copying the whole message
+            raise DecodeError(
+                f"Error parsing message with type '{pb.ModelInferRequest.DESCRIPTOR.full_name}'"
+            )
+        fields += 1
+        if fields > MAX_SPLIT_FIELDS:
+            raise ValueError("too many fields to walk")
         wire = key & 7
         if wire == 2:
             length, pos = _varint(view, pos, n)

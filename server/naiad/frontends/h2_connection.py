@@ -34,7 +34,9 @@ from .h2_framing import (
     WINDOW_UPDATE,
     frame,
 )
+from .h2grpc_compression import DEFAULT_MAX_RATIO
 from .h2grpc_messages import MAX_MESSAGE, Abort, Method, RequestHead
+from .heap_trim import TRIMMER
 
 log = logging.getLogger("naiad.grpc")
 
@@ -65,6 +67,9 @@ class H2Settings:
 
     max_concurrent_streams: int = 100
     max_message: int = MAX_MESSAGE  # per request message, after decompression
+    max_decompression_ratio: int = (
+        DEFAULT_MAX_RATIO  # a compressed message may inflate to this many times its size
+    )
     keepalive_time_ms: int = 7_200_000
     keepalive_timeout_ms: int = 20_000
     keepalive_permit_without_calls: bool = False
@@ -365,17 +370,30 @@ class H2Connection(asyncio.Protocol):
             st.deadline = None
         if st.held:
             self._give_back(st)
+        self._release_request(st)
         if not streams:
             self.idle_since = self.loop.time()
             if self.draining:
                 self._maybe_close()
+
+    def _release_request(self, st: Stream) -> None:
+        """The stream is over: drop what it still holds of the request (DATA not yet parsed, messages the
+        call never took), so that nothing large outlives it even where a cancelled call's Task keeps the
+        stream in a reference cycle; after a large request, give the freed memory back to the system."""
+        st.body = []
+        st.inbuf = None
+        queue = st.queue
+        if queue is not None:
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(None)  # (the call, if it still reads, sees the end of the requests)
+        TRIMMER.released(self.loop, st.received)
 
     def _drop(self, st: Stream) -> None:
         """The client reset the stream or went away: cancel its work, send nothing more."""
         st.done = True
         st.remote_closed = True
         st.pending = None
-        st.body = []
         self.blocked.pop(st.sid, None)
         if st.deadline is not None:
             st.deadline.cancel()
@@ -386,8 +404,7 @@ class H2Connection(asyncio.Protocol):
             self.idle_since = self.loop.time()
         if st.task is not None and not st.task.done():
             st.task.cancel()
-        if st.queue is not None:
-            st.queue.put_nowait(None)
+        self._release_request(st)
 
     # ---- connection lifecycle ----
     def _goaway(self, code: int, message: str = "") -> None:

@@ -10,7 +10,7 @@ selects that one).
 
 What is served: unary-unary, stream-stream and unary-stream methods given as a path table; gRPC message
 compression gzip/deflate on requests (responses are sent uncompressed, which every client accepts), inflated
-with a bound and off the event loop; trailers-only error responses with percent-encoded `grpc-message`;
+in bounded steps off the event loop and refused past the message size or the decompression ratio; trailers-only error responses with percent-encoded `grpc-message`;
 `grpc-timeout` deadlines (DEADLINE_EXCEEDED, the call's work cancelled); TLS with ALPN "h2" when started with an
 SSL context. A unary call starts in the frame handler that completes its request (eager.py). Not served: server
 push.
@@ -22,8 +22,9 @@ ping-abuse policy (GOAWAY ENHANCE_YOUR_CALM "too_many_pings"), and handshake, id
 RFC 9113 checks h2spec makes are applied (docs/security.md).
 
 The layers: h2_framing.py (the wire), h2_connection.py (a connection's state, sending, flow control,
-keepalive), h2_reader.py (frames in), h2grpc_messages.py (gRPC messages, status, compression) and this module:
-the calls (dispatch, request messages, responses and trailers) and the listening server.
+keepalive), h2_reader.py (frames in), h2grpc_messages.py (gRPC messages, status), h2grpc_compression.py
+(inflating compressed messages) and this module: the calls (dispatch, request messages, responses and
+trailers) and the listening server.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .busy_poll import BusyPoll
 from .h2_connection import H2Settings, Stream
 from .h2_framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
 from .h2_reader import H2Reader
+from .h2grpc_compression import decompress
 from .h2grpc_messages import (
     MSG_PREFIX,
     OK_TRAILERS,
@@ -47,10 +49,10 @@ from .h2grpc_messages import (
     Abort,
     Method,
     WireMessage,
-    decompress,
     status_block,
     status_code,
 )
+from .heap_trim import TRIMMER
 
 log = logging.getLogger("naiad.grpc")
 
@@ -141,18 +143,32 @@ class _Connection(H2Reader):
 
     async def _run_compressed(self, st: Stream, payload) -> None:
         error = None
+        size = 0
         try:
-            payload = await decompress(self.loop, st.encoding, payload, self.max_message)
-            request = st.method.request_type.FromString(payload)
-        except Abort as exc:
-            error = (exc.code, exc.details)
-        except Exception as exc:
-            error = (status_code(grpc.StatusCode.INTERNAL), f"failed to parse the request: {exc}")
-        del payload
-        if error is not None:
-            self._finish_error(st, *error)
-            return
-        await self._run(st, request)
+            try:
+                payload = await decompress(
+                    self.loop,
+                    st.encoding,
+                    payload,
+                    self.max_message,
+                    self.settings.max_decompression_ratio,
+                    lambda: st.done or self.closed,
+                )
+                size = len(payload)
+                request = st.method.request_type.FromString(payload)
+            except Abort as exc:
+                error = (exc.code, exc.details)
+                size = exc.inflated
+            except Exception as exc:
+                error = (status_code(grpc.StatusCode.INTERNAL), f"failed to parse the request: {exc}")
+            del payload
+            if error is not None:
+                self._finish_error(st, *error)
+            else:
+                await self._run(st, request)
+        finally:
+            st.task = None  # (see _run)
+            TRIMMER.released(self.loop, size)
 
     async def _request_iterator(self, st: Stream):
         request_type = st.method.request_type
@@ -166,7 +182,19 @@ class _Connection(H2Reader):
             compressed, msg = item
             del item
             if compressed:
-                msg = await decompress(self.loop, st.encoding, msg, self.max_message)
+                try:
+                    msg = await decompress(
+                        self.loop,
+                        st.encoding,
+                        msg,
+                        self.max_message,
+                        self.settings.max_decompression_ratio,
+                        lambda: st.done or self.closed,
+                    )
+                except Abort as exc:  # refused: what it had inflated to is freed
+                    TRIMMER.released(self.loop, exc.inflated)
+                    raise
+            size = len(msg)
             error = None
             try:
                 request = request_type.FromString(msg)
@@ -177,6 +205,7 @@ class _Connection(H2Reader):
                 raise Abort(grpc.StatusCode.INTERNAL, error)
             yield request
             del request
+            TRIMMER.released(self.loop, size)
 
     async def _run(self, st: Stream, request) -> None:
         method = st.method
@@ -204,6 +233,11 @@ class _Connection(H2Reader):
             log.exception("gRPC call %s failed", st.sid)
             exc.__traceback__ = None
             self._finish_error(st, grpc.StatusCode.UNKNOWN, f"Unexpected error: {exc}")
+        finally:
+            # a cancelled Task keeps its CancelledError, whose traceback holds this frame and so `st`: were
+            # st.task still the Task, that would be a reference cycle keeping the stream's buffers (and the
+            # request, through the servicer's frames) until a full garbage collection
+            st.task = None
 
     # ---- sending ----
     def _reply(self, st: Stream, msg) -> None:

@@ -1,11 +1,10 @@
-"""gRPC over HTTP/2 at the message level: request header blocks, length-prefixed messages and their
-compression, status trailers, and the types servicers meet (Method, Abort, WireMessage)."""
+"""gRPC over HTTP/2 at the message level: request header blocks, length-prefixed messages, status trailers, and
+the types servicers meet (Method, Abort, WireMessage). Compressed messages are h2grpc_compression.py's."""
 
 from __future__ import annotations
 
 import struct
 import urllib.parse
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +15,6 @@ from .h2_framing import hpack_int, hpack_literal
 
 MAX_MESSAGE = 2**31 - 1
 MAX_STATUS_MESSAGE = 4096  # grpc-message is cut to this many characters
-INLINE_INFLATE = (
-    8192  # compressed messages up to this size are inflated on the event loop, larger ones off it
-)
 
 MSG_PREFIX = struct.Struct(">BI")  # gRPC message: compressed flag, length
 
@@ -63,6 +59,7 @@ class Abort(Exception):
         self.code = status_code(code)
         self.details = details
         self.trailing_metadata = tuple(trailing_metadata)  # (key, value) pairs sent after grpc-status
+        self.inflated = 0  # a refused compressed message: the bytes it had inflated to (since freed)
 
 
 @dataclass(frozen=True)
@@ -161,49 +158,6 @@ class RequestHead:
             self.error = "a missing or empty request pseudo-header"
         if not self.error and self.content_length == -1:
             self.error = "an invalid content-length"
-
-
-_WBITS = {b"gzip": 31, b"deflate": zlib.MAX_WBITS}
-
-
-def _inflate(encoding: bytes, payload, limit: int) -> bytes:
-    """A compressed message inflated to at most `limit` bytes; beyond that, RESOURCE_EXHAUSTED (the rest of
-    the input is never inflated, so a small bomb costs at most `limit` + 1 bytes)."""
-    wbits = _WBITS.get(encoding)
-    if wbits is None:
-        raise Abort(grpc.StatusCode.UNIMPLEMENTED, "unsupported grpc-encoding (gzip and deflate are served)")
-    d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(payload, limit + 1)
-    except zlib.error as exc:
-        raise Abort(grpc.StatusCode.INTERNAL, f"failed to decompress the request message: {exc}") from None
-    if len(out) > limit or d.unconsumed_tail:
-        raise Abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"Received message larger than max ({limit} bytes) after decompression",
-        )
-    if not d.eof:
-        raise Abort(grpc.StatusCode.INTERNAL, "failed to decompress the request message: truncated")
-    return out
-
-
-async def decompress(loop, encoding: bytes, payload, limit: int) -> bytes:
-    """`_inflate`, off the event loop (one at a time per server, so bombs cannot multiply) unless small."""
-    if len(payload) <= INLINE_INFLATE:
-        return _inflate(encoding, payload, limit)
-    return await loop.run_in_executor(_inflater(), _inflate, encoding, payload, limit)
-
-
-_INFLATER = None
-
-
-def _inflater():
-    global _INFLATER
-    if _INFLATER is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _INFLATER = ThreadPoolExecutor(1, thread_name_prefix="naiad-grpc-inflate")
-    return _INFLATER
 
 
 def split_messages(buf: bytearray, limit: int) -> list:

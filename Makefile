@@ -22,7 +22,7 @@ $(REPO)/.built: venv examples/build_repository.py $(shell find examples/src -typ
 	$(PY) examples/build_repository.py --out $(REPO)
 	touch $@
 
-serve: venv examples
+serve: venv examples llm-deps
 	$(VENV)/bin/naiad serve --model-repository $(REPO) --http-port 8000 --grpc-port 8001 --metrics-port 8002
 
 CLUSTER_TESTS := tests/operator/test_operator_cluster.py tests/operator/test_operator_ha_cluster.py \
@@ -36,7 +36,7 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 # Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
 test: venv test-deps lint
 	@# the Go builds are CPU-bound, the image build mostly downloads: run them side by side
-	@$(MAKE) -s -j3 tools images examples
+	@$(MAKE) -s -j4 tools images examples llm-deps
 	@rm -rf .test-results; status=0; \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) || status=$$?; \
@@ -74,6 +74,11 @@ tools:
 	@$(MAKE) -s e2e-build >/dev/null
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; \
 	for t in tools/go/*/; do [ -f "$$t/go.mod" ] || continue; bash tools/go/build.sh "$$(basename $$t)" >/dev/null || exit $$?; done
+
+# llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's llama-server and rpc-server
+# from the same source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).
+llm-deps: venv
+	@PYTHON=$(PY) bash tools/llama_cpp/build.sh >/dev/null
 
 # Builds kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok, helm and prometheus-adapter from
 # the official Go modules (pinned in e2e/cluster) into a cache; prints the bin directory last.

@@ -18,6 +18,7 @@ GROUP = "naiad.backends"
 # entry (a source checkout run with PYTHONPATH); tests check that both lists agree.
 BUILTIN = {
     "fil": "naiad.backends.fil:backend",
+    "llamacpp": "naiad.backends.llamacpp:backend",
     "onnxruntime": "naiad.backends.onnxruntime:backend",
     "python": "naiad.backends.python:backend",
     "pytorch": "naiad.backends.pytorch:backend",

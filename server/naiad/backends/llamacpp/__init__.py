@@ -1,0 +1,217 @@
+"""`backend: "llamacpp"`: GGUF models (`1/model.gguf`) served by llama.cpp with continuous batching, in the vLLM shape.
+
+A bare `backend: "llamacpp"` config is completed to the tensors of Triton's vllm_backend (`text_input`, `stream`,
+`sampling_parameters`, ... in; `text_output`, ... out; decoupled), so Triton's generate endpoints, its gRPC
+streaming and Naiad's OpenAI frontend drive it unchanged. Each model instance owns one engine (engine.py); this
+module turns requests into engine requests and engine outputs into responses as vllm_backend shapes them:
+streaming deltas, or one response with the whole text (the prompt first unless `exclude_input_in_output`).
+Parameters (config.pbtxt, string values): see params.MODEL_PARAMETERS and docs/llm.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ...config import ModelConfig
+from ...errors import InvalidArgument, NaiadError
+from ...inference import InferenceRequest
+from ...llm import info as llm_info
+from ...llm.metrics import EngineMetrics
+from ...llm.shape import auto_complete_vllm_shape
+from ..api import Backend, InstanceState
+from .engine import GenerationRequest, LlamaEngine, Output
+from .params import engine_settings, sampling_params
+
+log = logging.getLogger("naiad.llamacpp")
+
+
+def _scalar(request: InferenceRequest, name: str, default=None):
+    arr = request.inputs.get(name)
+    if arr is None or arr.size == 0:
+        return default
+    value = arr.reshape(-1)[0]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _text(value) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument("text_input is not valid UTF-8") from None
+    return str(value)
+
+
+def _strings(*values: str) -> np.ndarray:
+    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
+
+
+class LlamaCppBackend(Backend):
+    """The backend object registered under `naiad.backends` as `llamacpp`."""
+
+    name = "llamacpp"
+    default_model_filename = "model.gguf"
+
+    def auto_complete_config(self, config: ModelConfig, model_file: Path | None) -> None:
+        auto_complete_vllm_shape(config)
+
+    def model_initialize(self, model) -> None:
+        if not model.decoupled:
+            raise InvalidArgument(
+                f"model '{model.name}': the llamacpp backend streams tokens, so the model must be decoupled "
+                "(model_transaction_policy { decoupled: true }, which a bare config gets by auto-complete)"
+            )
+        engine_settings(model.parameters)  # malformed parameters fail the load here, once
+        path = model.model_file
+        if path is None or not path.is_file():
+            raise InvalidArgument(f"model '{model.name}': no GGUF file at {path}")
+
+    def instance_initialize(self, instance: InstanceState) -> None:
+        model = instance.model
+        settings = engine_settings(model.parameters, instance.instance_count)
+        metrics = EngineMetrics(model.ctx.server, model.name, max_model_len=settings.n_ctx)
+        try:
+            engine = LlamaEngine(model.model_file, settings, metrics)
+        except BaseException:
+            metrics.close()
+            raise
+        instance.state = engine
+        if llm_info.of(model.ctx) is None:
+            llm_info.publish(
+                model.ctx,
+                llm_info.LLMInfo(
+                    chat_template=engine.chat_template(),
+                    bos_token=engine.special_text("bos"),
+                    eos_token=engine.special_text("eos"),
+                    context_length=settings.n_ctx,
+                    tokenize=engine.tokenize,
+                    extra={"engine": "llama.cpp", "n_parallel": settings.n_parallel},
+                ),
+            )
+
+    def instance_finalize(self, instance: InstanceState) -> None:
+        engine: LlamaEngine | None = instance.state
+        instance.state = None
+        if engine is not None:
+            engine.close()
+            engine.metrics.close()
+
+    def instance_execute(self, instance: InstanceState, requests: list[InferenceRequest]) -> None:
+        engine: LlamaEngine = instance.state
+        for request in requests:
+            sender = instance.sender(request)
+            try:
+                self._submit(instance, engine, request, sender)
+            except Exception as exc:
+                err = exc if isinstance(exc, NaiadError) else InvalidArgument(f"{type(exc).__name__}: {exc}")
+                sender.send(error=err, final=True)
+        return None
+
+    def _submit(
+        self, instance: InstanceState, engine: LlamaEngine, request: InferenceRequest, sender
+    ) -> None:
+        embedding = _scalar(request, "embedding_request")
+        if embedding is not None:
+            self._embed(engine, request, sender, embedding)
+            return
+        prompt_value = _scalar(request, "text_input")
+        if prompt_value is None:
+            raise InvalidArgument("input 'text_input' is required")
+        prompt = _text(prompt_value)
+        sampling = sampling_params(_scalar(request, "sampling_parameters"))
+        stream = bool(_scalar(request, "stream", False))
+        exclude = bool(_scalar(request, "exclude_input_in_output", False))
+        flags = {
+            k: bool(_scalar(request, k, False))
+            for k in (
+                "return_finish_reason",
+                "return_num_input_tokens",
+                "return_num_output_tokens",
+                "return_logprobs",
+                "return_cumulative_logprob",
+            )
+        }
+        if (flags["return_logprobs"] or flags["return_cumulative_logprob"]) and sampling.logprobs is None:
+            sampling.logprobs = 0
+        tokens = engine.tokenize(prompt)
+        state = {"text": [], "tokens": 0, "logprobs": [], "cumulative": 0.0}
+
+        def outputs(text: str, n_tokens: int, finish: str | None, logprobs: list | None) -> dict:
+            out = {"text_output": _strings(text)}
+            if flags["return_finish_reason"]:
+                out["finish_reason"] = _strings(str(finish))
+            if flags["return_num_input_tokens"]:
+                out["num_input_tokens"] = np.array([len(tokens)], dtype=np.uint32)
+            if flags["return_num_output_tokens"]:
+                out["num_output_tokens"] = np.array([n_tokens], dtype=np.uint32)
+            if flags["return_logprobs"]:
+                out["logprobs"] = _strings(json.dumps(logprobs or []))
+            if flags["return_cumulative_logprob"]:
+                out["cumulative_logprob"] = np.array([state["cumulative"]], dtype=np.float32)
+            return out
+
+        def emit(o: Output) -> None:
+            if o.logprobs:
+                for entry in o.logprobs:
+                    state["cumulative"] += next(iter(entry.values()))["logprob"]
+            if stream:
+                if o.text or o.finish_reason is not None:
+                    sender.send(
+                        outputs(o.text, o.tokens, o.finish_reason, o.logprobs),
+                        final=o.finish_reason is not None,
+                    )
+                elif (
+                    o.logprobs and flags["return_logprobs"]
+                ):  # a token that is not text yet still has a logprob
+                    state["logprobs"].extend(o.logprobs)
+                return
+            state["text"].append(o.text)
+            state["tokens"] += o.tokens
+            if o.logprobs:
+                state["logprobs"].extend(o.logprobs)
+            if o.finish_reason is not None:
+                text = "".join(state["text"])
+                if not exclude:
+                    text = prompt + text
+                sender.send(outputs(text, state["tokens"], o.finish_reason, state["logprobs"]), final=True)
+
+        def fail(exc: BaseException) -> None:
+            sender.send(error=exc, final=True)
+
+        engine.submit(
+            GenerationRequest(
+                prompt=tokens, sampling=sampling, emit=emit, fail=fail, cancelled=sender.is_cancelled
+            )
+        )
+
+    def _embed(self, engine: LlamaEngine, request: InferenceRequest, sender, raw) -> None:
+        if not engine.settings.embeddings:
+            raise InvalidArgument(
+                "embeddings are turned off for this model (parameter 'embeddings' is false)"
+            )
+        try:
+            spec = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"embedding_request is not valid JSON: {exc}") from None
+        text = spec.get("input") if isinstance(spec, dict) else None
+        if isinstance(text, list) and all(isinstance(t, int) for t in text):
+            raise InvalidArgument("the llamacpp backend embeds text: give 'input' as a string")
+        if not isinstance(text, str):
+            raise InvalidArgument("embedding_request must be a JSON object with a string 'input'")
+        vector = engine.embed(text)
+        dims = (spec.get("pooling_params") or {}).get("dimensions")
+        if dims is not None:
+            if not isinstance(dims, int) or not 0 < dims <= len(vector):
+                raise InvalidArgument(f"pooling_params.dimensions must be an integer in [1, {len(vector)}]")
+            vector = vector[:dims]
+        out = {"text_output": _strings(json.dumps(vector))}
+        if bool(_scalar(request, "return_num_input_tokens", False)):
+            out["num_input_tokens"] = np.array([len(engine.tokenize(text))], dtype=np.uint32)
+        sender.send(out, final=True)
+
+
+backend = LlamaCppBackend()

@@ -1,0 +1,523 @@
+"""The llama.cpp engine: continuous batching of many sequences through llama-cpp-python's low-level API.
+
+One engine thread owns a llama context with `n_parallel` KV-cache sequences (slots). Each step it admits queued
+requests into free slots (the slot whose cached tokens share the longest prefix with the prompt, keeping that
+prefix in the KV cache), drops cancelled requests, and builds one `llama_batch` holding every running sequence's
+next token plus as much pending prompt as fits in `n_batch`; one `llama_decode` advances them all, then each
+sequence samples with its own sampler chain (temperature, top-k, top-p, min-p, seed; greedy at temperature 0).
+Requests join and leave between steps. The engine knows nothing of Triton: a request carries callbacks, so the
+same engine serves the backend and the in-process benchmark.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import InvalidArgument, Unavailable
+from ...llm.metrics import EngineMetrics, RequestMetrics
+from .params import EngineSettings, SamplingParams
+from .text import TextStream
+
+log = logging.getLogger("naiad.llamacpp")
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _llama():
+    """The llama_cpp module, its backend initialised once per process."""
+    global _backend_ready
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise Unavailable(
+            "the llamacpp backend needs llama-cpp-python: run `make llm-deps` (tools/llama_cpp/build.sh builds "
+            f"and caches the wheel) ({exc})"
+        ) from None
+    with _backend_lock:
+        if not _backend_ready:
+            llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+    return llama_cpp
+
+
+def _log_callback(level: int, text: bytes, _user) -> None:
+    """llama.cpp's log: errors (4) go to Naiad's log, warnings (3) to its debug level, the chatter of a load nowhere."""
+    if level == 4:
+        log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+    elif level == 3:
+        log.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+
+try:  # the callback type lives in llama_cpp; the module keeps a reference so it is never collected
+    import llama_cpp as _lc
+
+    _quiet_log = _lc.llama_log_callback(_log_callback)
+except ImportError:  # reported when an engine is created
+    _quiet_log = None
+
+
+@dataclass
+class Output:
+    """What one step produced for one request."""
+
+    text: str  # the new, final text (streaming delta)
+    tokens: int  # new tokens this step
+    finish_reason: str | None = None  # "stop", "length" once finished
+    logprobs: list[dict] | None = None  # per new token: {token_id: {"logprob", "rank", "decoded_token"}}
+
+
+@dataclass
+class GenerationRequest:
+    """A prompt (token ids) and how to generate; `emit` is called on the engine thread with each Output,
+    `fail` with an exception; `cancelled()` is polled between steps."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    emit: Callable[[Output], None]
+    fail: Callable[[BaseException], None]
+    cancelled: Callable[[], bool] = lambda: False
+    metrics: RequestMetrics | None = None
+    max_tokens: int = 16
+    generated: int = 0
+
+
+@dataclass
+class _Slot:
+    seq: int
+    tokens: list[int] = field(default_factory=list)  # what the KV cache holds for this sequence
+    request: GenerationRequest | None = None
+    pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
+    sampler: object = None
+    sampler_eos: object = None  # the chain with end-of-generation tokens banned (min_tokens, ignore_eos)
+    text: TextStream | None = None
+    batch_index: int = -1  # where this slot's logits are in the current batch (-1: none)
+    last_token: int = -1
+
+
+class LlamaEngine:
+    """A GGUF model, one context with `n_parallel` sequences, and the thread that decodes them."""
+
+    def __init__(
+        self, model_path: str | Path, settings: EngineSettings, metrics: EngineMetrics | None = None
+    ):
+        lc = self._lc = _llama()
+        self.settings = settings
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self.model = lc.llama_model_load_from_file(str(model_path).encode(), mparams)
+        if not self.model:
+            raise InvalidArgument(f"llama.cpp could not load '{model_path}' (not a GGUF model it supports)")
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
+        self.n_ctx = settings.n_ctx
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = settings.n_ctx * settings.n_parallel
+        cparams.n_batch = settings.n_batch
+        cparams.n_ubatch = settings.n_batch
+        cparams.n_seq_max = settings.n_parallel
+        cparams.n_threads = settings.n_threads
+        cparams.n_threads_batch = settings.n_threads
+        cparams.kv_unified = False  # every sequence owns n_ctx cells: a slot can never run out of KV cache
+        cparams.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise InvalidArgument(f"llama.cpp could not create a context of {cparams.n_ctx} tokens")
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.batch = lc.llama_batch_init(settings.n_batch, 0, 1)
+        self._embed_ctx = None
+        self._embed_lock = threading.Lock()
+        self.metrics = metrics or EngineMetrics(None, "")
+        self.slots = [_Slot(seq=i) for i in range(settings.n_parallel)]
+        self._queue: collections.deque[GenerationRequest] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self._eog = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
+        self._pieces: dict[int, bytes] = {}
+        self.prefix_hits = 0  # prompt tokens found in a slot's KV cache instead of decoded (prefix reuse)
+        self._thread = threading.Thread(target=self._run, name="llamacpp-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the model's text side ----
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        buf = (self._lc.llama_token * n_max)()
+        n = self._lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (self._lc.llama_token * n_max)()
+            n = self._lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """A token's bytes (control tokens render empty unless `special`)."""
+        if not special:
+            cached = self._pieces.get(token)
+            if cached is not None:
+                return cached
+        buf = ctypes.create_string_buffer(64)
+        n = self._lc.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lc.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        out = buf.raw[:n]
+        if not special:
+            self._pieces[token] = out
+        return out
+
+    def chat_template(self) -> str | None:
+        raw = self._lc.llama_model_chat_template(self.model, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def special_text(self, which: str) -> str:
+        fn = {"bos": self._lc.llama_vocab_bos, "eos": self._lc.llama_vocab_eos}[which]
+        token = fn(self.vocab)
+        return self.piece(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
+
+    # ---- requests ----
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request (validated here: a prompt that does not fit is InvalidArgument, raised at once)."""
+        n_prompt = len(request.prompt)
+        if n_prompt == 0:
+            raise InvalidArgument("the prompt is empty: it has no tokens")
+        if n_prompt >= self.n_ctx:
+            raise InvalidArgument(
+                f"the prompt has {n_prompt} tokens, which does not fit this model's context of {self.n_ctx} "
+                "tokens (n_ctx) with room for one generated token"
+            )
+        wanted = request.sampling.max_tokens
+        if wanted is not None and n_prompt + wanted > self.n_ctx:
+            raise InvalidArgument(
+                f"the prompt ({n_prompt} tokens) plus max_tokens ({wanted}) is more than this model's context "
+                f"of {self.n_ctx} tokens (n_ctx)"
+            )
+        request.max_tokens = wanted if wanted is not None else min(16, self.n_ctx - n_prompt)
+        with self._cond:
+            if self._stop:
+                raise Unavailable("the llama.cpp engine is shutting down")
+            request.metrics = self.metrics.arrived()
+            self._queue.append(request)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+        lc = self._lc
+        for slot in self.slots:
+            self._free_samplers(slot)
+        lc.llama_batch_free(self.batch)
+        lc.llama_free(self.ctx)
+        if self._embed_ctx is not None:
+            lc.llama_free(self._embed_ctx)
+        lc.llama_model_free(self.model)
+
+    # ---- embeddings ----
+    def embed(self, text: str) -> list[float]:
+        """Mean-pooled embedding of `text` from a second context with embeddings on (created on first use)."""
+        lc = self._lc
+        tokens = self.tokenize(text)
+        if not tokens:
+            raise InvalidArgument("the embedding input is empty: it has no tokens")
+        if len(tokens) > self.n_ctx:
+            raise InvalidArgument(
+                f"the embedding input has {len(tokens)} tokens, more than this model's context of {self.n_ctx}"
+            )
+        with self._embed_lock:
+            if self._embed_ctx is None:
+                cparams = lc.llama_context_default_params()
+                cparams.n_ctx = self.n_ctx
+                cparams.n_batch = self.n_ctx
+                cparams.n_ubatch = self.n_ctx
+                cparams.n_seq_max = 1
+                cparams.n_threads = self.settings.n_threads
+                cparams.n_threads_batch = self.settings.n_threads
+                cparams.embeddings = True
+                cparams.pooling_type = lc.LLAMA_POOLING_TYPE_MEAN
+                cparams.no_perf = True
+                ctx = lc.llama_init_from_model(self.model, cparams)
+                if not ctx:
+                    raise InvalidArgument("llama.cpp could not create an embeddings context for this model")
+                self._embed_ctx = ctx
+            ctx = self._embed_ctx
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+            batch = lc.llama_batch_init(len(tokens), 0, 1)
+            try:
+                for i, t in enumerate(tokens):
+                    batch.token[i] = t
+                    batch.pos[i] = i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = 1
+                batch.n_tokens = len(tokens)
+                if lc.llama_decode(ctx, batch) != 0:
+                    raise InvalidArgument("llama.cpp failed to compute the embedding")
+                ptr = lc.llama_get_embeddings_seq(ctx, 0)
+                if not ptr:
+                    raise InvalidArgument("this model gives no pooled embeddings")
+                n_embd = lc.llama_model_n_embd(self.model)
+                return np.ctypeslib.as_array(ptr, shape=(n_embd,)).astype(float).tolist()
+            finally:
+                lc.llama_batch_free(batch)
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._stop and not self._queue and not any(s.request for s in self.slots):
+                        self._cond.wait()
+                    if self._stop:
+                        break
+                self._step()
+        except BaseException as exc:  # a broken engine fails everything it holds, never hangs a client
+            log.exception("llama.cpp engine thread failed")
+            self._fail_all(exc)
+        self._fail_all(Unavailable("the model was unloaded while the request was running"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            queued, self._queue = list(self._queue), collections.deque()
+        for req in queued:
+            self._finish_metrics(req, "abort")
+            _safe(req.fail, exc)
+        for slot in self.slots:
+            if slot.request is not None:
+                req = slot.request
+                self._release(slot)
+                self._finish_metrics(req, "abort")
+                _safe(req.fail, exc)
+
+    def _step(self) -> None:
+        lc = self._lc
+        self._drop_cancelled()
+        self._admit()
+        batch = self.batch
+        n = 0
+        budget = self.settings.n_batch
+        # decoding sequences first (one token each), then prompt chunks in what is left
+        for slot in self.slots:
+            slot.batch_index = -1
+            if slot.request is not None and not slot.pending and budget > 0:
+                self._put(batch, n, slot.last_token, len(slot.tokens), slot.seq, True)
+                slot.tokens.append(slot.last_token)
+                slot.batch_index = n
+                n += 1
+                budget -= 1
+        for slot in self.slots:
+            if slot.request is None or not slot.pending or budget <= 0:
+                continue
+            take = slot.pending[:budget]
+            del slot.pending[: len(take)]
+            for i, t in enumerate(take):
+                last = not slot.pending and i == len(take) - 1
+                self._put(batch, n, t, len(slot.tokens), slot.seq, last)
+                slot.tokens.append(t)
+                if last:
+                    slot.batch_index = n
+                n += 1
+            budget -= len(take)
+        if n == 0:
+            return
+        batch.n_tokens = n
+        rc = lc.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        for slot in self.slots:
+            if slot.request is not None and slot.batch_index >= 0:
+                self._sample(slot)
+        self.metrics.set_kv_cache_usage(
+            sum(len(s.tokens) for s in self.slots) / (self.n_ctx * len(self.slots))
+        )
+
+    @staticmethod
+    def _put(batch, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        batch.token[i] = token
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = 1 if logits else 0
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            gone = [r for r in self._queue if _safe_bool(r.cancelled)]
+            for r in gone:
+                self._queue.remove(r)
+        for r in gone:
+            self._finish_metrics(r, "abort")
+        for slot in self.slots:
+            req = slot.request
+            if req is not None and _safe_bool(req.cancelled):
+                self._release(slot)
+                self._finish_metrics(req, "abort")
+
+    def _admit(self) -> None:
+        while True:
+            free = [s for s in self.slots if s.request is None]
+            if not free:
+                return
+            with self._cond:
+                if not self._queue:
+                    return
+                req = self._queue.popleft()
+            slot = max(free, key=lambda s: _common_prefix(s.tokens, req.prompt))
+            try:
+                self._start(slot, req)
+            except BaseException as exc:
+                self._release(slot)
+                self._finish_metrics(req, "abort")
+                _safe(req.fail, exc)
+
+    def _start(self, slot: _Slot, req: GenerationRequest) -> None:
+        lc = self._lc
+        keep = min(_common_prefix(slot.tokens, req.prompt), len(req.prompt) - 1)
+        if keep < len(slot.tokens):
+            if not lc.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
+                keep = 0
+                lc.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+            del slot.tokens[keep:]
+        slot.pending = list(req.prompt[keep:])
+        self.prefix_hits += keep
+        slot.request = req
+        slot.text = TextStream(req.sampling.stop)
+        slot.sampler = self._sampler(req.sampling, ban_eog=req.sampling.ignore_eos)
+        if req.sampling.min_tokens > 0 and not req.sampling.ignore_eos:
+            slot.sampler_eos = self._sampler(req.sampling, ban_eog=True)
+        if req.metrics is not None:
+            req.metrics.scheduled()
+
+    def _sampler(self, sp: SamplingParams, ban_eog: bool):
+        lc = self._lc
+        chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        if ban_eog and self._eog:
+            biases = (lc.llama_logit_bias * len(self._eog))()
+            for i, t in enumerate(self._eog):
+                biases[i].token = t
+                biases[i].bias = float("-inf")
+            lc.llama_sampler_chain_add(
+                chain, lc.llama_sampler_init_logit_bias(self.n_vocab, len(self._eog), biases)
+            )
+        if sp.temperature <= 0.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
+            return chain
+        if sp.top_k > 0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_k(sp.top_k))
+        if sp.top_p < 1.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_top_p(sp.top_p, 1))
+        if sp.min_p > 0.0:
+            lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_min_p(sp.min_p, 1))
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_temp(sp.temperature))
+        seed = sp.seed if sp.seed is not None else lc.LLAMA_DEFAULT_SEED
+        lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
+        return chain
+
+    def _sample(self, slot: _Slot) -> None:
+        lc = self._lc
+        req = slot.request
+        assert req is not None
+        sampler = (
+            slot.sampler_eos
+            if slot.sampler_eos is not None and req.generated < req.sampling.min_tokens
+            else slot.sampler
+        )
+        token = lc.llama_sampler_sample(sampler, self.ctx, slot.batch_index)
+        logprobs = (
+            self._logprobs(slot.batch_index, token, req.sampling.logprobs)
+            if req.sampling.logprobs is not None
+            else None
+        )
+        req.generated += 1
+        if req.metrics is not None:
+            req.metrics.tokens(1)
+        finish = None
+        if lc.llama_vocab_is_eog(self.vocab, token) and not req.sampling.ignore_eos:
+            text = slot.text.finish()
+            finish = "stop"
+        else:
+            slot.last_token = token
+            text = slot.text.push(self.piece(token))
+            if slot.text.stopped:
+                finish = "stop"
+            elif req.generated >= req.max_tokens or len(slot.tokens) + 1 >= self.n_ctx:
+                text += slot.text.finish()
+                finish = "length"
+        if finish is not None:
+            self._release(slot)
+            self._finish_metrics(req, finish)
+        _safe(req.emit, Output(text, 1, finish, logprobs))
+
+    def _logprobs(self, index: int, token: int, top: int) -> list[dict]:
+        ptr = self._lc.llama_get_logits_ith(self.ctx, index)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
+        logits -= logits.max()
+        lp = logits - np.log(np.exp(logits).sum())
+        order = np.argsort(-lp)
+        entry = {}
+        for t in [token, *[int(t) for t in order[:top] if int(t) != token]]:
+            entry[str(t)] = {
+                "logprob": float(lp[t]),
+                "rank": int(np.count_nonzero(lp > lp[t]) + 1),
+                "decoded_token": self.piece(t).decode("utf-8", "replace"),
+            }
+        return [entry]
+
+    def _release(self, slot: _Slot) -> None:
+        """The slot is free again; its tokens stay in the KV cache for the next request's prefix."""
+        if slot.pending:  # part of the prompt was never decoded: it is not in the cache
+            slot.pending = []
+        slot.request = None
+        self._free_samplers(slot)
+
+    def _free_samplers(self, slot: _Slot) -> None:
+        for s in (slot.sampler, slot.sampler_eos):
+            if s is not None:
+                self._lc.llama_sampler_free(s)
+        slot.sampler = slot.sampler_eos = None
+
+    @staticmethod
+    def _finish_metrics(req: GenerationRequest, reason: str) -> None:
+        if req.metrics is not None:
+            req.metrics.finished(len(req.prompt), req.generated, reason)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        return sum(1 for s in self.slots if s.request is not None)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _safe(fn: Callable, arg) -> None:
+    try:
+        fn(arg)
+    except Exception:
+        log.exception("llama.cpp engine: a response callback failed")
+
+
+def _safe_bool(fn: Callable[[], bool]) -> bool:
+    try:
+        return bool(fn())
+    except Exception:
+        return True

@@ -1,0 +1,126 @@
+"""The llamacpp backend's settings: config.pbtxt parameters of the model and vLLM `sampling_parameters` of a request."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import InvalidArgument
+
+# config.pbtxt `parameters { key: ... value: { string_value: ... } }`: name -> (default, help)
+MODEL_PARAMETERS = {
+    "n_ctx": (2048, "context (tokens) of each sequence: prompt plus generated tokens"),
+    "n_parallel": (4, "slots: sequences decoded together in one batch (continuous batching)"),
+    "n_threads": (0, "CPU threads for decoding (0: the cores this process may use, shared by the instances)"),
+    "n_batch": (512, "most tokens in one llama_decode call (prompt chunks and decode tokens together)"),
+    "embeddings": ("true", "serve `embedding_request` with mean pooling from a second context"),
+}
+
+
+@dataclass
+class EngineSettings:
+    n_ctx: int = 2048
+    n_parallel: int = 4
+    n_threads: int = 0
+    n_batch: int = 512
+    embeddings: bool = True
+
+
+def engine_settings(parameters: dict[str, str], instance_count: int = 1) -> EngineSettings:
+    """The engine settings from a config's parameters; unknown or malformed values are a load error."""
+    out = EngineSettings()
+    for key, raw in parameters.items():
+        if key not in MODEL_PARAMETERS:
+            continue  # other backends' or the user's own keys are left alone, as Triton does
+        if key == "embeddings":
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise InvalidArgument(f"parameter 'embeddings' must be true or false, got {raw!r}")
+            out.embeddings = raw.lower() in ("true", "1")
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            raise InvalidArgument(f"parameter '{key}' must be an integer, got {raw!r}") from None
+        if value < (0 if key == "n_threads" else 1):
+            raise InvalidArgument(f"parameter '{key}' must be positive, got {value}")
+        setattr(out, key, value)
+    if out.n_threads == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        out.n_threads = max(1, cores // max(1, instance_count))
+    return out
+
+
+@dataclass
+class SamplingParams:
+    """The subset of vLLM's SamplingParams this engine honours."""
+
+    max_tokens: int | None = None  # None: vLLM's default of 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+
+def _number(params: dict, key: str, kind: type, low: float | None = None, high: float | None = None) -> Any:
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidArgument(f"sampling parameter '{key}' must be a number, got {value!r}")
+    try:
+        value = kind(value) if kind is float else int(float(value))
+    except ValueError:
+        raise InvalidArgument(f"sampling parameter '{key}' must be a number, got {value!r}") from None
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise InvalidArgument(f"sampling parameter '{key}' must be in [{low}, {high}], got {value}")
+    return value
+
+
+def sampling_params(text: str | bytes | None) -> SamplingParams:
+    """Parse the `sampling_parameters` JSON of a vLLM-shape request; bad values are InvalidArgument."""
+    out = SamplingParams()
+    if text in (None, b"", ""):
+        return out
+    try:
+        params = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"sampling_parameters is not valid JSON: {exc}") from None
+    if not isinstance(params, dict):
+        raise InvalidArgument("sampling_parameters must be a JSON object")
+    if "n" in params and params["n"] not in (1, "1", None):
+        raise InvalidArgument("the llamacpp backend generates one sequence per request: 'n' must be 1")
+    if params.get("best_of") not in (None, 1, "1"):
+        raise InvalidArgument("the llamacpp backend does not support 'best_of' (beam search)")
+    if params.get("max_tokens") is not None:
+        out.max_tokens = _number(params, "max_tokens", int, 1)
+    if params.get("temperature") is not None:
+        out.temperature = _number(params, "temperature", float, 0.0)
+    if params.get("top_p") is not None:
+        out.top_p = _number(params, "top_p", float, 0.0, 1.0)
+        if out.top_p == 0.0:
+            raise InvalidArgument("sampling parameter 'top_p' must be in (0, 1], got 0")
+    if params.get("top_k") is not None:
+        out.top_k = _number(params, "top_k", int, -1)
+    if params.get("min_p") is not None:
+        out.min_p = _number(params, "min_p", float, 0.0, 1.0)
+    if params.get("seed") is not None:
+        out.seed = _number(params, "seed", int) & 0xFFFFFFFF
+    if params.get("min_tokens") is not None:
+        out.min_tokens = _number(params, "min_tokens", int, 0)
+    if params.get("logprobs") is not None:
+        out.logprobs = _number(params, "logprobs", int, 0, 20)
+    ignore = params.get("ignore_eos", False)
+    out.ignore_eos = ignore in (True, "true", "True", 1)
+    stop = params.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise InvalidArgument("sampling parameter 'stop' must be a string or a list of strings")
+        out.stop = [s for s in stop if s]
+    return out

@@ -1,0 +1,182 @@
+"""Random-weight llama GGUF models for the LLM tests and benchmarks, written with the `gguf` package.
+
+`write_tiny_gguf(path)` writes a ~0.4 MB llama (2 layers, n_embd 64) with a real byte-level BPE tokenizer (GPT-2
+style: 256 byte tokens, merges learnt from a short text here, special tokens `<s>`, `</s>`, `<|im_start|>`,
+`<|im_end|>`), so any text round-trips through tokenize/detokenize, and a ChatML chat template. `write_large_gguf`
+writes the same shape scaled up so that one decode step takes milliseconds (the benchmark's "engine dominates"
+model). Nothing is downloaded; the weights come from a seeded generator, so a file is the same on every machine.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+from pathlib import Path
+
+import numpy as np
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+BOS, EOS = "<s>", "<|im_end|>"
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. Hello world, this is a tiny language model for testing the server.
+Once upon a time there was a model that generated tokens one at a time, and the server streamed them to the
+client as soon as they were ready. The user asked a question and the assistant answered with a story about the
+sea, the sky, the stars and the time it takes to write a test that does not fail. What is the capital of France?
+It is Paris. Count to ten: one, two, three, four, five, six, seven, eight, nine, ten.
+"""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values onto printable characters (byte-level BPE)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _tokenizer(n_merges: int) -> tuple[list[str], list[str], list[int]]:
+    """Tokens, merges and token types of a byte-level BPE learnt from _CORPUS with `n_merges` merges."""
+    byte_char = _bytes_to_unicode()
+    tokens = [byte_char[b] for b in range(256)]
+    # words as the GPT-2 pre-tokeniser roughly splits them: a leading space belongs to the word
+    words = collections.Counter()
+    for i, word in enumerate(_CORPUS.split()):
+        text = (" " if i else "") + word
+        words[tuple(byte_char[b] for b in text.encode())] += 1
+    merges: list[str] = []
+    known = set(tokens)
+    for _ in range(n_merges):
+        pairs: collections.Counter = collections.Counter()
+        for word, count in words.items():
+            for a, b in itertools.pairwise(word):
+                pairs[(a, b)] += count
+        if not pairs:
+            break
+        (a, b), _count = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        merged = a + b
+        merges.append(f"{a} {b}")
+        if merged not in known:
+            tokens.append(merged)
+            known.add(merged)
+        new_words: collections.Counter = collections.Counter()
+        for word, count in words.items():
+            out, i = [], 0
+            while i < len(word):
+                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            new_words[tuple(out)] += count
+        words = new_words
+    types = [1] * len(tokens) + [3] * len(SPECIAL)  # 1 normal, 3 control
+    return tokens + SPECIAL, merges, types
+
+
+def write_llama_gguf(
+    path: str | os.PathLike,
+    *,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_head_kv: int = 4,
+    n_ff: int = 128,
+    n_merges: int = 120,
+    context_length: int = 2048,
+    seed: int = 0,
+    dtype: str = "f32",
+) -> Path:
+    """Write a random-weight llama GGUF with a byte-level BPE tokenizer and a chat template to `path`."""
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens, merges, types = _tokenizer(n_merges)
+    n_vocab = len(tokens)
+    head_dim = n_embd // n_head
+    rng = np.random.default_rng(seed)
+    np_dtype = np.float16 if dtype == "f16" else np.float32
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np_dtype)
+
+    def norm() -> np.ndarray:
+        return np.ones(n_embd, dtype=np.float32)
+
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name("naiad-tiny-llama")
+    w.add_context_length(context_length)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(1 if dtype == "f16" else 0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(tokens.index(BOS))
+    w.add_eos_token_id(tokens.index(EOS))
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
+        w.add_tensor(f"blk.{i}.attn_q.weight", mat(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.attn_k.weight", mat(head_dim * n_head_kv, n_embd))
+        w.add_tensor(f"blk.{i}.attn_v.weight", mat(head_dim * n_head_kv, n_embd))
+        w.add_tensor(f"blk.{i}.attn_output.weight", mat(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff))
+    w.add_tensor("output_norm.weight", norm())
+    w.add_tensor("output.weight", mat(n_vocab, n_embd) * np_dtype(4.0))  # sharper logits than 1/sqrt(n)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def write_tiny_gguf(path: str | os.PathLike) -> Path:
+    """The test model: ~0.4 MB, loads in a fraction of a second, thousands of tokens/s on one core."""
+    return write_llama_gguf(path)
+
+
+LARGE = {"n_embd": 768, "n_layer": 6, "n_head": 12, "n_head_kv": 12, "n_ff": 2048, "dtype": "f16", "seed": 1}
+
+
+def write_large_gguf(path: str | os.PathLike) -> Path:
+    """The benchmark's larger model (f16, ~85 MB): one decode step takes ~10 ms or more on these cores."""
+    return write_llama_gguf(path, **LARGE)
+
+
+def cached_large_gguf() -> Path:
+    """The larger model, written once under the tools cache (not the repository)."""
+    root = Path(os.environ.get("NAIAD_TOOLS_CACHE", Path.home() / ".cache" / "naiad-tools"))
+    tag = "-".join(f"{k}{v}" for k, v in sorted(LARGE.items()))
+    path = root / "llm-models" / f"large-llama-{tag}.gguf"
+    if not path.exists():
+        write_large_gguf(path)
+    return path

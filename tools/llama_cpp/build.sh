@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Build llama-cpp-python (pinned below) once from its PyPI sdist, and llama.cpp's own C++ servers (`llama-server`,
+# `rpc-server`) from the llama.cpp source vendored in that same sdist, into a cache outside the repository:
+#
+#   ${NAIAD_TOOLS_CACHE:-$HOME/.cache/naiad-tools}/llama-cpp-python-<hash>/{wheels/*.whl,bin/llama-server,bin/rpc-server}
+#
+# llama-cpp-python has no binary wheel on PyPI: its sdist compiles llama.cpp (about 9 minutes on 2 cores), so the
+# wheel is built once and kept. The hash covers the pin, the CMake flags, this script and the compiler: an unchanged
+# pin is a no-op. The CPU code is built for x86-64-v3 (AVX2/FMA/F16C, GGML_NATIVE off) so the cached wheel runs on any
+# CI machine of this kind, not only on the one that built it; GGML_RPC is on for llama.cpp's RPC backend.
+#
+# `install` (the default) also installs the wheel into the virtualenv (PYTHON, default .venv/bin/python) unless the
+# same version is already there. The cache directory is printed as the last line of stdout; progress goes to stderr.
+#
+# Environment: PYTHON, NAIAD_TOOLS_CACHE (cache root), NAIAD_TOOLS_FORCE=1 (rebuild), LLAMA_BUILD_JOBS (make -j),
+# LLAMA_SKIP_SERVER=1 (wheel only).
+set -euo pipefail
+
+version=0.3.16
+mode="${1:-install}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-.venv/bin/python}"
+jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
+
+cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+cmake_args="$cpu_flags -DGGML_RPC=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF"
+
+command -v cmake >/dev/null || { echo "build.sh: cmake is missing (apt-get install cmake)" >&2; exit 3; }
+hash="$( { echo "$version $cmake_args"; c++ --version | head -1; cmake --version | head -1; cat "$here/build.sh"; } | sha256sum | cut -c1-16)"
+root="${NAIAD_TOOLS_CACHE:-$HOME/.cache/naiad-tools}"
+dest="$root/llama-cpp-python-$hash"
+
+built() { [[ -f "$dest/.complete" ]]; }
+install_wheel() {
+  [[ "$mode" == install ]] || return 0
+  have="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null || true)"
+  [[ "$have" == "$version" ]] && return 0
+  echo "[tools/llama_cpp] installing $(basename "$dest"/wheels/*.whl)" >&2
+  flock /tmp/naiad-venv.lock "$PYTHON" -m pip install -q --no-deps "$dest"/wheels/*.whl >&2
+  # its runtime deps are pure Python (numpy, diskcache, jinja2, typing-extensions) and come from PyPI
+  "$PYTHON" -c 'import diskcache' 2>/dev/null || flock /tmp/naiad-venv.lock "$PYTHON" -m pip install -q diskcache >&2
+}
+
+if [[ "${NAIAD_TOOLS_FORCE:-0}" != 1 ]] && built; then install_wheel; echo "$dest"; exit 0; fi
+
+mkdir -p "$root"
+exec 9>"$root/.llama-cpp-python-$hash.lock"
+flock 9
+if [[ "${NAIAD_TOOLS_FORCE:-0}" != 1 ]] && built; then install_wheel; echo "$dest"; exit 0; fi
+
+start=$(date +%s)
+work="$(mktemp -d "$root/.llama-build.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+echo "[tools/llama_cpp] fetching the llama-cpp-python $version sdist" >&2
+"$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-python -d "$work/sdist" "llama-cpp-python==$version" >&2
+sdist="$(ls "$work"/sdist/llama_cpp_python-*.tar.gz)"
+
+echo "[tools/llama_cpp] building the wheel (CMAKE_ARGS=$cmake_args, -j$jobs)" >&2
+CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
+  "$PYTHON" -m pip wheel -q --no-deps -w "$work/wheels" "$sdist" >&2
+
+if [[ "${LLAMA_SKIP_SERVER:-0}" != 1 ]]; then
+  echo "[tools/llama_cpp] building llama-server and rpc-server from the vendored llama.cpp" >&2
+  tar -xzf "$sdist" -C "$work"
+  src="$(ls -d "$work"/llama_cpp_python-*/vendor/llama.cpp)"
+  # shellcheck disable=SC2086
+  cmake -S "$src" -B "$work/cbuild" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON $cmake_args >&2
+  cmake --build "$work/cbuild" -j "$jobs" --target llama-server rpc-server >&2
+fi
+
+rm -rf "$dest" && mkdir -p "$dest/bin"
+mv "$work/wheels" "$dest/wheels"
+if [[ -d "$work/cbuild/bin" ]]; then
+  for b in llama-server rpc-server; do cp "$work/cbuild/bin/$b" "$dest/bin/"; done
+fi
+touch "$dest/.complete"
+echo "[tools/llama_cpp] built in $(( $(date +%s) - start ))s: $dest" >&2
+install_wheel
+echo "$dest"

@@ -3,10 +3,14 @@ on token gauges, and status.copies from the engines' gauges."""
 
 from __future__ import annotations
 
+import pytest
+from operator_fakes import NS, FakeKube, FakeServers
+
 from naiad_operator.config import OperatorConfig
 from naiad_operator.inference_pool import inference_pool_wanted, render_inference_pool
 from naiad_operator.llm import ENGINE_TYPE_LABEL, GPU_RESOURCE, LLM_ENGINE_LABEL, llm_spec
-from naiad_operator.llm_gauges import copy_status, parse_gauges
+from naiad_operator.llm_gauges import EngineGauges, GaugeReader, copy_status, parse_gauges
+from naiad_operator.load_backoff import LoadBackoff
 from naiad_operator.model_resources import (
     endpoint,
     model_intent,
@@ -19,6 +23,8 @@ from naiad_operator.model_resources import (
 )
 from naiad_operator.naming import DEDICATED_FOR_LABEL, SERVER_LABEL
 from naiad_operator.ownership import Owner
+from naiad_operator.placement_pass import reconcile_pool
+from naiad_operator.pool_snapshot import PoolContext
 from naiad_operator.status import ModelObservation, model_status
 
 OWNER = Owner("naiad.dev/v1alpha1", "InferenceModel", "llama", "uid-l", "ml")
@@ -234,3 +240,73 @@ def test_status_copies_are_written_and_removed():
     assert status["endpoint"]["openai"].endswith("/v1")
     assert _status(None, old={"copies": []})["copies"] is None  # merge patch: gone
     assert "copies" not in _status(None, old={})
+
+
+class FixedGauges(GaugeReader):
+    """The gauges each pod's metrics port would answer (a pod missing here does not answer)."""
+
+    def __init__(self, texts: dict[str, str]):
+        super().__init__(session=None, timeout=1)  # type: ignore[arg-type]
+        self.texts = texts
+        self.read_from: list[str] = []
+
+    async def read(self, ip: str) -> dict[str, EngineGauges] | None:
+        self.read_from.append(ip)
+        return parse_gauges(self.texts[ip]) if ip in self.texts else None
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_pass_reports_each_copy_with_its_gauges():
+    kube, servers = FakeKube(), FakeServers()
+    kube.add(
+        {
+            "apiVersion": "naiad.dev/v1alpha1",
+            "kind": "InferenceServer",
+            "metadata": {"name": "cpu"},
+            "spec": {"replicas": 3},
+        }
+    )
+    for i in range(3):
+        kube.add(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"cpu-{i}", "labels": {"naiad.dev/server": "cpu"}},
+                "status": {
+                    "podIP": f"10.0.0.{i}",
+                    "containerStatuses": [{"name": "server", "ready": True, "restartCount": 0}],
+                },
+            }
+        )
+    for name, spec in (
+        (
+            "llama",
+            {"serverRef": {"name": "cpu"}, "modelName": "tiny", "replicas": 2, "llm": {"engine": "llamacpp"}},
+        ),
+        ("bert", {"serverRef": {"name": "cpu"}, "replicas": 1}),
+    ):
+        kube.add(
+            {
+                "apiVersion": "naiad.dev/v1alpha1",
+                "kind": "InferenceModel",
+                "metadata": {"name": name, "creationTimestamp": "2024-01-01T00:00:00Z"},
+                "spec": spec,
+            }
+        )
+    gauges = FixedGauges({"10.0.0.0": METRICS, "10.0.0.1": METRICS})
+    ctx = PoolContext(
+        kube=kube, control=servers, config=OperatorConfig(), backoff=LoadBackoff(30.0), gauges=gauges
+    )
+    await reconcile_pool(ctx, NS, "cpu")
+    status = kube.obj("naiad.dev/v1alpha1", "InferenceModel", "llama")["status"]
+    holders = sorted(ip for ip, models in servers.loaded.items() if "tiny" in models)
+    assert status["phase"] == "Available" and len(status["copies"]) == 2
+    for entry in status["copies"]:
+        ip = "10.0.0." + entry["pod"][-1]
+        if ip in gauges.texts:
+            assert entry["requestsWaiting"] == 3 and entry["kvCacheUsagePercent"] == 43.8
+        else:
+            assert entry == {"pod": entry["pod"]}  # its metrics could not be read
+    assert sorted(gauges.read_from) == holders  # only pods holding an LLM are scraped
+    assert status["endpoint"]["openai"] == "http://llama.ml.svc:80/v1"
+    assert "copies" not in kube.obj("naiad.dev/v1alpha1", "InferenceModel", "bert")["status"]

@@ -321,9 +321,10 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
     hpa = render_model_hpa(owner, spec, intent, config)
     if hpa is not None:
         objects.append(hpa)
-    pool_api = intent.llm is not None and config.inference_pools != "false"
-    if pool_api:
-        pool_api = await kube.api_available(INFERENCE_POOL_API, INFERENCE_POOL_PLURAL)
+    # Asked for every model (discovery is cached): a model that stops being an LLM loses its InferencePool.
+    pool_api = config.inference_pools != "false" and await kube.api_available(
+        INFERENCE_POOL_API, INFERENCE_POOL_PLURAL
+    )
     inference_pool = inference_pool_wanted(intent.llm, pool_api, config.inference_pools)
     if inference_pool and intent.llm is not None:
         objects.append(render_inference_pool(owner, intent.llm, model_selector(intent), model_labels(intent)))
@@ -341,7 +342,7 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
                 owner.uid,
                 cache,
             )
-        if pool_api and not inference_pool:  # llm.inferencePool.enabled turned off
+        if pool_api and not inference_pool:  # not an LLM (any more), or llm.inferencePool.enabled is false
             await _delete_if_owned(
                 kube, INFERENCE_POOL_API, INFERENCE_POOL_KIND, owner.namespace, owner.name, owner.uid, cache
             )

@@ -12,11 +12,20 @@ import importlib.util
 import json
 import os
 import subprocess
+import threading
 import urllib.error
 import urllib.request
 
 import pytest
-from test_operator_cluster import NS, ROOT, harness, model, report, wait  # noqa: F401 (fixtures)
+from test_operator_cluster import (  # noqa: F401 (fixtures)
+    NS,
+    ROOT,
+    adapter_rules,
+    harness,
+    model,
+    report,
+    wait,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -51,6 +60,20 @@ def crds():
     return gie_crds()
 
 
+@pytest.fixture(scope="module")
+def llm_repo(harness):  # noqa: F811
+    """The tiny GGUF in the repository the pods read (file://), with one-thread, two-slot engine settings."""
+    from llm_models import write_tiny_gguf  # imported after the cluster started (numpy starts threads)
+
+    write_tiny_gguf(harness.repo / LLM / "1" / "model.gguf")
+    (harness.repo / LLM / "config.pbtxt").write_text(
+        'backend: "llamacpp"\n'
+        'parameters { key: "n_parallel" value: { string_value: "2" } }\n'
+        'parameters { key: "n_threads" value: { string_value: "1" } }\n'
+    )
+    return harness.repo
+
+
 def post_json(url: str, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
@@ -62,16 +85,8 @@ def post_json(url: str, body: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def test_llm_model_serves_openai_through_its_service_with_an_inference_pool(crds, report):  # noqa: F811
+def test_llm_model_serves_openai_through_its_service_with_an_inference_pool(crds, llm_repo, report):  # noqa: F811
     h = report
-    from llm_models import write_tiny_gguf
-
-    write_tiny_gguf(h.repo / LLM / "1" / "model.gguf")
-    (h.repo / LLM / "config.pbtxt").write_text(
-        'backend: "llamacpp"\n'
-        'parameters { key: "n_parallel" value: { string_value: "2" } }\n'
-        'parameters { key: "n_threads" value: { string_value: "1" } }\n'
-    )
     h.kubectl("apply", "--server-side", "-f", crds)
     h.kubectl(
         "wait",
@@ -161,3 +176,103 @@ def test_llm_model_serves_openai_through_its_service_with_an_inference_pool(crds
     )
     wait(lambda: not h.exists("inferencepool", "llama"), 60, what="InferencePool removed")
     h.kubectl("-n", NS, "delete", "im", "llama", "--timeout=90s")
+
+
+def test_hpa_scales_an_llm_on_requests_waiting(llm_repo, report):  # noqa: F811
+    """Prometheus scrapes the engine's vllm:num_requests_waiting, prometheus-adapter serves it with the chart's
+    rule, and the real HPA controller scales the model to 2 copies while more clients stream than the engine has
+    slots, and back to 1 when they stop."""
+    h = report
+    monitoring = pytest.importorskip("e2e.monitoring")
+    if not monitoring.find_prometheus():
+        pytest.skip("prometheus binary missing (apt-get install prometheus)")
+    h.apply(
+        model(
+            "chat",
+            modelName=LLM,
+            storage={"uri": f"file://{h.repo}"},
+            llm={"engine": "llamacpp"},
+            replicas=1,
+            minReplicas=1,
+            maxReplicas=2,
+            autoscaling={
+                "targetRequestsWaiting": 1,
+                "behavior": {
+                    "scaleUp": {"stabilizationWindowSeconds": 0},
+                    "scaleDown": {"stabilizationWindowSeconds": 0},
+                },
+            },
+            server={"env": [{"name": "CUDA_VISIBLE_DEVICES", "value": ""}]},
+        )
+    )
+    wait(lambda: h.model_status("chat").get("phase") == "Available", 240, what="chat Available")
+    stop = threading.Event()
+
+    def stream() -> (
+        None
+    ):  # long streams, more at once than the two slots: the rest wait in the engine's queue
+        while not stop.is_set():
+            for p in h.get("pods", selector="naiad.dev/model-chat=loaded")["items"]:
+                if stop.is_set():
+                    return
+                body = {
+                    "model": LLM,
+                    "prompt": "once upon a time",
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                request = urllib.request.Request(
+                    f"http://{p['status']['podIP']}:8000/v1/completions",
+                    data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"},
+                    method="POST",
+                )
+                try:
+                    with urllib.request.urlopen(request, timeout=120) as response:
+                        for _ in response:
+                            if stop.is_set():
+                                break
+                except OSError:
+                    pass
+
+    workers = [threading.Thread(target=stream, daemon=True) for _ in range(6)]
+    prometheus = monitoring.Prometheus(kubeconfig=h.cluster.kubeconfig, workdir=h.workdir / "llm-prometheus")
+    adapter = monitoring.PrometheusAdapter(
+        h.cluster, "", rules=adapter_rules(h), workdir=h.workdir / "llm-adapter"
+    )
+    try:
+        prometheus.start()
+        adapter.prometheus_url = prometheus.url
+        adapter.start()
+        for worker in workers:
+            worker.start()
+        metric = "naiad_llm_requests_waiting"
+        items = wait(
+            lambda: [i for i in adapter.pod_metric(NS, metric) if float(i["value"].rstrip("m") or 0) > 0],
+            120,
+            what=f"custom metric {metric} above 0",
+        )
+        assert items[0]["describedObject"]["name"].startswith("chat-server-")
+        wait(lambda: h.get("inferencemodel", "chat")["spec"]["replicas"] == 2, 240, what="scaled to 2")
+        wait(lambda: h.model_status("chat").get("availableReplicas") == 2, 180, what="2 copies")
+        copies = h.model_status("chat")["copies"]
+        assert len(copies) == 2
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=130)
+        wait(lambda: h.get("inferencemodel", "chat")["spec"]["replicas"] == 1, 240, what="scaled back to 1")
+        hpa = h.get("hpa", "chat")
+        conditions = {c["type"]: c["status"] for c in hpa["status"]["conditions"]}
+        assert conditions["ScalingActive"] == "True", hpa["status"]
+    except BaseException:
+        adapter_log = adapter.log_path.read_text()[-3000:] if adapter.log_path.exists() else ""
+        print(h.diagnostics(), f"--- adapter ---\n{adapter_log}")
+        raise
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=15)
+        adapter.stop()
+        prometheus.stop()
+        h.kubectl("-n", NS, "delete", "im", "chat", "--timeout=90s", check=False)

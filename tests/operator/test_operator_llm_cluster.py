@@ -3,6 +3,10 @@
 `/v1/chat/completions` through its Service's `openai` port, gets an InferencePool (the Gateway API Inference
 Extension's CRD, installed from its Go module by tools/gie/crds.sh) and an HPA on requests waiting.
 
+The Gateway API Inference Extension's own endpoint picker (v1.5.0's cmd/epp, built from its Go module by
+tools/go/build.sh gie-epp) then routes over two copies by Naiad's gauges, asked through its ext-proc gRPC interface
+as Envoy asks it (tools/go/gie-epp/extproc-client): least queue, and prefix affinity.
+
 Same harness as test_operator_cluster.py (its own cluster). Run: pytest tests/operator/test_operator_llm_cluster.py
 """
 
@@ -276,3 +280,172 @@ def test_hpa_scales_an_llm_on_requests_waiting(llm_repo, report):  # noqa: F811
         adapter.stop()
         prometheus.stop()
         h.kubectl("-n", NS, "delete", "im", "chat", "--timeout=90s", check=False)
+
+
+# --- the Gateway API Inference Extension's endpoint picker --------------------------------------------------------
+
+
+def epp_tools() -> str:
+    """The endpoint picker (GIE v1.5.0's cmd/epp) and the ext-proc client, built once by tools/go/build.sh."""
+    env = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/local/go/bin"}
+    result = subprocess.run(
+        ["bash", str(ROOT / "tools" / "go" / "build.sh"), "gie-epp"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"the endpoint picker could not be built: {result.stderr[-800:]}")
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def epp_bin():
+    return epp_tools()  # before the harness: the build needs the network
+
+
+class EndpointPicker:
+    """GIE's EPP as a local process, watching the cluster with the admin kubeconfig, for one InferencePool."""
+
+    def __init__(self, bin_dir: str, kubeconfig: str, pool: str, log_path):
+        from test_operator_cluster import free_port
+
+        self.bin_dir = bin_dir
+        self.port, health, metrics = free_port(), free_port(), free_port()
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [
+                    f"{bin_dir}/epp",
+                    f"--pool-name={pool}",
+                    f"--pool-namespace={NS}",
+                    f"--grpc-port={self.port}",
+                    f"--grpc-health-port={health}",
+                    f"--metrics-port={metrics}",
+                    "--secure-serving=false",
+                    "--model-server-metrics-port=8002",  # Naiad serves its metrics on their own port
+                    "--refresh-metrics-interval=100ms",
+                    "--v=2",
+                ],
+                env={**os.environ, "KUBECONFIG": kubeconfig},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def pick(self, prompt: str) -> str:
+        """The pod IP the picker sends this /v1/completions request to, asked as Envoy asks it."""
+        body = json.dumps({"model": LLM, "prompt": prompt, "max_tokens": 8})
+        result = subprocess.run(
+            [f"{self.bin_dir}/extproc-client", f"--picker=127.0.0.1:{self.port}", f"--body={body}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if result.returncode != 0:  # a ValueError: wait() retries it while the picker starts
+            raise ValueError(result.stderr[-1000:])
+        return json.loads(result.stdout)["endpoint"].rsplit(":", 1)[0]
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-4000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_endpoint_picker_routes_by_naiads_gauges(crds, epp_bin, llm_repo, report):  # noqa: F811
+    """The real endpoint picker reads the InferencePool the operator rendered and the pods' vllm:* gauges: with one
+    pod's engine queue full it sends every new request to the other pod, and with both idle it sends a prompt
+    that extends an earlier one to the pod it sent the earlier one to (prefix affinity)."""
+    h = report
+    h.kubectl("apply", "--server-side", "-f", crds)
+    h.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "crd/inferencepools.inference.networking.k8s.io",
+        "--timeout=60s",
+    )
+    h.apply(
+        model(
+            "routed",
+            modelName=LLM,
+            storage={"uri": f"file://{h.repo}"},
+            llm={"engine": "llamacpp"},
+            replicas=2,
+            server={"env": [{"name": "CUDA_VISIBLE_DEVICES", "value": ""}]},
+        )
+    )
+    wait(lambda: h.model_status("routed").get("availableReplicas") == 2, 300, what="2 copies Available")
+    wait(lambda: h.get("inferencepool", "routed"), 60, what="InferencePool")
+    ips = sorted(
+        p["status"]["podIP"] for p in h.get("pods", selector="naiad.dev/model-routed=loaded")["items"]
+    )
+    busy, idle = ips
+    picker = EndpointPicker(epp_bin, h.cluster.kubeconfig, "routed", h.workdir / "epp.log")
+    stop = threading.Event()
+
+    def stream() -> None:  # long streams at one pod: its two slots run, the rest wait in its queue
+        body = {"model": LLM, "prompt": "busy", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        while not stop.is_set():
+            request = urllib.request.Request(
+                f"http://{busy}:8000/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    for _ in response:
+                        if stop.is_set():
+                            break
+            except OSError:
+                pass
+
+    workers = [threading.Thread(target=stream, daemon=True) for _ in range(6)]
+    try:
+        # the picker knows both pods
+        wait(
+            lambda: len({picker.pick(f"warm-up {i} " * 3) for i in range(8)}) == 2,
+            60,
+            what="picker sees 2 pods",
+        )
+        for worker in workers:
+            worker.start()
+        wait(
+            lambda: any(
+                c.get("requestsWaiting", 0) >= 2 for c in h.model_status("routed").get("copies") or []
+            ),
+            60,
+            what="a queue on the busy pod",
+        )
+        picks = [picker.pick(f"fresh question number {i}: what is {i} times {i}?") for i in range(10)]
+        assert picks == [idle] * 10, (picks, busy, idle)
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=130)
+        wait(
+            lambda: all(
+                c.get("requestsWaiting", 1) == 0 for c in h.model_status("routed").get("copies") or [{}]
+            ),
+            120,
+            what="both queues empty",
+        )
+        # both idle: a prompt that extends an earlier one goes where the earlier one went
+        stories = [f"Story {i}: " + " ".join(f"word{i}x{j}" for j in range(120)) for i in range(6)]
+        first = [picker.pick(story) for story in stories]
+        again = [picker.pick(story + " and then the end.") for story in stories]
+        assert again == first, (first, again)
+    except BaseException:
+        print(h.diagnostics(), f"--- epp ---\n{picker.log()}")
+        raise
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=15)
+        picker.stop()
+        h.kubectl("-n", NS, "delete", "im", "routed", "--timeout=90s", check=False)

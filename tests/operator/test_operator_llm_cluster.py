@@ -287,17 +287,12 @@ def test_hpa_scales_an_llm_on_requests_waiting(llm_repo, report):  # noqa: F811
 
 def epp_tools() -> str:
     """The endpoint picker (GIE v1.5.0's cmd/epp) and the ext-proc client, built once by tools/go/build.sh."""
-    env = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/local/go/bin"}
-    result = subprocess.run(
-        ["bash", str(ROOT / "tools" / "go" / "build.sh"), "gie-epp"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=3600,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"the endpoint picker could not be built: {result.stderr[-800:]}")
-    return result.stdout.strip().splitlines()[-1]
+    from helpers import go_tool
+
+    epp = go_tool("gie-epp", "epp")
+    if epp is None or not (epp.parent / "extproc-client").exists():
+        pytest.skip("the endpoint picker is not built (make tools; tools/go/build.sh gie-epp)")
+    return str(epp.parent)
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,16 @@ def llm_spec(name: str, spec: Spec) -> LLMSpec | None:
     pool = block.get("inferencePool") or {}
     picker = pool.get("endpointPicker") or {}
     enabled = pool.get("enabled")
+    port = picker.get("port", 9002)
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        problems.append(f"llm.inferencePool.endpointPicker.port must be a port number, got {port!r}")
+        port = 9002
+    failure_mode = picker.get("failureMode", "FailClose")
+    if failure_mode not in ("FailOpen", "FailClose"):
+        problems.append(
+            f"llm.inferencePool.endpointPicker.failureMode must be FailOpen or FailClose, got {failure_mode!r}"
+        )
+        failure_mode = "FailClose"
     return LLMSpec(
         engine=engine,
         tensor=tensor,
@@ -95,17 +105,22 @@ def llm_spec(name: str, spec: Spec) -> LLMSpec | None:
         gpus=gpus,
         inference_pool=None if enabled is None else bool(enabled),
         endpoint_picker=str(picker.get("name") or f"{name}-epp"),
-        endpoint_picker_port=int(picker.get("port") or 9002),
-        failure_mode=str(picker.get("failureMode") or "FailClose"),
+        endpoint_picker_port=port,
+        failure_mode=failure_mode,
         problems=problems,
     )
 
 
 def _gpu_limit(resources: Mapping[str, Any]) -> float | None:
+    """The pod's nvidia.com/gpu limit (or request); a malformed quantity counts as none (the pool's own checks
+    report it)."""
     for section in ("limits", "requests"):
         value = (resources.get(section) or {}).get(GPU_RESOURCE)
         if value is not None:
-            return parse_quantity(value)
+            try:
+                return parse_quantity(value)
+            except ValueError:
+                return None
     return None
 
 

@@ -310,3 +310,16 @@ async def test_a_pass_reports_each_copy_with_its_gauges():
     assert sorted(gauges.read_from) == holders  # only pods holding an LLM are scraped
     assert status["endpoint"]["openai"] == "http://llama.ml.svc:80/v1"
     assert "copies" not in kube.obj("naiad.dev/v1alpha1", "InferenceModel", "bert")["status"]
+
+
+def test_bad_endpoint_picker_settings_and_gpu_quantities_are_problems_not_crashes():
+    bad = {
+        "llm": {"engine": "vllm", "inferencePool": {"endpointPicker": {"port": "x", "failureMode": "Maybe"}}}
+    }
+    problems = model_intent("llama", bad).problems
+    assert any("port must be a port number" in p for p in problems)
+    assert any("FailOpen or FailClose" in p for p in problems)
+    spec = {"serverRef": {"name": "gpus"}, "llm": {"engine": "vllm", "parallelism": {"tensor": 2}}}
+    pool = {"metadata": {"name": "gpus"}, "spec": {"resources": {"limits": {GPU_RESOURCE: "lots"}}}}
+    (problem,) = pool_problems(model_intent("llama", spec), pool)
+    assert "gives each pod 0 nvidia.com/gpu" in problem

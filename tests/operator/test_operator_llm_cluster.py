@@ -59,9 +59,10 @@ def gie_crds() -> str:
 
 
 @pytest.fixture(scope="module")
-def crds():
-    # fetched before the harness starts: the cluster may move this process into a network namespace of its own
-    return gie_crds()
+def prebuilt() -> tuple[str, str | None]:
+    """The InferencePool CRDs and the endpoint picker's bin directory (None: not built), had before the harness
+    starts: the cluster may move this process into a network namespace of its own, off the network."""
+    return gie_crds(), epp_tools()
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +90,9 @@ def post_json(url: str, body: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def test_llm_model_serves_openai_through_its_service_with_an_inference_pool(crds, llm_repo, report):  # noqa: F811
+def test_llm_model_serves_openai_through_its_service_with_an_inference_pool(prebuilt, llm_repo, report):  # noqa: F811
     h = report
+    crds, _ = prebuilt
     h.kubectl("apply", "--server-side", "-f", crds)
     h.kubectl(
         "wait",
@@ -285,19 +287,14 @@ def test_hpa_scales_an_llm_on_requests_waiting(llm_repo, report):  # noqa: F811
 # --- the Gateway API Inference Extension's endpoint picker --------------------------------------------------------
 
 
-def epp_tools() -> str:
+def epp_tools() -> str | None:
     """The endpoint picker (GIE v1.5.0's cmd/epp) and the ext-proc client, built once by tools/go/build.sh."""
     from helpers import go_tool
 
     epp = go_tool("gie-epp", "epp")
     if epp is None or not (epp.parent / "extproc-client").exists():
-        pytest.skip("the endpoint picker is not built (make tools; tools/go/build.sh gie-epp)")
+        return None
     return str(epp.parent)
-
-
-@pytest.fixture(scope="module")
-def epp_bin():
-    return epp_tools()  # before the harness: the build needs the network
 
 
 class EndpointPicker:
@@ -353,11 +350,14 @@ class EndpointPicker:
             self.proc.wait()
 
 
-def test_endpoint_picker_routes_by_naiads_gauges(crds, epp_bin, llm_repo, report):  # noqa: F811
+def test_endpoint_picker_routes_by_naiads_gauges(prebuilt, llm_repo, report):  # noqa: F811
     """The real endpoint picker reads the InferencePool the operator rendered and the pods' vllm:* gauges: with one
     pod's engine queue full it sends every new request to the other pod, and with both idle it sends a prompt
     that extends an earlier one to the pod it sent the earlier one to (prefix affinity)."""
     h = report
+    crds, epp_bin = prebuilt
+    if epp_bin is None:
+        pytest.skip("the endpoint picker is not built (make tools; tools/go/build.sh gie-epp)")
     h.kubectl("apply", "--server-side", "-f", crds)
     h.kubectl(
         "wait",

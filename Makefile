@@ -26,7 +26,7 @@ serve: venv examples llm-deps
 	$(VENV)/bin/naiad serve --model-repository $(REPO) --http-port 8000 --grpc-port 8001 --metrics-port 8002
 
 CLUSTER_TESTS := tests/operator/test_operator_cluster.py tests/operator/test_operator_ha_cluster.py \
-  tests/operator/test_operator_s3_cluster.py
+  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_llm_cluster.py
 SCALE_BENCH := tests/operator/test_operator_scale.py
 
 # Every tier this machine can run: server, Triton side by side, Prometheus, operator, the e2e cluster, and the e2e
@@ -74,6 +74,7 @@ tools:
 	@$(MAKE) -s e2e-build >/dev/null
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; \
 	for t in tools/go/*/; do [ -f "$$t/go.mod" ] || continue; bash tools/go/build.sh "$$(basename $$t)" >/dev/null || exit $$?; done
+	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/gie/crds.sh >/dev/null
 
 # llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's llama-server and rpc-server
 # from the same source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).

@@ -88,8 +88,8 @@ def probe_overrides(name: str, path: str) -> Schema:
     )
 
 
-def autoscaling_schema(subject: str) -> Schema:
-    return obj(
+def autoscaling_schema(subject: str, llm: bool = False) -> Schema:
+    schema = obj(
         f"Horizontal autoscaling of the {subject} (autoscaling/v2). Active when maxReplicas is above "
         "minReplicas and `enabled` is not false.",
         {
@@ -109,6 +109,66 @@ def autoscaling_schema(subject: str) -> Schema:
                 "autoscaling/v2 HorizontalPodAutoscalerBehavior (scale-up/down policies)."
             ),
         },
+    )
+    if llm:
+        schema["properties"]["targetRequestsWaiting"] = integer(
+            "An LLM model's default metric (replaces the queue time): requests waiting per pod, the engines' "
+            "vllm:num_requests_waiting served by prometheus-adapter. Used when `metrics` is empty.",
+            minimum=1,
+            default=2,
+        )
+        schema["properties"]["targetKVCacheUsagePercent"] = integer(
+            "An LLM model's second default metric, when set: KV-cache use per pod in percent "
+            "(vllm:kv_cache_usage_perc).",
+            minimum=1,
+            maximum=100,
+        )
+    return schema
+
+
+def llm_schema() -> Schema:
+    return obj(
+        "The model is an LLM: GPUs per copy from its parallelism, the OpenAI API (/v1) on its Service, "
+        "status.copies with each copy's queue and KV-cache use, an InferencePool for the Gateway API Inference "
+        "Extension, and autoscaling on tokens.",
+        {
+            "engine": string(
+                "The engine: llamacpp, vllm, transformers (the backend of that name), or triton (a Triton LLM "
+                "repository whose config names its backend: tensorrtllm, python vllm_backend, ...).",
+                enum=["llamacpp", "vllm", "transformers", "triton"],
+            ),
+            "parallelism": obj(
+                "GPUs of one copy: tensor x pipeline nvidia.com/gpu on one pod (so one node). vLLM reads its "
+                "tensor_parallel_size / pipeline_parallel_size from the model's model.json. Unset: no GPU "
+                "request is added (CPU engines such as llamacpp).",
+                {
+                    "tensor": integer("Tensor-parallel degree.", minimum=1, default=1),
+                    "pipeline": integer("Pipeline-parallel degree.", minimum=1, default=1),
+                },
+            ),
+            "inferencePool": obj(
+                "The InferencePool (inference.networking.k8s.io/v1) named after the model, rendered when the "
+                "cluster serves that API.",
+                {
+                    "enabled": boolean("Render it (when the API is served).", default=True),
+                    "endpointPicker": obj(
+                        "The endpoint picker Service the pool's endpointPickerRef names.",
+                        {
+                            "name": string("Service name. Defaults to <model>-epp."),
+                            "port": integer(
+                                "Its gRPC (ext-proc) port.", minimum=1, maximum=65535, default=9002
+                            ),
+                            "failureMode": string(
+                                "What a gateway does when the picker does not answer.",
+                                enum=["FailOpen", "FailClose"],
+                                default="FailClose",
+                            ),
+                        },
+                    ),
+                },
+            ),
+        },
+        required=["engine"],
     )
 
 
@@ -429,7 +489,27 @@ def model_status_schema() -> Schema:
                     "service": string("Service that selects pods holding the model."),
                     "http": string("KServe v2 HTTP base URL."),
                     "grpc": string("KServe v2 gRPC target."),
+                    "openai": string("OpenAI API base URL (LLM models)."),
                 },
+            ),
+            "copies": array(
+                "LLM models: the ready pods holding the model, with the engine's own gauges from their metrics.",
+                obj(
+                    "One copy of the model.",
+                    {
+                        "pod": string("Pod name."),
+                        "requestsWaiting": integer("vllm:num_requests_waiting."),
+                        "requestsRunning": integer("vllm:num_requests_running."),
+                        "kvCacheUsagePercent": {
+                            "type": "number",
+                            "description": "vllm:kv_cache_usage_perc, in percent.",
+                        },
+                        "loraAdapters": array(
+                            "Adapters in use (vllm:lora_requests_info).", {"type": "string"}
+                        ),
+                    },
+                    required=["pod"],
+                ),
             ),
             "lastFailure": obj(
                 "The latest load failure.",
@@ -586,8 +666,10 @@ def inference_model_crd() -> dict[str, Any]:
             "minReplicas": integer("Autoscaler lower bound.", minimum=1),
             "maxReplicas": integer("Autoscaler upper bound.", minimum=1),
             "autoscaling": autoscaling_schema(
-                "model (with a dedicated pool only: on a shared pool, autoscale the InferenceServer)"
+                "model (with a dedicated pool only: on a shared pool, autoscale the InferenceServer)",
+                llm=True,
             ),
+            "llm": llm_schema(),
             "suspended": boolean("Unload the model everywhere and keep it unloaded.", default=False),
             "canary": obj(
                 "A canary variant: this version and/or config on trafficPercent of the model's pods (the model's "

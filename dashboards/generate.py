@@ -2,7 +2,7 @@
 
 Panels read Triton's metric names, so the dashboard also works on a Triton fleet: request rate, success and
 failure, latency percentiles from the histograms, queue time, batch size, GPU/CPU utilisation and memory, per
-model and per pod. Run `python dashboards/generate.py` after editing; a test fails when the JSON is stale.
+model and per pod; an LLM row reads vLLM's token metrics (TTFT, inter-token latency, tokens/s, queue, KV cache). Run `python dashboards/generate.py` after editing; a test fails when the JSON is stale.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OUTPUTS = [ROOT / "dashboards" / "naiad.json", ROOT / "helm" / "naiad" / "dashboards" / "naiad.json"]
 
 SEL = 'namespace=~"$namespace", model=~"$model", pod=~"$pod"'
+# The LLM engines' token metrics carry vLLM's label, model_name, for the same model.
+LLM_SEL = 'namespace=~"$namespace", model_name=~"$model", pod=~"$pod"'
 POD_SEL = 'namespace=~"$namespace", pod=~"$pod"'
 RATE = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -57,8 +59,66 @@ def row(title: str) -> dict[str, Any]:
     return {"type": "row", "title": title, "collapsed": False, "panels": []}
 
 
-def quantile(q: float, histogram: str, by: str) -> str:
-    return f"histogram_quantile({q}, sum by (le, {by}) (rate({histogram}_bucket{{{SEL}}}[{RATE}])))"
+def quantile(q: float, histogram: str, by: str, sel: str = SEL) -> str:
+    return f"histogram_quantile({q}, sum by (le, {by}) (rate({histogram}_bucket{{{sel}}}[{RATE}])))"
+
+
+def llm_panels() -> list[dict[str, Any]]:
+    """The LLM row: vLLM's token metrics, which every Naiad engine (llamacpp, vllm, transformers) publishes."""
+    ttft, itl = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
+    return [
+        row("LLM tokens"),
+        timeseries(
+            "Time to first token p50 / p99",
+            [
+                target(quantile(0.5, ttft, "model_name", LLM_SEL), "p50 {{model_name}}", "A"),
+                target(quantile(0.99, ttft, "model_name", LLM_SEL), "p99 {{model_name}}", "B"),
+            ],
+            "s",
+            "From a request's arrival to its first generated token (queueing and prefill).",
+        ),
+        timeseries(
+            "Inter-token latency p50 / p99",
+            [
+                target(quantile(0.5, itl, "model_name", LLM_SEL), "p50 {{model_name}}", "A"),
+                target(quantile(0.99, itl, "model_name", LLM_SEL), "p99 {{model_name}}", "B"),
+            ],
+            "s",
+            "Between two generated tokens of one request (decode steps).",
+        ),
+        timeseries(
+            "Tokens per second",
+            [
+                target(
+                    f"sum by (model_name) (rate(vllm:generation_tokens_total{{{LLM_SEL}}}[{RATE}]))",
+                    "generated {{model_name}}",
+                    "A",
+                ),
+                target(
+                    f"sum by (model_name) (rate(vllm:prompt_tokens_total{{{LLM_SEL}}}[{RATE}]))",
+                    "prompt {{model_name}}",
+                    "B",
+                ),
+            ],
+            "short",
+            "Tokens generated and prompt tokens processed per second.",
+        ),
+        timeseries(
+            "Requests waiting and running per pod",
+            [
+                target(f"sum by (pod) (vllm:num_requests_waiting{{{LLM_SEL}}})", "waiting {{pod}}", "A"),
+                target(f"sum by (pod) (vllm:num_requests_running{{{LLM_SEL}}})", "running {{pod}}", "B"),
+            ],
+            "short",
+            "The engines' queue (what the LLM autoscaler and the endpoint picker read) and running sequences.",
+        ),
+        timeseries(
+            "KV-cache use per pod",
+            [target(f"max by (pod) (vllm:kv_cache_usage_perc{{{LLM_SEL}}})", "{{pod}}")],
+            "percentunit",
+            "Share of the KV cache the running sequences hold.",
+        ),
+    ]
 
 
 def panels() -> list[dict[str, Any]]:
@@ -215,7 +275,7 @@ def panels() -> list[dict[str, Any]]:
     ]
     laid_out = []
     y = 0
-    for group in (per_model, per_pod):
+    for group in (per_model, per_pod, llm_panels()):
         header, *charts = group
         laid_out.append({**header, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
         y += 1

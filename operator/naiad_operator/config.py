@@ -11,6 +11,9 @@ from typing import Any
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0"
 DEFAULT_QUEUE_METRIC = "naiad_queue_time_per_request_us"
+# prometheus-adapter's names for vllm:num_requests_waiting and vllm:kv_cache_usage_perc (an LLM model's HPA).
+DEFAULT_LLM_WAITING_METRIC = "naiad_llm_requests_waiting"
+DEFAULT_LLM_KV_CACHE_METRIC = "naiad_llm_kv_cache_usage"
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class OperatorConfig:
     # A NetworkPolicy per pool: metrics port only from the operator's namespace and `metrics_from` (Prometheus).
     network_policy: bool = False
     metrics_from: tuple[Any, ...] = field(default_factory=tuple)
+    # Custom metrics of an LLM model's default autoscaling rule (requests waiting, KV-cache use per pod).
+    llm_waiting_metric_name: str = DEFAULT_LLM_WAITING_METRIC
+    llm_kv_cache_metric_name: str = DEFAULT_LLM_KV_CACHE_METRIC
+    # "auto": an InferencePool per LLM model when the cluster serves inference.networking.k8s.io/v1; "false": never.
+    inference_pools: str = "auto"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -62,7 +70,14 @@ class OperatorConfig:
         policy = (env.get("NAIAD_NETWORK_POLICY") or "false").lower()
         if policy not in ("true", "false"):
             raise ValueError(f"NAIAD_NETWORK_POLICY must be 'true' or 'false', got {policy!r}")
+        pools = (env.get("NAIAD_INFERENCE_POOLS") or defaults.inference_pools).lower()
+        if pools not in ("auto", "false"):
+            raise ValueError(f"NAIAD_INFERENCE_POOLS must be 'auto' or 'false', got {pools!r}")
         return cls(
+            inference_pools=pools,
+            llm_waiting_metric_name=env.get("NAIAD_LLM_WAITING_METRIC") or defaults.llm_waiting_metric_name,
+            llm_kv_cache_metric_name=env.get("NAIAD_LLM_KV_CACHE_METRIC")
+            or defaults.llm_kv_cache_metric_name,
             operator_namespace=namespace or defaults.operator_namespace,
             network_policy=policy == "true",
             metrics_from=metrics_from,

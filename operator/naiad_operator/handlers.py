@@ -20,12 +20,22 @@ from .applied import AppliedCache
 from .config import OperatorConfig
 from .control import ModelControlClient
 from .events import post as post_event
+from .inference_pool import (
+    INFERENCE_POOL_API,
+    INFERENCE_POOL_KIND,
+    INFERENCE_POOL_PLURAL,
+    inference_pool_wanted,
+    render_inference_pool,
+)
 from .kube import KubeClient, KubeError
+from .llm_gauges import GaugeReader
 from .load_backoff import LoadBackoff
 from .model_resources import (
     SHARED_POOL_AUTOSCALING,
     model_autoscaling_ignored,
     model_intent,
+    model_labels,
+    model_selector,
     promotion_patch,
     render_dedicated_server,
     render_model_hpa,
@@ -133,6 +143,7 @@ async def startup(
         backoff=memo.backoff,
         trust=TrustCache(memo.kube),
         meter=VariantMeter(memo.http, config.request_timeout_seconds),
+        gauges=GaugeReader(memo.http, config.request_timeout_seconds),
         models=partial(_models_of_pool, models_by_pool),
     )
     memo.pools = PassRunner(partial(reconcile_pool, context))
@@ -310,6 +321,13 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
     hpa = render_model_hpa(owner, spec, intent, config)
     if hpa is not None:
         objects.append(hpa)
+    # Asked for every model (discovery is cached): a model that stops being an LLM loses its InferencePool.
+    pool_api = config.inference_pools != "false" and await kube.api_available(
+        INFERENCE_POOL_API, INFERENCE_POOL_PLURAL
+    )
+    inference_pool = inference_pool_wanted(intent.llm, pool_api, config.inference_pools)
+    if inference_pool and intent.llm is not None:
+        objects.append(render_inference_pool(owner, intent.llm, model_selector(intent), model_labels(intent)))
     cache = getattr(memo, "applied", None)
 
     # One round trip, not one per child: the Services (and the check for a leftover HPA) at once.
@@ -323,6 +341,10 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
                 owner.name,
                 owner.uid,
                 cache,
+            )
+        if pool_api and not inference_pool:  # not an LLM (any more), or llm.inferencePool.enabled is false
+            await _delete_if_owned(
+                kube, INFERENCE_POOL_API, INFERENCE_POOL_KIND, owner.namespace, owner.name, owner.uid, cache
             )
 
     rejected, _ = await _gather_all(_apply_all(kube, objects, cache, concurrent=True), leftover_hpa())

@@ -30,6 +30,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     (API_VERSION, SERVER_KIND): SERVER_PLURAL,
     (API_VERSION, MODEL_KIND): MODEL_PLURAL,
 }

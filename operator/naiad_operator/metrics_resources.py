@@ -35,14 +35,18 @@ def render_hpa(
     config: OperatorConfig,
     labels: Mapping[str, str],
     model: str | None = None,
+    default_metrics: list[Body] | None = None,
 ) -> Body | None:
-    """autoscaling/v2 HPA on the scale subresource of an InferenceServer or InferenceModel, or None."""
+    """autoscaling/v2 HPA on the scale subresource of an InferenceServer or InferenceModel, or None.
+    `default_metrics` replace the queue-time metric when `autoscaling.metrics` is empty (an LLM's token gauges)."""
     if not autoscaling_active(spec):
         return None
     autoscaling = spec.get("autoscaling") or {}
-    metrics = copy.deepcopy(list(autoscaling.get("metrics") or [])) or [
-        queue_time_metric(config, int(autoscaling.get("targetQueueTimeMicroseconds") or 20000), model)
-    ]
+    metrics = (
+        copy.deepcopy(list(autoscaling.get("metrics") or []))
+        or default_metrics
+        or [queue_time_metric(config, int(autoscaling.get("targetQueueTimeMicroseconds") or 20000), model)]
+    )
     hpa_spec: Body = {
         "scaleTargetRef": {"apiVersion": API_VERSION, "kind": target_kind, "name": target_name},
         "minReplicas": int(spec.get("minReplicas") or 1),

@@ -11,6 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import OperatorConfig
+from .llm import (
+    LLMSpec,
+    apply_to_dedicated_server,
+    dedicated_gpu_problems,
+    llm_spec,
+    openai_service_port,
+    openai_url,
+    shared_gpu_problems,
+    token_metrics,
+)
 from .metrics_resources import render_hpa
 from .naming import (
     API_VERSION,
@@ -88,6 +98,7 @@ class ModelIntent:
     repository: Repository | None
     problems: list[str] = field(default_factory=list)
     canary: CanaryIntent | None = None
+    llm: LLMSpec | None = None  # an LLM model (spec.llm)
 
     @property
     def wanted_replicas(self) -> int | None:
@@ -248,6 +259,11 @@ def model_intent(name: str, spec: Spec) -> ModelIntent:
         memory = quantity_bytes(spec.get("memory"))
     except ValueError as error:
         problems.append(f"memory: {error}")
+    llm = llm_spec(name, spec)
+    if llm is not None:
+        problems += llm.problems
+        if dedicated:
+            problems += dedicated_gpu_problems(llm, spec.get("server") or {})
     if dedicated:
         problems += _dedicated_problems(spec, repository)
     revision = revision_of(model_name, config)
@@ -263,10 +279,11 @@ def model_intent(name: str, spec: Spec) -> ModelIntent:
         version=str(spec["version"]) if spec.get("version") is not None else None,
         replicas=None if dedicated else desired_replicas(spec),
         memory=memory,
-        backend=spec.get("backend"),
+        backend=spec.get("backend") or (llm.backend if llm is not None else None),
         suspended=bool(spec.get("suspended", False)),
         repository=repository,
         problems=problems,
+        llm=llm,
     )
 
 
@@ -293,6 +310,8 @@ def pool_problems(intent: ModelIntent, pool: Mapping[str, Any]) -> list[str]:
         else:
             # The template is the model's spec: its mistakes are the model's to report.
             problems += [f"server: {p}" for p in server_spec_problems(intent.pool, pool_spec)]
+    if intent.llm is not None and not intent.dedicated:
+        problems += shared_gpu_problems(intent.llm, intent.pool, pool_spec)
     backends = (pool_spec.get("capabilities") or {}).get("backends") or []
     if intent.backend and backends and intent.backend not in backends:
         problems.append(
@@ -363,6 +382,8 @@ def render_dedicated_server(owner: Owner, spec: Spec, intent: ModelIntent) -> Bo
             else:
                 repository.pop("subPath", None)
         server_spec["modelRepository"] = repository
+    if intent.llm is not None:
+        server_spec = apply_to_dedicated_server(intent.llm, server_spec)
     return {
         "apiVersion": API_VERSION,
         "kind": SERVER_KIND,
@@ -397,11 +418,14 @@ def model_labels(intent: ModelIntent) -> dict[str, str]:
     }
 
 
-def _ports() -> list[Body]:
-    return [
+def _ports(llm: bool = False) -> list[Body]:
+    ports = [
         {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
         {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
     ]
+    if llm:
+        ports.append(openai_service_port())
+    return ports
 
 
 def render_model_services(owner: Owner, intent: ModelIntent) -> list[Body]:
@@ -416,7 +440,11 @@ def render_model_services(owner: Owner, intent: ModelIntent) -> list[Body]:
             "labels": {**model_labels(intent), SERVICE_ROLE_LABEL: "model"},
             "ownerReferences": [owner.reference()],
         },
-        "spec": {"type": "ClusterIP", "selector": model_selector(intent), "ports": _ports()},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": model_selector(intent),
+            "ports": _ports(intent.llm is not None),
+        },
     }
     headless = {
         "apiVersion": "v1",
@@ -453,15 +481,33 @@ def render_model_hpa(owner: Owner, spec: Spec, intent: ModelIntent, config: Oper
     HPA selects); its default metric is the queue time of this model only."""
     if intent.suspended or not intent.dedicated or not autoscaling_active(spec):
         return None
+    default_metrics = None
+    if intent.llm is not None:
+        default_metrics = token_metrics(
+            spec.get("autoscaling") or {},
+            intent.model_name,
+            config.llm_waiting_metric_name,
+            config.llm_kv_cache_metric_name,
+        )
     return render_hpa(
-        owner, MODEL_KIND, intent.name, spec, config, model_labels(intent), model=intent.model_name
+        owner,
+        MODEL_KIND,
+        intent.name,
+        spec,
+        config,
+        model_labels(intent),
+        model=intent.model_name,
+        default_metrics=default_metrics,
     )
 
 
 def endpoint(intent: ModelIntent, namespace: str, tls: bool = False) -> dict[str, str]:
     host = f"{intent.name}.{namespace}.svc"
-    return {
+    out = {
         "service": intent.name,
         "http": f"{'https' if tls else 'http'}://{host}:{HTTP_PORT}/v2/models/{intent.model_name}",
         "grpc": f"{host}:{GRPC_PORT}",
     }
+    if intent.llm is not None:
+        out["openai"] = openai_url(intent.name, namespace, tls)
+    return out

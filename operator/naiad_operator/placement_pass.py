@@ -17,6 +17,7 @@ from . import timeline
 from .control import ControlError
 from .events import post as post_event
 from .kube import KubeError
+from .llm_gauges import EngineGauges, copy_status
 from .measured_memory import measured_memory, placement_memory
 from .model_resources import ModelIntent, endpoint, model_selector_string
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
@@ -154,6 +155,7 @@ class _Pass:
         timeline.mark(self.namespace, tag, "pods-patched")
 
         traffic = await self._read_traffic(models)
+        gauges = await self._read_gauges(models)
         counts = []
         observations = []
         for model in models:
@@ -161,6 +163,7 @@ class _Pass:
                 continue
             observed = self._observe(model, plans.get(model.intent.name), loading=False)
             observed.variants = self._variants(model, traffic)
+            observed.copies = self._copies(model, gauges)
             if model.intent.dedicated and not model.intent.suspended and not model.problems:
                 observed.wanted = max(observed.wanted, desired_replicas(spec))
             observations.append((model, observed))
@@ -440,6 +443,37 @@ class _Pass:
             if self.snap.states[f.name].ready and any(n in canaried for n in self.truth[f.name].held)
         ]
         return await self.ctx.meter.scrape_all(ip for ip in ips if ip)
+
+    async def _read_gauges(self, models: Sequence[PoolModel]) -> dict[str, dict[str, EngineGauges]]:
+        """The LLM gauges of the ready pods holding an LLM model (pod IP -> model name -> gauges)."""
+        if self.ctx.gauges is None:
+            return {}
+        llms = {m.intent.name for m in models if m.intent.llm is not None and not m.deleting}
+        ips = [
+            self.snap.states[f.name].ip or ""
+            for f in self.facts
+            if self.snap.states[f.name].ready and any(n in llms for n in self.truth[f.name].held)
+        ]
+        return await self.ctx.gauges.read_all(ip for ip in ips if ip)
+
+    def _copies(
+        self, model: PoolModel, gauges: Mapping[str, Mapping[str, EngineGauges]]
+    ) -> list[dict[str, Any]] | None:
+        """status.copies of an LLM model: each ready pod holding its current revision, with its gauges."""
+        intent = model.intent
+        if intent.llm is None:
+            return None
+        copies = []
+        for facts in self.facts:
+            held = self.truth[facts.name].held.get(intent.name)
+            state = self.snap.states[facts.name]
+            if held is None or held.revision not in intent.revisions or not state.ready:
+                continue
+            reading = gauges.get(state.ip or "")
+            copies.append(
+                copy_status(facts.name, reading.get(intent.model_name) if reading is not None else None)
+            )
+        return sorted(copies, key=lambda c: str(c["pod"]))
 
     def _variants(
         self, model: PoolModel, traffic: Mapping[str, Mapping[str, tuple[float, float]]]

@@ -12,6 +12,7 @@ from typing import Any
 from .config import OperatorConfig
 from .control import ControlError, IndexEntry, ModelControlClient
 from .kube import KubeClient
+from .llm_gauges import GaugeReader
 from .load_backoff import LoadBackoff
 from .model_resources import ModelIntent, model_intent, pool_problems
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
@@ -38,6 +39,8 @@ class PoolContext:
     trust: TrustCache | None = None  # CAs of pools with spec.tls (None: no pool uses TLS, e.g. in tests)
     # Reads the servers' request counters for models under a canary (None: no traffic figures in status).
     meter: VariantMeter | None = None
+    # Reads the LLM engines' queue and KV-cache gauges of pods holding LLM models (None: no status.copies).
+    gauges: GaugeReader | None = None
     # The InferenceModels of a pool from the operator's index (None: list them from the API server).
     models: Callable[[str, str], list[Body]] | None = None
 

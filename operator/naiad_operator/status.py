@@ -169,6 +169,8 @@ class ModelObservation:
     eligible_pods: int = 0
     # status.variants of a model under a canary; None without one (the field is then removed).
     variants: list[dict[str, Any]] | None = None
+    # status.copies of an LLM model: its ready pods with their queue and KV-cache use; None: not an LLM.
+    copies: list[dict[str, Any]] | None = None
 
 
 def model_phase(
@@ -304,6 +306,10 @@ def model_status(
         status["variants"] = observed.variants
     elif "variants" in old_status:
         status["variants"] = None  # merge patch: the canary is gone
+    if observed.copies is not None:
+        status["copies"] = observed.copies
+    elif "copies" in old_status:
+        status["copies"] = None
     return status
 
 

@@ -167,6 +167,7 @@ NEEDED = [
     ("", "pods/status", {"patch"}),
     ("autoscaling", "horizontalpodautoscalers", {"get", "patch", "create", "delete"}),
     ("monitoring.coreos.com", "servicemonitors", {"get", "patch", "create", "delete"}),
+    ("inference.networking.k8s.io", "inferencepools", {"get", "patch", "create", "delete"}),
     ("", "events", {"create"}),
     ("", "secrets", {"get", "create", "patch"}),  # control credential and its per-pool copies; tls ca.crt
     ("networking.k8s.io", "networkpolicies", {"get", "patch", "create", "delete"}),

@@ -113,6 +113,35 @@ async def test_ensure_model_creates_a_dedicated_pool_and_services():
 
 
 @on_session_loop
+async def test_ensure_model_renders_an_inference_pool_only_where_the_api_is_served():
+    kube = FakeKube()
+    llm = body("InferenceModel", "llama", {"llm": {"engine": "vllm", "parallelism": {"tensor": 2}}})
+    await handlers.ensure_model(memo(kube), llm, events=False)
+    assert "InferencePool" not in [o["kind"] for o in kube.applied]  # no inference.networking.k8s.io here
+    kube.apis.add("inference.networking.k8s.io/v1")
+    await handlers.ensure_model(memo(kube), llm, events=False)
+    (pool,) = [o for o in kube.applied if o["kind"] == "InferencePool"]
+    assert pool["metadata"]["ownerReferences"][0]["uid"] == "uid-llama"
+    (server,) = [o for o in kube.applied if o["kind"] == "InferenceServer"][-1:]
+    assert server["spec"]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    # turned off, then no longer an LLM: the operator's own InferencePool goes
+    llm["spec"]["llm"]["inferencePool"] = {"enabled": False}
+    await handlers.ensure_model(memo(kube), llm, events=False)
+    assert ("InferencePool", "llama") in kube.deleted
+    kube.add({**pool})
+    await handlers.ensure_model(memo(kube), body("InferenceModel", "llama", {}), events=False)
+    assert kube.deleted.count(("InferencePool", "llama")) == 2
+    # a setting of "false" never asks
+    off = memo(kube)
+    off.config = OperatorConfig(server_image="img:1", inference_pools="false")
+    kube.applied.clear()
+    await handlers.ensure_model(
+        off, body("InferenceModel", "llama", {"llm": {"engine": "vllm"}}), events=False
+    )
+    assert "InferencePool" not in [o["kind"] for o in kube.applied]
+
+
+@on_session_loop
 async def test_ensure_model_never_takes_over_a_foreign_pool():
     kube = FakeKube()
     kube.add(body("InferenceServer", "resnet-server", {"replicas": 1}, uid="other"))

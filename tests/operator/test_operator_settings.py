@@ -20,16 +20,25 @@ def test_config_defaults_and_environment():
             "NAIAD_LOAD_TIMEOUT_SECONDS": "1200",
             "NAIAD_QUEUE_METRIC": "q",
             "NAIAD_SERVICE_MONITORS": "false",
+            "NAIAD_INFERENCE_POOLS": "False",
+            "NAIAD_LLM_WAITING_METRIC": "waiting",
         }
     )
     assert config.server_image == "registry/naiad:2" and config.resync_seconds == 5.0
     assert config.load_timeout_seconds == 1200.0 and config.queue_metric_name == "q"
     assert config.service_monitors == "false"
+    assert config.inference_pools == "false" and config.llm_waiting_metric_name == "waiting"
+    assert config.llm_kv_cache_metric_name == "naiad_llm_kv_cache_usage"
 
 
 @pytest.mark.parametrize(
     "env",
-    [{"NAIAD_RESYNC_SECONDS": "soon"}, {"NAIAD_RESYNC_SECONDS": "0"}, {"NAIAD_SERVICE_MONITORS": "maybe"}],
+    [
+        {"NAIAD_RESYNC_SECONDS": "soon"},
+        {"NAIAD_RESYNC_SECONDS": "0"},
+        {"NAIAD_SERVICE_MONITORS": "maybe"},
+        {"NAIAD_INFERENCE_POOLS": "true"},
+    ],
 )
 def test_config_rejects_bad_values(env):
     with pytest.raises(ValueError):

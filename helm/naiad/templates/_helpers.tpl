@@ -77,6 +77,10 @@ app.kubernetes.io/part-of: naiad
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
   verbs: [get, list, watch, create, update, patch, delete]
+# An InferencePool per LLM InferenceModel (Gateway API Inference Extension), when the cluster serves the API.
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]

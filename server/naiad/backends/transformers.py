@@ -24,17 +24,15 @@ import itertools
 import json
 import logging
 import threading
-from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig
 from ..errors import InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest
 from ..llm import info as llm_info
 from ..llm import vllm_request
 from ..llm.metrics import EngineMetrics
-from ..llm.shape import auto_complete_vllm_shape
-from .api import Backend, InstanceState, ResponseSender
+from .api import InstanceState, ResponseSender
+from .engine_backend import EngineBackend
 
 log = logging.getLogger("naiad.transformers")
 
@@ -312,35 +310,11 @@ def _safe_end(text: str, stops: list[str]) -> int:
     return end
 
 
-class TransformersBackend(Backend):
+class TransformersBackend(EngineBackend):
     """`backend: "transformers"`: see the module docstring."""
 
     name = "transformers"
-    default_model_filename = None
-
-    def auto_complete_config(self, config: ModelConfig, model_file: Path | None) -> None:
-        auto_complete_vllm_shape(config)
-
-    def model_initialize(self, model) -> None:
-        if not model.decoupled:
-            raise InvalidArgument(
-                f"model '{model.name}': the transformers backend needs a decoupled transaction policy"
-            )
-
-    def instance_initialize(self, instance: InstanceState) -> None:
-        instance.state = Engine(instance)
-
-    def instance_execute(self, instance: InstanceState, requests: list[InferenceRequest]) -> None:
-        engine: Engine = instance.state
-        for request in requests:
-            engine.submit(request, instance.sender(request))
-        return None
-
-    def instance_finalize(self, instance: InstanceState) -> None:
-        engine = instance.state
-        instance.state = None
-        if engine is not None:
-            engine.close()
+    engine_class = Engine
 
 
 backend = TransformersBackend()

@@ -28,14 +28,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig
 from ..errors import InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest
 from ..llm import info as llm_info
 from ..llm import vllm_request
 from ..llm.metrics import EngineMetrics
-from ..llm.shape import auto_complete_vllm_shape
-from .api import Backend, InstanceState, ResponseSender
+from .api import InstanceState, ResponseSender
+from .engine_backend import EngineBackend
 
 log = logging.getLogger("naiad.vllm")
 
@@ -300,41 +299,23 @@ def _logprobs(completion: Any, start: int) -> list[dict[str, Any]] | None:
     ]
 
 
-class VllmBackend(Backend):
+class VllmBackend(EngineBackend):
     """`backend: "vllm"`: see the module docstring."""
 
     name = "vllm"
-    default_model_filename = None
-
-    def auto_complete_config(self, config: ModelConfig, model_file: Path | None) -> None:
-        auto_complete_vllm_shape(config)
+    engine_class = Engine
+    decoupled_required = (
+        "vLLM backend must be configured to use decoupled model transaction policy"  # Triton's
+    )
 
     def model_initialize(self, model) -> None:
-        if not model.decoupled:
-            raise InvalidArgument(
-                f"model '{model.name}': vLLM backend must be configured to use decoupled model transaction policy"
-            )
+        super().model_initialize(model)
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
             raise InvalidArgument(
                 f"model '{model.name}': the vllm backend needs the vllm package (pip install 'naiad[vllm]'): {exc}"
             ) from None
-
-    def instance_initialize(self, instance: InstanceState) -> None:
-        instance.state = Engine(instance)
-
-    def instance_execute(self, instance: InstanceState, requests: list[InferenceRequest]) -> None:
-        engine: Engine = instance.state
-        for request in requests:
-            engine.submit(request, instance.sender(request))
-        return None
-
-    def instance_finalize(self, instance: InstanceState) -> None:
-        engine = instance.state
-        instance.state = None
-        if engine is not None:
-            engine.close()
 
 
 backend = VllmBackend()

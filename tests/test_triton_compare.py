@@ -155,8 +155,9 @@ NAIAD_ONLY_FAMILIES: dict[str, str] = {
 
 def naiad_only_family_ok(name: str) -> bool:
     """Naiad adds latency histograms `nv_inference_*_duration_seconds` (Triton only has `*_us` counters);
-    prometheus_client prints each histogram's `<name>_created` timestamp as a gauge family of its own."""
-    if name in NAIAD_ONLY_FAMILIES:
+    prometheus_client prints each histogram's `<name>_created` timestamp as a gauge family of its own; families in
+    Naiad's own `naiad_` namespace (models on demand: loads, evictions, memory) have no Triton counterpart."""
+    if name in NAIAD_ONLY_FAMILIES or name.startswith("naiad_"):
         return True
     return name.endswith("_seconds") or name.endswith("_seconds_created")
 

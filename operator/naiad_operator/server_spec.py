@@ -173,7 +173,9 @@ def server_args(spec: Spec, restricted: bool = False) -> list[str]:
 
 def frontend_workers(spec: Spec) -> int | None:
     """Frontend worker processes for the pod's CPUs: its CPU limit (the cgroup quota the server would read), else
-    its request, rounded up; None when the spec sets neither (the server then reads its own cgroup)."""
+    its request, rounded up, less one CPU for the engine process (on 2 CPUs, two workers beside the engine served
+    0.86x the small requests of one process: bench/README.md, "Frontend workers"); None when the spec sets
+    neither (the server then reads its own cgroup)."""
     resources = spec.get("resources") or {}
     cpu = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu")
     if cpu is None:
@@ -182,7 +184,7 @@ def frontend_workers(spec: Spec) -> int | None:
         cpus = parse_quantity(cpu)
     except (TypeError, ValueError):
         return None
-    return max(1, math.ceil(cpus))
+    return max(1, math.ceil(cpus) - 1)
 
 
 def frontend_workers_args(spec: Spec) -> list[str]:

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=frontend_workers,
         default="1",
         help="processes that serve HTTP and gRPC (SO_REUSEPORT) in front of one engine process that owns the "
-        "models; 'auto': the CPUs the pod may use (its cgroup quota); 1: one process, as before",
+        "models; 'auto': the CPUs the pod may use (its cgroup quota) less one for the engine; 1: one process, as before",
     )
     s.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics")
     s.add_argument("--allow-gpu-metrics", type=_bool, default=True, help="export nv_gpu_* metrics (NVML)")

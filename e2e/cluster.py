@@ -426,6 +426,9 @@ class KwokCluster:
             # there is none in a private network namespace, and loopback is not
             # a valid endpoint for the "kubernetes" Service.  Use the node IP.
             extra += ["--extra-args", f"kube-apiserver=advertise-address={self.gpu_nodes[0].node_ip}"]
+        if not any("kubelet-preferred-address-types" in a for a in extra):
+            # a real kubelet (e2e/node) is reached for logs/exec at its node IP: there is no DNS for node names
+            extra += ["--extra-args", "kube-apiserver=kubelet-preferred-address-types=InternalIP,Hostname"]
         if not any("enable-aggregator-routing" in a for a in extra):
             # no kube-proxy: aggregated APIs (e.g. prometheus-adapter, see
             # monitoring.py) must be reached at endpoint IPs, not ClusterIPs

@@ -1,0 +1,234 @@
+"""The real node (e2e/node): a Naiad server pod from the built image, run by the real kubelet and containerd.
+
+The server image is imported into containerd (``ctr images import``), the pod asks for ``nvidia.com/gpu: 1`` from
+the test device plugin, passes its readinessProbe through the kubelet, answers an inference request through its
+ClusterIP Service (kube-proxy's iptables rules), ``kubectl logs`` shows Triton's log layout, and a killed container
+is restarted by the kubelet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from e2e.cluster import KwokCluster
+from e2e.images import DEFAULT_ARCHIVES
+from e2e.node import RealNode
+from e2e.node.node import REAL_NODE_TOLERATION, missing_requirements
+
+ROOT = Path(__file__).resolve().parents[1]
+NS = "real-node"
+APP = "naiad-server"
+#: glog's layout, as Triton (and Naiad's default --log-format) writes it
+TRITON_LOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w./-]+:\d+\] ", re.M)
+
+
+def _server_archive() -> tuple[Path, str]:
+    """The server image's docker-archive and name, from ``make images``' digest file."""
+    digest = DEFAULT_ARCHIVES / "naiad-server.digest"
+    if not digest.exists():
+        pytest.skip(f"{digest} missing: run `make images` first")
+    archive, name = digest.read_text().split()[:2]
+    return Path(archive), name
+
+
+def _wait(fn, timeout: float = 120, interval: float = 0.5, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
+
+
+def _json(c: KwokCluster, *args: str) -> dict:
+    return json.loads(c.kubectl(*args, "-o", "json").stdout)
+
+
+@pytest.fixture(scope="module")
+def real_node(kwok_cluster: KwokCluster):
+    why = missing_requirements()
+    if why:
+        pytest.skip(why)
+    archive, _ = _server_archive()
+    node = RealNode(kwok_cluster, images=[archive])
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def model_repository():
+    repo = Path(tempfile.mkdtemp(prefix="naiad-real-node-"))
+    repo.chmod(0o755)  # the image's user (10001) reads it through a hostPath volume
+    src = ROOT / "tests" / "models" / "identity_fp32"
+    shutil.copytree(src, repo / "identity_fp32")
+    for p in repo.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    yield repo
+    shutil.rmtree(repo, ignore_errors=True)
+
+
+def _server_manifests(node: RealNode, image: str, repo: Path) -> list[dict]:
+    labels = {"app": APP}
+    container = {
+        "name": "server",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "args": [
+            "serve",
+            "--model-repository=/models",
+            "--http-port=8000",
+            "--grpc-port=8001",
+            "--metrics-port=8002",
+        ],
+        "ports": [{"containerPort": 8000, "name": "http"}],
+        "readinessProbe": {
+            "httpGet": {"path": "/v2/health/ready", "port": 8000},
+            "periodSeconds": 1,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": 8000}, "periodSeconds": 5},
+        # Burstable: a Guaranteed pod's oom_score_adj (-997) needs CAP_SYS_RESOURCE, which root lacks on some CI VMs
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "256Mi"},
+            "limits": {"memory": "2Gi", "nvidia.com/gpu": "1"},
+        },
+        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+    }
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": APP, "namespace": NS},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "nodeSelector": {"kubernetes.io/hostname": node.name},
+                        "tolerations": [REAL_NODE_TOLERATION],
+                        "terminationGracePeriodSeconds": 5,
+                        "containers": [container],
+                        "volumes": [{"name": "models", "hostPath": {"path": str(repo), "type": "Directory"}}],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": APP, "namespace": NS},
+            "spec": {"selector": labels, "ports": [{"name": "http", "port": 8000, "targetPort": 8000}]},
+        },
+    ]
+
+
+def _ready_pod(c: KwokCluster) -> dict | None:
+    pods = _json(c, "get", "pods", "-n", NS, "-l", f"app={APP}")["items"]
+    for p in pods:
+        conds = {x["type"]: x["status"] for x in p.get("status", {}).get("conditions", [])}
+        if conds.get("Ready") == "True" and not p["metadata"].get("deletionTimestamp"):
+            return p
+    return None
+
+
+def _infer(host: str, port: int = 8000) -> dict:
+    body = json.dumps(
+        {"inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1.0, 2.0, 3.0]}]}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://{host}:{port}/v2/models/identity_fp32/infer",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_real_node_registers_with_gpus(real_node: RealNode):
+    node = real_node.node_object()
+    assert node is not None
+    info = node["status"]["nodeInfo"]
+    assert info["kubeletVersion"] == "v1.36.3"
+    assert info["containerRuntimeVersion"].startswith("containerd://")
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+    addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
+    assert addresses["InternalIP"] == real_node.node_ip
+
+
+def test_server_pod_on_the_real_node(kwok_cluster: KwokCluster, real_node: RealNode, model_repository: Path):
+    c = kwok_cluster
+    _, image = _server_archive()
+    c.apply(_server_manifests(real_node, image, model_repository))
+    try:
+        pod = _wait(
+            lambda: _ready_pod(c), timeout=240, what="server pod Ready through the kubelet's readinessProbe"
+        )
+        assert pod["spec"]["nodeName"] == real_node.name
+        status = pod["status"]["containerStatuses"][0]
+        assert status["image"] == image and status["started"], status
+        assert status["restartCount"] == 0
+        assert pod["status"]["podIP"].startswith("198.18.1."), pod["status"]["podIP"]
+
+        # the device plugin's Allocate reached the container's environment
+        env = c.kubectl(
+            "exec", "-n", NS, pod["metadata"]["name"], "--", "printenv", "NVIDIA_VISIBLE_DEVICES"
+        ).stdout
+        assert re.fullmatch(r"gpu-\d\n", env), env
+
+        # the ClusterIP Service through kube-proxy's rules, from the host (the pod network's namespace)
+        cluster_ip = _json(c, "get", "service", APP, "-n", NS)["spec"]["clusterIP"]
+        out = _wait(lambda: _try_infer(cluster_ip), timeout=60, what=f"inference through {cluster_ip}")
+        assert out["outputs"][0]["data"] == [1.0, 2.0, 3.0]
+
+        logs = c.kubectl("logs", "-n", NS, pod["metadata"]["name"]).stdout
+        assert TRITON_LOG_LINE.search(logs), logs[-2000:]
+
+        # the container killed -> the kubelet restarts it, the probe makes it Ready again
+        pid = _container_pid(real_node, pod)
+        os.kill(pid, signal.SIGKILL)
+
+        def restarted():
+            p = _ready_pod(c)
+            return p if p and p["status"]["containerStatuses"][0]["restartCount"] >= 1 else None
+
+        pod = _wait(restarted, timeout=180, what="the kubelet restarting the killed container")
+        last = pod["status"]["containerStatuses"][0]["lastState"]["terminated"]
+        assert last["exitCode"] == 137, last  # 128 + SIGKILL
+        out = _wait(lambda: _try_infer(cluster_ip), timeout=60, what="inference after the restart")
+        assert out["outputs"][0]["data"] == [1.0, 2.0, 3.0]
+    finally:
+        c.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=120s", check=False, timeout=150)
+
+
+def _try_infer(host: str) -> dict | None:
+    try:
+        return _infer(host)
+    except OSError:
+        return None
+
+
+def _container_pid(node: RealNode, pod: dict) -> int:
+    """The host pid of the pod's server container, from containerd's task list."""
+    cid = pod["status"]["containerStatuses"][0]["containerID"].split("://", 1)[1]
+    for line in node.ctr("tasks", "ls").stdout.splitlines()[1:]:
+        fields = line.split()
+        if fields and fields[0] == cid:
+            return int(fields[1])
+    raise AssertionError(f"container {cid} not among containerd's tasks")

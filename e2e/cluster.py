@@ -308,6 +308,20 @@ class KwokCluster:
                 "cacheDir": str(self.workdir / "kwok-cache"),
                 "quietPull": True,
             },
+            # kwokctl starts kwok with --manage-all-nodes=true: kwok would then also fake the status of a real
+            # kubelet's node (e2e/node) and of its pods; limit it to the nodes that carry its annotation
+            "componentsPatches": [
+                {
+                    "name": "kwok-controller",
+                    "extraArgs": [
+                        {"key": "manage-all-nodes", "value": "false"},
+                        {
+                            "key": "manage-nodes-with-annotation-selector",
+                            "value": f"{KWOK_NODE_ANNOTATION}=fake",
+                        },
+                    ],
+                }
+            ],
         }
         stages = [d for d in yaml.safe_load_all(STAGES_YAML.read_text()) if d]
         for st in stages:

@@ -182,7 +182,7 @@ def test_server_pod_on_the_real_node(kwok_cluster: KwokCluster, real_node: RealN
         )
         assert pod["spec"]["nodeName"] == real_node.name
         status = pod["status"]["containerStatuses"][0]
-        assert status["image"] == image and status["started"], status
+        assert status["image"] == image and status["started"] and status["imageID"], status
         assert status["restartCount"] == 0
         assert pod["status"]["podIP"].startswith("198.18.1."), pod["status"]["podIP"]
 

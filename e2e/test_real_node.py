@@ -184,7 +184,7 @@ def test_server_pod_on_the_real_node(kwok_cluster: KwokCluster, real_node: RealN
         status = pod["status"]["containerStatuses"][0]
         assert status["image"] == image and status["started"] and status["imageID"], status
         assert status["restartCount"] == 0
-        assert pod["status"]["podIP"].startswith("198.18.1."), pod["status"]["podIP"]
+        assert pod["status"]["podIP"].startswith("198.19.1."), pod["status"]["podIP"]
 
         # the device plugin's Allocate reached the container's environment
         env = c.kubectl(

@@ -200,8 +200,14 @@ def test_server_pod_on_the_real_node(kwok_cluster: KwokCluster, real_node: RealN
         logs = c.kubectl("logs", "-n", NS, pod["metadata"]["name"]).stdout
         assert TRITON_LOG_LINE.search(logs), logs[-2000:]
 
-        # the container killed -> the kubelet restarts it, the probe makes it Ready again
+        # the pod's memory limit reached the container's cgroup
         pid = _container_pid(real_node, pod)
+        assert _memory_cgroup(pid, "memory.limit_in_bytes", "memory.max") == 2 * 1024**3
+        # the server with a small model fits well inside 512Mi: the OOM test's kill is its large model's doing
+        usage = _memory_cgroup(pid, "memory.usage_in_bytes", "memory.current")
+        assert usage < 400 * 1024**2, usage
+
+        # the container killed -> the kubelet restarts it, the probe makes it Ready again
         os.kill(pid, signal.SIGKILL)
 
         def restarted():
@@ -232,3 +238,95 @@ def _container_pid(node: RealNode, pod: dict) -> int:
         if fields and fields[0] == cid:
             return int(fields[1])
     raise AssertionError(f"container {cid} not among containerd's tasks")
+
+
+def _memory_cgroup(pid: int, v1_file: str, v2_file: str) -> int:
+    """A number from the memory cgroup ``pid`` is in (cgroup v1 memory controller, or v2)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return int(Path("/sys/fs/cgroup/memory", path.lstrip("/"), v1_file).read_text())
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            return int(Path("/sys/fs/cgroup", path.lstrip("/"), v2_file).read_text())
+    raise AssertionError(f"no memory cgroup for pid {pid}")
+
+
+LARGE_MODEL = """import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        print("large_fp32: allocating 1 GiB of weights", flush=True)
+        self.weights = np.ones(256 * 1024 * 1024, dtype=np.float32)  # every page touched
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
+            for r in requests
+        ]
+"""
+
+
+def test_model_larger_than_the_memory_limit_is_oom_killed(
+    kwok_cluster: KwokCluster, real_node: RealNode, tmp_path: Path
+):
+    """A model whose weights (1 GiB, loaded in the server process) exceed the pod's 512Mi limit: the kernel's
+    OOM killer ends the container and the kubelet reports it as OOMKilled (exit code 137)."""
+    c = kwok_cluster
+    _, image = _server_archive()
+    repo = Path(tempfile.mkdtemp(prefix="naiad-real-node-oom-"))
+    try:
+        (repo / "large_fp32" / "1").mkdir(parents=True)
+        (repo / "large_fp32" / "1" / "model.py").write_text(LARGE_MODEL)
+        config = (
+            (ROOT / "tests/models/identity_fp32/config.pbtxt")
+            .read_text()
+            .replace("identity_fp32", "large_fp32")
+        )
+        # in the server's own process, so the server is what exceeds the limit (a process-isolated worker would be
+        # the OOM killer's victim and the server would restart it)
+        config += 'parameters: { key: "EXECUTION_ISOLATION" value: { string_value: "thread" } }\n'
+        (repo / "large_fp32" / "config.pbtxt").write_text(config)
+        for p in [repo, *repo.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "oom", "namespace": "default"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": real_node.name},
+                "tolerations": [REAL_NODE_TOLERATION],
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "server",
+                        "image": image,
+                        "imagePullPolicy": "IfNotPresent",
+                        "args": ["serve", "--model-repository=/models"],
+                        "resources": {"requests": {"memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+                        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+                    }
+                ],
+                "volumes": [{"name": "models", "hostPath": {"path": str(repo), "type": "Directory"}}],
+            },
+        }
+        c.apply(pod)
+
+        def terminated():
+            st = _json(c, "get", "pod", "oom", "-n", "default").get("status", {})
+            for cs in st.get("containerStatuses", []):
+                if "terminated" in cs.get("state", {}):
+                    return cs["state"]["terminated"]
+            return None
+
+        term = _wait(terminated, timeout=240, what="the server container to be OOM-killed")
+        assert term["reason"] == "OOMKilled", term
+        assert term["exitCode"] == 137, term
+        logs = c.kubectl("logs", "-n", "default", "oom").stdout
+        assert "large_fp32: allocating 1 GiB of weights" in logs, logs[-2000:]
+    finally:
+        c.kubectl(
+            "delete", "pod", "oom", "-n", "default", "--grace-period=0", "--force", check=False, timeout=60
+        )
+        shutil.rmtree(repo, ignore_errors=True)

@@ -307,6 +307,9 @@ class KwokCluster:
                 "etcdBinaryPrefix": str(self.bin_dir),
                 "cacheDir": str(self.workdir / "kwok-cache"),
                 "quietPull": True,
+                # pods on a real node (e2e/node) reach the API server through the "kubernetes" Service's
+                # ClusterIP (the default range's first address) and verify its certificate against that IP
+                "kubeApiserverCertSANs": ["10.0.0.1"],
             },
             # kwokctl starts kwok with --manage-all-nodes=true: kwok would then also fake the status of a real
             # kubelet's node (e2e/node) and of its pods; limit it to the nodes that carry its annotation

@@ -56,13 +56,20 @@ def _json(c: KwokCluster, *args: str) -> dict:
     return json.loads(c.kubectl(*args, "-o", "json").stdout)
 
 
+def _operator_archive() -> Path:
+    digest = DEFAULT_ARCHIVES / "naiad-operator.digest"
+    if not digest.exists():
+        pytest.skip(f"{digest} missing: run `make images` first")
+    return Path(digest.read_text().split()[0])
+
+
 @pytest.fixture(scope="module")
 def real_node(kwok_cluster: KwokCluster):
     why = missing_requirements()
     if why:
         pytest.skip(why)
     archive, _ = _server_archive()
-    node = RealNode(kwok_cluster, images=[archive])
+    node = RealNode(kwok_cluster, images=[archive, _operator_archive()])
     node.start()
     try:
         yield node
@@ -330,3 +337,51 @@ def test_model_larger_than_the_memory_limit_is_oom_killed(
             "delete", "pod", "oom", "-n", "default", "--grace-period=0", "--force", check=False, timeout=60
         )
         shutil.rmtree(repo, ignore_errors=True)
+
+
+def test_chart_installs_the_operator_on_the_real_node(kwok_cluster: KwokCluster, real_node: RealNode):
+    """``helm install`` of helm/naiad as a user runs it: the operator's two replicas from its Deployment run in
+    containers on the real node, reach the API server in-cluster (ServiceAccount token, the ``kubernetes``
+    Service's ClusterIP through kube-proxy), pass the kubelet's liveness probe, and elect one leader."""
+    c = kwok_cluster
+    ns = "naiad-system"
+    c.helm(
+        "install",
+        "naiad",
+        str(ROOT / "helm" / "naiad"),
+        "--namespace",
+        ns,
+        "--create-namespace",
+        "--set",
+        "replicaCount=2",
+        "--set",
+        f"nodeSelector.kubernetes\\.io/hostname={real_node.name}",
+        "--set-json",
+        f"tolerations=[{json.dumps(REAL_NODE_TOLERATION)}]",
+        "--wait",
+        "--timeout",
+        "240s",
+    )
+    try:
+        pods = _json(c, "get", "pods", "-n", ns)["items"]
+        assert len(pods) == 2
+        names = set()
+        for p in pods:
+            assert p["spec"]["nodeName"] == real_node.name
+            st = p["status"]["containerStatuses"][0]
+            assert st["ready"] and st["imageID"], st
+            names.add(p["metadata"]["name"])
+
+        def leader():
+            out = c.kubectl("get", "lease", "naiad", "-n", ns, "-o", "json", check=False)
+            holder = json.loads(out.stdout)["spec"].get("holderIdentity") if out.returncode == 0 else None
+            return holder if holder and any(n in holder for n in names) else None
+
+        holder = _wait(leader, timeout=120, what="one operator replica holding the Lease")
+        # both replicas keep running past a few liveness periods: nothing restarts them
+        time.sleep(5)
+        for p in _json(c, "get", "pods", "-n", ns)["items"]:
+            assert p["status"]["containerStatuses"][0]["restartCount"] == 0, (holder, p["status"])
+    finally:
+        c.helm("uninstall", "naiad", "--namespace", ns, "--wait", check=False)
+        c.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", check=False, timeout=150)

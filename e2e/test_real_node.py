@@ -339,10 +339,14 @@ def test_model_larger_than_the_memory_limit_is_oom_killed(
         shutil.rmtree(repo, ignore_errors=True)
 
 
-def test_chart_installs_the_operator_on_the_real_node(kwok_cluster: KwokCluster, real_node: RealNode):
+def test_chart_installs_the_operator_on_the_real_node(
+    kwok_cluster: KwokCluster, real_node: RealNode, model_repository: Path
+):
     """``helm install`` of helm/naiad as a user runs it: the operator's two replicas from its Deployment run in
     containers on the real node, reach the API server in-cluster (ServiceAccount token, the ``kubernetes``
-    Service's ClusterIP through kube-proxy), pass the kubelet's liveness probe, and elect one leader."""
+    Service's ClusterIP through kube-proxy), pass the kubelet's liveness probe, and elect one leader. Then an
+    InferenceServer and an InferenceModel applied with kubectl: the operator's GPU server pod runs on the real node
+    with the repository from a PersistentVolumeClaim, loads the model, and the model's ClusterIP Service answers."""
     c = kwok_cluster
     ns = "naiad-system"
     c.helm(
@@ -378,10 +382,97 @@ def test_chart_installs_the_operator_on_the_real_node(kwok_cluster: KwokCluster,
             return holder if holder and any(n in holder for n in names) else None
 
         holder = _wait(leader, timeout=120, what="one operator replica holding the Lease")
-        # both replicas keep running past a few liveness periods: nothing restarts them
-        time.sleep(5)
+        _serve_a_model(c, real_node, model_repository)
+        # both replicas kept running: nothing restarted them
         for p in _json(c, "get", "pods", "-n", ns)["items"]:
             assert p["status"]["containerStatuses"][0]["restartCount"] == 0, (holder, p["status"])
     finally:
+        c.kubectl("delete", "namespace", "models", "--wait=true", "--timeout=120s", check=False, timeout=150)
+        c.kubectl("delete", "pv", "naiad-models", "--wait=false", check=False)
         c.helm("uninstall", "naiad", "--namespace", ns, "--wait", check=False)
         c.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", check=False, timeout=150)
+
+
+def _serve_a_model(c: KwokCluster, node: RealNode, repo: Path) -> None:
+    ns = "models"
+    c.apply(
+        [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": "naiad-models"},
+                "spec": {
+                    "capacity": {"storage": "1Gi"},
+                    "accessModes": ["ReadOnlyMany"],
+                    "storageClassName": "",
+                    "hostPath": {"path": str(repo), "type": "Directory"},
+                    "claimRef": {"namespace": ns, "name": "models"},
+                },
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "models", "namespace": ns},
+                "spec": {
+                    "accessModes": ["ReadOnlyMany"],
+                    "storageClassName": "",
+                    "volumeName": "naiad-models",
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+            {
+                "apiVersion": "naiad.dev/v1alpha1",
+                "kind": "InferenceServer",
+                "metadata": {"name": "pool", "namespace": ns},
+                "spec": {
+                    "replicas": 1,
+                    "resources": {
+                        "limits": {"nvidia.com/gpu": 1, "memory": "2Gi"},
+                        "requests": {"cpu": "100m"},
+                    },
+                    "modelRepository": {"claimName": "models"},
+                    "nodeSelector": {"kubernetes.io/hostname": node.name},
+                    "tolerations": [REAL_NODE_TOLERATION],
+                },
+            },
+            {
+                "apiVersion": "naiad.dev/v1alpha1",
+                "kind": "InferenceModel",
+                "metadata": {"name": "identity", "namespace": ns},
+                "spec": {"serverRef": {"name": "pool"}, "modelName": "identity_fp32", "replicas": 1},
+            },
+        ]
+    )
+
+    def available():
+        st = _json(c, "get", "inferencemodel", "identity", "-n", ns).get("status", {})
+        return st if st.get("phase") == "Available" else None
+
+    try:
+        _wait(available, timeout=300, what="InferenceModel identity Available")
+    except AssertionError:
+        pods = c.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
+        logs = c.kubectl(
+            "logs", "-n", "naiad-system", "-l", "app.kubernetes.io/name=naiad", "--tail=40", check=False
+        )
+        raise AssertionError(f"{pods}\n{logs.stdout}{logs.stderr}") from None
+    pods = _json(c, "get", "pods", "-n", ns)["items"]
+    assert pods and all(p["spec"]["nodeName"] == node.name for p in pods), [
+        p["spec"].get("nodeName") for p in pods
+    ]
+    ip = _json(c, "get", "service", "identity", "-n", ns)["spec"]["clusterIP"]
+    out = _wait(lambda: _try_infer(ip), timeout=60, what=f"inference through the model's Service {ip}")
+    assert out["outputs"][0]["data"] == [1.0, 2.0, 3.0]
+
+    # the server container killed: the kubelet restarts it with an empty model set (explicit model control), the
+    # operator notices and loads the model again, and the Service answers once more
+    os.kill(_container_pid(node, pods[0]), signal.SIGKILL)
+
+    def restarted():
+        p = _json(c, "get", "pod", pods[0]["metadata"]["name"], "-n", ns)
+        return p if p["status"]["containerStatuses"][0]["restartCount"] >= 1 else None
+
+    _wait(restarted, timeout=120, what="the kubelet restarting the server container")
+    out = _wait(lambda: _try_infer(ip), timeout=180, what="inference after the operator reloaded the model")
+    assert out["outputs"][0]["data"] == [1.0, 2.0, 3.0]

@@ -231,9 +231,9 @@ class RealNode:
 
         v1 = cgroups.cgroup_version() == 1
         kcfg = config.kubelet_config(node_ip=self.node_ip, cgroup_root=f"/{self.cgroup}", cgroup_v1=v1)
+        kcfg["registerWithTaints"] = [REAL_NODE_TAINT]
         (w / "kubelet.yaml").write_text(yaml.safe_dump(kcfg))
         labels = f"naiad.e2e/real-node=true,nvidia.com/gpu.present=true,nvidia.com/gpu.count={self.gpus}"
-        taint = f"{REAL_NODE_TAINT['key']}={REAL_NODE_TAINT['value']}:{REAL_NODE_TAINT['effect']}"
         self._spawn(
             "kubelet",
             [
@@ -244,7 +244,6 @@ class RealNode:
                 f"--hostname-override={self.name}",
                 f"--node-ip={self.node_ip}",
                 f"--node-labels={labels}",
-                f"--register-with-taints={taint}",
                 "--v=2",
             ],
         )

@@ -112,7 +112,7 @@ def _server_manifests(node: RealNode, image: str, repo: Path) -> list[dict]:
         # Burstable: a Guaranteed pod's oom_score_adj (-997) needs CAP_SYS_RESOURCE, which root lacks on some CI VMs
         "resources": {
             "requests": {"cpu": "100m", "memory": "256Mi"},
-            "limits": {"memory": "2Gi", "nvidia.com/gpu": "1"},
+            "limits": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": "1"},
         },
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
     }
@@ -213,6 +213,24 @@ def test_server_pod_on_the_real_node(kwok_cluster: KwokCluster, real_node: RealN
         # the server with a small model fits well inside 512Mi: the OOM test's kill is its large model's doing
         usage = _memory_cgroup(pid, "memory.usage_in_bytes", "memory.current")
         assert usage < 400 * 1024**2, usage
+        # the CPU limit of 1 is a CFS quota of one period per period; what 200 requests cost under it
+        quota, period = _cpu_quota(pid)
+        assert quota == period, (quota, period)
+        before = _cpu_stat(pid)
+        t0 = time.monotonic()
+        latencies = []
+        for _ in range(200):
+            t = time.monotonic()
+            _infer(cluster_ip)
+            latencies.append(time.monotonic() - t)
+        wall = time.monotonic() - t0
+        after = _cpu_stat(pid)
+        latencies.sort()
+        print(
+            f"\nreal node, CPU limit 1: 200 sequential requests via the ClusterIP in {wall:.2f} s, "
+            f"p50 {latencies[100] * 1000:.1f} ms, p99 {latencies[198] * 1000:.1f} ms; cgroup cpu.stat delta: "
+            + ", ".join(f"{k} {after[k] - before.get(k, 0)}" for k in sorted(after))
+        )
 
         # the container killed -> the kubelet restarts it, the probe makes it Ready again
         os.kill(pid, signal.SIGKILL)
@@ -476,3 +494,29 @@ def _serve_a_model(c: KwokCluster, node: RealNode, repo: Path) -> None:
     _wait(restarted, timeout=120, what="the kubelet restarting the server container")
     out = _wait(lambda: _try_infer(ip), timeout=180, what="inference after the operator reloaded the model")
     assert out["outputs"][0]["data"] == [1.0, 2.0, 3.0]
+
+
+def _cgroup_dir(pid: int, controller: str) -> Path:
+    """The directory of ``pid``'s cgroup for a v1 controller, or its v2 cgroup."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        names = controllers.split(",")
+        if controller in names:
+            return Path("/sys/fs/cgroup", ",".join(names), path.lstrip("/"))
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            return Path("/sys/fs/cgroup", path.lstrip("/"))
+    raise AssertionError(f"no {controller} cgroup for pid {pid}")
+
+
+def _cpu_quota(pid: int) -> tuple[int, int]:
+    d = _cgroup_dir(pid, "cpu")
+    if (d / "cpu.max").exists():
+        quota, period = (d / "cpu.max").read_text().split()
+        return int(quota), int(period)
+    return int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
+
+
+def _cpu_stat(pid: int) -> dict[str, int]:
+    """cpu.stat of ``pid``'s cgroup: periods, throttled periods, throttled time (ns on v1, usec on v2)."""
+    text = (_cgroup_dir(pid, "cpu") / "cpu.stat").read_text()
+    return {k: int(v) for k, v in (line.split() for line in text.splitlines() if line.strip())}

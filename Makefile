@@ -62,7 +62,7 @@ e2e-image-tests:
 	  tests/operator/test_operator_s3_cluster.py --ignore=e2e/test_real_node.py
 
 # The real node alone (e2e/node: containerd, runc, CNI, kubelet, kube-proxy; the server image imported into
-# containerd; `make test-deps` installs them). `make e2e-tests` runs it with the rest of e2e/; ~80 s warm.
+# containerd; `make test-deps` installs them). `make e2e-tests` runs it with the rest of e2e/; ~2 min warm.
 e2e-node-tests:
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/go/build.sh e2e-node >/dev/null
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin"; \

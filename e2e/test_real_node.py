@@ -520,3 +520,37 @@ def _cpu_stat(pid: int) -> dict[str, int]:
     """cpu.stat of ``pid``'s cgroup: periods, throttled periods, throttled time (ns on v1, usec on v2)."""
     text = (_cgroup_dir(pid, "cpu") / "cpu.stat").read_text()
     return {k: int(v) for k, v in (line.split() for line in text.splitlines() if line.strip())}
+
+
+def test_drain_evicts_the_server_and_uncordon_lets_it_back(
+    kwok_cluster: KwokCluster, real_node: RealNode, model_repository: Path
+):
+    """``kubectl drain`` of the real node evicts the server pod (the kubelet stops it); its replacement stays
+    Pending while the node is cordoned (the only node it may run on) and runs again after ``kubectl uncordon``."""
+    c = kwok_cluster
+    _, image = _server_archive()
+    c.apply(_server_manifests(real_node, image, model_repository))
+    try:
+        first = _wait(lambda: _ready_pod(c), timeout=240, what="server pod Ready")
+        c.kubectl(
+            "drain",
+            real_node.name,
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--timeout=120s",
+            timeout=150,
+        )
+        node = real_node.node_object()
+        assert node is not None and node["spec"].get("unschedulable") is True
+        pods = _json(c, "get", "pods", "-n", NS)["items"]
+        assert first["metadata"]["name"] not in {p["metadata"]["name"] for p in pods}
+        assert pods and all(
+            p["status"]["phase"] == "Pending" and not p["spec"].get("nodeName") for p in pods
+        ), [(p["metadata"]["name"], p["status"]["phase"]) for p in pods]
+        c.kubectl("uncordon", real_node.name)
+        second = _wait(lambda: _ready_pod(c), timeout=240, what="the replacement Ready after uncordon")
+        assert second["spec"]["nodeName"] == real_node.name
+        assert second["metadata"]["name"] != first["metadata"]["name"]
+    finally:
+        c.kubectl("uncordon", real_node.name, check=False)
+        c.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=120s", check=False, timeout=150)

@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images e2e-image-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda
 
 venv: $(VENV)/.installed
 
@@ -59,7 +59,14 @@ e2e-tests:
 e2e-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
 	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
-	  tests/operator/test_operator_s3_cluster.py
+	  tests/operator/test_operator_s3_cluster.py --ignore=e2e/test_real_node.py
+
+# The real node alone (e2e/node: containerd, runc, CNI, kubelet, kube-proxy; the server image imported into
+# containerd; `make test-deps` installs them). `make e2e-tests` runs it with the rest of e2e/; ~2 min warm.
+e2e-node-tests:
+	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/go/build.sh e2e-node >/dev/null
+	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin"; \
+	NAIAD_TEST_RUN=cluster-node $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e/test_real_node.py
 
 # The operator's scale benchmark (300 InferenceModels on 3 pools; about 13 minutes with the small latency scenario):
 # API requests per minute from the API server's own metrics, apply -> Available p50/p95 and where it goes.
@@ -81,7 +88,7 @@ tools:
 llm-deps: venv
 	@PYTHON=$(PY) bash tools/llama_cpp/build.sh >/dev/null
 
-# Builds kube-apiserver, controller-manager, scheduler, kubectl, etcd, kwok, helm and prometheus-adapter from
+# Builds kube-apiserver, controller-manager, scheduler, kubectl, kubelet, kube-proxy, etcd, kwok, helm and prometheus-adapter from
 # the official Go modules (pinned in e2e/cluster) into a cache; prints the bin directory last.
 e2e-build:
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; \
@@ -127,6 +134,10 @@ test-deps:
 	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	   prometheus >/dev/null) ; } || echo "prometheus not installed: its tests will skip"
+	@command -v containerd >/dev/null && command -v runc >/dev/null && [ -x /usr/lib/cni/bridge ] || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && (apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends containerd runc \
+	  containernetworking-plugins iptables >/dev/null) ; } || echo "containerd/runc/CNI not installed: the real-node tests will skip"
 	@bash tools/triton/setup.sh >/dev/null || echo "real Triton unavailable: comparison tests will skip"
 	@PYTHON=$(PY) bash tools/perf_analyzer/setup.sh >/dev/null || echo "perf_analyzer unavailable: its tests will skip (fail under CI=true)"
 

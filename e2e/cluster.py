@@ -307,7 +307,24 @@ class KwokCluster:
                 "etcdBinaryPrefix": str(self.bin_dir),
                 "cacheDir": str(self.workdir / "kwok-cache"),
                 "quietPull": True,
+                # pods on a real node (e2e/node) reach the API server through the "kubernetes" Service's
+                # ClusterIP (the default range's first address) and verify its certificate against that IP
+                "kubeApiserverCertSANs": ["10.0.0.1"],
             },
+            # kwokctl starts kwok with --manage-all-nodes=true: kwok would then also fake the status of a real
+            # kubelet's node (e2e/node) and of its pods; limit it to the nodes that carry its annotation
+            "componentsPatches": [
+                {
+                    "name": "kwok-controller",
+                    "extraArgs": [
+                        {"key": "manage-all-nodes", "value": "false"},
+                        {
+                            "key": "manage-nodes-with-annotation-selector",
+                            "value": f"{KWOK_NODE_ANNOTATION}=fake",
+                        },
+                    ],
+                }
+            ],
         }
         stages = [d for d in yaml.safe_load_all(STAGES_YAML.read_text()) if d]
         for st in stages:
@@ -426,6 +443,9 @@ class KwokCluster:
             # there is none in a private network namespace, and loopback is not
             # a valid endpoint for the "kubernetes" Service.  Use the node IP.
             extra += ["--extra-args", f"kube-apiserver=advertise-address={self.gpu_nodes[0].node_ip}"]
+        if not any("kubelet-preferred-address-types" in a for a in extra):
+            # a real kubelet (e2e/node) is reached for logs/exec at its node IP: there is no DNS for node names
+            extra += ["--extra-args", "kube-apiserver=kubelet-preferred-address-types=InternalIP,Hostname"]
         if not any("enable-aggregator-routing" in a for a in extra):
             # no kube-proxy: aggregated APIs (e.g. prometheus-adapter, see
             # monitoring.py) must be reached at endpoint IPs, not ClusterIPs

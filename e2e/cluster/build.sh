@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build the e2e cluster binaries (real Kubernetes control plane, etcd, kwok,
-# kwokctl, helm, prometheus-adapter) from the pinned Go modules in this
+# Build the e2e cluster binaries (real Kubernetes control plane, kubelet and
+# kube-proxy for the real node, etcd, kwok, kwokctl, helm, prometheus-adapter) from the pinned Go modules in this
 # directory, once, into a cache outside the repository:
 #
 #   ${NAIAD_E2E_CACHE:-$HOME/.cache/naiad-e2e}/<versions-hash>/bin
@@ -44,7 +44,7 @@ hash="$(hash_inputs | sha256sum | cut -c1-16)"
 cache_root="${NAIAD_E2E_CACHE:-$HOME/.cache/naiad-e2e}"
 dest="$cache_root/$hash"
 bin="$dest/bin"
-binaries=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd etcdctl
+binaries=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy etcd etcdctl
           kwok kwokctl helm prometheus-adapter)
 
 complete() {
@@ -103,13 +103,15 @@ build_kubernetes() {
     kver+=" -X $pkg.gitMajor=$k8s_major -X $pkg.gitMinor=$k8s_minor -X $pkg.gitVersion=$k8s_version"
     kver+=" -X $pkg.gitTreeState=archive -X $pkg.buildDate=$k8s_date"
   done
-  log "building kubernetes $k8s_version (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl) + etcdctl $etcd_version"
-  # one go build for all five: shared compilation, parallel links
+  log "building kubernetes $k8s_version (kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet, kube-proxy) + etcdctl $etcd_version"
+  # one go build for all seven: shared compilation, parallel links
   gobuild . "$kver" -o "$tmp/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler \
     k8s.io/kubernetes/cmd/kubectl \
+    k8s.io/kubernetes/cmd/kubelet \
+    k8s.io/kubernetes/cmd/kube-proxy \
     go.etcd.io/etcd/etcdctl/v3
   log "building etcd $etcd_version"
   gobuild . "" -o "$tmp/etcd" go.etcd.io/etcd/server/v3

@@ -4,7 +4,7 @@
 #
 #   ${NAIAD_TOOLS_CACHE:-$HOME/.cache/naiad-tools}/<name>-<hash>/bin
 #
-# The hash covers the tool's go.mod/go.sum/packages.txt, this script and the Go version: an unchanged pin is a
+# The hash covers the tool's go.mod/go.sum/packages.txt, its own .go sources (not tools.go), this script and the Go version: an unchanged pin is a
 # no-op, a changed one builds anew. packages.txt holds one `<package path> <binary name>` per line. The bin
 # directory is printed as the last line of stdout; progress goes to stderr. Used by the Makefile's `tools`
 # target, so every test tier finds its servers (MinIO, h2spec, the OpenTelemetry Collector) already built.
@@ -25,7 +25,9 @@ if [[ -z "$GO" ]]; then
   fi
 fi
 
-hash="$( { "$GO" version; cat "$src/go.mod" "$src/go.sum" "$src/packages.txt" "$here/build.sh"; } | sha256sum | cut -c1-16)"
+# (plus the tool's own Go sources, for tools written here rather than fetched, e.g. e2e-node)
+hash="$( { "$GO" version; cat "$src/go.mod" "$src/go.sum" "$src/packages.txt" "$here/build.sh";
+          find "$src" -name '*.go' ! -name tools.go | LC_ALL=C sort | xargs -r cat; } | sha256sum | cut -c1-16)"
 root="${NAIAD_TOOLS_CACHE:-$HOME/.cache/naiad-tools}"
 dest="$root/$name-$hash"
 bin="$dest/bin"

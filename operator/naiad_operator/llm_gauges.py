@@ -5,19 +5,17 @@ LLM InferenceModel's copies."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from .metrics_text import sample_pattern, samples
 from .naming import METRICS_PORT
 
-_SAMPLE = re.compile(
-    r"^(vllm:(?:num_requests_waiting|num_requests_running|kv_cache_usage_perc|lora_requests_info))"
-    r"\{([^}]*)\}\s+([0-9.eE+-]+|NaN)"
+_SAMPLE = sample_pattern(
+    r"vllm:(?:num_requests_waiting|num_requests_running|kv_cache_usage_perc|lora_requests_info)"
 )
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass
@@ -34,22 +32,11 @@ class EngineGauges:
 def parse_gauges(text: str) -> dict[str, EngineGauges]:
     """Prometheus text -> {model_name: gauges}; vllm:lora_requests_info's newest series names the adapters."""
     out: dict[str, EngineGauges] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        labels = dict(_LABEL.findall(match.group(2)))
+    for name, labels, value in samples(text, _SAMPLE):
         model = labels.get("model_name")
         if model is None:
             continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        if value != value:  # NaN
-            continue
         gauges = out.setdefault(model, EngineGauges())
-        name = match.group(1)
         if name == "vllm:num_requests_waiting":
             gauges.waiting += value
         elif name == "vllm:num_requests_running":

@@ -5,36 +5,27 @@ that hold each variant, and their rates between two passes."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 
+from .metrics_text import sample_pattern, samples
 from .naming import METRICS_PORT
 
-_SAMPLE = re.compile(r"^(nv_inference_request_(?:success|failure))\{([^}]*)\}\s+([0-9.eE+-]+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_SAMPLE = sample_pattern(r"nv_inference_request_(?:success|failure)")
 
 
 def parse_counters(text: str) -> dict[str, tuple[float, float]]:
     """Prometheus text -> {model: (successful requests, failed requests)}, summed over versions and reasons."""
     out: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        labels = dict(_LABEL.findall(match.group(2)))
+    for name, labels, value in samples(text, _SAMPLE):
         model = labels.get("model")
         if model is None:
             continue
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
         slot = out.setdefault(model, [0.0, 0.0])
-        slot[0 if match.group(1).endswith("success") else 1] += value
+        slot[0 if name.endswith("success") else 1] += value
     return {model: (ok, failed) for model, (ok, failed) in out.items()}
 
 

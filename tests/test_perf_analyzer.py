@@ -100,9 +100,11 @@ def test_perf_analyzer_mode(pa, naiad, model, protocol, extra, concurrency):
     server = _field(out, "Server", "Successful request count")
     inferences = _field(out, "Server", "Inference count")
     assert client >= 40, out[-3000:]
-    # perf_analyzer reads the server side of its window from Naiad's statistics extension: the two agree up to
-    # the requests in flight at the window's edges.
-    assert abs(server - client) <= concurrency, (client, server, out[-3000:])
+    # perf_analyzer reads the server side of its window from Naiad's statistics extension, with a stats request
+    # before and after the window while the load runs on: at each edge the snapshot and the client's window may
+    # disagree on the requests in flight then, so the two agree up to `concurrency` per edge (a CI run saw 4,768
+    # client against 4,770 server requests at concurrency 1, 630 us per request: one at each edge).
+    assert abs(server - client) <= 2 * concurrency, (client, server, out[-3000:])
     batch = int(extra[extra.index("-b") + 1]) if "-b" in extra else 1
     assert inferences == server * batch, out[-3000:]
     # Naiad's own counter saw every request of the reported window (and the windows before it), and none failed.
@@ -115,7 +117,7 @@ def test_perf_analyzer_mode(pa, naiad, model, protocol, extra, concurrency):
 def test_perf_analyzer_cuda_shared_memory(pa, naiad):
     out = run_perf_analyzer(pa, naiad, "add_sub", "grpc", ["--shared-memory", "cuda"], 1)
     assert (
-        abs(_field(out, "Server", "Successful request count") - _field(out, "Client", "Request count")) <= 1
+        abs(_field(out, "Server", "Successful request count") - _field(out, "Client", "Request count")) <= 2
     )
 
 

@@ -405,6 +405,8 @@ class HttpFrontend:
             if not started:
                 raise
             await stream.write(b"data: " + orjson.dumps({"error": exc.message}) + b"\n\n")
+        except ConnectionResetError:  # the client went away mid-stream: nobody to answer, nothing to log
+            return stream
         finally:
             await responses.aclose()  # a client that went away cancels the request
         if not started:

@@ -633,6 +633,7 @@ def test_tls_applies_to_v1_and_the_openai_port(repo, tmp_path):
 
 
 def test_context_length_is_checked_with_the_published_tokenizer():
+    import asyncio
     from types import SimpleNamespace
 
     from naiad.frontends.openai.errors import OpenAIError
@@ -645,10 +646,11 @@ def test_context_length_is_checked_with_the_published_tokenizer():
     mv = SimpleNamespace(name="m", ctx=ctx)
     front = OpenAIFrontend(server=None)
     gen = Generation(model="m", prompt="a b c")
-    assert front._prompt_tokens(mv, "a b c", gen) == 3 and gen.max_tokens == 5  # the context's rest
+    count = asyncio.run(front._prompt_tokens(mv, "a b c", gen))
+    assert count == 3 and gen.max_tokens == 5  # the context's rest
     with pytest.raises(OpenAIError) as info:
-        front._prompt_tokens(mv, "a b c", Generation(model="m", prompt="a b c", max_tokens=6))
+        asyncio.run(front._prompt_tokens(mv, "a b c", Generation(model="m", prompt="a b c", max_tokens=6)))
     assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
     with pytest.raises(OpenAIError) as info:
-        front._prompt_tokens(mv, " ".join("x" * 8), Generation(model="m", prompt="..."))
+        asyncio.run(front._prompt_tokens(mv, " ".join("x" * 8), Generation(model="m", prompt="...")))
     assert info.value.code == "context_length_exceeded" and info.value.status == 400

@@ -195,7 +195,7 @@ class App:
             context = self._tls_context(http_tls, ["http/1.1"], "HTTP")
             self._runners.append(await http.start(a.http_address, a.http_port, ssl=context))
             self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}{tls.describe(http_tls)}")
-        if a.openai_port and openai is not None:
+        if a.openai_port and openai is not None and in_process:  # else the frontend workers serve it
             # the OpenAI API on a port of its own (Triton's OpenAI app uses 9000), with the HTTP port's TLS and
             # restricted-API settings
             host = a.openai_address or a.http_address
@@ -244,6 +244,9 @@ class App:
             self.endpoints.append(
                 f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port} ({count} frontend workers)"
             )
+        if a.openai_port:
+            host = a.openai_address or a.http_address
+            self.endpoints.append(f"OpenAI API at {host}:{a.openai_port} ({count} frontend workers)")
 
     def endpoints_banner(self) -> str:
         return "Started " + ", ".join(self.endpoints)

@@ -9,7 +9,7 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -22,6 +22,7 @@ from ..server import parse_version
 from ..shared_memory.system import Region, SharedMemoryManager
 from . import wire
 from .channel import Channel
+from .model_context import RemoteContext, remote_context
 from .slabs import SlabMaps, SlabPool
 
 CONTROL_TIMEOUT_S = 30.0
@@ -73,15 +74,27 @@ class ControlChannel:
 
 
 class RemoteModel:
-    """What frontends read of a `ModelVersion` (config, inputs, batching, decoupled), from the engine."""
+    """What frontends read of a `ModelVersion` (config, inputs, outputs, batching, decoupled, and the context the
+    OpenAI frontend reads), from the engine; `load` is the engine's load stamp of it."""
 
-    def __init__(self, name: str, version: int, config: bytes):
+    def __init__(self, name: str, version: int, config: bytes, load: int, ctx: RemoteContext):
         self.name = name
         self.version = version
+        self.load = load
+        self.ctx = ctx
         self.config = mc.ModelConfig.FromString(config)
         self.inputs = _specs(self.config.input)
+        self.outputs = _specs(self.config.output)
         self.max_batch_size = self.config.max_batch_size
         self.decoupled = self.config.model_transaction_policy.decoupled
+
+
+class RemoteRecord:
+    """`repository.records[name]`: the model's loaded versions."""
+
+    def __init__(self, name: str, versions: dict[int, RemoteModel]):
+        self.name = name
+        self.versions = versions
 
 
 # what a READY index entry carries beyond Triton's keys when asked for memory (orchestration.measure)
@@ -110,13 +123,23 @@ class RemoteRepository:
 
 
 class _RemoteRecords:
-    """`name in repository.records`, asked of the engine."""
+    """`name in repository.records`, its names and `records[name].versions`, asked of the engine."""
 
     def __init__(self, client: EngineClient):
         self._client = client
 
     def __contains__(self, name: object) -> bool:
         return bool(self._client.control.call("has_model", name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._client.control.call("model_names"))
+
+    def __getitem__(self, name: str) -> RemoteRecord:
+        client = self._client
+        infos = client.control.call("model_versions", name)
+        if not infos and name not in self:
+            raise KeyError(name)
+        return RemoteRecord(name, {info[1]: client._remote_model(info) for info in infos})
 
 
 class RemoteLogSettings:
@@ -214,6 +237,7 @@ class EngineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._streams: dict[int, asyncio.Queue] = {}
         self._request_slabs: dict[int, str] = {}  # a request's slab, where the engine may describe outputs
+        self._models: dict[tuple[str, int], RemoteModel] = {}  # the last load seen of each model version
         self.repository = RemoteRepository(self)
         self.log_settings = RemoteLogSettings(self)
         self.tracer = RemoteTracer(self)
@@ -368,12 +392,40 @@ class EngineClient:
         return md
 
     def model(self, name: str, version: str | int = "") -> RemoteModel:
-        return RemoteModel(*self.control.call("model_info", name, parse_version(version)))
+        return self._remote_model(self.control.call("model_info", name, parse_version(version)))
 
     async def ready_model(self, name: str, version: str | int = "") -> tuple[RemoteModel, int]:
         """The model an inference request runs and the ns it waited (the engine loads it on demand)."""
         *info, waited = await self.call("ready_model", name, version)
-        return RemoteModel(*info), waited
+        mv = self._known(info)
+        if mv is None:
+            described = await self.call("model_context", info[0], info[1])
+            mv = self._remember(info, described)
+        return mv, waited
+
+    # ---- models, kept per engine load (their contexts cache what the OpenAI frontend works out per model) ----
+    def _known(self, info: list) -> RemoteModel | None:
+        """The model of `model_info`'s answer (name, version, config, load) when this load is known here."""
+        mv = self._models.get((info[0], info[1]))
+        return mv if mv is not None and mv.load == info[3] else None
+
+    def _remember(self, info: list, described: dict) -> RemoteModel:
+        name, version, config, load = info
+
+        async def tokenize(
+            text: str,
+        ) -> list[int]:  # the OpenAI frontend's token counts, by the engine's tokenizer
+            return await self.call("tokenize", name, version, text)
+
+        mv = RemoteModel(name, version, config, load, remote_context(name, version, described, tokenize))
+        self._models[(name, version)] = mv
+        return mv
+
+    def _remote_model(self, info: list) -> RemoteModel:
+        mv = self._known(info)
+        if mv is None:
+            mv = self._remember(info, self.control.call("model_context", info[0], info[1]))
+        return mv
 
     @property
     def orchestrated(self) -> bool:

@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ..server import Server
 from ..shared_memory.system import SharedMemoryManager
-from . import wire
+from . import model_context, wire
 from .channel import Channel
 from .slabs import SlabMaps, SlabPool
 
@@ -57,8 +57,14 @@ class EngineService:
         if method == "metadata":
             return s.metadata()
         if method == "model_info":
-            mv = s.model(*args)
-            return [mv.name, mv.version, mv.config.SerializeToString()]
+            return _model_info(s.model(*args))
+        if method == "model_context":
+            return model_context.describe(s.model(*args))
+        if method == "model_names":
+            return list(s.repository.records)
+        if method == "model_versions":  # a record's loaded versions, as repository.records[name].versions
+            rec = s.repository.records.get(args[0])
+            return [_model_info(mv) for _, mv in sorted(rec.versions.items())] if rec is not None else []
         if method == "model_metadata":
             return s.model_metadata(*args)
         if method == "model_ready":
@@ -111,11 +117,18 @@ class EngineService:
             return None
         if method == "ready_model":  # with --load-on-demand, the engine loads the model first
             mv, waited = await s.ready_model(*args)
-            return [mv.name, mv.version, mv.config.SerializeToString(), waited]
+            return [*_model_info(mv), waited]
+        if method == "tokenize":  # name, version, text
+            return await model_context.tokenize(s.model(args[0], args[1]), args[2])
         return self.call(method, args)
 
 
-_ASYNC_CALLS = frozenset({"index", "load_model", "unload_model", "ready_model"})
+def _model_info(mv) -> list:
+    """What a worker's RemoteModel is made of: name, version, config, and the load it is."""
+    return [mv.name, mv.version, mv.config.SerializeToString(), model_context.load_stamp(mv)]
+
+
+_ASYNC_CALLS = frozenset({"index", "load_model", "unload_model", "ready_model", "tokenize"})
 
 
 class WorkerConnection:

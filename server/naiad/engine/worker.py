@@ -1,6 +1,6 @@
-"""A frontend worker process: HTTP and gRPC on SO_REUSEPORT sockets over an `EngineClient`, started by the
-engine (`python -m naiad.engine.worker <engine socket> serve <naiad serve's arguments>`). It exits when the
-engine goes away, and drains its connections on SIGTERM."""
+"""A frontend worker process: HTTP, gRPC and the OpenAI API on SO_REUSEPORT sockets over an `EngineClient`,
+started by the engine (`python -m naiad.engine.worker <engine socket> serve <naiad serve's arguments>`). It exits
+when the engine goes away, and drains its connections on SIGTERM."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ async def run(path: str, args) -> int:
 
         busy_poll = BusyPoll(loop, args.busy_poll_us)
     runners, contexts, grpc_frontend = [], [], None
+    openai = None  # the OpenAI API's /v1 routes, on the HTTP port and on --openai-port
+    if args.allow_http or args.openai_port:
+        from ..frontends.openai.routes import OpenAIFrontend
+
+        openai = OpenAIFrontend(
+            client,  # type: ignore[arg-type]
+            chat_template=args.chat_template,
+            stall_timeout=args.openai_stall_timeout,
+            max_input_size=args.http_max_input_size,
+        )
     if args.allow_http:
         from ..frontends.http import HttpFrontend
 
@@ -51,6 +61,7 @@ async def run(path: str, args) -> int:
             max_input_size=args.http_max_input_size,
             restricted=parse_restricted(args.http_restricted_api),
             busy_poll=busy_poll,
+            openai=openai,
         )
         settings = tls.settings_from_args(args, "http")
         context = None
@@ -59,6 +70,18 @@ async def run(path: str, args) -> int:
             contexts.append(reloading)
             context = reloading.context
         runners.append(await http.start(args.http_address, args.http_port, ssl=context, reuse_port=True))
+    if args.openai_port and openai is not None:  # with the HTTP port's TLS and restricted-API settings
+        settings = tls.settings_from_args(args, "http")
+        context = None
+        if settings is not None:
+            reloading = tls.ReloadingContext(settings, ["http/1.1"], "OpenAI")
+            contexts.append(reloading)
+            context = reloading.context
+        host = args.openai_address or args.http_address
+        restricted = parse_restricted(args.http_restricted_api)
+        runners.append(
+            await openai.start(host, args.openai_port, ssl=context, restricted=restricted, reuse_port=True)
+        )
     if args.allow_grpc:
         from ..frontends.grpc import GrpcFrontend, h2_settings
 

@@ -185,14 +185,14 @@ class OpenAIFrontend:
             handle.cancel()
             await stream.aclose()  # the generator's own finally marks the request cancelled
 
-    def _prompt_tokens(self, mv, prompt: str, gen: Generation) -> int | None:
+    async def _prompt_tokens(self, mv, prompt: str, gen: Generation) -> int | None:
         """The prompt's token count when the model's tokenizer is known here, checked against its context (and
         max_tokens filled in to what the context leaves, as vLLM does)."""
         published = llm_info.of(mv.ctx)
         if published is None or published.tokenize is None:
             return None
         try:
-            n = len(published.tokenize(prompt))
+            n = len(await llm_info.tokenize(published, prompt))
         except Exception as exc:  # a tokenizer failing is the engine's to report
             log.debug("tokenize failed for model '%s': %s", mv.name, exc)
             return None
@@ -217,12 +217,12 @@ class OpenAIFrontend:
                 gen.max_tokens = ctx - n
         return n
 
-    def _count(self, mv, text: str) -> int | None:
+    async def _count(self, mv, text: str) -> int | None:
         published = llm_info.of(mv.ctx)
         if published is None or published.tokenize is None:
             return None
         try:
-            return len(published.tokenize(text))
+            return len(await llm_info.tokenize(published, text))
         except Exception:
             return None
 
@@ -260,7 +260,7 @@ class OpenAIFrontend:
 
     async def _generate(self, request: web.Request, gen: Generation, chat: bool) -> web.StreamResponse:
         mv, kind, prompt = await self._prepare(gen, chat)
-        prompt_tokens = self._prompt_tokens(mv, prompt, gen)
+        prompt_tokens = await self._prompt_tokens(mv, prompt, gen)
         builder = Builder(chat, mv.name, gen)
         req = mapping.generation_request(mv, kind, prompt, gen, builder.id)
         if gen.stream:
@@ -278,7 +278,7 @@ class OpenAIFrontend:
                 logprobs.extend(piece.logprobs)
                 self._add_usage(usage, piece)
         text = "".join(parts)
-        self._finish_usage(usage, mv, prompt, text, prompt_tokens)
+        await self._finish_usage(usage, mv, prompt, text, prompt_tokens)
         if gen.echo:
             text = prompt + text
         lp = None
@@ -295,11 +295,15 @@ class OpenAIFrontend:
         if piece.num_output_tokens is not None:
             usage.completion_tokens = (usage.completion_tokens or 0) + piece.num_output_tokens
 
-    def _finish_usage(self, usage: Usage, mv, prompt: str, text: str, prompt_tokens: int | None) -> None:
+    async def _finish_usage(
+        self, usage: Usage, mv, prompt: str, text: str, prompt_tokens: int | None
+    ) -> None:
         if usage.prompt_tokens is None:
-            usage.prompt_tokens = prompt_tokens if prompt_tokens is not None else self._count(mv, prompt)
+            usage.prompt_tokens = (
+                prompt_tokens if prompt_tokens is not None else await self._count(mv, prompt)
+            )
         if usage.completion_tokens is None:
-            usage.completion_tokens = self._count(mv, text) if text else 0
+            usage.completion_tokens = await self._count(mv, text) if text else 0
 
     @staticmethod
     def _reason(reason: str | None, gen: Generation, usage: Usage) -> str:
@@ -367,7 +371,7 @@ class OpenAIFrontend:
                 if chat:
                     await events.send(builder.chunk("", role=True))
             text = "".join(texts)
-            self._finish_usage(usage, mv, prompt, text, prompt_tokens)
+            await self._finish_usage(usage, mv, prompt, text, prompt_tokens)
             final_reason = self._reason(reason, gen, usage)
             if held is not None:
                 calls = parse_tool_calls("".join(held), gen)
@@ -424,7 +428,7 @@ class OpenAIFrontend:
                 raise OpenAIError(f"model '{mv.name}' returned no embedding", 500)
             vector, tokens = mapping.embedding_values(result)
             if tokens is None:
-                counted = self._count(mv, value) if isinstance(value, str) else len(value)
+                counted = await self._count(mv, value) if isinstance(value, str) else len(value)
                 tokens = counted or 0
             return vector, tokens
 
@@ -471,12 +475,23 @@ class OpenAIFrontend:
         self.add_routes(app.router)
         return app
 
-    async def start(self, host: str, port: int, ssl=None, restricted: dict | None = None) -> web.AppRunner:
+    async def start(
+        self, host: str, port: int, ssl=None, restricted: dict | None = None, reuse_port: bool = False
+    ) -> web.AppRunner:
+        """Serve `application` on host:port; `reuse_port`: SO_REUSEPORT, so every frontend worker listens."""
         runner = web.AppRunner(
             self.application(restricted), access_log=None, handle_signals=False, auto_decompress=False
         )
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024, ssl_context=ssl)
+        site = web.TCPSite(
+            runner,
+            host,
+            port,
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            backlog=1024,
+            ssl_context=ssl,
+        )
         try:
             await site.start()
         except BaseException:

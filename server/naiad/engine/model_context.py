@@ -1,0 +1,84 @@
+"""A model version's context as a frontend worker sees it: its folders and the `LLMInfo` its backend published in
+the engine (chat template, special tokens, context length), with the tokenizer asked of the engine; and the load
+stamp that tells a worker when the engine's model is another load than the one it knows."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..llm import info as llm_info
+
+_LOAD_KEY = "engine_load"
+_loads = itertools.count(1)
+
+
+def load_stamp(mv: Any) -> int:
+    """(engine) A number of this loaded model version's own: a reload, or a load after an unload, gets another."""
+    extra = mv.ctx.extra
+    stamp = extra.get(_LOAD_KEY)
+    if stamp is None:
+        stamp = extra[_LOAD_KEY] = next(_loads)
+    return stamp
+
+
+def describe(mv: Any) -> dict:
+    """(engine) What a worker needs of a model version's context, as msgpack-able values."""
+    ctx = mv.ctx
+    out: dict[str, Any] = {"model_dir": str(ctx.model_dir), "version_dir": str(ctx.version_dir), "llm": None}
+    published = llm_info.of(ctx)
+    if published is not None:
+        out["llm"] = {
+            "chat_template": published.chat_template,
+            "bos_token": published.bos_token,
+            "eos_token": published.eos_token,
+            "context_length": published.context_length,
+            "extra": dict(published.extra),
+            "tokenize": published.tokenize is not None,
+        }
+    return out
+
+
+async def tokenize(mv: Any, text: str) -> list[int]:
+    """(engine) `text` as token ids by the model's published tokenizer."""
+    published = llm_info.of(mv.ctx)
+    if published is None or published.tokenize is None:
+        from ..errors import InvalidArgument
+
+        raise InvalidArgument(f"model '{mv.name}' publishes no tokenizer")
+    return [int(t) for t in await llm_info.tokenize(published, text)]
+
+
+@dataclass
+class RemoteContext:
+    """(worker) What the OpenAI frontend reads of `ModelVersion.ctx`; `extra` caches per load, as in the engine."""
+
+    name: str
+    version: int
+    model_dir: Path
+    version_dir: Path
+    extra: dict = field(default_factory=dict)
+
+
+def remote_context(
+    name: str, version: int, described: dict, tokenize: Callable[[str], Awaitable[list[int]]]
+) -> RemoteContext:
+    """(worker) The context `describe` sent, its LLMInfo's tokenizer being `tokenize` (a call to the engine)."""
+    ctx = RemoteContext(name, version, Path(described["model_dir"]), Path(described["version_dir"]))
+    llm = described.get("llm")
+    if llm is not None:
+        llm_info.publish(
+            ctx,
+            llm_info.LLMInfo(
+                chat_template=llm["chat_template"],
+                bos_token=llm["bos_token"],
+                eos_token=llm["eos_token"],
+                context_length=llm["context_length"],
+                tokenize=tokenize if llm["tokenize"] else None,
+                extra=llm["extra"],
+            ),
+        )
+    return ctx

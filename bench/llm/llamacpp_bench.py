@@ -130,8 +130,9 @@ def _sse_stamps(resp) -> list[float]:
         if line.startswith(b"data: ") and line[6:] != b"[DONE]":
             event = json.loads(line[6:])
             n = event.get("num_output_tokens")
-            if n is None:
-                n = 1 if event.get("content") or event.get("text_output") else 0
+            if n is None:  # llama-server's `content`, or an OpenAI chunk's text: a token each
+                choices = event.get("choices") or [{}]
+                n = 1 if event.get("content") or event.get("text_output") or choices[0].get("text") else 0
             stamps.extend([time.perf_counter()] * int(n))
     return stamps
 
@@ -194,6 +195,37 @@ class NaiadNoPoll(Naiad):
 
     name = "naiad-nopoll"
     server_args = ("--busy-poll-us", "0")
+
+
+class NaiadWorkers(Naiad):
+    """Naiad with two frontend worker processes in front of the engine process (`--frontend-workers 2`)."""
+
+    name = "naiad-w2"
+    server_args = ("--frontend-workers", "2")
+
+
+class NaiadOpenAI(Naiad):
+    """Naiad's OpenAI API, `/v1/completions` streamed (a token per chunk; a token that decodes to no text yet is
+    counted with the chunk that carries it)."""
+
+    name = "naiad-openai"
+
+    def __init__(self, gguf: Path, args):
+        super().__init__(gguf, args)
+        self.url = f"{self.proc.url}/v1/completions"
+        self.body = {
+            "model": "llm",
+            "prompt": PROMPT,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+
+class NaiadOpenAIWorkers(NaiadOpenAI):
+    name = "naiad-openai-w2"
+    server_args = ("--frontend-workers", "2")
 
 
 class LlamaServer:
@@ -263,7 +295,15 @@ def _llama_server() -> Path:
     return Path(out.stdout.strip().splitlines()[-1]) / "bin" / "llama-server"
 
 
-WAYS = {"inproc": InProcess, "naiad": Naiad, "naiad-nopoll": NaiadNoPoll, "llama-server": LlamaServer}
+WAYS = {
+    "inproc": InProcess,
+    "naiad": Naiad,
+    "naiad-nopoll": NaiadNoPoll,
+    "naiad-w2": NaiadWorkers,
+    "naiad-openai": NaiadOpenAI,
+    "naiad-openai-w2": NaiadOpenAIWorkers,
+    "llama-server": LlamaServer,
+}
 
 
 def _print(row: dict) -> None:

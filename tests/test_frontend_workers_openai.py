@@ -127,15 +127,21 @@ def test_the_workers_serve_v1_and_the_openai_port(server):
         assert all(listeners(pid, port) for pid in pids), port
         assert not listeners(server.proc.pid, port), f"the engine process listens on {port}"
     for base in (server.url, f"http://127.0.0.1:{server.openai_port}"):
-        names = {m.id for m in openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0).models.list()}
-        assert names == {
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        names = [m.id for m in c.models.list()]
+        assert names == [
             "counting_trtllm",
             "counting_trtllm_stream",
             "counting_vllm",
             "counting_vllm_guided",
             GGUF,
             SHORT,
-        }
+        ]
+        assert c.models.retrieve(GGUF).id == GGUF
+        for missing in ("nope", "plain"):  # no such model; a model that is no LLM
+            with pytest.raises(openai.NotFoundError) as info:
+                c.models.retrieve(missing)
+            assert info.value.body["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize("port", ["http", "openai"])

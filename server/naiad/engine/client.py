@@ -412,9 +412,8 @@ class EngineClient:
     def _remember(self, info: list, described: dict) -> RemoteModel:
         name, version, config, load = info
 
-        async def tokenize(
-            text: str,
-        ) -> list[int]:  # the OpenAI frontend's token counts, by the engine's tokenizer
+        # the OpenAI frontend's token counts, by the engine's tokenizer
+        async def tokenize(text: str) -> list[int]:
             return await self.call("tokenize", name, version, text)
 
         mv = RemoteModel(name, version, config, load, remote_context(name, version, described, tokenize))

@@ -23,6 +23,9 @@ class LLMInfo:
     context_length: int | None = None  # tokens; prompts plus max_tokens beyond it are refused
     # text -> token ids, for counting and validation without a round trip through the engine (None: unknown)
     tokenize: Callable[[str], list[int]] | None = None
+    # a `structured_outputs` value ({"json": schema}, ...) -> None, raising NaiadError for one the engine cannot
+    # follow; may be slow the first time (a schema turned into a grammar), so the frontend calls it off its loop
+    check_structured_outputs: Callable[[Any], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -4,7 +4,8 @@ One engine thread owns a llama context with `n_parallel` KV-cache sequences (slo
 requests into free slots (the slot whose cached tokens share the longest prefix with the prompt, keeping that
 prefix in the KV cache), drops cancelled requests, and builds one `llama_batch` holding every running sequence's
 next token plus as much pending prompt as fits in `n_batch`; one `llama_decode` advances them all, then each
-sequence samples with its own sampler chain (temperature, top-k, top-p, min-p, seed; greedy at temperature 0).
+sequence samples with its own sampler chain (a GBNF grammar for structured output, temperature, top-k, top-p,
+min-p, seed; greedy at temperature 0).
 Requests join and leave between steps. The engine knows nothing of Triton: a request carries callbacks, so the
 same engine serves the backend and the in-process benchmark.
 """
@@ -224,12 +225,27 @@ class LlamaEngine:
                 f"of {self.n_ctx} tokens (n_ctx)"
             )
         request.max_tokens = wanted if wanted is not None else min(16, self.n_ctx - n_prompt)
+        if request.sampling.grammar is not None:
+            self.check_grammar(request.sampling.grammar)
         with self._cond:
             if self._stop:
                 raise Unavailable("the llama.cpp engine is shutting down")
             request.metrics = self.metrics.arrived()
             self._queue.append(request)
             self._cond.notify()
+
+    def check_grammar(self, grammar: str) -> None:
+        """InvalidArgument unless llama.cpp parses `grammar` (GBNF with a `root` rule) against this vocabulary."""
+        sampler = self._grammar_sampler(grammar)
+        self._lc.llama_sampler_free(sampler)
+
+    def _grammar_sampler(self, grammar: str):
+        sampler = self._lc.llama_sampler_init_grammar(self.vocab, grammar.encode("utf-8"), b"root")
+        if not sampler:
+            raise InvalidArgument(
+                "'structured_outputs': llama.cpp could not parse the grammar (GBNF with a 'root' rule)"
+            )
+        return sampler
 
     def close(self) -> None:
         with self._cond:
@@ -423,6 +439,7 @@ class LlamaEngine:
 
     def _sampler(self, sp: SamplingParams, ban_eog: bool):
         lc = self._lc
+        grammar = self._grammar_sampler(sp.grammar) if sp.grammar is not None else None
         chain = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
         if ban_eog and self._eog:
             biases = (lc.llama_logit_bias * len(self._eog))()
@@ -432,6 +449,8 @@ class LlamaEngine:
             lc.llama_sampler_chain_add(
                 chain, lc.llama_sampler_init_logit_bias(self.n_vocab, len(self._eog), biases)
             )
+        if grammar is not None:  # first: the others choose among the tokens the grammar allows
+            lc.llama_sampler_chain_add(chain, grammar)
         if sp.temperature <= 0.0:
             lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_greedy())
             return chain
@@ -454,7 +473,10 @@ class LlamaEngine:
             if slot.sampler_eos is not None and req.generated < req.sampling.min_tokens
             else slot.sampler
         )
-        token = self._hot.sample(sampler, self.ctx, slot.batch_index)
+        if req.sampling.grammar is None:
+            token = self._hot.sample(sampler, self.ctx, slot.batch_index)
+        else:  # a grammar walks the whole vocabulary: other threads run meanwhile
+            token = self._lc.llama_sampler_sample(sampler, self.ctx, slot.batch_index)
         logprobs = (
             self._logprobs(slot.batch_index, token, req.sampling.logprobs)
             if req.sampling.logprobs is not None

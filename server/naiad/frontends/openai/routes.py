@@ -262,6 +262,7 @@ class OpenAIFrontend:
         mv, kind, prompt = await self._prepare(gen, chat)
         prompt_tokens = self._prompt_tokens(mv, prompt, gen)
         builder = Builder(chat, mv.name, gen)
+        await self._check_structured_output(mv, kind, gen)
         req = mapping.generation_request(mv, kind, prompt, gen, builder.id)
         if gen.stream:
             return await self._stream(request, req, mv, gen, builder, prompt, prompt_tokens)
@@ -287,6 +288,19 @@ class OpenAIFrontend:
                 chat_logprobs(logprobs, gen.logprobs) if chat else completion_logprobs(logprobs, gen.logprobs)
             )
         return _json(builder.whole(text, self._reason(reason, gen, usage), usage, lp))
+
+    @staticmethod
+    async def _check_structured_output(mv, kind: str, gen: Generation) -> None:
+        """A schema or grammar the model's engine cannot follow is a 400 naming the field that asked for it,
+        before anything is sent to the model (the engine's check may build a grammar: off the event loop)."""
+        structured = mapping.structured_output(mv, kind, gen)
+        published = llm_info.of(mv.ctx)
+        if structured is None or published is None or published.check_structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(published.check_structured_outputs, structured)
+        except NaiadError as exc:
+            raise OpenAIError(exc.message, param=mapping.structured_output_param(gen)) from None
 
     @staticmethod
     def _add_usage(usage: Usage, piece: mapping.Piece) -> None:

@@ -177,3 +177,15 @@ def test_a_client_leaving_cancels_every_choice(server):
     assert metric(server, "vllm:num_requests_running", GGUF) == 0
     assert metric(server, "vllm:generation_tokens_total", GGUF) - before < 4 * 1500
     assert aborted(server) - aborted_before == 4  # every choice's generation, not only the first
+
+
+def test_a_client_leaving_a_whole_response_cancels_every_choice(server):
+    aborted_before = aborted(server)
+    body = {"model": GGUF, "prompt": "Once", "max_tokens": 2000, "n": 4, "ignore_eos": True}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while aborted(server) - aborted_before < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted(server) - aborted_before == 4
+    assert metric(server, "vllm:num_requests_running", GGUF) == 0

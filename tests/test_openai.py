@@ -362,7 +362,7 @@ def test_bad_input(server):
     assert "not a language model" in err["message"]
     assert_openai_error(post(server, chat, '{"model": "counting_vllm", "messages": ['), 400)
     assert_openai_error(post(server, chat, "[1, 2]"), 400)
-    assert_openai_error(post(server, chat, {"model": "counting_vllm", "messages": msgs, "n": 2}), 400, "n")
+    assert_openai_error(post(server, chat, {"model": "counting_vllm", "messages": msgs, "n": 17}), 400, "n")
     assert_openai_error(post(server, chat, {"model": "counting_vllm"}), 400, "messages")
     assert_openai_error(post(server, chat, {"messages": msgs}), 400, "model")
     bad = {"model": "counting_vllm", "messages": msgs, "temperature": 9}

@@ -169,3 +169,14 @@ def test_token_metrics_count_what_was_sent(server, client):
     assert metric(server, "vllm:time_to_first_token_seconds_count", GGUF) - before_ttft == 3
     assert metric(server, "vllm:num_requests_running", GGUF) == 0
     assert metric(server, "vllm:num_requests_waiting", GGUF) == 0
+
+
+def test_transformers_seed_and_n_through_the_openai_client(client):
+    kwargs = dict(
+        model=HF, prompt="the quick brown fox", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True}
+    )
+    out = client.completions.create(seed=21, n=3, **kwargs)
+    texts = [c.text for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts == [client.completions.create(seed=21 + i, **kwargs).choices[0].text for i in range(3)]
+    assert out.usage.completion_tokens == 24

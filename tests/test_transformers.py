@@ -120,11 +120,45 @@ def test_stop_string_ends_the_text_before_it(server, repo):
 
 
 def test_bad_requests_are_400(server):
-    for params in ({"seed": 3}, {"max_tokens": 1000}, {"temperature": "hot"}):
+    for params in ({"seed": "three"}, {"max_tokens": 1000}, {"temperature": "hot"}):
         r = generate(server, {"text_input": "the dog", "sampling_parameters": json.dumps(params)})
         assert r.status_code == 400, (params, r.text)
     r = generate(server, {"text_input": "the dog", "sampling_parameters": "{not json"})
     assert r.status_code == 400
+
+
+def test_a_seed_gives_the_same_text_alone_or_in_a_busy_batch(server):
+    def sample(seed: int, prompt: str = "the lazy dog") -> str:
+        params = {"max_tokens": 10, "temperature": 1.0, "seed": seed, "ignore_eos": True}
+        body = {
+            "text_input": prompt,
+            "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(params),
+        }
+        r = generate(server, body)
+        assert r.status_code == 200, r.text
+        return r.json()["text_output"]
+
+    alone = {seed: sample(seed) for seed in (1, 2, 3)}
+    assert len(set(alone.values())) > 1  # different seeds sample differently
+    assert sample(1) == alone[1]
+    # the same seeds while unseeded requests share the batches (and use torch's global generator)
+    results: dict[int, str] = {}
+
+    def busy(i: int) -> None:
+        params = {"max_tokens": 30, "temperature": 1.0, "ignore_eos": True}
+        generate(server, {"text_input": f"noise {i}", "sampling_parameters": json.dumps(params)})
+
+    def seeded(seed: int) -> None:
+        results[seed] = sample(seed)
+
+    threads = [threading.Thread(target=busy, args=(i,)) for i in range(3)]
+    threads += [threading.Thread(target=seeded, args=(seed,)) for seed in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == alone
 
 
 def test_sampling_parameters_are_accepted(server):

@@ -7,8 +7,9 @@ steps, every step is one forward over the tokens of all running sequences (paged
 are in the vLLM shape (`naiad.llm.shape`); a bare `backend: "transformers"` config is completed to it.
 
 Per request: `max_tokens`, `temperature` (0: greedy), `top_p`, `top_k`, `stop` strings, `ignore_eos`, streaming
-deltas, cancellation (the sequence leaves the batch at the next step). transformers' manager samples with one
-generator for all sequences, so a request's `seed` is refused (400) rather than silently ignored. Embeddings
+deltas, cancellation (the sequence leaves the batch at the next step), `seed` (transformers' manager samples with
+one generator for all sequences; a seeded request's rows are sampled again with its own, transformers_seed.py).
+Embeddings
 (`embedding_request`) are the mean of the last hidden state over the prompt's tokens.
 
 Config parameters (`parameters { key: ... value: { string_value: ... } }`): `max_num_seqs` (sequences in one
@@ -33,6 +34,7 @@ from ..llm import vllm_request
 from ..llm.metrics import EngineMetrics
 from .api import InstanceState, ResponseSender
 from .engine_backend import EngineBackend
+from .transformers_seed import SeededSampling
 
 log = logging.getLogger("naiad.transformers")
 
@@ -108,6 +110,7 @@ class Engine:
             generation_config=generation, continuous_batching_config=batching
         )
         self.manager.start()
+        self.seeds = SeededSampling(self.manager, self.device)
         self._ids = itertools.count()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -184,11 +187,6 @@ class Engine:
             return hidden[0].float().mean(dim=0).cpu().tolist()
 
     def _sampling(self, sampling: dict[str, Any], prompt_len: int) -> tuple[int, dict[str, Any]]:
-        if sampling.get("seed") is not None:
-            raise InvalidArgument(
-                "the transformers backend does not take a per-request 'seed': transformers' continuous batching "
-                "samples every sequence with one generator"
-            )
         if int(vllm_request.number(sampling, "n", int, 1)) != 1:
             raise InvalidArgument("the transformers backend generates one sequence per request (n must be 1)")
         max_tokens = vllm_request.number(sampling, "max_tokens", int, 16)
@@ -221,6 +219,11 @@ class Engine:
                 raise InvalidArgument("the prompt is empty")
             max_tokens, processors = self._sampling(req.sampling, len(prompt_ids))
             stops = vllm_request.stop_strings(req.sampling)
+            seed = req.sampling.get("seed")
+            if seed is not None:
+                if isinstance(seed, bool) or not isinstance(seed, int):
+                    raise InvalidArgument(f"sampling parameter 'seed' must be an integer, got {seed!r}")
+                self.seeds.register(rid, seed)
             ignore_eos = bool(req.sampling.get("ignore_eos", False))
             results: asyncio.Queue = asyncio.Queue()
             self.manager.register_result_handler(rid, results.put_nowait)
@@ -293,6 +296,7 @@ class Engine:
             finish = "error"  # not an abort: the request failed (vLLM's FinishReason.ERROR)
             sender.send(error=exc, final=True)
         finally:
+            self.seeds.forget(rid)
             metrics.finished(len(prompt_ids), generated, finish)
 
 

@@ -25,6 +25,9 @@ class LLMInfo:
     # text -> token ids, for counting and validation without a round trip through the engine (None: unknown); in a
     # frontend worker an awaitable of them, asked of the engine process
     tokenize: Callable[[str], list[int] | Awaitable[list[int]]] | None = None
+    # a `structured_outputs` value ({"json": schema}, ...) -> None, raising NaiadError for one the engine cannot
+    # follow; may be slow the first time (a schema turned into a grammar), so the frontend calls it off its loop
+    check_structured_outputs: Callable[[Any], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

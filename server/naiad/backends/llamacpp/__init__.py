@@ -5,7 +5,9 @@ A bare `backend: "llamacpp"` config is completed to the tensors of Triton's vllm
 streaming and Naiad's OpenAI frontend drive it unchanged. Each model instance owns one engine (engine.py); this
 module turns requests into engine requests and engine outputs into responses as vllm_backend shapes them:
 streaming deltas, or one response with the whole text (the prompt first unless `exclude_input_in_output`).
-Parameters (config.pbtxt, string values): see params.MODEL_PARAMETERS and docs/llm.md.
+Parameters (config.pbtxt, string values): see params.MODEL_PARAMETERS and docs/llm.md. Structured output (vLLM's
+`structured_outputs` sampling parameter) follows a GBNF grammar (grammar.py), so the OpenAI frontend's
+`response_format` and forced `tool_choice` work on these models.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ...llm.metrics import EngineMetrics
 from ...llm.shape import auto_complete_vllm_shape
 from ..api import Backend, InstanceState
 from .engine import GenerationRequest, LlamaEngine, Output
+from .grammar import structured_grammar
 from .params import engine_settings, sampling_params
 
 log = logging.getLogger("naiad.llamacpp")
@@ -89,7 +92,14 @@ class LlamaCppBackend(Backend):
                     eos_token=engine.special_text("eos"),
                     context_length=settings.n_ctx,
                     tokenize=engine.tokenize,
-                    extra={"engine": "llama.cpp", "n_parallel": settings.n_parallel},
+                    check_structured_outputs=lambda spec: engine.check_grammar(
+                        structured_grammar(spec) or ""
+                    ),
+                    extra={
+                        "engine": "llama.cpp",
+                        "n_parallel": settings.n_parallel,
+                        "structured_outputs": True,
+                    },
                 ),
             )
 

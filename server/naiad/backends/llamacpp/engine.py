@@ -4,7 +4,8 @@ One engine thread owns a llama context with `n_parallel` KV-cache sequences (slo
 requests into free slots (the slot whose cached tokens share the longest prefix with the prompt, keeping that
 prefix in the KV cache), drops cancelled requests, and builds one `llama_batch` holding every running sequence's
 next token plus as much pending prompt as fits in `n_batch`; one `llama_decode` advances them all, then each
-sequence samples with its own sampler chain (temperature, top-k, top-p, min-p, seed; greedy at temperature 0).
+sequence samples with its own sampler chain (a GBNF grammar for structured output, temperature, top-k, top-p,
+min-p, seed; greedy at temperature 0).
 Requests join and leave between steps. The engine knows nothing of Triton: a request carries callbacks, so the
 same engine serves the backend and the in-process benchmark.
 """
@@ -117,6 +118,7 @@ class _Slot:
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
     sampler: object = None
     sampler_eos: object = None  # the chain with end-of-generation tokens banned (min_tokens, ignore_eos)
+    grammar: object = None  # the structured-output grammar sampler, outside the chain (see _sample_grammar)
     text: TextStream | None = None
     batch_index: int = -1  # where this slot's logits are in the current batch (-1: none)
     last_token: int = -1
@@ -166,6 +168,15 @@ class LlamaEngine:
         self._pieces: dict[int, bytes] = {}
         self.prefix_hits = 0  # prompt tokens found in a slot's KV cache instead of decoded (prefix reuse)
         self._hot = _HeldGil(lc)
+        # the candidate arrays of grammar sampling (engine thread only): one token, and the whole vocabulary
+        self._one_data = (lc.llama_token_data * 1)()
+        self._one = lc.llama_token_data_array(data=self._one_data, size=1, selected=-1, sorted=False)
+        self._every_data = (lc.llama_token_data * self.n_vocab)()
+        self._every = lc.llama_token_data_array(
+            data=self._every_data, size=self.n_vocab, selected=-1, sorted=False
+        )
+        self._candidates = np.ctypeslib.as_array(self._every_data)
+        self._vocab_ids = np.arange(self.n_vocab, dtype=np.int32)
         self._thread = threading.Thread(target=self._run, name="llamacpp-engine", daemon=True)
         self._thread.start()
 
@@ -224,12 +235,27 @@ class LlamaEngine:
                 f"of {self.n_ctx} tokens (n_ctx)"
             )
         request.max_tokens = wanted if wanted is not None else min(16, self.n_ctx - n_prompt)
+        if request.sampling.grammar is not None:
+            self.check_grammar(request.sampling.grammar)
         with self._cond:
             if self._stop:
                 raise Unavailable("the llama.cpp engine is shutting down")
             request.metrics = self.metrics.arrived()
             self._queue.append(request)
             self._cond.notify()
+
+    def check_grammar(self, grammar: str) -> None:
+        """InvalidArgument unless llama.cpp parses `grammar` (GBNF with a `root` rule) against this vocabulary."""
+        sampler = self._grammar_sampler(grammar)
+        self._lc.llama_sampler_free(sampler)
+
+    def _grammar_sampler(self, grammar: str):
+        sampler = self._lc.llama_sampler_init_grammar(self.vocab, grammar.encode("utf-8"), b"root")
+        if not sampler:
+            raise InvalidArgument(
+                "'structured_outputs': llama.cpp could not parse the grammar (GBNF with a 'root' rule)"
+            )
+        return sampler
 
     def close(self) -> None:
         with self._cond:
@@ -416,6 +442,8 @@ class LlamaEngine:
         slot.request = req
         slot.text = TextStream(req.sampling.stop)
         slot.sampler = self._sampler(req.sampling, ban_eog=req.sampling.ignore_eos)
+        if req.sampling.grammar is not None:
+            slot.grammar = self._grammar_sampler(req.sampling.grammar)
         if req.sampling.min_tokens > 0 and not req.sampling.ignore_eos:
             slot.sampler_eos = self._sampler(req.sampling, ban_eog=True)
         if req.metrics is not None:
@@ -454,7 +482,10 @@ class LlamaEngine:
             if slot.sampler_eos is not None and req.generated < req.sampling.min_tokens
             else slot.sampler
         )
-        token = self._hot.sample(sampler, self.ctx, slot.batch_index)
+        if slot.grammar is None:
+            token = self._hot.sample(sampler, self.ctx, slot.batch_index)
+        else:
+            token = self._sample_grammar(slot, sampler)
         logprobs = (
             self._logprobs(slot.batch_index, token, req.sampling.logprobs)
             if req.sampling.logprobs is not None
@@ -480,6 +511,40 @@ class LlamaEngine:
             self._finish_metrics(req, finish)
         _safe(req.emit, Output(text, 1, finish, logprobs))
 
+    def _sample_grammar(self, slot: _Slot, sampler) -> int:
+        """A token the grammar allows, as llama.cpp's own server picks it: the chain samples freely and the grammar
+        checks that one token; only when it refuses does the grammar filter the whole vocabulary (a walk of every
+        token's text, milliseconds for a large vocabulary) and the chain sample again from what is left."""
+        lc = self._lc
+        token = lc.llama_sampler_sample(sampler, self.ctx, slot.batch_index)
+        one = self._one
+        one.data = (
+            self._one_data
+        )  # a sampler may point `data` elsewhere; each call starts from the engine's own
+        one.data[0].id, one.data[0].logit, one.data[0].p = token, 0.0, 0.0
+        one.size, one.selected, one.sorted = 1, -1, False
+        lc.llama_sampler_apply(slot.grammar, ctypes.byref(one))
+        if one.data[0].logit != float("-inf"):
+            lc.llama_sampler_accept(slot.grammar, token)
+            return token
+        logits = np.ctypeslib.as_array(
+            lc.llama_get_logits_ith(self.ctx, slot.batch_index), shape=(self.n_vocab,)
+        )
+        cands = self._candidates
+        cands["id"] = self._vocab_ids
+        cands["logit"] = logits
+        cands["p"] = 0.0
+        every = self._every
+        every.data = self._every_data
+        every.size, every.selected, every.sorted = self.n_vocab, -1, False
+        lc.llama_sampler_apply(slot.grammar, ctypes.byref(every))
+        lc.llama_sampler_apply(sampler, ctypes.byref(every))
+        if every.selected < 0:
+            raise RuntimeError("llama.cpp's sampler chain selected no token under the grammar")
+        token = int(every.data[every.selected].id)
+        lc.llama_sampler_accept(slot.grammar, token)
+        return token
+
     def _logprobs(self, index: int, token: int, top: int) -> list[dict]:
         ptr = self._lc.llama_get_logits_ith(self.ctx, index)
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
@@ -503,10 +568,10 @@ class LlamaEngine:
         self._free_samplers(slot)
 
     def _free_samplers(self, slot: _Slot) -> None:
-        for s in (slot.sampler, slot.sampler_eos):
+        for s in (slot.sampler, slot.sampler_eos, slot.grammar):
             if s is not None:
                 self._lc.llama_sampler_free(s)
-        slot.sampler = slot.sampler_eos = None
+        slot.sampler = slot.sampler_eos = slot.grammar = None
 
     @staticmethod
     def _finish_metrics(req: GenerationRequest, reason: str) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import InvalidArgument
+from .grammar import structured_grammar
 
 # config.pbtxt `parameters { key: ... value: { string_value: ... } }`: name -> (default, help)
 MODEL_PARAMETERS = {
@@ -66,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    grammar: str | None = None  # GBNF the output must follow (from `structured_outputs`, see grammar.py)
 
 
 def _number(params: dict, key: str, kind: type, low: float | None = None, high: float | None = None) -> Any:
@@ -123,4 +125,8 @@ def sampling_params(text: str | bytes | None) -> SamplingParams:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise InvalidArgument("sampling parameter 'stop' must be a string or a list of strings")
         out.stop = [s for s in stop if s]
+    out.grammar = structured_grammar(params.get("structured_outputs"))
+    if out.grammar is not None and (out.ignore_eos or out.min_tokens > 0):
+        # the grammar ends the output by allowing only end-of-generation tokens, which these would ban
+        raise InvalidArgument("'structured_outputs' cannot be combined with 'ignore_eos' or 'min_tokens'")
     return out

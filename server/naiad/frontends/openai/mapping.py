@@ -129,11 +129,20 @@ def structured_output(mv, kind: str, gen: Generation) -> Any:
     if not supports_structured_output(mv, kind):
         what = "'response_format'" if gen.response_format is not None else "a forced 'tool_choice'"
         raise OpenAIError(
-            f"{what} needs guided decoding, which model '{mv.name}' does not offer (vLLM engines do; see "
-            "docs/llm.md)",
-            param="response_format" if gen.response_format is not None else "tool_choice",
+            f"{what} needs guided decoding, which model '{mv.name}' does not offer (vLLM and llama.cpp engines "
+            "do; see docs/llm.md)",
+            param=structured_output_param(gen),
         )
     return wanted
+
+
+def structured_output_param(gen: Generation) -> str:
+    """The request field that asked for structured output (named in its errors)."""
+    return (
+        "tool_choice"
+        if gen.tool_choice == "required" or isinstance(gen.tool_choice, dict)
+        else "response_format"
+    )
 
 
 def tool_call_schema(gen: Generation) -> dict:

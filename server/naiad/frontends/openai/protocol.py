@@ -28,6 +28,7 @@ VLLM_EXTRA_SAMPLING = {
 }
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs in one embeddings request
+MAX_N = 16  # choices in one chat or completion request ('n')
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Generation:
     model: str
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: n generations of the same prompt (frontends/openai/choices.py)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -143,12 +145,7 @@ def _common(doc: dict, gen: Generation) -> None:
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
             )
         gen.include_usage = _boolean(options, "include_usage")
-    n = _integer(doc, "n", lo=1)
-    if n is not None and n > 1:
-        raise OpenAIError(
-            "'n' > 1 is not supported: this server returns one choice per request; send n requests instead",
-            param="n",
-        )
+    gen.n = _integer(doc, "n", lo=1, hi=MAX_N) or 1
     best_of = _integer(doc, "best_of", lo=1)
     if best_of is not None and best_of > 1:
         raise OpenAIError("'best_of' > 1 is not supported", param="best_of")

@@ -128,20 +128,22 @@ class Builder:
         obj = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, usage: Usage, logprobs: dict | None) -> dict:
+    def whole(self, choices: list[tuple[str, str, dict | None]], usage: Usage) -> dict:
+        """The response of a request that did not stream: one (text, finish_reason, logprobs) per choice."""
         out = self._head(False)
-        if self.chat:
-            message: dict = {"role": "assistant", "content": text}
-            calls = parse_tool_calls(text, self.gen)
-            if calls:
-                message = {"role": "assistant", "content": None, "tool_calls": calls}
-                finish_reason = "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        out["choices"] = [choice]
+        out["choices"] = [self._choice(i, *c) for i, c in enumerate(choices)]
         out["usage"] = usage.as_dict()
         return out
+
+    def _choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        message: dict = {"role": "assistant", "content": text}
+        calls = parse_tool_calls(text, self.gen)
+        if calls:
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish_reason = "tool_calls"
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def chunk(
         self,
@@ -149,6 +151,7 @@ class Builder:
         finish_reason: str | None = None,
         logprobs: dict | None = None,
         role: bool = False,
+        index: int = 0,
     ) -> dict:
         out = self._head(True)
         if self.chat:
@@ -157,19 +160,24 @@ class Builder:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {
+                "index": index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         out["choices"] = [choice]
         if self.gen.include_usage:
             out["usage"] = None
         return out
 
-    def tool_call_chunk(self, calls: list[dict]) -> dict:
+    def tool_call_chunk(self, calls: list[dict], index: int = 0) -> dict:
         out = self._head(True)
         deltas = [{"index": i, **call} for i, call in enumerate(calls)]
         out["choices"] = [
-            {"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}
+            {"index": index, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None}
         ]
         if self.gen.include_usage:
             out["usage"] = None

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
@@ -18,7 +19,7 @@ from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...server import Server
 from ..http_codec import read_body
-from . import mapping, protocol, templates
+from . import choices, mapping, protocol, templates
 from .errors import OpenAIError, error_object
 from .protocol import Generation
 from .responses import (
@@ -39,6 +40,27 @@ API_GROUP = (
 )
 DISCONNECT_POLL_S = 0.5  # how often a request waiting on its model looks for a client that went away
 DEFAULT_STALL_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _Choice:
+    """What one choice of a response has gathered from its model responses."""
+
+    texts: list[str] = field(default_factory=list)
+    reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    logprobs: list[dict] = field(default_factory=list)
+    held: list[str] | None = None  # streamed text held back while it may be a tool call
+    offset: int = 0  # characters streamed so far (completion logprobs' text_offset)
+
+
+def _total_usage(states: list[_Choice]) -> Usage:
+    """The response's usage: the prompt once, the completion tokens of every choice."""
+    completion = [s.usage.completion_tokens for s in states]
+    return Usage(
+        prompt_tokens=states[0].usage.prompt_tokens,
+        completion_tokens=None if None in completion else sum(c or 0 for c in completion),
+    )
 
 
 class ClientGone(Exception):
@@ -262,31 +284,58 @@ class OpenAIFrontend:
         mv, kind, prompt = await self._prepare(gen, chat)
         prompt_tokens = await self._prompt_tokens(mv, prompt, gen)
         builder = Builder(chat, mv.name, gen)
-        req = mapping.generation_request(mv, kind, prompt, gen, builder.id)
+        await self._check_structured_output(mv, kind, gen)
+        reqs = [
+            mapping.generation_request(mv, kind, prompt, g, choices.choice_request_id(builder.id, i))
+            for i, g in enumerate(choices.choice_generations(gen))
+        ]
         if gen.stream:
-            return await self._stream(request, req, mv, gen, builder, prompt, prompt_tokens)
-        parts: list[str] = []
-        usage = Usage(prompt_tokens=None)
-        reason = None
-        logprobs: list[dict] = []
-        async with aclosing(self._iterate(request, req)) as responses:
-            async for resp in responses:
+            return await self._stream(request, reqs, mv, gen, builder, prompt, prompt_tokens)
+        states = [_Choice() for _ in reqs]
+        async with aclosing(self._responses(request, reqs)) as responses:
+            async for i, resp in responses:
+                if resp is None:
+                    continue
                 _raise_response_error(resp)
                 piece = mapping.read_response(resp)
-                parts.append(piece.text)
-                reason = piece.finish_reason or reason
-                logprobs.extend(piece.logprobs)
-                self._add_usage(usage, piece)
-        text = "".join(parts)
-        await self._finish_usage(usage, mv, prompt, text, prompt_tokens)
-        if gen.echo:
-            text = prompt + text
-        lp = None
-        if gen.logprobs is not None:
-            lp = (
-                chat_logprobs(logprobs, gen.logprobs) if chat else completion_logprobs(logprobs, gen.logprobs)
-            )
-        return _json(builder.whole(text, self._reason(reason, gen, usage), usage, lp))
+                state = states[i]
+                state.texts.append(piece.text)
+                state.reason = piece.finish_reason or state.reason
+                state.logprobs.extend(piece.logprobs)
+                self._add_usage(state.usage, piece)
+        outcomes: list[tuple[str, str, dict | None]] = []
+        for state in states:
+            text = "".join(state.texts)
+            await self._finish_usage(state.usage, mv, prompt, text, prompt_tokens)
+            lp = None
+            if gen.logprobs is not None:
+                lp = (
+                    chat_logprobs(state.logprobs, gen.logprobs)
+                    if chat
+                    else completion_logprobs(state.logprobs, gen.logprobs)
+                )
+            reason = self._reason(state.reason, gen, state.usage)
+            outcomes.append((prompt + text if gen.echo else text, reason, lp))
+        return _json(builder.whole(outcomes, _total_usage(states)))
+
+    def _responses(
+        self, request: web.Request, reqs: list[InferenceRequest]
+    ) -> AsyncIterator[tuple[int, InferenceResponse | None]]:
+        """(choice, response) from the model for each of the request's choices; (choice, None) at each one's end."""
+        return choices.merged(lambda req: self._iterate(request, req), reqs)
+
+    @staticmethod
+    async def _check_structured_output(mv, kind: str, gen: Generation) -> None:
+        """A schema or grammar the model's engine cannot follow is a 400 naming the field that asked for it,
+        before anything is sent to the model (the engine's check may build a grammar: off the event loop)."""
+        structured = mapping.structured_output(mv, kind, gen)
+        published = llm_info.of(mv.ctx)
+        if structured is None or published is None or published.check_structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(published.check_structured_outputs, structured)
+        except NaiadError as exc:
+            raise OpenAIError(exc.message, param=mapping.structured_output_param(gen)) from None
 
     @staticmethod
     def _add_usage(usage: Usage, piece: mapping.Piece) -> None:
@@ -320,7 +369,7 @@ class OpenAIFrontend:
     async def _stream(
         self,
         request: web.Request,
-        req: InferenceRequest,
+        reqs: list[InferenceRequest],
         mv,
         gen: Generation,
         builder: Builder,
@@ -329,32 +378,29 @@ class OpenAIFrontend:
     ) -> web.StreamResponse:
         events = EventStream(request, self.stall_timeout)
         chat = builder.chat
-        usage = Usage()
-        reason = None
-        texts: list[str] = []
         # with tools, text that may be a tool call is held back until it is known whether it is one
-        held: list[str] | None = [] if chat and gen.tools and gen.tool_choice != "none" else None
-        offset = len(prompt) if gen.echo else 0
+        tools = bool(chat and gen.tools and gen.tool_choice != "none")
+        states = [_Choice(held=[] if tools else None, offset=len(prompt) if gen.echo else 0) for _ in reqs]
         try:
-            async with aclosing(self._iterate(request, req)) as responses:
-                async for resp in responses:
-                    _raise_response_error(resp)
+            async with aclosing(self._responses(request, reqs)) as responses:
+                async for i, resp in responses:
+                    state = states[i]
+                    if resp is None:
+                        await self._open(events, builder, prompt, len(states))
+                        await self._close_choice(events, builder, mv, prompt, prompt_tokens, state, i)
+                        continue
+                    _raise_response_error(resp)  # before the stream starts: an HTTP error of its own
                     piece = mapping.read_response(resp)
-                    reason = piece.finish_reason or reason
-                    self._add_usage(usage, piece)
-                    texts.append(piece.text)
-                    if not events.started:
-                        await events.start()
-                        if chat:
-                            await events.send(builder.chunk("", role=True))
-                        elif gen.echo:
-                            await events.send(builder.chunk(prompt))
-                    if held is not None:
-                        held.append(piece.text)
-                        start = "".join(held).lstrip()
+                    state.reason = piece.finish_reason or state.reason
+                    self._add_usage(state.usage, piece)
+                    state.texts.append(piece.text)
+                    await self._open(events, builder, prompt, len(states))
+                    if state.held is not None:
+                        state.held.append(piece.text)
+                        start = "".join(state.held).lstrip()
                         if not start or start[0] in "{[<":
                             continue
-                        piece.text, held = "".join(held), None
+                        piece.text, state.held = "".join(state.held), None
                     if not piece.text and not piece.logprobs:
                         continue
                     lp = None
@@ -362,27 +408,13 @@ class OpenAIFrontend:
                         lp = (
                             chat_logprobs(piece.logprobs, gen.logprobs)
                             if chat
-                            else completion_logprobs(piece.logprobs, gen.logprobs, offset)
+                            else completion_logprobs(piece.logprobs, gen.logprobs, state.offset)
                         )
-                    offset += len(piece.text)
-                    await events.send(builder.chunk(piece.text, logprobs=lp))
-            if not events.started:
-                await events.start()
-                if chat:
-                    await events.send(builder.chunk("", role=True))
-            text = "".join(texts)
-            await self._finish_usage(usage, mv, prompt, text, prompt_tokens)
-            final_reason = self._reason(reason, gen, usage)
-            if held is not None:
-                calls = parse_tool_calls("".join(held), gen)
-                if calls:
-                    await events.send(builder.tool_call_chunk(calls))
-                    final_reason = "tool_calls"
-                elif "".join(held):
-                    await events.send(builder.chunk("".join(held)))
-            await events.send(builder.chunk(None if chat else "", finish_reason=final_reason))
+                    state.offset += len(piece.text)
+                    await events.send(builder.chunk(piece.text, logprobs=lp, index=i))
+            await self._open(events, builder, prompt, len(states))
             if gen.include_usage:
-                await events.send(builder.usage_chunk(usage))
+                await events.send(builder.usage_chunk(_total_usage(states)))
             return await events.done()
         except (ClientGone, StreamStalled, ConnectionResetError):
             log.debug("stream %s ended early: the client went away or stopped reading", builder.id)
@@ -402,6 +434,44 @@ class OpenAIFrontend:
                 return await events.done()
             except (StreamStalled, ConnectionResetError):
                 return events.response
+
+    @staticmethod
+    async def _open(events: EventStream, builder: Builder, prompt: str, n: int) -> None:
+        """Start the stream once: each choice's first chunk (the assistant role, or the echoed prompt)."""
+        if events.started:
+            return
+        await events.start()
+        for i in range(n):
+            if builder.chat:
+                await events.send(builder.chunk("", role=True, index=i))
+            elif builder.gen.echo:
+                await events.send(builder.chunk(prompt, index=i))
+
+    async def _close_choice(
+        self,
+        events: EventStream,
+        builder: Builder,
+        mv,
+        prompt: str,
+        prompt_tokens: int | None,
+        state: _Choice,
+        index: int,
+    ) -> None:
+        """A choice's model responses ended: its held-back text or tool calls, then its finish reason."""
+        gen = builder.gen
+        await self._finish_usage(state.usage, mv, prompt, "".join(state.texts), prompt_tokens)
+        final_reason = self._reason(state.reason, gen, state.usage)
+        if state.held is not None:
+            held = "".join(state.held)
+            calls = parse_tool_calls(held, gen)
+            if calls:
+                await events.send(builder.tool_call_chunk(calls, index=index))
+                final_reason = "tool_calls"
+            elif held:
+                await events.send(builder.chunk(held, index=index))
+        await events.send(
+            builder.chunk(None if builder.chat else "", finish_reason=final_reason, index=index)
+        )
 
     # ---- embeddings ----
     async def embeddings(self, request: web.Request) -> web.Response:

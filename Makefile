@@ -82,6 +82,7 @@ tools:
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; \
 	for t in tools/go/*/; do [ -f "$$t/go.mod" ] || continue; bash tools/go/build.sh "$$(basename $$t)" >/dev/null || exit $$?; done
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/gie/crds.sh >/dev/null
+	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/lws/crds.sh >/dev/null
 
 # llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's llama-server and rpc-server
 # from the same source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).

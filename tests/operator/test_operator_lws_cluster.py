@@ -6,7 +6,8 @@ worker that goes away takes its whole group with it (RecreateGroupOnPodRestart).
 
 The pod runner runs the pods for real: the worker is llama.cpp's rpc-server on its pod IP (ready once it accepts
 connections), the leader `naiad serve` with the model and $NAIAD_LLAMACPP_RPC_SERVERS naming the worker by its
-headless-Service DNS name.
+headless-Service DNS name, which it resolves through e2e/poddns.py (the group's names in a hosts file, standing in
+for CoreDNS); the leader loads the model with its layers on the worker and answers a chat completion.
 
 Same harness as test_operator_cluster.py (its own cluster). Run: pytest tests/operator/test_operator_lws_cluster.py
 """
@@ -14,7 +15,10 @@ Same harness as test_operator_cluster.py (its own cluster). Run: pytest tests/op
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
+import urllib.error
+import urllib.request
 
 import pytest
 from test_operator_cluster import (  # noqa: F401 (fixtures)
@@ -64,6 +68,7 @@ def lws_cluster(lws_tools, harness):  # noqa: F811
     from llm_models import write_tiny_gguf  # imported after the cluster started (numpy starts threads)
 
     from e2e import lws
+    from e2e.poddns import PodHosts
 
     binary, manifests, rpc_server = lws_tools
     write_tiny_gguf(harness.repo / LLM / "1" / "model.gguf")
@@ -74,12 +79,32 @@ def lws_cluster(lws_tools, harness):  # noqa: F811
         'parameters { key: "rpc_wait_seconds" value: { string_value: "30" } }\n'
     )
     harness.runner.executables["rpc-server"] = rpc_server
+    # the leader finds its worker by name, as through CoreDNS: the group's names in a hosts file it sees
+    hosts = PodHosts(
+        lambda: harness.kubectl("get", "pods", "-A", "-o", "json").stdout, harness.workdir / "pod-hosts"
+    )
+    naiad = harness.runner.executables["naiad"]
+    harness.runner.executables["naiad"] = str(hosts.launcher(naiad, harness.workdir / "naiad-with-pod-dns"))
     controller = lws.LwsController(harness.cluster, harness.workdir / "lws", binary, manifests)
     try:
+        hosts.start()
         controller.start()
         yield harness, controller
     finally:
         controller.stop()
+        hosts.stop()
+        harness.runner.executables["naiad"] = naiad
+
+
+def post_json(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
 
 
 def env_of(container: dict) -> dict:
@@ -166,6 +191,29 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set(lws_cluster, rep
             what="worker Ready",
         )
         assert worker_ip != leader_ip
+
+        # the leader loaded the model with its layers on the worker's rpc-server, and answers through /v1
+        wait(
+            lambda: h.endpoints("big") == {leader_ip},
+            120,
+            what="the leader Ready (model loaded over RPC)",
+        )
+        code, body = post_json(
+            f"http://{leader_ip}:8000/v1/chat/completions",
+            {
+                "model": LLM,
+                "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        )
+        assert code == 200, body
+        assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] >= 1
+        worker_log = h.runner.logs(NS, "big-server-0-1")
+        assert "Accepted client connection" in worker_log
+        print(
+            f"leader {leader_ip} answered {body['choices'][0]['message']!r}; worker {worker_ip}: {worker_log[-300:]!r}"
+        )
 
         # a worker that goes away takes the group with it: the leader is recreated too
         leader_uid = leader["metadata"]["uid"]

@@ -397,6 +397,16 @@ async def model_changed(
         memo.pools.request(namespace, previous)  # the old pool unloads it (its records are now strays)
 
 
+def _is_grouped(spec: kopf.Spec, name: str, **_: Any) -> bool:
+    return grouped(model_intent(name, dict(spec or {})))
+
+
+# A grouped model has no pool (no pool timer, no pool pods to watch): its status follows its LeaderWorkerSet's.
+@kopf.timer(GROUP, VERSION, MODEL_PLURAL, interval=RESYNC / 3, initial_delay=RESYNC / 3, when=_is_grouped)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
+async def group_resync(spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.pools.request(namespace, model_intent(name, dict(spec or {})).pool)
+
+
 async def promote(memo: kopf.Memo, body: Body) -> None:
     """canary.promote: the canary's version and config become the model's and `canary` goes; the update that
     follows reloads the stable pods with what the canary pods already hold (they keep it)."""

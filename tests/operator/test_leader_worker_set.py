@@ -145,3 +145,21 @@ def test_suspended_grouped_model_has_no_groups():
     spec = big_model(suspended=True)
     lws = render_leader_worker_set(OWNER, spec, model_intent("big", spec), CONFIG)
     assert lws["spec"]["replicas"] == 0
+
+
+def test_status_of_a_grouped_model_follows_its_leader_worker_set():
+    from naiad_operator.group_status import group_observation
+    from naiad_operator.status import model_phase
+
+    def phase(lws, wanted=2):
+        observed = group_observation(lws, wanted)
+        return model_phase(problems=[], suspended=False, pool_found=True, observed=observed), observed
+
+    assert phase(None)[0] == "Pending"  # the LWS controller has not seen it yet
+    loading, observed = phase({"status": {"replicas": 2, "readyReplicas": 0}})
+    assert loading == "Loading" and observed.holding == 2 and observed.available == 0
+    assert phase({"status": {"replicas": 2, "readyReplicas": 1}})[0] == "PartiallyAvailable"
+    available, observed = phase({"status": {"replicas": 2, "readyReplicas": 2}})
+    assert available == "Available" and observed.available == 2
+    # scaling down: more ready groups than wanted still count as the wanted number
+    assert phase({"status": {"replicas": 3, "readyReplicas": 3}})[1].available == 2

@@ -209,6 +209,14 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set(lws_cluster, rep
         )
         assert code == 200, body
         assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] >= 1
+        # the model's status follows its LeaderWorkerSet (its groups ready)
+        status = wait(
+            lambda: (s := h.model_status("big")).get("phase") == "Available" and s, 60, what="big Available"
+        )
+        assert status["availableReplicas"] == 1 and status["selector"] == (
+            f"{LWS_NAME}=big-server,leaderworkerset.sigs.k8s.io/worker-index=0"
+        )
+        assert status["endpoint"]["openai"] == f"http://big.{NS}.svc:80/v1"
         worker_log = h.runner.logs(NS, "big-server-0-1")
         assert "Accepted client connection" in worker_log
         print(

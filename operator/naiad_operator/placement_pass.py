@@ -604,7 +604,7 @@ async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolRep
             if not model.deleting and grouped(model.intent) and not model.problems:
                 # no pool: the model's LeaderWorkerSet runs it (its leaders load it at start)
                 wanted = 0 if model.intent.suspended else desired_replicas(model.body.get("spec") or {})
-                observed = await read_group(ctx.kube, namespace, model.intent, wanted)
+                observed = await read_group(ctx.kube, ctx.gauges, namespace, model.intent, wanted)
                 await write_model_status(ctx, namespace, now, model, observed, pool_found=True, tls=False)
             elif not model.deleting:
                 await write_model_status(

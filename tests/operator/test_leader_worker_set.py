@@ -163,3 +163,16 @@ def test_status_of_a_grouped_model_follows_its_leader_worker_set():
     assert available == "Available" and observed.available == 2
     # scaling down: more ready groups than wanted still count as the wanted number
     assert phase({"status": {"replicas": 3, "readyReplicas": 3}})[1].available == 2
+
+
+def test_ready_leaders_are_the_copies():
+    from naiad_operator.group_status import ready_leaders
+
+    def pod(name, ip, ready, deleting=False):
+        meta = {"name": name, **({"deletionTimestamp": "now"} if deleting else {})}
+        conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+        return {"metadata": meta, "status": {"podIP": ip, "conditions": conditions}}
+
+    pods = [pod("big-server-0", "10.0.0.1", True), pod("big-server-1", "10.0.0.2", False)]
+    pods += [pod("big-server-2", "10.0.0.3", True, deleting=True), pod("big-server-3", None, True)]
+    assert ready_leaders(pods) == {"big-server-0": "10.0.0.1"}

@@ -22,6 +22,7 @@ import urllib.request
 
 import pytest
 from test_operator_cluster import (  # noqa: F401 (fixtures)
+    IMAGE_MODE,
     NS,
     ROOT,
     harness,
@@ -35,6 +36,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 if importlib.util.find_spec("llama_cpp") is None:
     pytest.skip(
         "llama-cpp-python is built by `make llm-deps` (tools/llama_cpp/build.sh)", allow_module_level=True
+    )
+
+if IMAGE_MODE:
+    pytest.skip(
+        "image mode: the server image does not ship llama.cpp's rpc-server (host mode runs the cached build's)",
+        allow_module_level=True,
     )
 
 LLM = "tiny_llm"
@@ -217,6 +224,12 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set(lws_cluster, rep
             f"{LWS_NAME}=big-server,leaderworkerset.sigs.k8s.io/worker-index=0"
         )
         assert status["endpoint"]["openai"] == f"http://big.{NS}.svc:80/v1"
+        copies = wait(
+            lambda: (c := h.model_status("big").get("copies")) and "requestsWaiting" in c[0] and c,
+            60,
+            what="status.copies with the leader's gauges",
+        )
+        assert [c["pod"] for c in copies] == ["big-server-0"] and copies[0]["requestsWaiting"] == 0
         worker_log = h.runner.logs(NS, "big-server-0-1")
         assert "Accepted client connection" in worker_log
         print(

@@ -23,7 +23,7 @@ def group_observation(lws: Body | None, wanted: int) -> ModelObservation:
         holding=groups,
         available=min(ready, wanted),
         loading=groups > ready,
-        eligible_pods=wanted,
+        eligible_pods=wanted if lws is not None else 0,  # no set (yet): "no pod ... is ready" in status
     )
 
 

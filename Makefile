@@ -26,7 +26,8 @@ serve: venv examples llm-deps
 	$(VENV)/bin/naiad serve --model-repository $(REPO) --http-port 8000 --grpc-port 8001 --metrics-port 8002
 
 CLUSTER_TESTS := tests/operator/test_operator_cluster.py tests/operator/test_operator_ha_cluster.py \
-  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_llm_cluster.py
+  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_llm_cluster.py \
+  tests/operator/test_operator_lws_cluster.py
 SCALE_BENCH := tests/operator/test_operator_scale.py
 
 # Every tier this machine can run: server, Triton side by side, Prometheus, operator, the e2e cluster, and the e2e
@@ -82,11 +83,14 @@ tools:
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; \
 	for t in tools/go/*/; do [ -f "$$t/go.mod" ] || continue; bash tools/go/build.sh "$$(basename $$t)" >/dev/null || exit $$?; done
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/gie/crds.sh >/dev/null
+	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/lws/crds.sh >/dev/null
 
 # llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's llama-server and rpc-server
 # from the same source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).
 llm-deps: venv
 	@PYTHON=$(PY) bash tools/llama_cpp/build.sh >/dev/null
+	@# rpc-server too: the RPC tests (tests/test_llamacpp_rpc.py) and the LeaderWorkerSet scenario run it
+	@PYTHON=$(PY) bash tools/llama_cpp/build.sh servers >/dev/null
 
 # Builds kube-apiserver, controller-manager, scheduler, kubectl, kubelet, kube-proxy, etcd, kwok, helm and prometheus-adapter from
 # the official Go modules (pinned in e2e/cluster) into a cache; prints the bin directory last.

@@ -19,6 +19,7 @@ TIERS = [
     ("tests/operator/test_operator_ha_cluster.py", "operator on a cluster"),
     ("tests/operator/test_operator_s3_cluster.py", "operator on a cluster"),
     ("tests/operator/test_operator_llm_cluster.py", "operator on a cluster"),
+    ("tests/operator/test_operator_lws_cluster.py", "operator on a cluster"),
     ("e2e/", "e2e cluster"),
     ("tests/operator/", "operator"),
     ("tests/test_triton_compare.py", "triton side by side"),

@@ -146,6 +146,14 @@ def llm_schema() -> Schema:
                     "pipeline": integer("Pipeline-parallel degree.", minimum=1, default=1),
                 },
             ),
+            "gpusPerNode": integer(
+                "GPUs one node gives a copy. A copy needing more (tensor x pipeline) runs as a LeaderWorkerSet "
+                "(leaderworkerset.x-k8s.io/v1, the LWS controller must be installed) of ceil(GPUs / gpusPerNode) "
+                "pods per copy instead of a dedicated InferenceServer: a leader running Naiad with the model, "
+                "workers running llama.cpp's rpc-server (engine llamacpp, gpusPerNode 1); only the leaders are "
+                "the model's endpoints. Unset: a copy is always one pod.",
+                minimum=1,
+            ),
             "inferencePool": obj(
                 "The InferencePool (inference.networking.k8s.io/v1) named after the model, rendered when the "
                 "cluster serves that API.",

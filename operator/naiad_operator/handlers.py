@@ -28,10 +28,12 @@ from .inference_pool import (
     render_inference_pool,
 )
 from .kube import KubeClient, KubeError
+from .leader_worker_set import LWS_API, LWS_KIND, LWS_MISSING, LWS_PLURAL, render_leader_worker_set
 from .llm_gauges import GaugeReader
 from .load_backoff import LoadBackoff
 from .model_resources import (
     SHARED_POOL_AUTOSCALING,
+    grouped,
     model_autoscaling_ignored,
     model_intent,
     model_labels,
@@ -308,7 +310,14 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
     config: OperatorConfig = memo.config
     kube: KubeClient = memo.kube
     objects: list[Body] = []
-    if intent.dedicated:
+    group = grouped(intent)
+    group_api = group and await kube.api_available(LWS_API, LWS_PLURAL)
+    if group and not group_api:
+        _report(body, [LWS_MISSING], "LeaderWorkerSetMissing", events)
+        return intent.pool
+    if group:
+        objects.append(render_leader_worker_set(owner, spec, intent, config))
+    elif intent.dedicated:
         existing = await kube.get(API_VERSION, SERVER_KIND, owner.namespace, intent.pool)
         if existing is None or any(
             r.get("uid") == owner.uid for r in existing["metadata"].get("ownerReferences") or []
@@ -342,6 +351,13 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
                 owner.uid,
                 cache,
             )
+        # a model that became larger than a node leaves its pool behind, one that fits again its group
+        if group:
+            await _delete_if_owned(
+                kube, API_VERSION, SERVER_KIND, owner.namespace, intent.pool, owner.uid, cache
+            )
+        elif intent.llm is not None and await kube.api_available(LWS_API, LWS_PLURAL):
+            await _delete_if_owned(kube, LWS_API, LWS_KIND, owner.namespace, intent.pool, owner.uid, cache)
         if pool_api and not inference_pool:  # not an LLM (any more), or llm.inferencePool.enabled is false
             await _delete_if_owned(
                 kube, INFERENCE_POOL_API, INFERENCE_POOL_KIND, owner.namespace, owner.name, owner.uid, cache
@@ -379,6 +395,16 @@ async def model_changed(
     previous = model_intent(name, (old or {}).get("spec") or {}).pool if old else pool
     if previous != pool:
         memo.pools.request(namespace, previous)  # the old pool unloads it (its records are now strays)
+
+
+def _is_grouped(spec: kopf.Spec, name: str, **_: Any) -> bool:
+    return grouped(model_intent(name, dict(spec or {})))
+
+
+# A grouped model has no pool (no pool timer, no pool pods to watch): its status follows its LeaderWorkerSet's.
+@kopf.timer(GROUP, VERSION, MODEL_PLURAL, interval=RESYNC / 3, initial_delay=RESYNC / 3, when=_is_grouped)  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
+async def group_resync(spec: kopf.Spec, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.pools.request(namespace, model_intent(name, dict(spec or {})).pool)
 
 
 async def promote(memo: kopf.Memo, body: Body) -> None:

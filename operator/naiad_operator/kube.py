@@ -31,6 +31,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
     (API_VERSION, SERVER_KIND): SERVER_PLURAL,
     (API_VERSION, MODEL_KIND): MODEL_PLURAL,
 }

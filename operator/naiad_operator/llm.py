@@ -31,6 +31,8 @@ ENGINE_BACKENDS: dict[str, str | None] = {
 }
 # Engines that can spread one copy over several GPUs of a node.
 _MULTI_GPU_ENGINES = ("vllm", "triton")
+# Engines whose copy can span several pods (a LeaderWorkerSet group): llama.cpp's leader drives rpc-server workers.
+_GROUP_ENGINES = ("llamacpp",)
 
 
 @dataclass(frozen=True)
@@ -45,11 +47,26 @@ class LLMSpec:
     endpoint_picker: str = ""
     endpoint_picker_port: int = 9002
     failure_mode: str = "FailClose"
+    gpus_per_node: int | None = None  # None: a copy always runs on one pod
     problems: list[str] = field(default_factory=list)
 
     @property
     def backend(self) -> str | None:
         return ENGINE_BACKENDS.get(self.engine)
+
+    @property
+    def group_size(self) -> int:
+        """Pods per copy: ceil(gpus / gpusPerNode) when the copy needs more GPUs than one node has, else 1."""
+        if self.gpus is None or self.gpus_per_node is None:
+            return 1
+        return -(-self.gpus // self.gpus_per_node)
+
+    @property
+    def gpus_per_pod(self) -> int | None:
+        """GPUs each pod of a copy asks for (every pod of a group alike)."""
+        if self.gpus is None:
+            return None
+        return -(-self.gpus // self.group_size)
 
 
 def _positive(value: Any, what: str, problems: list[str]) -> int:
@@ -76,14 +93,19 @@ def llm_spec(name: str, spec: Spec) -> LLMSpec | None:
     parallelism = block.get("parallelism")
     tensor = pipeline = 1
     gpus = None
+    per_node = block.get("gpusPerNode")
+    gpus_per_node = None if per_node is None else _positive(per_node, "llm.gpusPerNode", problems)
     if parallelism is not None:
         tensor = _positive(parallelism.get("tensor"), "llm.parallelism.tensor", problems)
         pipeline = _positive(parallelism.get("pipeline"), "llm.parallelism.pipeline", problems)
         gpus = tensor * pipeline
-        if engine in ENGINE_BACKENDS and engine not in _MULTI_GPU_ENGINES and gpus > 1:
+        grouped = gpus_per_node is not None and gpus > gpus_per_node
+        if grouped:
+            problems += _group_problems(engine, gpus, gpus_per_node or 1, spec)
+        elif engine in ENGINE_BACKENDS and engine not in _MULTI_GPU_ENGINES and gpus > 1:
             problems.append(
                 f"llm.engine {engine!r} runs a copy on one device: parallelism {tensor}x{pipeline} needs vllm "
-                "or a Triton LLM repository"
+                "or a Triton LLM repository (or llm.gpusPerNode, to spread it over a group of pods)"
             )
     pool = block.get("inferencePool") or {}
     picker = pool.get("endpointPicker") or {}
@@ -107,8 +129,27 @@ def llm_spec(name: str, spec: Spec) -> LLMSpec | None:
         endpoint_picker=str(picker.get("name") or f"{name}-epp"),
         endpoint_picker_port=port,
         failure_mode=failure_mode,
+        gpus_per_node=gpus_per_node,
         problems=problems,
     )
+
+
+def _group_problems(engine: str, gpus: int, gpus_per_node: int, spec: Spec) -> list[str]:
+    """A copy larger than a node runs as a LeaderWorkerSet group; what that needs of the model."""
+    problems = []
+    if engine not in _GROUP_ENGINES:
+        problems.append(
+            f"llm.engine {engine!r}: a copy of {gpus} GPUs on nodes of {gpus_per_node} needs a group of pods, "
+            f"which the operator runs for {', '.join(_GROUP_ENGINES)} (llama.cpp's RPC backend) so far"
+        )
+    elif gpus_per_node != 1:
+        problems.append(
+            "llm.engine 'llamacpp' runs one device per pod of a group (an rpc-server serves one device): "
+            "llm.gpusPerNode must be 1"
+        )
+    if spec.get("serverRef"):
+        problems.append("a copy larger than a node runs on pods of its own: remove serverRef")
+    return problems
 
 
 def _gpu_limit(resources: Mapping[str, Any]) -> float | None:
@@ -125,14 +166,15 @@ def _gpu_limit(resources: Mapping[str, Any]) -> float | None:
 
 
 def dedicated_gpu_problems(llm: LLMSpec, server_spec: Spec) -> list[str]:
-    """A dedicated pool template that asks for other GPUs than the parallelism gives."""
-    if llm.gpus is None:
+    """A dedicated pool template that asks for other GPUs than the parallelism gives (per pod)."""
+    if llm.gpus_per_pod is None:
         return []
     limit = _gpu_limit(server_spec.get("resources") or {})
-    if limit is not None and limit != llm.gpus:
+    if limit is not None and limit != llm.gpus_per_pod:
         return [
             f"server.resources asks for {limit:g} {GPU_RESOURCE} but llm.parallelism "
-            f"({llm.tensor}x{llm.pipeline}) needs {llm.gpus} per copy: leave the GPUs to the parallelism"
+            f"({llm.tensor}x{llm.pipeline}) needs {llm.gpus_per_pod} per {'pod' if llm.group_size > 1 else 'copy'}: "
+            "leave the GPUs to the parallelism"
         ]
     return []
 
@@ -151,15 +193,15 @@ def shared_gpu_problems(llm: LLMSpec, pool: str, pool_spec: Spec) -> list[str]:
 
 
 def apply_to_dedicated_server(llm: LLMSpec, server_spec: Body) -> Body:
-    """The dedicated pool's spec with the copy's GPUs (tensor x pipeline, on one pod and so one node) and the pod
-    labels the endpoint picker reads."""
+    """The dedicated pool's spec with the copy's GPUs per pod (tensor x pipeline on one pod, or its share of a
+    group's) and the pod labels the endpoint picker reads."""
     out = copy.deepcopy(server_spec)
-    if llm.gpus is not None:
+    if llm.gpus_per_pod is not None:
         resources = out.setdefault("resources", {})
-        resources.setdefault("limits", {})[GPU_RESOURCE] = llm.gpus
+        resources.setdefault("limits", {})[GPU_RESOURCE] = llm.gpus_per_pod
         requests = resources.get("requests")
         if requests is not None and GPU_RESOURCE in requests:
-            requests[GPU_RESOURCE] = llm.gpus
+            requests[GPU_RESOURCE] = llm.gpus_per_pod
     labels = out.setdefault("podLabels", {})
     labels[ENGINE_TYPE_LABEL] = ENGINE_TYPE
     labels[LLM_ENGINE_LABEL] = llm.engine

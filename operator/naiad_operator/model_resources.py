@@ -35,6 +35,7 @@ from .naming import (
     SERVICE_ROLE_LABEL,
     dedicated_server_name,
     headless_service_name,
+    leader_selector,
     model_label_key,
     name_problems,
     selector_string,
@@ -400,8 +401,16 @@ def render_dedicated_server(owner: Owner, spec: Spec, intent: ModelIntent) -> Bo
 # --- model Services and HPA -------------------------------------------------------------------------------------
 
 
+def grouped(intent: ModelIntent) -> bool:
+    """A copy larger than a node: the model runs as a LeaderWorkerSet (leader_worker_set.py), not on a pool."""
+    return intent.dedicated and intent.llm is not None and intent.llm.group_size > 1
+
+
 def model_selector(intent: ModelIntent) -> dict[str, str]:
-    """Pods of the pool that hold the model: what the model's Services and its HPA select."""
+    """Pods of the pool that hold the model (a grouped model: its groups' leaders): what the model's Services and
+    its HPA select."""
+    if grouped(intent):
+        return leader_selector(intent.pool)
     return {SERVER_LABEL: intent.pool, model_label_key(intent.name): MODEL_LABEL_VALUE}
 
 

@@ -31,6 +31,10 @@ RESTARTS_ANNOTATION = f"{GROUP}/observed-restarts"
 # Pod readiness gate: True once the operator has loaded the models placed on the pod.
 MODELS_READY_CONDITION = f"{GROUP}/models-ready"
 
+# Labels the LeaderWorkerSet controller puts on every pod of a set (its name) and of a group (0: the leader).
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
 SERVER_CONTAINER = "server"
 HTTP_PORT = 8000
 GRPC_PORT = 8001
@@ -49,6 +53,11 @@ def model_label_key(model: str) -> str:
 
 def dedicated_server_name(model: str) -> str:
     return f"{model}-server"
+
+
+def leader_selector(leader_worker_set: str) -> dict[str, str]:
+    """The group leaders of a LeaderWorkerSet: a grouped model's endpoints."""
+    return {LWS_NAME_LABEL: leader_worker_set, LWS_WORKER_INDEX_LABEL: "0"}
 
 
 def headless_service_name(name: str) -> str:

@@ -16,10 +16,11 @@ from typing import Any
 from . import timeline
 from .control import ControlError
 from .events import post as post_event
+from .group_status import read_group
 from .kube import KubeError
 from .llm_gauges import EngineGauges, copy_status
 from .measured_memory import measured_memory, placement_memory
-from .model_resources import ModelIntent, endpoint, model_selector_string
+from .model_resources import ModelIntent, endpoint, grouped, model_selector_string
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
 from .observe import (
     Held,
@@ -600,7 +601,12 @@ async def reconcile_pool(ctx: PoolContext, namespace: str, pool: str) -> PoolRep
     timeline.mark(namespace, f"pool:{pool}", "read", f"models={len(models)}")
     if snapshot is None:
         for model in models:
-            if not model.deleting:
+            if not model.deleting and grouped(model.intent) and not model.problems:
+                # no pool: the model's LeaderWorkerSet runs it (its leaders load it at start)
+                wanted = 0 if model.intent.suspended else desired_replicas(model.body.get("spec") or {})
+                observed = await read_group(ctx.kube, ctx.gauges, namespace, model.intent, wanted)
+                await write_model_status(ctx, namespace, now, model, observed, pool_found=True, tls=False)
+            elif not model.deleting:
                 await write_model_status(
                     ctx,
                     namespace,

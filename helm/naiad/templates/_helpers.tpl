@@ -81,6 +81,10 @@ app.kubernetes.io/part-of: naiad
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, watch, create, update, patch, delete]
+# A LeaderWorkerSet per LLM InferenceModel larger than a node (llm.gpusPerNode), when the cluster serves the API.
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]

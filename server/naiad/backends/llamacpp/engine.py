@@ -25,6 +25,7 @@ import numpy as np
 from ...errors import InvalidArgument, Unavailable
 from ...llm.metrics import EngineMetrics, RequestMetrics
 from .params import EngineSettings, SamplingParams
+from .rpc import rpc_devices
 from .text import TextStream
 
 log = logging.getLogger("naiad.llamacpp")
@@ -134,7 +135,16 @@ class LlamaEngine:
         self.settings = settings
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = 0
+        devices = None
+        if settings.rpc_servers:
+            # every layer goes to the RPC servers (split by their free memory); the NULL-terminated list keeps
+            # the load to this model's servers, not every device the process registered
+            found = rpc_devices(lc, settings.rpc_servers, settings.rpc_wait_seconds)
+            devices = (ctypes.c_void_p * (len(found) + 1))(*found, None)
+            mparams.devices = ctypes.cast(devices, ctypes.c_void_p)
+            mparams.n_gpu_layers = 999
         self.model = lc.llama_model_load_from_file(str(model_path).encode(), mparams)
+        del devices
         if not self.model:
             raise InvalidArgument(f"llama.cpp could not load '{model_path}' (not a GGUF model it supports)")
         self.vocab = lc.llama_model_get_vocab(self.model)

@@ -9,6 +9,7 @@ from typing import Any
 
 from ...errors import InvalidArgument
 from .grammar import structured_grammar
+from .rpc import RPC_SERVERS_ENV, parse_rpc_servers
 
 # config.pbtxt `parameters { key: ... value: { string_value: ... } }`: name -> (default, help)
 MODEL_PARAMETERS = {
@@ -17,6 +18,12 @@ MODEL_PARAMETERS = {
     "n_threads": (0, "CPU threads for decoding (0: the cores this process may use, shared by the instances)"),
     "n_batch": (512, "most tokens in one llama_decode call (prompt chunks and decode tokens together)"),
     "embeddings": ("true", "serve `embedding_request` with mean pooling from a second context"),
+    "rpc_servers": (
+        "",
+        "llama.cpp `rpc-server`s (host:port,...; or env:<VARIABLE>) the layers are offloaded to; empty: "
+        "$NAIAD_LLAMACPP_RPC_SERVERS, else none",
+    ),
+    "rpc_wait_seconds": (120, "how long a load waits for the RPC servers to answer (workers still starting)"),
 }
 
 
@@ -27,12 +34,18 @@ class EngineSettings:
     n_threads: int = 0
     n_batch: int = 512
     embeddings: bool = True
+    rpc_servers: list[str] = field(default_factory=list)
+    rpc_wait_seconds: int = 120
 
 
 def engine_settings(parameters: dict[str, str], instance_count: int = 1) -> EngineSettings:
     """The engine settings from a config's parameters; unknown or malformed values are a load error."""
     out = EngineSettings()
+    rpc = parameters.get("rpc_servers") or os.environ.get(RPC_SERVERS_ENV, "")
+    out.rpc_servers = parse_rpc_servers(rpc)
     for key, raw in parameters.items():
+        if key == "rpc_servers":
+            continue
         if key not in MODEL_PARAMETERS:
             continue  # other backends' or the user's own keys are left alone, as Triton does
         if key == "embeddings":
@@ -44,7 +57,7 @@ def engine_settings(parameters: dict[str, str], instance_count: int = 1) -> Engi
             value = int(raw)
         except ValueError:
             raise InvalidArgument(f"parameter '{key}' must be an integer, got {raw!r}") from None
-        if value < (0 if key == "n_threads" else 1):
+        if value < (0 if key in ("n_threads", "rpc_wait_seconds") else 1):
             raise InvalidArgument(f"parameter '{key}' must be positive, got {value}")
         setattr(out, key, value)
     if out.n_threads == 0:

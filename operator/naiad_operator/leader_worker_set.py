@@ -1,0 +1,139 @@
+"""Pure renderer of a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) for an LLM InferenceModel whose copy needs
+more GPUs than one node has (`llm.parallelism` over `llm.gpusPerNode`): one group of pods per copy, a leader running
+Naiad with the model and workers running llama.cpp's `rpc-server`, which the leader's llama.cpp backend offloads the
+layers to. The LWS controller creates the pods, gives them LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX,
+the headless Service that names them, and restarts a group as a whole; only the leaders are the model's endpoints."""
+
+from __future__ import annotations
+
+import copy
+
+from .config import OperatorConfig
+from .llm import ENGINE_TYPE, ENGINE_TYPE_LABEL, GPU_RESOURCE, LLM_ENGINE_LABEL, LLMSpec
+from .model_resources import ModelIntent, render_dedicated_server
+from .naming import GROUP, SERVER_CONTAINER
+from .objects import Body, Spec
+from .ownership import Owner, child_metadata
+from .pool_resources import render_deployment
+
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+# Which part of a group a pod is, for people and dashboards (the LWS labels say the same by index).
+GROUP_ROLE_LABEL = f"{GROUP}/group-role"
+LWS_MISSING = (
+    "the model needs more GPUs than one node has (llm.gpusPerNode) and runs as a LeaderWorkerSet, but the "
+    "cluster does not serve leaderworkerset.x-k8s.io/v1: install the LWS controller"
+)
+RPC_PORT = 50052
+RPC_CONTAINER = "rpc-server"
+# Read by the leader's llama.cpp backend (naiad.backends.llamacpp.rpc): its workers' rpc-server addresses.
+RPC_SERVERS_ENV = "NAIAD_LLAMACPP_RPC_SERVERS"
+
+
+def worker_addresses(name: str, namespace: str, llm: LLMSpec) -> str:
+    """The workers of the leader's own group, through the set's headless Service (named after the set): the leader
+    is `<set>-<group>` and its workers `<set>-<group>-<index>`, so `$(POD_NAME)` (the Downward API) names them."""
+    return ",".join(
+        f"$(POD_NAME)-{index}.{name}.{namespace}:{RPC_PORT}" for index in range(1, llm.group_size)
+    )
+
+
+def _field_env(name: str, path: str) -> Body:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _leader_container(container: Body, intent: ModelIntent, name: str, namespace: str, llm: LLMSpec) -> Body:
+    """The pool's server container, loading the model at start: ready (strict readiness) once it is loaded,
+    since no operator pass loads it, with the group's workers as its llama.cpp RPC servers."""
+    out = copy.deepcopy(container)
+    args = [a for a in out["args"] if not a.startswith("--strict-readiness")]
+    out["args"] = [*args[:1], f"--load-model={intent.model_name}", "--strict-readiness=true", *args[1:]]
+    env = [e for e in out.get("env") or [] if e.get("name") not in ("POD_NAME", RPC_SERVERS_ENV)]
+    out["env"] = [
+        _field_env("POD_NAME", "metadata.name"),
+        *env,
+        {"name": RPC_SERVERS_ENV, "value": worker_addresses(name, namespace, llm)},
+    ]
+    return out
+
+
+def _worker_container(container: Body, llm: LLMSpec) -> Body:
+    """llama.cpp's rpc-server from the server's image, on the pod's IP, with the pod's share of the GPUs."""
+    worker: Body = {
+        "name": RPC_CONTAINER,
+        "image": container["image"],
+        "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["rpc-server"],
+        "args": ["--host", "$(POD_IP)", "--port", str(RPC_PORT)],
+        "env": [_field_env("POD_IP", "status.podIP")],
+        "ports": [{"name": "rpc", "containerPort": RPC_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5, "failureThreshold": 3},
+        "securityContext": copy.deepcopy(container.get("securityContext") or {}),
+    }
+    if llm.gpus_per_pod is not None:
+        worker["resources"] = {"limits": {GPU_RESOURCE: llm.gpus_per_pod}}
+    return worker
+
+
+def group_labels(intent: ModelIntent) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "naiad-model-group",
+        "app.kubernetes.io/instance": intent.name,
+        "app.kubernetes.io/managed-by": "naiad-operator",
+    }
+
+
+def render_leader_worker_set(owner: Owner, spec: Spec, intent: ModelIntent, config: OperatorConfig) -> Body:
+    """The model's LeaderWorkerSet, named like its dedicated pool would be: `replicas` groups of
+    `llm.group_size` pods, the leader's pod spec the one its pool's pods would get (image, repository, volumes,
+    env, resources, scheduling), the workers' the same placement with rpc-server. A restart of any pod recreates
+    its group (the leader's llama.cpp cannot reconnect a lost RPC server)."""
+    llm = intent.llm
+    if llm is None:
+        raise ValueError(f"InferenceModel {intent.name} is not an LLM")
+    name = intent.pool
+    server = render_dedicated_server(owner, spec, intent)
+    pool_owner = Owner(owner.api_version, owner.kind, name, owner.uid, owner.namespace)
+    template = render_deployment(pool_owner, server["spec"], config)["spec"]["template"]
+    pod_spec = template["spec"]
+    # the pool's: the operator's readiness gate (set by its load passes) and the spread over the pool's pods
+    pod_spec.pop("readinessGates", None)
+    if not (spec.get("server") or {}).get("topologySpreadConstraints"):
+        pod_spec.pop("topologySpreadConstraints", None)
+    (container,) = [c for c in pod_spec["containers"] if c["name"] == SERVER_CONTAINER]
+    labels = {
+        **{str(k): str(v) for k, v in ((spec.get("server") or {}).get("podLabels") or {}).items()},
+        **group_labels(intent),
+        ENGINE_TYPE_LABEL: ENGINE_TYPE,
+        LLM_ENGINE_LABEL: llm.engine,
+    }
+    leader_spec = copy.deepcopy(pod_spec)
+    leader_spec["containers"] = [_leader_container(container, intent, name, owner.namespace, llm)]
+    worker_spec = copy.deepcopy(pod_spec)
+    worker_spec["containers"] = [_worker_container(container, llm)]
+    worker_spec.pop("volumes", None)  # the weights reach the workers over RPC
+    return {
+        "apiVersion": LWS_API,
+        "kind": LWS_KIND,
+        "metadata": child_metadata(name, owner, {**group_labels(intent), GROUP_ROLE_LABEL: "set"}),
+        "spec": {
+            "replicas": server["spec"]["replicas"],
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": llm.group_size,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {
+                    "metadata": {
+                        "labels": {**labels, GROUP_ROLE_LABEL: "leader"},
+                        "annotations": dict(template["metadata"].get("annotations") or {}),
+                    },
+                    "spec": leader_spec,
+                },
+                "workerTemplate": {
+                    "metadata": {"labels": {**labels, GROUP_ROLE_LABEL: "worker"}},
+                    "spec": worker_spec,
+                },
+            },
+        },
+    }

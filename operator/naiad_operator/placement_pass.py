@@ -239,9 +239,10 @@ class _Pass:
                 idle_seconds=intent.idle_seconds,
                 idle_for=idle_for,
             )
-            if decision.went or decision.woke or decision.scaled:
-                if decision.went or decision.woke or not clock.scaled(self.namespace, intent.name, None):
-                    clock.set_scaled(self.namespace, intent.name, decision.scaled)
+            # (a model found at zero in its status, by an operator that restarted, is remembered here too)
+            known_scaled = clock.scaled(self.namespace, intent.name, None)
+            if decision.went or decision.woke or (decision.scaled and not known_scaled):
+                clock.set_scaled(self.namespace, intent.name, decision.scaled)
             if decision.went:
                 post_event(
                     model.body,

@@ -288,7 +288,9 @@ def _scaled_to_zero_conditions(pool: str, observed: ModelObservation) -> list[Co
     demand; it serves (Ready), the first request waiting for the load."""
     on_demand = f"{observed.on_demand_pods} pods of {pool} load it on the next request (--load-on-demand)"
     return [
-        condition("Scheduled", True, "ScaledToZero", f"no request for {observed.idle_seconds}s: no copies kept"),
+        condition(
+            "Scheduled", True, "ScaledToZero", f"no request for {observed.idle_seconds}s: no copies kept"
+        ),
         condition("Loaded", True, "ScaledToZero", "0 copies; " + on_demand),
         condition("ServiceReady", True, "OnDemand", on_demand),
         condition("Ready", True, "ScaledToZero", on_demand),

@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda
 
 venv: $(VENV)/.installed
 
@@ -74,7 +74,15 @@ e2e-node-tests:
 # NAIAD_BENCH_OUT=<file> keeps the figures (the small scenario's in <file>-small).
 e2e-bench:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin"; \
-	$(PY) -m pytest -q -s -m bench $(PYTEST_ARGS) $(SCALE_BENCH)
+	$(PY) -m pytest -q -s -m bench -k 'not density' $(PYTEST_ARGS) $(SCALE_BENCH)
+
+# Density (docs/operator.md, "Density"): 1,000 InferenceModels on one pool of 3 real servers (requests/min,
+# apply -> Available, convergence after a pod is lost), then 100 small models resident on one server (load time,
+# RSS, per-model memory, first request). NAIAD_BENCH_OUT=<file> keeps the figures in <file>-density/-resident;
+# NAIAD_DENSITY_MODELS (1000) runs it smaller.
+e2e-density:
+	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin"; \
+	$(PY) -m pytest -q -s -m bench -k density $(PYTEST_ARGS) $(SCALE_BENCH)
 
 # Every server and tool a test tier runs, built or installed before any test starts: the cluster binaries
 # (and helm), and each Go tool pinned under tools/go/ (cached by content in ~/.cache/naiad-tools).

@@ -440,7 +440,15 @@ def model_status_schema() -> Schema:
             },
             "phase": string(
                 "Summary of the model's state.",
-                enum=["Pending", "Loading", "Available", "PartiallyAvailable", "Failed", "Suspended"],
+                enum=[
+                    "Pending",
+                    "Loading",
+                    "Available",
+                    "PartiallyAvailable",
+                    "Failed",
+                    "Suspended",
+                    "ScaledToZero",
+                ],
             ),
             "server": string("The InferenceServer pool the model runs on."),
             "modelName": string("Model name used on the server."),
@@ -671,7 +679,17 @@ def inference_model_crd() -> dict[str, Any]:
             "replicas": integer(
                 "Pool pods that hold the model (a dedicated pool runs this many pods).", minimum=0, default=1
             ),
-            "minReplicas": integer("Autoscaler lower bound.", minimum=1),
+            "minReplicas": integer(
+                "Autoscaler lower bound; 0 (serverRef only): the model gives up all its copies after idleSeconds "
+                "without a request, its Service then selects every pod of the pool (they run with "
+                "--load-on-demand) and the next request loads it there.",
+                minimum=0,
+            ),
+            "idleSeconds": integer(
+                "With minReplicas 0: seconds without a request after which the model keeps no copies (default "
+                "300).",
+                minimum=1,
+            ),
             "maxReplicas": integer("Autoscaler upper bound.", minimum=1),
             "autoscaling": autoscaling_schema(
                 "model (with a dedicated pool only: on a shared pool, autoscale the InferenceServer)",

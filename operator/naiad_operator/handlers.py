@@ -60,6 +60,7 @@ from .placement_pass import PoolReport, reconcile_pool
 from .pool_resources import render_pool
 from .pool_snapshot import PoolContext
 from .runner import PassRunner
+from .scale_to_zero import with_load_on_demand
 from .security import CONTROL_HEADER, CredentialStore, TrustCache
 from .server_spec import server_spec_problems
 from .variants import VariantMeter
@@ -149,6 +150,7 @@ async def startup(
         models=partial(_models_of_pool, models_by_pool),
     )
     memo.pools = PassRunner(partial(reconcile_pool, context))
+    memo.pool_models = partial(_models_of_pool, models_by_pool)
     memo.pod_fingerprints = {}
     memo.applied = AppliedCache()
     log.info(
@@ -263,6 +265,9 @@ async def ensure_pool(memo: kopf.Memo, body: Body, *, events: bool) -> list[str]
         "monitoring.coreos.com/v1", "servicemonitors"
     )
     credentials = await memo.credentials.refresh()  # also carries out a rotation asked for on the Secret
+    pool_models = getattr(memo, "pool_models", None)
+    if pool_models is not None:  # --load-on-demand when one of its models may scale to zero
+        spec = with_load_on_demand(spec, pool_models(owner.namespace, owner.name))
     objects = render_pool(owner, spec, config, monitoring, credentials.current)
     cache = getattr(memo, "applied", None)
     rejected = await _apply_all(kube, objects.apply, cache)
@@ -395,6 +400,18 @@ async def model_changed(
     previous = model_intent(name, (old or {}).get("spec") or {}).pool if old else pool
     if previous != pool:
         memo.pools.request(namespace, previous)  # the old pool unloads it (its records are now strays)
+    was_zero = old is not None and ((old.get("spec") or {}).get("minReplicas") == 0)
+    if intent.scales_to_zero != was_zero and not intent.dedicated:
+        await _ensure_pool_named(memo, namespace, pool)  # its servers start (or stop) loading on demand
+
+
+async def _ensure_pool_named(memo: kopf.Memo, namespace: str, pool: str) -> None:
+    try:
+        server = await memo.kube.get(API_VERSION, SERVER_KIND, namespace, pool)
+        if server is not None:
+            await ensure_pool(memo, server, events=False)
+    except KubeError as error:
+        raise _retry_or_raise(error, f"InferenceServer {pool}") from error
 
 
 def _is_grouped(spec: kopf.Spec, name: str, **_: Any) -> bool:

@@ -44,6 +44,7 @@ from .naming import (
 from .objects import Body, Spec
 from .ownership import Owner
 from .quantity import quantity_bytes
+from .scale_to_zero import DEFAULT_IDLE_SECONDS
 from .server_spec import (
     autoscaling_active,
     desired_replicas,
@@ -100,6 +101,9 @@ class ModelIntent:
     problems: list[str] = field(default_factory=list)
     canary: CanaryIntent | None = None
     llm: LLMSpec | None = None  # an LLM model (spec.llm)
+    # minReplicas: 0 (a shared pool): no copies after idle_seconds without a request (scale_to_zero.py).
+    scales_to_zero: bool = False
+    idle_seconds: int = DEFAULT_IDLE_SECONDS
 
     @property
     def wanted_replicas(self) -> int | None:
@@ -269,7 +273,12 @@ def model_intent(name: str, spec: Spec) -> ModelIntent:
         problems += _dedicated_problems(spec, repository)
     revision = revision_of(model_name, config)
     canary = _canary_intent(model_name, spec, revision, problems)
+    scales_to_zero = spec.get("minReplicas") == 0
+    if scales_to_zero:
+        problems += _scale_to_zero_problems(spec, dedicated, canary)
     return ModelIntent(
+        scales_to_zero=scales_to_zero and not problems,
+        idle_seconds=int(spec.get("idleSeconds") or DEFAULT_IDLE_SECONDS),
         canary=canary,
         name=name,
         model_name=model_name,
@@ -286,6 +295,20 @@ def model_intent(name: str, spec: Spec) -> ModelIntent:
         problems=problems,
         llm=llm,
     )
+
+
+def _scale_to_zero_problems(spec: Spec, dedicated: bool, canary: CanaryIntent | None) -> list[str]:
+    """minReplicas: 0 gives up the model's copies on a pool whose pods stay: a pool of its own scaled to zero
+    pods (KEDA's HTTP add-on) is not done, and a canary's two variants cannot both be loaded on demand."""
+    problems = []
+    if dedicated:
+        problems.append(
+            "minReplicas: 0 needs serverRef: a model gives up its copies on a shared pool whose pods stay (a "
+            "dedicated pool scaled to zero pods is not supported)"
+        )
+    if canary is not None:
+        problems.append("minReplicas: 0 and a canary cannot be combined: a load on demand has no variant")
+    return problems
 
 
 def _dedicated_problems(spec: Spec, repo: Repository | None) -> list[str]:

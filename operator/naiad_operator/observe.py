@@ -20,6 +20,7 @@ from .naming import (
     model_label_key,
 )
 from .placement import PodState
+from .scale_to_zero import runs_on_demand
 
 REVISION_ANNOTATION = "deployment.kubernetes.io/revision"
 TEMPLATE_HASH_LABEL = "pod-template-hash"
@@ -47,6 +48,7 @@ class PodFacts:
     recorded_restarts: int | None
     gate: str | None  # status of the models-ready condition, None when absent
     node: str | None = None  # spec.nodeName
+    load_on_demand: bool = False  # the server container runs with --load-on-demand
 
     @property
     def restarted(self) -> bool:
@@ -99,6 +101,16 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
         recorded_restarts=int(str(recorded_restarts)) if str(recorded_restarts or "").isdigit() else None,
         gate=gate,
         node=(pod.get("spec") or {}).get("nodeName") or None,
+        load_on_demand=runs_on_demand(
+            next(
+                (
+                    c.get("args") or []
+                    for c in (pod.get("spec") or {}).get("containers") or []
+                    if c.get("name") == SERVER_CONTAINER
+                ),
+                [],
+            )
+        ),
     )
 
 
@@ -144,6 +156,11 @@ def held_models(
         wanted = intent.variant(recorded.revision)[2] if recorded is not None else intent.version
         right_version = wanted is None or wanted in versions
         known = recorded is not None and recorded.model_name == intent.model_name and right_version
+        if recorded is None and intent.scales_to_zero and intent.load_config is None:
+            # Loaded on demand from the repository as it is: what the operator would load itself, so it is
+            # adopted as it stands rather than reloaded under the requests that brought it.
+            out[intent.name] = intent.revision
+            continue
         out[intent.name] = recorded.revision if known and recorded is not None else ""
     return out
 
@@ -188,15 +205,19 @@ class PodTruth:
     held: dict[str, Held] = field(default_factory=dict)
     restarts: int = 0
     gate: bool | None = None  # None: leave the readiness gate as it is
+    # Models scaled to zero that this pod loads on demand: labelled like held ones (their Services select it),
+    # not recorded as placements.
+    routes: set[str] = field(default_factory=set)
 
 
 def metadata_patch(facts: PodFacts, truth: PodTruth) -> dict[str, Any] | None:
     """Merge patch for labels and annotations, or None when the pod already says the truth."""
     labels: dict[str, str | None] = {}
+    labelled = set(truth.held) | truth.routes
     for key in facts.labels:
-        if key.startswith(MODEL_LABEL_PREFIX) and key[len(MODEL_LABEL_PREFIX) :] not in truth.held:
+        if key.startswith(MODEL_LABEL_PREFIX) and key[len(MODEL_LABEL_PREFIX) :] not in labelled:
             labels[key] = None
-    for name in truth.held:
+    for name in labelled:
         if facts.labels.get(model_label_key(name)) != MODEL_LABEL_VALUE:
             labels[model_label_key(name)] = MODEL_LABEL_VALUE
     annotations: dict[str, str] = {}

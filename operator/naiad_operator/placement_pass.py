@@ -36,6 +36,7 @@ from .ownership import pool_selector_string
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
 from .pool_snapshot import PoolContext, PoolModel, PoolSnapshot, read_pool
 from .quantity import quantity_bytes
+from .scale_to_zero import ZeroDecision, decide, model_requests
 from .security import tls_secret_name
 from .server_spec import autoscaling_active, desired_replicas, server_spec_problems
 from .status import (
@@ -50,6 +51,7 @@ from .status import (
 )
 
 log = logging.getLogger(__name__)
+_KEEP = ZeroDecision(scaled=False)  # a model that cannot scale to zero
 # Model status writes in flight at once during a pass.
 STATUS_WRITES = 16
 
@@ -118,12 +120,17 @@ class _Pass:
         await self._drop_lost_models()
 
         valid = [m for m in models if not m.problems]
+        zero = await self._scale_to_zero(valid)
+        if any(d.went for d in zero.values()):
+            await self._patch_routes()  # the Service selects the on-demand pods before the copies go
         measured = measured_memory(snap.index)
         demands = {
             m.intent.name: Demand(
                 name=m.intent.name,
                 revision=m.intent.revision,
-                replicas=0 if m.deleting else m.intent.wanted_replicas,
+                replicas=0
+                if m.deleting or zero.get(m.intent.name, _KEEP).scaled
+                else m.intent.wanted_replicas,
                 memory=placement_memory(m.intent.memory, m.intent.model_name, measured),
                 avoid=frozenset(self._avoid(m.intent)),
                 canary_revision=m.intent.canary.revision if m.intent.canary else None,
@@ -137,6 +144,7 @@ class _Pass:
         for model in valid:
             if plans[model.intent.name].load and not model.deleting:
                 observed = self._observe(model, plans[model.intent.name], loading=True)
+                self._zero_fields(observed, model, zero)
                 if model.intent.canary is not None:  # traffic figures come after the loads
                     observed.variants = (model.body.get("status") or {}).get("variants")
                 loading.append((model, observed))
@@ -165,6 +173,7 @@ class _Pass:
             observed = self._observe(model, plans.get(model.intent.name), loading=False)
             observed.variants = self._variants(model, traffic)
             observed.copies = self._copies(model, gauges)
+            self._zero_fields(observed, model, zero)
             if model.intent.dedicated and not model.intent.suspended and not model.problems:
                 observed.wanted = max(observed.wanted, desired_replicas(spec))
             observations.append((model, observed))
@@ -180,6 +189,104 @@ class _Pass:
         return PoolReport(found=True, holders=holders)
 
     # --- steps ------------------------------------------------------------------------------------------------
+
+    def _on_demand_pods(self) -> tuple[list[PodFacts], int]:
+        """Ready pods that run with --load-on-demand, and how many ready pods do not."""
+        ready = [f for f in self.facts if self.snap.states[f.name].ready]
+        on_demand = [f for f in ready if f.load_on_demand]
+        return on_demand, len(ready) - len(on_demand)
+
+    async def _scale_to_zero(self, models: Sequence[PoolModel]) -> dict[str, ZeroDecision]:
+        """For each model with minReplicas 0: whether it keeps its copies, gives them up (idle for idleSeconds:
+        its request counters on the pods holding it did not move) or comes back (a pod loaded it on demand).
+        A model scaled to zero is routed to every on-demand pod (`PodTruth.routes`)."""
+        clock = self.ctx.idle
+        for model in models:
+            if model.deleting or not model.intent.scales_to_zero:
+                clock.forget(self.namespace, model.intent.name)
+        candidates = [m for m in models if m.intent.scales_to_zero and not m.deleting]
+        if not candidates:
+            return {}
+        on_demand, others = self._on_demand_pods()
+        holders = {
+            m.intent.name: [
+                self.snap.states[f.name].ip or ""
+                for f in self.facts
+                if self.snap.states[f.name].ready and m.intent.name in self.snap.states[f.name].held
+            ]
+            for m in candidates
+        }
+        scaled_before = {
+            m.intent.name: clock.scaled(self.namespace, m.intent.name, m.body.get("status"))
+            for m in candidates
+        }
+        wanted_ips = {
+            ip for m in candidates if not scaled_before[m.intent.name] for ip in holders[m.intent.name]
+        }
+        meter = self.ctx.meter
+        counters = await meter.scrape_all(ip for ip in wanted_ips if ip) if meter is not None else {}
+        decisions = {}
+        for model in candidates:
+            intent = model.intent
+            idle_for = None
+            if not scaled_before[intent.name] and meter is not None:
+                requests = model_requests(counters, holders[intent.name], intent.model_name)
+                idle_for = clock.idle_for(self.namespace, intent.name, requests)
+            decision = decide(
+                scaled_before=scaled_before[intent.name],
+                holders=len(holders[intent.name]),
+                on_demand_pods=len(on_demand),
+                other_pods=others,
+                idle_seconds=intent.idle_seconds,
+                idle_for=idle_for,
+            )
+            # (a model found at zero in its status, by an operator that restarted, is remembered here too)
+            known_scaled = clock.scaled(self.namespace, intent.name, None)
+            if decision.went or decision.woke or (decision.scaled and not known_scaled):
+                clock.set_scaled(self.namespace, intent.name, decision.scaled)
+            if decision.went:
+                post_event(
+                    model.body,
+                    "Normal",
+                    "ScaledToZero",
+                    f"no request for {intent.idle_seconds}s: unloading every copy; {len(on_demand)} pods of "
+                    f"{self.pool} load it on the next request",
+                )
+            elif decision.woke:
+                where = ", ".join(f.name for f in self.facts if intent.name in self.snap.states[f.name].held)
+                post_event(
+                    model.body,
+                    "Normal",
+                    "ScaledFromZero",
+                    f"loaded on demand on {where}: placing its copies again"
+                    if where
+                    else "no pod of the pool can load it on demand: placing its copies again",
+                )
+            if decision.scaled:
+                for facts in on_demand:
+                    self.truth[facts.name].routes.add(intent.name)
+            decisions[intent.name] = decision
+        return decisions
+
+    async def _patch_routes(self) -> None:
+        """Label the on-demand pods for the models going to zero now, before their copies are unloaded."""
+
+        async def patch(i: int, facts: PodFacts) -> None:
+            self.facts[i] = await _patch_pod(
+                self.ctx, self.namespace, facts, self.truth[facts.name], self.now
+            )
+
+        await asyncio.gather(*(patch(i, f) for i, f in enumerate(self.facts) if self.truth[f.name].routes))
+
+    def _zero_fields(
+        self, observed: ModelObservation, model: PoolModel, zero: Mapping[str, ZeroDecision]
+    ) -> None:
+        decision = zero.get(model.intent.name)
+        if decision is None:
+            return
+        observed.scaled_to_zero = decision.scaled
+        observed.on_demand_pods = len(self._on_demand_pods()[0])
+        observed.idle_seconds = model.intent.idle_seconds
 
     def _avoid(self, intent: ModelIntent) -> dict[str, str]:
         """Pods waiting out a failed load of one of the model's revisions (stable or canary)."""

@@ -20,6 +20,7 @@ from .objects import Body
 from .observe import PodFacts, current_template_hash, pod_facts, pod_state
 from .ownership import pool_selector_string
 from .placement import PodState
+from .scale_to_zero import IdleClock
 from .security import TrustCache, server_hostname, tls_secret_name
 from .variants import VariantMeter
 
@@ -43,6 +44,9 @@ class PoolContext:
     gauges: GaugeReader | None = None
     # The InferenceModels of a pool from the operator's index (None: list them from the API server).
     models: Callable[[str, str], list[Body]] | None = None
+    # When each model that may scale to zero last had a request, and which are scaled to zero. Its request
+    # counters are read with `meter` (None: no model is ever found idle).
+    idle: IdleClock = field(default_factory=IdleClock)
 
 
 async def pool_control(ctx: PoolContext, server: Mapping[str, Any]) -> ModelControlClient:

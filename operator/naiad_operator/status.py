@@ -171,6 +171,11 @@ class ModelObservation:
     variants: list[dict[str, Any]] | None = None
     # status.copies of an LLM model: its ready pods with their queue and KV-cache use; None: not an LLM.
     copies: list[dict[str, Any]] | None = None
+    # minReplicas: 0: None for a model that cannot scale to zero, else whether it is (and on how many pods the
+    # Service then lets it load on demand, after how long idle).
+    scaled_to_zero: bool | None = None
+    on_demand_pods: int = 0
+    idle_seconds: int = 0
 
 
 def model_phase(
@@ -182,6 +187,8 @@ def model_phase(
         return "Suspended"
     if not pool_found:
         return "Pending"
+    if observed.scaled_to_zero:
+        return "ScaledToZero"
     if observed.wanted > 0 and observed.available >= observed.wanted:
         return "Available"
     if observed.available > 0:
@@ -256,12 +263,39 @@ def model_conditions(
         )
     else:
         service = condition("ServiceReady", False, "NoEndpoints", "no pod holds the model yet")
+    if observed.scaled_to_zero and pool_found:
+        return _scaled_to_zero_conditions(pool, observed)
     if all(c["status"] == "True" for c in (scheduled, loaded, service)):
         ready = condition("Ready", True, "Ready", loaded["message"])
     else:
         failing = next(c for c in (scheduled, loaded, service) if c["status"] != "True")
         ready = condition("Ready", False, failing["reason"], failing["message"])
-    return [scheduled, loaded, service, ready]
+    out = [scheduled, loaded, service, ready]
+    if observed.scaled_to_zero is not None:
+        out.append(
+            condition(
+                "ScaledToZero",
+                False,
+                "Active",
+                f"copies are kept while requests come within {observed.idle_seconds}s of each other",
+            )
+        )
+    return out
+
+
+def _scaled_to_zero_conditions(pool: str, observed: ModelObservation) -> list[Condition]:
+    """minReplicas: 0 and idle: no copy anywhere, and the model's Service selects the pods that load it on
+    demand; it serves (Ready), the first request waiting for the load."""
+    on_demand = f"{observed.on_demand_pods} pods of {pool} load it on the next request (--load-on-demand)"
+    return [
+        condition(
+            "Scheduled", True, "ScaledToZero", f"no request for {observed.idle_seconds}s: no copies kept"
+        ),
+        condition("Loaded", True, "ScaledToZero", "0 copies; " + on_demand),
+        condition("ServiceReady", True, "OnDemand", on_demand),
+        condition("Ready", True, "ScaledToZero", on_demand),
+        condition("ScaledToZero", True, "Idle", f"no request for {observed.idle_seconds}s; " + on_demand),
+    ]
 
 
 def model_status(

@@ -258,3 +258,29 @@ def test_models_are_indexed_by_pool():
     assert list(handlers.models_by_pool(name="solo", namespace=NS, spec={}, body=own)) == [
         (NS, "solo-server")
     ]
+
+
+@on_session_loop
+async def test_a_model_that_may_scale_to_zero_starts_its_pool_with_load_on_demand():
+    kube = FakeKube()
+    pool = kube.add(body("InferenceServer", "gpu", {"replicas": 2}))
+    lazy = body("InferenceModel", "chat", {"serverRef": {"name": "gpu"}, "minReplicas": 0})
+    index: dict = {}
+    m = memo(kube)
+    m.pool_models = lambda namespace, name: index.get((namespace, name), [])
+
+    def server_args():
+        deployments = [o for o in kube.applied if o["kind"] == "Deployment"]
+        return deployments[-1]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    await handlers.ensure_pool(m, pool, events=False)
+    assert "--load-on-demand" not in server_args()
+    # the model arrives (kopf's index is updated before its handler runs): its pool is applied again at once
+    index[(NS, "gpu")] = [lazy]
+    await handlers.model_changed(body=lazy, name="chat", namespace=NS, memo=m, old=None)
+    assert "--load-on-demand" in server_args()
+    # it no longer scales to zero: the flag goes
+    kept = body("InferenceModel", "chat", {"serverRef": {"name": "gpu"}, "minReplicas": 1})
+    index[(NS, "gpu")] = [kept]
+    await handlers.model_changed(body=kept, name="chat", namespace=NS, memo=m, old=lazy)
+    assert "--load-on-demand" not in server_args()

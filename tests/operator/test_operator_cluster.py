@@ -991,3 +991,151 @@ def test_tls_pool_is_served_and_verified_by_the_operator(report):
         h.index(ip)
     h.kubectl("-n", NS, "delete", "im", "tls-add-sub", "--timeout=90s", check=False)
     h.kubectl("-n", NS, "delete", "inferenceserver", "tlspool", "--timeout=90s", check=False)
+
+
+class ServiceTraffic:
+    """A client of one model through its Service, as kube-proxy would route it: the Service's ready endpoints
+    (EndpointSlices, re-read every half second) taken in turn, `workers` requests at a time while `on` is set.
+    Every answer but a correct 200 counts as a failure, and so does a request that finds no endpoint."""
+
+    def __init__(self, h: Harness, service: str, model_name: str, workers: int = 2):
+        self.h, self.service, self.model_name = h, service, model_name
+        self.on = threading.Event()
+        self.stop = threading.Event()
+        self.ok = 0
+        self.waited = 0  # answers that waited for a load on demand (X-Naiad-Load-Wait-Ms)
+        self.failures: list[str] = []
+        self.endpoints: list[str] = []
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._threads = [threading.Thread(target=self._refresh, daemon=True)]
+        self._threads += [threading.Thread(target=self._send, daemon=True) for _ in range(workers)]
+
+    def __enter__(self) -> ServiceTraffic:
+        self.endpoints = sorted(self.h.endpoints(self.service))
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(60)
+
+    def _refresh(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.endpoints = sorted(self.h.endpoints(self.service))
+            except (cluster_mod.ClusterError, OSError, ValueError):
+                pass  # keep the last set, as kube-proxy would while the API server is slow
+            self.stop.wait(0.5)
+
+    def _send(self) -> None:
+        body = json.dumps(
+            {
+                "inputs": [
+                    {"name": "INPUT0", "shape": [4], "datatype": "FP32", "data": [1, 2, 3, 4]},
+                    {"name": "INPUT1", "shape": [4], "datatype": "FP32", "data": [1, 1, 1, 1]},
+                ]
+            }
+        ).encode()
+        while not self.stop.is_set():
+            if not self.on.wait(0.2):
+                continue
+            endpoints = self.endpoints
+            if not endpoints:
+                with self._lock:
+                    self.failures.append("no endpoint")
+                self.stop.wait(0.1)
+                continue
+            with self._lock:
+                self._turn += 1
+                ip = endpoints[self._turn % len(endpoints)]
+            try:
+                connection = http.client.HTTPConnection(ip, 8000, timeout=60)
+                connection.request(
+                    "POST", f"/v2/models/{self.model_name}/infer", body, {"Content-Type": "application/json"}
+                )
+                response = connection.getresponse()
+                answer = response.read()
+                waited = response.getheader("X-Naiad-Load-Wait-Ms")
+                connection.close()
+                outputs = {o["name"]: o["data"] for o in json.loads(answer).get("outputs", [])}
+                good = response.status == 200 and outputs.get("OUTPUT0") == [2.0, 3.0, 4.0, 5.0]
+            except (OSError, http.client.HTTPException, ValueError) as error:
+                good, answer, waited = False, str(error).encode(), None
+            with self._lock:
+                if good:
+                    self.ok += 1
+                    self.waited += waited is not None
+                else:
+                    self.failures.append(f"{ip}: {answer[:300]!r}")
+            self.stop.wait(0.05)
+
+
+def test_model_scales_to_zero_and_back_without_a_failed_request(report):
+    """minReplicas: 0: idle for idleSeconds -> no copies, the Service on every pod of the pool, the next request
+    served by a load on demand, the operator placing the model again; another model of the pool is called the
+    whole time, and this one before, at and after zero: no request fails."""
+    h = report
+    keep = h.repo / "add_sub_keep"
+    if not keep.exists():
+        shutil.copytree(h.repo / "add_sub", keep)
+        config = keep / "config.pbtxt"
+        config.write_text(config.read_text().replace('name: "add_sub"', 'name: "add_sub_keep"'))
+    # The models first: the pool's first pods already start with --load-on-demand (no rollout).
+    h.apply(
+        model(
+            "lazy",
+            serverRef={"name": "ondemand"},
+            modelName="add_sub",
+            replicas=1,
+            minReplicas=0,
+            idleSeconds=8,
+        )
+    )
+    h.apply(model("steady", serverRef={"name": "ondemand"}, modelName="add_sub_keep", replicas=1))
+    h.apply(pool("ondemand", replicas=2, modelRepository={"path": str(h.repo)}, resources={}))
+    for name in ("lazy", "steady"):
+        wait(lambda n=name: h.model_status(n).get("phase") == "Available", 180, what=f"{name} Available")
+    deployment = h.get("deployment", "ondemand")
+    assert "--load-on-demand" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    ips = {p["status"]["podIP"] for p in h.get("pods", selector="naiad.dev/server=ondemand")["items"]}
+    assert len(ips) == 2
+    with (
+        ServiceTraffic(h, "lazy", "add_sub") as lazy,
+        ServiceTraffic(h, "steady", "add_sub_keep", workers=1) as steady,
+    ):
+        steady.on.set()
+        lazy.on.set()
+        time.sleep(6)
+        lazy.on.clear()  # idle from here
+        status = wait(
+            lambda: (s := h.model_status("lazy")).get("phase") == "ScaledToZero" and s,
+            90,
+            what="ScaledToZero",
+        )
+        assert (status["replicas"], status["desiredReplicas"]) == (0, 0)
+        conditions = {c["type"]: c["status"] for c in status["conditions"]}
+        assert conditions["ScaledToZero"] == "True" and conditions["Ready"] == "True"
+        wait(lambda: all(h.index(ip).get("add_sub") != "READY" for ip in ips), 30, what="unloaded everywhere")
+        wait(lambda: h.endpoints("lazy") == ips, 30, what="the Service on every on-demand pod")
+        time.sleep(3)
+        assert h.model_status("lazy").get("phase") == "ScaledToZero"  # nothing brought it back meanwhile
+        served_before = lazy.ok
+        lazy.on.set()  # the next requests: loaded on demand, then placed again
+        status = wait(
+            lambda: (s := h.model_status("lazy")).get("phase") == "Available" and s, 90, what="back from zero"
+        )
+        assert status["replicas"] >= 1
+        assert {c["type"]: c["status"] for c in status["conditions"]}["ScaledToZero"] == "False"
+        wait(lambda: len(h.endpoints("lazy")) == 1, 30, what="the Service back on the pod holding it")
+        time.sleep(5)
+        assert lazy.ok > served_before and lazy.waited >= 1
+    events = h.kubectl("-n", NS, "get", "events", "--field-selector", "involvedObject.name=lazy").stdout
+    assert "ScaledToZero" in events and "ScaledFromZero" in events
+    print(f"lazy: {lazy.ok} ok ({lazy.waited} waited for a load); steady: {steady.ok} ok")
+    assert not lazy.failures and not steady.failures, (lazy.failures[:5], steady.failures[:5])
+    assert steady.ok > 0
+    h.kubectl("-n", NS, "delete", "im", "lazy", "steady", "--timeout=90s", check=False)
+    h.kubectl("-n", NS, "delete", "inferenceserver", "ondemand", "--timeout=90s", check=False)

@@ -10,6 +10,9 @@ chart runs it (leader election on, default resync). Measured from the real kube-
 * apply -> Available of each new model (p50/p95), from a watch on InferenceModels.
 
 Target: requests/min at 300 models <= the figure at 10 models + 10%, apply -> Available p95 < 5 s.
+Density (`make e2e-density`, `-k density`): 1,000 models on one pool of 3 servers (requests/min at rest,
+apply -> Available, placement convergence after a pod is deleted), and 100 small models resident on one server
+(load time, RSS, per-model memory from the repository index, first-request latency).
 Marked `bench` (and `slow`): `make e2e-bench`, or
 pytest -m bench tests/operator/test_operator_scale.py -s (about 12 minutes). Figures go to stdout and to
 $NAIAD_BENCH_OUT (JSON) when set.
@@ -402,3 +405,224 @@ def test_apply_to_available_small(tmp_path_factory):
         if os.environ.get("NAIAD_BENCH_OUT"):
             out = Path(os.environ["NAIAD_BENCH_OUT"])
             out.with_name(f"{out.stem}-small{out.suffix}").write_text(json.dumps(figures, indent=2) + "\n")
+
+
+# --- density: many models on one pool, many models resident on one server ----------------------------------------
+
+# The 1,000-model scenario (NAIAD_DENSITY_MODELS to run it smaller where the machine cannot take it).
+DENSE = int(os.environ.get("NAIAD_DENSITY_MODELS", "1000"))
+DENSE_PODS = int(os.environ.get("NAIAD_DENSITY_PODS", "3"))
+RESIDENT = int(os.environ.get("NAIAD_DENSITY_RESIDENT", "100"))
+
+
+def density_out(suffix: str) -> Path | None:
+    """$NAIAD_BENCH_OUT with -<suffix> before its extension (the existing scenarios keep the plain name)."""
+    if not os.environ.get("NAIAD_BENCH_OUT"):
+        return None
+    out = Path(os.environ["NAIAD_BENCH_OUT"])
+    return out.with_name(f"{out.stem}-{suffix}{out.suffix}")
+
+
+def model_phases(h) -> dict[str, tuple[str | None, list[str]]]:
+    """InferenceModel name -> (phase, pods of its placements)."""
+    return {
+        m["metadata"]["name"]: (
+            (m.get("status") or {}).get("phase"),
+            [p["pod"] for p in (m.get("status") or {}).get("placements") or []],
+        )
+        for m in h.get("inferencemodels")["items"]
+    }
+
+
+def pool_pods(h, pool: str) -> list[dict]:
+    return [
+        p
+        for p in h.get("pods", selector=f"naiad.dev/server={pool}")["items"]
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+@pytest.mark.timeout(7200)
+def test_density_1000_models_on_one_pool(tmp_path_factory):
+    """1,000 InferenceModels (one copy each) on one pool of DENSE_PODS real servers: the operator's requests per
+    minute at rest, apply -> Available p50/p95, and how long placement takes to converge again after one of the
+    pods is deleted (its models go to the other pods or its replacement)."""
+    wide = ["--extra-args", "kube-apiserver=service-cluster-ip-range=10.0.0.0/16"]
+    with running_cluster(
+        tmp_path_factory.mktemp("naiad-density"), nodes=1, operator=False, kwokctl_args=wide
+    ) as h:
+        make_repository(h.repo, DENSE)
+        h.cluster.apply(flow_schema())
+        operator = start_operator(h)
+        watch = AvailableWatch(h)
+        try:
+            start_pools(h, 1, replicas=DENSE_PODS)
+            cpu, started = cpu_seconds(operator), time.time()
+            sent = apply_models(h, range(DENSE), pools=1)
+            applied = time.time() - started
+            wait(lambda: all_available(h, DENSE), 3600, interval=10, what=f"{DENSE} models Available")
+            burst = {
+                "seconds": round(time.time() - started, 1),
+                "apply_seconds": round(applied, 1),
+                "operator_cpu_seconds": round(cpu_seconds(operator) - cpu, 1),
+            }
+            wait(lambda: all_handled(h, DENSE), 1800, interval=10, what="create handlers done")
+            time.sleep(30)
+            cpu = cpu_seconds(operator)
+            steady = window(h, WINDOW)
+            steady_cpu = round((cpu_seconds(operator) - cpu) / (WINDOW / 60), 2)
+
+            # One pod lost: delete it and wait until every model is Available again with no copy on it.
+            victim = sorted(p["metadata"]["name"] for p in pool_pods(h, "pool-0"))[0]
+            on_victim = sum(1 for _, pods in model_phases(h).values() if victim in pods)
+            lost_at = time.time()
+            h.kubectl("-n", NS, "delete", "pod", victim, "--wait=false")
+
+            def converged() -> bool:
+                phases = model_phases(h)
+                return len(phases) >= DENSE and all(
+                    phase == "Available" and victim not in pods for phase, pods in phases.values()
+                )
+
+            wait(converged, 1800, interval=5, what="placement converged after the pod loss")
+            convergence = round(time.time() - lost_at, 1)
+            after = {p["metadata"]["name"]: 0 for p in pool_pods(h, "pool-0")}
+            for _, pods in model_phases(h).values():
+                for pod in pods:
+                    after[pod] = after.get(pod, 0) + 1
+        finally:
+            watch.stop()
+            operator.terminate()
+            operator.wait(60)
+        latencies = [watch.available[name] - at for name, at in sent.items() if name in watch.available]
+        assert len(latencies) == DENSE, f"{DENSE - len(latencies)} models never seen Available"
+        figures = {
+            "models": DENSE,
+            "pods": DENSE_PODS,
+            "window_seconds": WINDOW,
+            "operator_requests_per_minute": steady["operator"]["total"],
+            "operator_cpu_seconds_per_minute": steady_cpu,
+            "cluster_requests_per_minute_by_verb": steady["verbs"],
+            "apply_to_available_seconds": {
+                "p50": round(statistics.median(latencies), 2),
+                "p95": round(percentile(latencies, 95), 2),
+                "max": round(max(latencies), 2),
+            },
+            "applying_all_models": burst,
+            "apply_to_available_breakdown_seconds": breakdown(h, sent, watch),
+            "pod_lost": {
+                "pod": victim,
+                "models_it_held": on_victim,
+                "seconds_to_converge": convergence,
+                "models_per_pod_after": after,
+            },
+            "watch_restarts": watch.restarts,
+        }
+        print("\n" + json.dumps(figures, indent=2))
+        out = density_out("density")
+        if out is not None:
+            out.write_text(json.dumps(figures, indent=2) + "\n")
+        assert steady["operator"]["total"] > 0, "no requests seen from the operator's FlowSchema"
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[dict | list, float]:
+    import urllib.request
+
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )  # fmt: skip
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=60) as response:
+        doc = json.loads(response.read())
+    return doc, time.perf_counter() - started
+
+
+def _load_seconds(ip: str) -> float:
+    """Sum of naiad_model_load_duration_seconds over the server's loads (its own measure of the loads)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{ip}:8002/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("naiad_model_load_duration_seconds_sum")
+    )
+
+
+def test_density_100_models_resident_on_one_server(tmp_path_factory):
+    """RESIDENT small python models (identity, in-process) placed by the operator on one real server pod: the
+    load time, the server's RSS before and after, each model's memory as the repository index reports it, and
+    each model's first request (then a second, warm one)."""
+    with running_cluster(tmp_path_factory.mktemp("naiad-resident"), nodes=1, operator=False) as h:
+        make_repository(h.repo, RESIDENT)
+        operator = start_operator(h)
+        watch = AvailableWatch(h)
+        try:
+            start_pools(h, 1, replicas=1)
+            (pod,) = pool_pods(h, "pool-0")
+            ip = pod["status"]["podIP"]
+            process = h.runner.get(NS, pod["metadata"]["name"], "server")
+            assert process is not None and process.pid is not None
+            rss_before = _rss_bytes(process.pid)
+            started = time.time()
+            sent = apply_models(h, range(RESIDENT), pools=1)
+            wait(lambda: all_available(h, RESIDENT), 900, interval=1, what=f"{RESIDENT} models Available")
+            all_loaded = max(watch.available.values()) - started
+            rss_after = _rss_bytes(process.pid)
+            index, _ = _post(
+                f"http://{ip}:8000/v2/repository/index",
+                {"memory": True},
+                {"naiad-control-key": h.credential()},
+            )
+            memory = [int(e.get("host_memory_bytes") or 0) for e in index if e.get("state") == "READY"]
+            first, warm = [], []
+            body = {"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+            for i in range(RESIDENT):
+                url = f"http://{ip}:8000/v2/models/m_{i:03d}/infer"
+                doc, seconds = _post(url, body)
+                assert doc["outputs"][0]["data"] == [1, 2, 3, 4], doc
+                first.append(seconds)
+                warm.append(_post(url, body)[1])
+            load_seconds = _load_seconds(ip)
+        finally:
+            watch.stop()
+            operator.terminate()
+            operator.wait(60)
+        latencies = [watch.available[n] - at for n, at in sent.items() if n in watch.available]
+        assert len(memory) == RESIDENT, f"{len(memory)} READY models in the index"
+
+        def ms(values: list[float]) -> dict[str, float]:
+            return {"p50": round(statistics.median(values) * 1000, 2), "p95": round(percentile(values, 95) * 1000, 2),
+                    "max": round(max(values) * 1000, 2)}  # fmt: skip
+
+        figures = {
+            "models": RESIDENT,
+            "apply_to_all_available_seconds": round(all_loaded, 2),
+            "apply_to_available_seconds": {
+                "p50": round(statistics.median(latencies), 2),
+                "p95": round(percentile(latencies, 95), 2),
+            },
+            "server_load_seconds_total": round(load_seconds, 2),
+            "server_rss_bytes": {"before": rss_before, "after": rss_after, "delta": rss_after - rss_before},
+            "per_model_host_memory_bytes_from_index": {
+                "p50": int(statistics.median(memory)),
+                "max": max(memory),
+                "sum": sum(memory),
+            },
+            "first_request_ms": ms(first),
+            "second_request_ms": ms(warm),
+        }
+        print("\n" + json.dumps(figures, indent=2))
+        out = density_out("resident")
+        if out is not None:
+            out.write_text(json.dumps(figures, indent=2) + "\n")
+        assert rss_after > rss_before

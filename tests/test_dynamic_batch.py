@@ -8,7 +8,9 @@ has a queue to assemble batches from.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -169,4 +171,32 @@ async def test_a_priority_outside_the_levels_is_refused(priority):
             await scheduler.submit(request("r", priority=priority))
     finally:
         await scheduler.close(1)
+        pool.close()
+
+
+@pytest.mark.parametrize("config", [BATCHED + "dynamic_batching { }", BATCHED], ids=["dynamic", "default"])
+async def test_an_answered_queued_request_is_not_kept_by_the_dispatcher(config):
+    """Once a queued request is answered and its caller lets go, nothing in the scheduler keeps its tensors:
+    the dispatcher's last batch used to stay alive in its locals until the next queued request (a 256 MiB
+    message's receive buffer, through the identity output that is a view of the input)."""
+    scheduler, inst, pool = make_scheduler(config)
+    try:
+        first = asyncio.ensure_future(scheduler.submit(request("first")))
+        assert await asyncio.to_thread(inst.started.wait, 30)
+        queued = request("queued")
+        tensor = weakref.ref(queued.inputs["INPUT0"])
+        task = asyncio.ensure_future(scheduler.submit(queued))
+        await asyncio.sleep(0.05)  # in the queue behind the held execution
+        inst.release.set()
+        await first
+        response = await task
+        same = response.output("OUTPUT0").data is tensor()
+        assert same  # (the identity output is the input itself)
+        del queued, task, response
+        await asyncio.sleep(0.05)  # the dispatcher is waiting for its next request again
+        gc.collect()
+        assert tensor() is None, [type(r).__name__ for r in gc.get_referrers(tensor())]
+    finally:
+        inst.release.set()
+        await scheduler.close(5)
         pool.close()

@@ -267,3 +267,36 @@ def test_grpcio_implementation_still_serves(model_repo):
                 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
                 == health_pb2.HealthCheckResponse.SERVING
             )
+
+
+def test_pings_while_a_reply_waits_for_window_are_not_strikes(naiad):
+    """grpcio's clients send BDP pings while a large reply arrives. Each DATA frame the server writes starts its
+    ping policy over (as grpcio's server does), also the frames of a reply that waited for window: a reply that
+    crosses many windows is not cut off with GOAWAY too_many_pings (seen under load with 256 MiB replies)."""
+    from h2frames import DATA, END_STREAM, GOAWAY, PING, WINDOW_UPDATE, RawH2, frame, grpc_message
+
+    n = 128 << 10  # 512 KiB of FP32 each way: eight of the client's 64 KiB stream windows
+    req = pb.ModelInferRequest(model_name="identity_fp32")
+    tensor = req.inputs.add(name="INPUT0", datatype="FP32")
+    tensor.shape.extend([1, n])
+    req.raw_input_contents.append(bytes(4 * n))
+    body = grpc_message(req.SerializeToString())
+    with RawH2(naiad.grpc) as conn:
+        conn.send(conn.request_headers("/inference.GRPCInferenceService/ModelInfer"))
+        for pos in range(0, len(body), 16384):
+            last = END_STREAM if pos + 16384 >= len(body) else 0
+            conn.send(frame(DATA, last, 1, body[pos : pos + 16384]))
+        received, ended, rounds = 0, False, 0
+        while not ended and rounds < 40:
+            frames = conn.frames(timeout=0.5)
+            assert not [f for f in frames if f[0] == GOAWAY], frames[-1]
+            assert not conn.closed, "the server closed the connection"
+            received += sum(len(f[3]) for f in frames if f[0] == DATA and f[2] == 1)
+            ended = any(f[2] == 1 and f[1] & END_STREAM for f in frames)
+            # as a grpcio client does: a (BDP) ping, then the window for the next part of the reply
+            conn.send(frame(PING, 0, 0, struct.pack(">Q", rounds)))
+            conn.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 65535)))
+            conn.send(frame(WINDOW_UPDATE, 0, 1, struct.pack(">I", 65535)))
+            rounds += 1
+        assert ended and received >= 4 * n, (received, rounds)
+        assert rounds >= 6

@@ -62,3 +62,16 @@ def test_chunked_response_serializes_as_protobuf():
     expected.CopyFrom(out)
     expected.raw_output_contents.extend([arr.tobytes(), b""])
     assert pb.ModelInferResponse.FromString(wire) == expected
+
+
+@pytest.mark.parametrize("request_type", [grpc_wire.SplitInferRequest, grpc_wire.CheckedInferRequest])
+def test_a_request_of_very_many_fields_is_refused_before_protobuf_parses_it(request_type):
+    """Protobuf's parse of many small fields holds the GIL for seconds and takes 20x the message in memory: past
+    MAX_SPLIT_FIELDS top-level fields the request is refused after that many steps of the walk."""
+    head = pb.ModelInferRequest(model_name="m").SerializeToString()
+    at_limit = head + b"\x2a\x00" * (grpc_wire.MAX_SPLIT_FIELDS - 1)  # model_name + empty `inputs`
+    parsed = request_type.FromString(at_limit)
+    message = parsed.message if request_type is grpc_wire.SplitInferRequest else parsed
+    assert len(message.inputs) == grpc_wire.MAX_SPLIT_FIELDS - 1
+    with pytest.raises(DecodeError, match="more than 65536 top-level fields"):
+        request_type.FromString(at_limit + b"\x2a\x00" * (4 << 20))  # 8 MiB more of them

@@ -110,7 +110,10 @@ class GrpcFrontend:
             pb.DESCRIPTOR.services_by_name["GRPCInferenceService"],
             self.servicer,
             api_group,
-            request_types={"ModelInfer": grpc_wire.SplitInferRequest},
+            request_types={
+                "ModelInfer": grpc_wire.SplitInferRequest,
+                "ModelStreamInfer": grpc_wire.CheckedInferRequest,
+            },
         )
         try:
             from grpc_health.v1 import health_pb2

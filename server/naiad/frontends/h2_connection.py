@@ -305,6 +305,8 @@ class H2Connection(asyncio.Protocol):
             st.send_window -= size
             self.send_window -= size
             out[head] = _FRAME.pack(size << 8 | DATA, 0, st.sid)
+            if self.ping_strikes or self.pings_without_data:
+                self._sent_data()  # (grpcio resets them on every DATA it writes, not only a message's first)
         if out:
             st.blocked_since = self.loop.time()  # progress
         if not pending and st.trailers is not None:

@@ -520,11 +520,17 @@ class DataReader(asyncio.BufferedProtocol):
         conn.last_recv = conn.loop.time()
         if self.fill < self.size:
             return
+        # The frame is in: this reader lets go of the message before handing back. uvloop keeps the bound
+        # get_buffer/buffer_updated of a transport's last BufferedProtocol until the next one is set or the
+        # connection closes, so a reader still holding its view kept the connection's last large message
+        # (and its one-off receive buffer: 272 MiB for a 256 MiB message) alive after the call.
+        view, sid = self.view, self.stream.sid
+        self.view = self.stream = None
         conn.transport.set_protocol(conn)
         if conn.closed:
             return
         try:
-            conn._data(self.flags, self.stream.sid, self.view, in_place=True)
+            conn._data(self.flags, sid, view, in_place=True)
         except H2ConnectionError as exc:
             conn._close_with(exc.code, str(exc))
 

@@ -468,7 +468,13 @@ class FastHttpProtocol(asyncio.Protocol):
         """The whole body is in the buffer: the parser skips over it (it keeps no body bytes) and completes
         the request."""
         self.transport.set_protocol(self)
-        self.data_received(reader.view[reader.seeded : reader.size])
+        view = reader.view[reader.seeded : reader.size]
+        try:
+            self.data_received(view)
+        finally:
+            # uvloop keeps the bound methods of a transport's last BufferedProtocol until the next one is set
+            # or the connection closes: the reader must not keep the body's buffer alive after its request
+            reader.view = reader.body = None
 
     # ---- answering ----
     async def _run(self) -> None:

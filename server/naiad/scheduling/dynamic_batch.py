@@ -203,6 +203,9 @@ class DynamicBatchScheduler:
             task = asyncio.get_running_loop().create_task(self._run(inst, batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+            # This coroutine's locals outlive the iteration while it waits for the next request: the batch's
+            # requests (their tensors: views of the receive buffer) and futures (the responses) must not.
+            del batch, task, inst
 
     async def _wait_for_batch(self) -> None:
         """Wait up to the queue delay (from the oldest request's arrival) for a full or preferred batch."""

@@ -340,6 +340,9 @@ class SequenceBatchScheduler:
                 batch = self._collect(w, ready)
                 if batch:
                     await self._execute(w, batch)
+                # (these locals would outlive the iteration while the loop waits: the last batch's requests
+                # and responses, whose tensors can be views of a large receive buffer, must not)
+                del batch, ready
             except asyncio.CancelledError:
                 raise
             except Exception:

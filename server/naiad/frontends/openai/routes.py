@@ -341,8 +341,8 @@ class OpenAIFrontend:
                     texts.append(piece.text)
                     if not events.started:
                         await events.start()
-                        if chat:
-                            await events.send(builder.chunk("", role=True))
+                        if chat:  # sent with the first token, in one write
+                            events.hold(builder.chunk("", role=True))
                         elif gen.echo:
                             await events.send(builder.chunk(prompt))
                     if held is not None:

@@ -5,9 +5,10 @@ the same slots (`n_parallel` / `-np`), threads and context per slot, and the sam
 requests per concurrency level, a fixed prompt, `--max-tokens` generated with ignore_eos at temperature 0. The
 servers are driven by one client (Python threads reading SSE over HTTP/1.1 keep-alive): Naiad's
 `/v2/models/<m>/generate_stream` (Triton's generate extension, vLLM shape) and llama-server's `/completion`.
-Reported per level: TTFT p50 (request sent -> first token), ITL (mean gap between tokens within a request) and
-output tokens/s (all tokens / wall time of the level). The ways alternate per level so that the shared machine's
-drift lands on all of them.
+Reported per level: TTFT p50 (request sent -> first token whose text is out), ITL (mean gap between tokens within
+a request) and output tokens/s (all tokens / wall time of the level). The ways alternate per level so that the
+shared machine's drift lands on all of them. `--client raw` reads the streams straight from sockets;
+`--baseline DIR` adds way naiad-base (another checkout's Naiad) for an A/B in the same run.
 
     .venv/bin/python bench/llm/llamacpp_bench.py --model large --concurrency 1,8,32 --ways inproc,naiad,llama-server
 """
@@ -110,9 +111,15 @@ class InProcess:
 
         done = threading.Event()
         stamps: list[float] = []
+        held = [0]
 
         def emit(o):
-            stamps.append(time.perf_counter())
+            # stamped when its text is out, as the servers stream it: a token that is no text yet (part of a
+            # UTF-8 character: the larger model's first two are) is stamped with the next one that has text
+            held[0] += o.tokens
+            if o.text or o.finish_reason is not None:
+                stamps.extend([time.perf_counter()] * held[0])
+                held[0] = 0
             if o.finish_reason is not None:
                 done.set()
 

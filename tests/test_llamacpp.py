@@ -380,3 +380,38 @@ def test_a_failed_engine_refuses_new_requests_instead_of_queueing_them(tmp_path)
     with pytest.raises(Unavailable):
         engine.submit(GenerationRequest(engine.tokenize("hi"), sp, lambda o: None, failed.put))
     engine.close()
+
+
+def test_tokenize_remembers_recent_prompts_boundedly(tmp_path, monkeypatch):
+    """The engine remembers the last prompts' token ids (the OpenAI frontend and the backend tokenize each prompt):
+    the same ids as llama.cpp gives, a copy each time, the oldest forgotten past RECENT_PROMPTS, long texts never
+    kept."""
+    from naiad.backends.llamacpp import engine as engine_mod
+    from naiad.backends.llamacpp.engine import LlamaEngine
+    from naiad.backends.llamacpp.params import EngineSettings
+
+    engine = LlamaEngine(
+        write_tiny_gguf(tmp_path / "m.gguf"), EngineSettings(n_ctx=128, n_parallel=1, n_threads=1)
+    )
+    try:
+        calls = []
+        real = engine._tokenize
+        monkeypatch.setattr(engine, "_tokenize", lambda *a: calls.append(a) or real(*a))
+        text = "Once upon a time there was a model"
+        first = engine.tokenize(text)
+        key = (text, True, True)
+        assert first == real(*key) and calls == [key]
+        first.append(-1)  # the caller's list is its own
+        assert engine.tokenize(text) == real(*key) and calls == [key]
+        assert engine.tokenize(text, add_special=False) == real(text, False, True)  # another key
+        assert len(calls) == 2
+        for i in range(engine_mod.RECENT_PROMPTS):
+            engine.tokenize(f"prompt {i}")
+        assert len(engine._recent) == engine_mod.RECENT_PROMPTS
+        engine.tokenize(text)  # forgotten by now: tokenized again
+        assert calls.count(key) == 2
+        long = "word " * (engine_mod.RECENT_PROMPT_CHARS // 5 + 1)
+        engine.tokenize(long)
+        assert (long, True, True) not in engine._recent
+    finally:
+        engine.close()

@@ -5,9 +5,10 @@ the same slots (`n_parallel` / `-np`), threads and context per slot, and the sam
 requests per concurrency level, a fixed prompt, `--max-tokens` generated with ignore_eos at temperature 0. The
 servers are driven by one client (Python threads reading SSE over HTTP/1.1 keep-alive): Naiad's
 `/v2/models/<m>/generate_stream` (Triton's generate extension, vLLM shape) and llama-server's `/completion`.
-Reported per level: TTFT p50 (request sent -> first token), ITL (mean gap between tokens within a request) and
-output tokens/s (all tokens / wall time of the level). The ways alternate per level so that the shared machine's
-drift lands on all of them.
+Reported per level: TTFT p50 (request sent -> first token whose text is out), ITL (mean gap between tokens within
+a request) and output tokens/s (all tokens / wall time of the level). The ways alternate per level so that the
+shared machine's drift lands on all of them. `--client raw` reads the streams straight from sockets;
+`--baseline DIR` adds way naiad-base (another checkout's Naiad) for an A/B in the same run.
 
     .venv/bin/python bench/llm/llamacpp_bench.py --model large --concurrency 1,8,32 --ways inproc,naiad,llama-server
 """
@@ -19,6 +20,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +40,7 @@ from llm_models import cached_large_gguf, write_tiny_gguf  # noqa: E402
 PROMPT = (
     "Once upon a time there was a model that generated tokens one at a time, and the server streamed them"
 )
+CLIENT = "requests"  # --client
 
 
 class Level:
@@ -108,9 +111,15 @@ class InProcess:
 
         done = threading.Event()
         stamps: list[float] = []
+        held = [0]
 
         def emit(o):
-            stamps.append(time.perf_counter())
+            # stamped when its text is out, as the servers stream it: a token that is no text yet (part of a
+            # UTF-8 character: the larger model's first two are) is stamped with the next one that has text
+            held[0] += o.tokens
+            if o.text or o.finish_reason is not None:
+                stamps.extend([time.perf_counter()] * held[0])
+                held[0] = 0
             if o.finish_reason is not None:
                 done.set()
 
@@ -137,9 +146,106 @@ def _sse_stamps(resp) -> list[float]:
     return stamps
 
 
+class _RawStream:
+    """A streamed HTTP/1.1 answer read straight from the socket (`--client raw`): `iter_lines()` as requests
+    gives it, without requests' and urllib3's layers (about 1 ms of client time per request on this machine,
+    which the in-process way does not pay), so TTFT and ITL measure the server more than the client."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = b""
+        self.reusable = True
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise requests.ConnectionError("the server closed the connection")
+        self.buf += data
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self._fill()
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def _body(self):
+        """The body as it arrives: chunked, by Content-Length, or until the connection closes."""
+        status = self._line()
+        if int(status.split()[1]) >= 400:
+            raise requests.HTTPError(status.decode())
+        headers = {}
+        while line := self._line():
+            k, _, v = line.partition(b":")
+            headers[k.strip().lower()] = v.strip().lower()
+        self.reusable = headers.get(b"connection") != b"close"
+        if headers.get(b"transfer-encoding") == b"chunked":
+            while True:
+                n = int(self._line().split(b";")[0], 16)
+                while len(self.buf) < n + 2:
+                    self._fill()
+                piece, self.buf = self.buf[:n], self.buf[n + 2 :]
+                if n == 0:
+                    return
+                yield piece
+        length = headers.get(b"content-length")
+        if length is not None:
+            left = int(length)
+            while left > 0:
+                if not self.buf:
+                    self._fill()
+                piece, self.buf = self.buf[:left], self.buf[left:]
+                left -= len(piece)
+                yield piece
+            return
+        self.reusable = False
+        yield self.buf
+        while data := self.sock.recv(65536):
+            yield data
+
+    def iter_lines(self):
+        pending = b""
+        for piece in self._body():
+            pending += piece
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                yield line.rstrip(b"\r")
+        if pending:
+            yield pending
+
+
+def _post_raw(way, level: Level) -> None:
+    for attempt in range(2):
+        sock = getattr(way.local, "sock", None)
+        if sock is None:
+            host, port = way.url.split("/")[2].rsplit(":", 1)
+            sock = way.local.sock = socket.create_connection((host, int(port)))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            way.local.head = (
+                f"POST /{way.url.split('/', 3)[3]} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                "Content-Type: application/json\r\n"
+            ).encode()
+        body = json.dumps(way.body).encode()
+        sent = time.perf_counter()
+        try:
+            sock.sendall(way.local.head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            stream = _RawStream(sock)
+            level.add(sent, _sse_stamps(stream))
+            if not stream.reusable:
+                sock.close()
+                way.local.sock = None
+            return
+        except (requests.ConnectionError, OSError):
+            sock.close()
+            way.local.sock = None
+            if attempt:
+                raise
+
+
 def _post(way, level: Level) -> None:
     """One streaming request on this thread's keep-alive session; a connection the server closed while idle is
     opened again (llama-server drops idle keep-alive connections)."""
+    if CLIENT == "raw":
+        return _post_raw(way, level)
     for attempt in range(2):
         session = getattr(way.local, "session", None) or requests.Session()
         way.local.session = session
@@ -158,6 +264,7 @@ def _post(way, level: Level) -> None:
 class Naiad:
     name = "naiad"
     server_args: tuple[str, ...] = ()
+    server_env: dict[str, str] | None = None
 
     def __init__(self, gguf: Path, args):
         self.repo = Path(tempfile.mkdtemp(prefix="llm-bench-"))
@@ -170,7 +277,7 @@ class Naiad:
                 f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in params.items()
             )
         )
-        self.proc = NaiadProcess(self.repo, *self.server_args, timeout=300).start()
+        self.proc = NaiadProcess(self.repo, *self.server_args, env=self.server_env, timeout=300).start()
         self.url = f"{self.proc.url}/v2/models/llm/generate_stream"
         self.body = {
             "text_input": PROMPT,
@@ -226,6 +333,15 @@ class NaiadOpenAI(Naiad):
 class NaiadOpenAIWorkers(NaiadOpenAI):
     name = "naiad-openai-w2"
     server_args = ("--frontend-workers", "2")
+
+
+def _baseline(checkout: Path) -> type[Naiad]:
+    """`--baseline DIR`: way `naiad-base`, Naiad as another checkout's server/ has it (a git worktree of main), for
+    an A/B in the same run; the ways alternate as any others do."""
+    server = Path(checkout).resolve() / "server"
+    if not (server / "naiad").is_dir():
+        raise SystemExit(f"--baseline {checkout}: no server/naiad there")
+    return type("NaiadBase", (Naiad,), {"name": "naiad-base", "server_env": {"PYTHONPATH": str(server)}})
 
 
 class LlamaServer:
@@ -330,7 +446,20 @@ def main() -> None:
         "--rounds", type=int, default=1, help="repeat each level, the ways alternating; medians reported"
     )
     ap.add_argument("--out", default="", help="append the rows as JSON lines to this file")
+    ap.add_argument(
+        "--client",
+        choices=["requests", "raw"],
+        default="requests",
+        help="the servers' HTTP client: requests (default), or raw sockets (less client time in TTFT and ITL)",
+    )
+    ap.add_argument(
+        "--baseline", default="", help="a checkout (git worktree) whose Naiad runs as way naiad-base"
+    )
     args = ap.parse_args()
+    global CLIENT
+    CLIENT = args.client
+    if args.baseline:
+        WAYS["naiad-base"] = _baseline(Path(args.baseline))
 
     if args.model == "tiny":
         gguf = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="llm-bench-")) / "tiny.gguf")

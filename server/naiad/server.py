@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import sys
 import time
@@ -21,6 +22,7 @@ from .orchestration.memory_budget import MemoryBudget
 from .orchestration.on_demand import OnDemandLoader
 from .orchestration.orchestrator import ModelOrchestrator
 from .repository import ModelRepository
+from .scheduling.handoff import Handoff
 from .scheduling.ratelimit import RateLimiter
 from .trace import Tracer
 from .version_string import parse_version
@@ -118,6 +120,7 @@ class Server:
         self._started = False
         self._stopping = False
         self._inflight = 0
+        self._handoff: Handoff | None = None  # decoupled responses to the event loop (infer_stream)
         self._idle = asyncio.Event()
         self._poll_task: asyncio.Task | None = None
 
@@ -341,12 +344,28 @@ class Server:
             device_tensors.place_inputs(request, mv.config)
         mv.validate(request)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        handoff = self._handoff
+        if handoff is None or handoff.loop is not loop:
+            handoff = self._handoff = Handoff(loop)
+        # responses arrive in `ready` (on the loop, through the handoff); the generator waits on `waiter[0]` when
+        # there is none, and the execution's end wakes it too. No Task per response: a token is a response.
+        ready: collections.deque[InferenceResponse] = collections.deque()
+        waiter: list[asyncio.Future | None] = [None]
         user_callback = request.response_callback
         started = time.monotonic_ns()
         counter = [0]
         trace = self.tracer.start(mv, request)
-        error = execution = None
+        error: BaseException | None = None
+        execution = None
+
+        def wake(_=None) -> None:
+            w = waiter[0]
+            if w is not None and not w.done():
+                w.set_result(None)
+
+        def arrived(resp: InferenceResponse) -> None:
+            ready.append(resp)
+            wake()
 
         def deliver(resp: InferenceResponse) -> None:
             key = str(counter[0])
@@ -359,18 +378,17 @@ class Server:
                 resp.error is None,
                 not resp.outputs and resp.error is None,
             )
-            loop.call_soon_threadsafe(queue.put_nowait, resp)
+            handoff.post(arrived, resp)
 
         request.response_callback = deliver
         self._inflight += 1
         try:
             run: asyncio.Future[InferenceResponse | None] = loop.create_task(mv.infer(request))
             execution = run
+            run.add_done_callback(wake)
             while True:
-                getter = loop.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, run}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in done:
-                    resp = getter.result()
+                if ready:
+                    resp = ready.popleft()
                     resp.model_name, resp.model_version, resp.id = mv.name, str(mv.version), request.id
                     error = resp.error or error
                     if resp.error is None:
@@ -387,13 +405,17 @@ class Server:
                     if resp.final:
                         break
                     continue
-                getter.cancel()
-                exc = run.exception()
-                if exc is not None:
-                    error = exc
-                    raise exc
-                # execute returned; keep waiting for responses sent later from the model's own threads
-                run = loop.create_future()
+                if run.done():
+                    exc = run.exception()
+                    if exc is not None:
+                        error = exc
+                        raise exc
+                # (execute returned: responses still come later from the model's own threads)
+                waiter[0] = wait = loop.create_future()
+                try:
+                    await wait
+                finally:
+                    waiter[0] = None
         finally:
             request.cancelled = True
             self._inflight -= 1

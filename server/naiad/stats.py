@@ -140,17 +140,16 @@ class ModelStats:
     def record_response(self, key: str, ns: int, ok: bool, empty: bool) -> None:
         """Decoupled models: per-response statistics, keyed by the response's index."""
         with self.lock:
-            entry = self.response_stats.setdefault(
-                key,
-                {
+            entry = self.response_stats.get(key)
+            if entry is None:  # (not setdefault: that built six Durations per response, per streamed token)
+                entry = self.response_stats[key] = {
                     "compute_infer": Duration(),
                     "compute_output": Duration(),
                     "success": Duration(),
                     "fail": Duration(),
                     "empty_response": Duration(),
                     "cancel": Duration(),
-                },
-            )
+                }
             entry["empty_response" if empty else ("success" if ok else "fail")].add(ns)
 
     def as_dict(self) -> dict:

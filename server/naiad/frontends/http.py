@@ -33,6 +33,7 @@ from .http_codec import (
     restricted_message,
 )
 from .http_fast import FastHttpServer
+from .sse_response import EventResponse
 
 log = logging.getLogger("naiad.http")
 
@@ -381,9 +382,7 @@ class HttpFrontend:
         first response sets the status (an error first: its status, with the error as the event); an error after
         it is an event under the 200. An error before any response is a plain JSON error."""
         _, req = await self._generate_request(request)
-        stream = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-        )
+        stream = EventResponse()
         if req.load_wait_ns:
             load_wait_header(req, stream.headers)
         started = False

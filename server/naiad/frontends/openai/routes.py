@@ -442,8 +442,8 @@ class OpenAIFrontend:
             return
         await events.start()
         for i in range(n):
-            if builder.chat:
-                await events.send(builder.chunk("", role=True, index=i))
+            if builder.chat:  # the role chunks go out with the first token, in one write
+                events.hold(builder.chunk("", role=True, index=i))
             elif builder.gen.echo:
                 await events.send(builder.chunk(prompt, index=i))
 

@@ -9,6 +9,8 @@ import socket
 import orjson
 from aiohttp import web
 
+from ..sse_response import EventResponse
+
 WRITE_BUFFER_HIGH = 64 * 1024  # bytes the transport holds for a slow reader before writes wait
 KERNEL_SEND_BUFFER = 256 * 1024  # SO_SNDBUF of a streaming connection
 
@@ -21,10 +23,9 @@ class EventStream:
     def __init__(self, request: web.Request, stall_timeout: float):
         self.request = request
         self.stall_timeout = stall_timeout
-        self.response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-        )
+        self.response = EventResponse()  # the headers go out with the first event
         self.started = False
+        self._held: list[bytes] = []
 
     async def start(self) -> None:
         if not self.started:
@@ -45,9 +46,19 @@ class EventStream:
 
     async def _write(self, data: bytes) -> None:
         await self.start()
+        if self._held:
+            data = b"".join((*self._held, data))
+            self._held.clear()
         try:
-            await asyncio.wait_for(self.response.write(data), self.stall_timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps each write, each token, in a Task
+            if (
+                asyncio.current_task() is None
+            ):  # (a coroutine driven outside a Task cannot be given a timeout)
+                await asyncio.wait_for(self.response.write(data), self.stall_timeout)
+            else:
+                async with asyncio.timeout(self.stall_timeout):
+                    await self.response.write(data)
+        except TimeoutError:
             transport = self.request.transport
             if transport is not None:
                 transport.abort()
@@ -55,6 +66,11 @@ class EventStream:
 
     async def send(self, obj: dict) -> None:
         await self._write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+    def hold(self, obj: dict) -> None:
+        """An event that goes out with the next one, in the same write (the chat stream's role chunk waits for its
+        first token: one send, one wakeup of the client)."""
+        self._held.append(b"data: " + orjson.dumps(obj) + b"\n\n")
 
     async def done(self) -> web.StreamResponse:
         await self._write(b"data: [DONE]\n\n")

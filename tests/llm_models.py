@@ -225,3 +225,12 @@ def write_tiny_hf_llama(folder: Path) -> None:
         pad_token_id=0,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def write_llamacpp_model(model_dir: Path, extra_config: str = "") -> None:
+    """A repository entry serving the tiny GGUF with the llama.cpp backend on one thread (`extra_config`: more
+    config.pbtxt lines)."""
+    write_tiny_gguf(model_dir / "1" / "model.gguf")
+    (model_dir / "config.pbtxt").write_text(
+        'backend: "llamacpp"\nparameters { key: "n_threads" value: { string_value: "1" } }\n' + extra_config
+    )

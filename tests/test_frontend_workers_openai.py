@@ -14,6 +14,7 @@ import pytest
 import requests
 from helpers import NaiadProcess, free_ports
 from llm_models import write_tiny_gguf
+from openai_clients import v1_client
 from openai_models import build
 from test_frontend_workers import wait_for, worker_pids
 
@@ -96,9 +97,8 @@ def server(repo, gguf_repo):
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
+    with v1_client(server) as c:
+        yield c
 
 
 def metric(server, name: str, **labels) -> float:

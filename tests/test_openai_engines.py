@@ -6,14 +6,13 @@ extension on the same model, and the vLLM token metrics count what was sent."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 
-import openai
 import pytest
 import requests
 from helpers import NaiadProcess
 from llm_models import write_tiny_gguf, write_tiny_hf_llama
+from openai_clients import model_metric, v1_client
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,15 +41,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
-
-
-def metric(server, name: str, model: str) -> float:
-    text = requests.get(f"http://{server.metrics}/metrics", timeout=10).text
-    pattern = re.compile(rf'^{re.escape(name)}\{{[^}}]*model_name="{model}"[^}}]*\}} (\S+)$', re.M)
-    return sum(float(v) for v in pattern.findall(text))
+    with v1_client(server) as c:
+        yield c
 
 
 def test_models_lists_both_engines(client):
@@ -153,22 +145,22 @@ def test_curl_chat_and_openai_errors(server):
 
 
 def test_token_metrics_count_what_was_sent(server, client):
-    before_prompt = metric(server, "vllm:prompt_tokens_total", GGUF)
-    before_gen = metric(server, "vllm:generation_tokens_total", GGUF)
-    before_ttft = metric(server, "vllm:time_to_first_token_seconds_count", GGUF)
+    before_prompt = model_metric(server, "vllm:prompt_tokens_total", GGUF)
+    before_gen = model_metric(server, "vllm:generation_tokens_total", GGUF)
+    before_ttft = model_metric(server, "vllm:time_to_first_token_seconds_count", GGUF)
     usage = [
         client.completions.create(model=GGUF, prompt=p, max_tokens=6, temperature=0).usage
         for p in ("one two", "the sky is", "hello")
     ]
-    assert metric(server, "vllm:prompt_tokens_total", GGUF) - before_prompt == sum(
+    assert model_metric(server, "vllm:prompt_tokens_total", GGUF) - before_prompt == sum(
         u.prompt_tokens for u in usage
     )
-    assert metric(server, "vllm:generation_tokens_total", GGUF) - before_gen == sum(
+    assert model_metric(server, "vllm:generation_tokens_total", GGUF) - before_gen == sum(
         u.completion_tokens for u in usage
     )
-    assert metric(server, "vllm:time_to_first_token_seconds_count", GGUF) - before_ttft == 3
-    assert metric(server, "vllm:num_requests_running", GGUF) == 0
-    assert metric(server, "vllm:num_requests_waiting", GGUF) == 0
+    assert model_metric(server, "vllm:time_to_first_token_seconds_count", GGUF) - before_ttft == 3
+    assert model_metric(server, "vllm:num_requests_running", GGUF) == 0
+    assert model_metric(server, "vllm:num_requests_waiting", GGUF) == 0
 
 
 def test_transformers_seed_and_n_through_the_openai_client(client):

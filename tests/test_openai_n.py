@@ -8,11 +8,11 @@ import json
 import re
 import time
 
-import openai
 import pytest
 import requests
 from helpers import NaiadProcess
-from llm_models import write_tiny_gguf
+from llm_models import write_llamacpp_model
+from openai_clients import model_metric, v1_client
 from openai_models import build
 
 pytestmark = pytest.mark.timeout(240)
@@ -24,25 +24,15 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = build(tmp_path_factory.mktemp("openai_n") / "models")
-    write_tiny_gguf(repo / GGUF / "1" / "model.gguf")
-    (repo / GGUF / "config.pbtxt").write_text(
-        'backend: "llamacpp"\nparameters { key: "n_threads" value: { string_value: "1" } }\n'
-    )
+    write_llamacpp_model(repo / GGUF)
     with NaiadProcess(repo, "--allow-grpc", "false", timeout=180) as proc:
         yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
-
-
-def metric(server, name: str, model: str) -> float:
-    text = requests.get(f"http://{server.metrics}/metrics", timeout=10).text
-    pattern = re.compile(rf'^{re.escape(name)}\{{[^}}]*model_name="{model}"[^}}]*\}} (\S+)$', re.M)
-    return sum(float(v) for v in pattern.findall(text))
+    with v1_client(server) as c:
+        yield c
 
 
 def aborted(server) -> float:
@@ -165,17 +155,17 @@ def test_llama_cpp_n_chat_with_structured_output(client):
 
 
 def test_a_client_leaving_cancels_every_choice(server):
-    before = metric(server, "vllm:generation_tokens_total", GGUF)
+    before = model_metric(server, "vllm:generation_tokens_total", GGUF)
     aborted_before = aborted(server)
     body = {"model": GGUF, "prompt": "Once", "max_tokens": 1500, "n": 4, "stream": True, "ignore_eos": True}
     with requests.post(f"{server.url}/v1/completions", json=body, stream=True, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith(b"data: ")
     deadline = time.monotonic() + 20
-    while metric(server, "vllm:num_requests_running", GGUF) > 0 and time.monotonic() < deadline:
+    while model_metric(server, "vllm:num_requests_running", GGUF) > 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert metric(server, "vllm:num_requests_running", GGUF) == 0
-    assert metric(server, "vllm:generation_tokens_total", GGUF) - before < 4 * 1500
+    assert model_metric(server, "vllm:num_requests_running", GGUF) == 0
+    assert model_metric(server, "vllm:generation_tokens_total", GGUF) - before < 4 * 1500
     assert aborted(server) - aborted_before == 4  # every choice's generation, not only the first
 
 
@@ -188,4 +178,4 @@ def test_a_client_leaving_a_whole_response_cancels_every_choice(server):
     while aborted(server) - aborted_before < 4 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert aborted(server) - aborted_before == 4
-    assert metric(server, "vllm:num_requests_running", GGUF) == 0
+    assert model_metric(server, "vllm:num_requests_running", GGUF) == 0

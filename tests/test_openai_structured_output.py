@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 import requests
 from helpers import NaiadProcess
-from llm_models import write_tiny_gguf
+from llm_models import write_llamacpp_model
+from openai_clients import v1_client
 
 pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is built by `make llm-deps` (tools/llama_cpp/build.sh)"
@@ -67,19 +67,15 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "sch
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("structured") / "models"
-    write_tiny_gguf(repo / GGUF / "1" / "model.gguf")
-    (repo / GGUF / "config.pbtxt").write_text(
-        'backend: "llamacpp"\nparameters { key: "n_threads" value: { string_value: "1" } }\n'
-    )
+    write_llamacpp_model(repo / GGUF)
     with NaiadProcess(repo, "--allow-grpc", "false", timeout=180) as proc:
         yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    yield c
-    c.close()
+    with v1_client(server) as c:
+        yield c
 
 
 def post(server, path: str, body: dict) -> requests.Response:

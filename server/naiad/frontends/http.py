@@ -18,6 +18,7 @@ from ..repository import decode_file_overrides
 from ..server import Server
 from . import generate
 from . import shm as shm_handlers
+from .aiohttp_site import start_tcp_site
 from .busy_poll import BusyPoll
 from .http_codec import (
     HEADER_LENGTH,
@@ -425,16 +426,7 @@ class HttpFrontend:
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         if os.environ.get("NAIAD_HTTP_FAST", "1") == "0":  # escape hatch (and A/B benchmarks): aiohttp only
-            site = web.TCPSite(
-                runner,
-                host,
-                port,
-                reuse_address=True,
-                reuse_port=reuse_port or None,
-                backlog=1024,
-                ssl_context=ssl,
-            )
-            await site.start()
+            await start_tcp_site(runner, host, port, ssl, reuse_port)
             return runner
         fast = FastHttpServer(self, runner.server, self.max_input_size, self.restricted, self.busy_poll)
         loop = asyncio.get_running_loop()

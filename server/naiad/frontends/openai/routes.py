@@ -18,6 +18,7 @@ from ...errors import NaiadError, NotFound
 from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...server import Server
+from ..aiohttp_site import start_tcp_site
 from ..http_codec import read_body
 from . import choices, mapping, protocol, templates
 from .errors import OpenAIError, error_object
@@ -553,17 +554,8 @@ class OpenAIFrontend:
             self.application(restricted), access_log=None, handle_signals=False, auto_decompress=False
         )
         await runner.setup()
-        site = web.TCPSite(
-            runner,
-            host,
-            port,
-            reuse_address=True,
-            reuse_port=reuse_port or None,
-            backlog=1024,
-            ssl_context=ssl,
-        )
         try:
-            await site.start()
+            await start_tcp_site(runner, host, port, ssl, reuse_port)
         except BaseException:
             await runner.cleanup()
             raise

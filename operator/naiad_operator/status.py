@@ -171,6 +171,8 @@ class ModelObservation:
     variants: list[dict[str, Any]] | None = None
     # status.copies of an LLM model: its ready pods with their queue and KV-cache use; None: not an LLM.
     copies: list[dict[str, Any]] | None = None
+    # A failed load that died with its server container, OOM-killed (oom_kills.load_oom's message); None: no such.
+    oom_killed: str | None = None
 
 
 def model_phase(
@@ -236,6 +238,8 @@ def model_conditions(
         loaded = condition(
             "Loaded", False, "Loading", f"{observed.available}/{observed.wanted} replicas loaded"
         )
+    elif observed.oom_killed is not None and (observed.failure is not None or observed.retrying):
+        loaded = condition("Loaded", False, "OOMKilled", observed.oom_killed)
     elif observed.failure is not None:
         loaded = condition(
             "Loaded", False, "LoadFailed", f"{observed.failure.get('pod')}: {observed.failure.get('message')}"
@@ -259,7 +263,11 @@ def model_conditions(
     if all(c["status"] == "True" for c in (scheduled, loaded, service)):
         ready = condition("Ready", True, "Ready", loaded["message"])
     else:
-        failing = next(c for c in (scheduled, loaded, service) if c["status"] != "True")
+        # An OOM kill is the cause of whatever else fails (the pod it killed is avoided, so nothing is placed).
+        order = (
+            (loaded, scheduled, service) if loaded["reason"] == "OOMKilled" else (scheduled, loaded, service)
+        )
+        failing = next(c for c in order if c["status"] != "True")
         ready = condition("Ready", False, failing["reason"], failing["message"])
     return [scheduled, loaded, service, ready]
 

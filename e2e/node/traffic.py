@@ -1,0 +1,183 @@
+"""Inference traffic for the real-node tests: a client pod that calls a Service's ClusterIP (through kube-proxy)
+until told to stop and then prints what failed, and a concurrent load from the test's own process."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from e2e.node.node import REAL_NODE_TOLERATION
+
+#: the KServe v2 request every client sends to identity_fp32 (and what it must get back)
+IDENTITY_INPUT = [1.0, 2.0, 3.0]
+IDENTITY_REQUEST = {
+    "inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": IDENTITY_INPUT}]
+}
+
+#: run by the server image's python in the client pod: ``python3 -c CLIENT_SCRIPT URL THREADS REQUEST_JSON``. Each request
+#: opens a new connection (so kube-proxy picks a backend per request, as for any short-lived client); stops when
+#: /tmp/stop exists, then prints one ``client-summary {json}`` line.
+CLIENT_SCRIPT = r"""
+import json, os, sys, threading, time, urllib.error, urllib.request
+
+url, threads, request_json = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+body = request_json.encode()
+expected = json.loads(request_json)["inputs"][0]["data"]  # an identity model answers its input
+lock = threading.Lock()
+ok, failures, latencies, first = [0], [], [], threading.Event()
+
+
+def one():
+    start = time.monotonic()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            out = json.loads(r.read())
+        if out["outputs"][0]["data"] != expected:
+            raise ValueError(f"wrong answer {out}")
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}: {e.read()[:200]!r}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:300]
+    with lock:
+        ok[0] += 1
+        latencies.append(time.monotonic() - start)
+    first.set()
+    return None
+
+
+def worker():
+    while not os.path.exists("/tmp/stop"):
+        error = one()
+        if error is not None:
+            with lock:
+                failures.append({"time": time.time(), "error": error})
+        time.sleep(0.005)
+
+
+workers = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+for w in workers:
+    w.start()
+first.wait(120)
+print(f"client: first answer at {time.time():.3f}", flush=True)
+for w in workers:
+    w.join()
+latencies.sort()
+summary = {
+    "ok": ok[0],
+    "failed": len(failures),
+    "failures": failures[:20],
+    "p50_ms": round(latencies[len(latencies) // 2] * 1000, 2) if latencies else None,
+    "p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2) if latencies else None,
+}
+print("client-summary " + json.dumps(summary), flush=True)
+"""
+
+
+def client_pod(
+    name: str, namespace: str, image: str, url: str, node: str, threads: int = 2
+) -> dict[str, Any]:
+    """A pod on the real node running CLIENT_SCRIPT against `url` from the server image's python."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app": "naiad-e2e-client"}},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "tolerations": [REAL_NODE_TOLERATION],
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "client",
+                    "image": image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": [
+                        "python3",
+                        "-c",
+                        CLIENT_SCRIPT,
+                        url,
+                        str(threads),
+                        json.dumps(IDENTITY_REQUEST),
+                    ],
+                    "resources": {
+                        "requests": {"cpu": "50m", "memory": "64Mi"},
+                        "limits": {"memory": "256Mi"},
+                    },
+                }
+            ],
+        },
+    }
+
+
+def client_summary(logs: str) -> dict[str, Any] | None:
+    """The client pod's summary line, or None before it printed one."""
+    for line in logs.splitlines():
+        if line.startswith("client-summary "):
+            return json.loads(line.split(" ", 1)[1])
+    return None
+
+
+@dataclass
+class LoadFigures:
+    """What a concurrent load measured from the client's side."""
+
+    requests: int
+    failed: int
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+    def percentile(self, p: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * p))] if ordered else float("nan")
+
+
+def concurrent_load(host: str, port: int, concurrency: int, seconds: float) -> LoadFigures:
+    """`concurrency` threads, each on one keep-alive connection, sending IDENTITY_REQUEST to identity_fp32 back to
+    back for `seconds`."""
+    body = json.dumps(IDENTITY_REQUEST).encode()
+    lock = threading.Lock()
+    figures = LoadFigures(requests=0, failed=0, seconds=seconds)
+    deadline = time.monotonic() + seconds
+
+    def worker() -> None:
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        mine: list[float] = []
+        failed = 0
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            try:
+                conn.request(
+                    "POST", "/v2/models/identity_fp32/infer", body, {"Content-Type": "application/json"}
+                )
+                response = conn.getresponse()
+                response.read()
+                if response.status != 200:
+                    failed += 1
+                    continue
+            except OSError:
+                failed += 1
+                conn.close()
+                conn = http.client.HTTPConnection(host, port, timeout=10)
+                continue
+            mine.append(time.monotonic() - start)
+        conn.close()
+        with lock:
+            figures.latencies += mine
+            figures.requests += len(mine)
+            figures.failed += failed
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return figures

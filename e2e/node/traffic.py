@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from e2e.node.node import REAL_NODE_TOLERATION
@@ -122,30 +126,67 @@ def client_summary(logs: str) -> dict[str, Any] | None:
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadFigures:
     """What a concurrent load measured from the client's side."""
 
-    requests: int
-    failed: int
+    tool: str
+    requests: int  # answered with 200
+    failed: int  # errors and other statuses
     seconds: float
-    latencies: list[float] = field(default_factory=list)
+    p50_ms: float
+    p99_ms: float
 
     @property
     def rate(self) -> float:
         return self.requests / self.seconds if self.seconds else 0.0
 
-    def percentile(self, p: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(len(ordered) * p))] if ordered else float("nan")
+
+#: wrk's script: POST the identity request, print the figures as one JSON line
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = '@BODY@'
+wrk.headers["Content-Type"] = "application/json"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('WRK_RESULT {"requests": %d, "duration_us": %d, "errors": %d, "status": %d, ' ..
+    '"p50_us": %d, "p99_us": %d}\\n', summary.requests, summary.duration,
+    e.connect + e.read + e.write + e.timeout, e.status, latency:percentile(50), latency:percentile(99)))
+end
+""".replace("@BODY@", json.dumps(IDENTITY_REQUEST))
 
 
-def concurrent_load(host: str, port: int, concurrency: int, seconds: float) -> LoadFigures:
-    """`concurrency` threads, each on one keep-alive connection, sending IDENTITY_REQUEST to identity_fp32 back to
-    back for `seconds`."""
+def concurrent_load(host: str, port: int, connections: int, seconds: float) -> LoadFigures:
+    """`connections` keep-alive connections sending IDENTITY_REQUEST to identity_fp32 back to back for `seconds`:
+    with ``wrk`` (one thread) where it is installed (``apt-get install wrk``, as bench/setup.sh does), else from
+    Python threads in this process (which cannot load a server past a fraction of a CPU)."""
+    url = f"http://{host}:{port}/v2/models/identity_fp32/infer"
+    if shutil.which("wrk") is None:
+        return _python_load(host, port, connections, seconds)
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
+        script.write(WRK_SCRIPT)
+        script.flush()
+        cmd = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "-s", script.name, url]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    match = re.search(r"^WRK_RESULT (\{.*\})$", p.stdout, re.M)
+    if p.returncode != 0 or match is None:
+        raise RuntimeError(f"wrk failed ({p.returncode}): {p.stdout[-2000:]}{p.stderr[-2000:]}")
+    r = json.loads(match.group(1))
+    return LoadFigures(
+        tool="wrk",
+        requests=r["requests"] - r["status"],
+        failed=r["errors"] + r["status"],
+        seconds=r["duration_us"] / 1e6,
+        p50_ms=r["p50_us"] / 1e3,
+        p99_ms=r["p99_us"] / 1e3,
+    )
+
+
+def _python_load(host: str, port: int, connections: int, seconds: float) -> LoadFigures:
     body = json.dumps(IDENTITY_REQUEST).encode()
     lock = threading.Lock()
-    figures = LoadFigures(requests=0, failed=0, seconds=seconds)
+    latencies: list[float] = []
+    failures = [0]
     deadline = time.monotonic() + seconds
 
     def worker() -> None:
@@ -160,24 +201,30 @@ def concurrent_load(host: str, port: int, concurrency: int, seconds: float) -> L
                 )
                 response = conn.getresponse()
                 response.read()
-                if response.status != 200:
-                    failed += 1
-                    continue
             except OSError:
                 failed += 1
                 conn.close()
                 conn = http.client.HTTPConnection(host, port, timeout=10)
                 continue
+            if response.status != 200:
+                failed += 1
+                continue
             mine.append(time.monotonic() - start)
         conn.close()
         with lock:
-            figures.latencies += mine
-            figures.requests += len(mine)
-            figures.failed += failed
+            latencies.extend(mine)
+            failures[0] += failed
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker) for _ in range(connections)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return figures
+    latencies.sort()
+
+    def percentile(p: float) -> float:
+        return (
+            latencies[min(len(latencies) - 1, int(len(latencies) * p))] * 1000 if latencies else float("nan")
+        )
+
+    return LoadFigures("python", len(latencies), failures[0], seconds, percentile(0.5), percentile(0.99))

@@ -3,7 +3,9 @@
 The server image is imported into containerd (``ctr images import``), the pod asks for ``nvidia.com/gpu: 1`` from
 the test device plugin, passes its readinessProbe through the kubelet, answers an inference request through its
 ClusterIP Service (kube-proxy's iptables rules), ``kubectl logs`` shows Triton's log layout, and a killed container
-is restarted by the kubelet.
+is restarted by the kubelet. Busy polling is measured under CPU quotas. The operator, installed with helm, runs its
+pools there: a load that OOM-kills the server shows on the InferenceModel's status, and a rolling update under
+traffic from a client pod (through the model's ClusterIP Service) fails no request.
 """
 
 from __future__ import annotations
@@ -414,10 +416,11 @@ def test_busy_polling_under_a_cpu_quota(
     kwok_cluster: KwokCluster, real_node: RealNode, model_repository: Path
 ):
     """Server pods under a CPU limit of 1 (a CFS quota of one period per period), one busy polling after requests
-    (``--busy-poll-us 200``, the default) and one not (``0``), and the same pair under 250m, side by side: the same concurrent load
-    (8 keep-alive connections from ``wrk`` on the host through each ClusterIP) in turns, A/B/A/B, with latency from
-    the client and CPU time and throttling (``cpu.stat`` nr_periods / nr_throttled / throttled_time) from each
-    pod's cgroup. Every request is answered; the figures are printed (``pytest -s``) and kept in e2e/README.md."""
+    (``--busy-poll-us 200``, the default) and one not (``0``), and the same pair under 250m, side by side: the
+    same concurrent load (8 keep-alive connections from ``wrk`` on the host through each ClusterIP) in turns,
+    A/B/A/B, with latency from the client and CPU time and throttling (``cpu.stat`` nr_periods / nr_throttled /
+    throttled_time) from each pod's cgroup. Every request is answered; the figures are printed (``pytest -s``)
+    and kept in e2e/README.md."""
     c = kwok_cluster
     _, image = _server_archive()
     # name -> (server flag, CPU limit); the 250m pair shows a quota that binds (the 2 shared cores here rarely give

@@ -22,9 +22,9 @@ IDENTITY_REQUEST = {
     "inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": IDENTITY_INPUT}]
 }
 
-#: run by the server image's python in the client pod: ``python3 -c CLIENT_SCRIPT URL THREADS REQUEST_JSON``. Each request
-#: opens a new connection (so kube-proxy picks a backend per request, as for any short-lived client); stops when
-#: /tmp/stop exists, then prints one ``client-summary {json}`` line.
+#: run by the server image's python in the client pod: ``python3 -c CLIENT_SCRIPT URL THREADS REQUEST_JSON``.
+#: Each request opens a new connection (so kube-proxy picks a backend per request, as for any short-lived
+#: client); stops when /tmp/stop exists, then prints one ``client-summary {json}`` line.
 CLIENT_SCRIPT = r"""
 import json, os, sys, threading, time, urllib.error, urllib.request
 

@@ -767,8 +767,9 @@ def test_rolling_update_under_traffic_from_a_client_pod(
 ):
     """A pool of 2 (PodDisruptionBudget maxUnavailable 1, rollout maxSurge 1 / maxUnavailable 0, the models-ready
     readiness gate) and a model on both pods; a client pod on the real node calls the model's ClusterIP Service
-    through kube-proxy the whole time (a new connection per request, 2 threads). A change to the pod template
-    (an annotation) rolls both pods; every request is answered."""
+    through kube-proxy the whole time (2 threads opening a new connection per request, 2 reusing one keep-alive
+    connection each). A change to the pod template (an annotation) rolls both pods; every request on a new
+    connection is answered (keep-alive failures are printed: see e2e/README.md)."""
     c = kwok_cluster
     ns = models_namespace
     _, image = _server_archive()
@@ -798,7 +799,7 @@ def test_rolling_update_under_traffic_from_a_client_pod(
         }
         ip = _json(c, "get", "service", "rolled", "-n", ns)["spec"]["clusterIP"]
         url = f"http://{ip}:8000/v2/models/identity_fp32/infer"
-        c.apply(client_pod("client", ns, image, url, real_node.name))
+        c.apply(client_pod("client", ns, image, url, real_node.name, threads=2, keepalive=2))
         _wait(
             lambda: "client: first answer" in c.kubectl("logs", "-n", ns, "client", check=False).stdout,
             timeout=120,
@@ -841,11 +842,17 @@ def test_rolling_update_under_traffic_from_a_client_pod(
         )
         print(
             f"\nrolling update of 2 pods ({sorted(before)} -> {sorted(after)}) in {rollout:.1f} s: "
-            f"client pod: {summary['ok']} answered, {summary['failed']} failed, "
+            f"client pod: {summary['ok']} answered ({summary['ok_keepalive']} on keep-alive connections), "
+            f"{summary['failed_new']} failed on new connections, {summary['failed_keepalive']} on keep-alive ones, "
             f"p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms"
         )
-        assert summary["ok"] > 100, summary
-        assert summary["failed"] == 0, json.dumps(summary["failures"], indent=1)
+        assert summary["ok"] > 100 and summary["ok_keepalive"] > 100, summary
+        # Requests on new connections must all be answered. On keep-alive connections the old pods' shutdown
+        # still fails a few (e2e/README.md: the server answers 503 once SIGTERM came and then closes the
+        # connections a client may be writing to); reported here, not yet required.
+        assert summary["failed_new"] == 0, json.dumps(summary["failures"], indent=1)
+        if summary["failed_keepalive"]:
+            print("keep-alive failures:", json.dumps(summary["failures"], indent=1))
     finally:
         c.kubectl("delete", "pod", "client", "-n", ns, "--grace-period=0", "--force", check=False, timeout=60)
         _delete_pool(c, "roll", ["rolled"])

@@ -22,17 +22,28 @@ IDENTITY_REQUEST = {
     "inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": IDENTITY_INPUT}]
 }
 
-#: run by the server image's python in the client pod: ``python3 -c CLIENT_SCRIPT URL THREADS REQUEST_JSON``.
-#: Each request opens a new connection (so kube-proxy picks a backend per request, as for any short-lived
-#: client); stops when /tmp/stop exists, then prints one ``client-summary {json}`` line.
+#: run by the server image's python in the client pod: ``python3 -c CLIENT_SCRIPT URL THREADS KEEPALIVE JSON``.
+#: THREADS threads open a new connection per request (kube-proxy picks a backend per connection, as for any
+#: short-lived client), KEEPALIVE threads each reuse one connection until the server closes it (as HTTP client
+#: pools do); all stop when /tmp/stop exists, then the script prints one ``client-summary {json}`` line.
 CLIENT_SCRIPT = r"""
-import json, os, sys, threading, time, urllib.error, urllib.request
+import http.client, json, os, sys, threading, time, urllib.error, urllib.parse, urllib.request
 
-url, threads, request_json = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+url, threads, keepalive, request_json = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 body = request_json.encode()
 expected = json.loads(request_json)["inputs"][0]["data"]  # an identity model answers its input
 lock = threading.Lock()
 ok, failures, latencies, first = [0], [], [], threading.Event()
+
+
+def answered(start, out, kind):
+    if out["outputs"][0]["data"] != expected:
+        raise ValueError(f"wrong answer {out}")
+    with lock:
+        ok[0] += 1
+        ok.append(kind)
+        latencies.append(time.monotonic() - start)
+    first.set()
 
 
 def one():
@@ -40,17 +51,11 @@ def one():
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=10) as r:
-            out = json.loads(r.read())
-        if out["outputs"][0]["data"] != expected:
-            raise ValueError(f"wrong answer {out}")
+            answered(start, json.loads(r.read()), "new")
     except urllib.error.HTTPError as e:
-        return f"HTTP {e.code}: {e.read()[:200]!r}"
+        return f"new connection: HTTP {e.code}: {e.read()[:200]!r}"
     except Exception as e:
-        return f"{type(e).__name__}: {e}"[:300]
-    with lock:
-        ok[0] += 1
-        latencies.append(time.monotonic() - start)
-    first.set()
+        return f"new connection: {type(e).__name__}: {e}"[:300]
     return None
 
 
@@ -63,7 +68,35 @@ def worker():
         time.sleep(0.005)
 
 
+def keepalive_worker():
+    # one connection, reused until the server says Connection: close or it breaks (as HTTP client pools do)
+    parts, conn = urllib.parse.urlsplit(url), None
+    while not os.path.exists("/tmp/stop"):
+        conn = conn or http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        start, error = time.monotonic(), None
+        try:
+            conn.request("POST", parts.path, body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            data = r.read()
+            if r.status != 200:
+                error = f"keep-alive: HTTP {r.status}: {data[:200]!r}"
+            else:
+                answered(start, json.loads(data), "keep-alive")
+            if r.will_close:
+                conn.close()
+                conn = None
+        except Exception as e:
+            error = f"keep-alive: {type(e).__name__}: {e}"[:300]
+            conn.close()
+            conn = None
+        if error is not None:
+            with lock:
+                failures.append({"time": time.time(), "error": error})
+        time.sleep(0.005)
+
+
 workers = [threading.Thread(target=worker, daemon=True) for _ in range(threads)]
+workers += [threading.Thread(target=keepalive_worker, daemon=True) for _ in range(keepalive)]
 for w in workers:
     w.start()
 first.wait(120)
@@ -73,7 +106,10 @@ for w in workers:
 latencies.sort()
 summary = {
     "ok": ok[0],
+    "ok_keepalive": ok[1:].count("keep-alive"),
     "failed": len(failures),
+    "failed_new": sum(f["error"].startswith("new connection") for f in failures),
+    "failed_keepalive": sum(f["error"].startswith("keep-alive") for f in failures),
     "failures": failures[:20],
     "p50_ms": round(latencies[len(latencies) // 2] * 1000, 2) if latencies else None,
     "p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2) if latencies else None,
@@ -83,9 +119,10 @@ print("client-summary " + json.dumps(summary), flush=True)
 
 
 def client_pod(
-    name: str, namespace: str, image: str, url: str, node: str, threads: int = 2
+    name: str, namespace: str, image: str, url: str, node: str, threads: int = 2, keepalive: int = 0
 ) -> dict[str, Any]:
-    """A pod on the real node running CLIENT_SCRIPT against `url` from the server image's python."""
+    """A pod on the real node running CLIENT_SCRIPT against `url` from the server image's python: `threads` with
+    a new connection per request, `keepalive` with one reused connection each."""
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -106,6 +143,7 @@ def client_pod(
                         CLIENT_SCRIPT,
                         url,
                         str(threads),
+                        str(keepalive),
                         json.dumps(IDENTITY_REQUEST),
                     ],
                     "resources": {

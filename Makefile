@@ -146,10 +146,10 @@ test-deps:
 	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	   prometheus >/dev/null) ; } || echo "prometheus not installed: its tests will skip"
-	@command -v containerd >/dev/null && command -v runc >/dev/null && [ -x /usr/lib/cni/bridge ] || \
+	@command -v containerd >/dev/null && command -v runc >/dev/null && [ -x /usr/lib/cni/bridge ] && command -v wrk >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && (apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends containerd runc \
-	  containernetworking-plugins iptables >/dev/null) ; } || echo "containerd/runc/CNI not installed: the real-node tests will skip"
+	  containernetworking-plugins iptables wrk >/dev/null) ; } || echo "containerd/runc/CNI not installed: the real-node tests will skip"
 	@bash tools/triton/setup.sh >/dev/null || echo "real Triton unavailable: comparison tests will skip"
 	@PYTHON=$(PY) bash tools/perf_analyzer/setup.sh >/dev/null || echo "perf_analyzer unavailable: its tests will skip (fail under CI=true)"
 

@@ -151,7 +151,10 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
             plan.keep.append(pod.name)
         else:
             plan.load.append(pod.name)
-    plan.unload = [p.name for p in holders if p.name not in chosen_names]
+    # A copy on a pod that is leaving in a rollout is not unloaded: it serves until the Deployment removes the pod
+    # (the pod's preStop delay lets the Service forget it first), whereas unloading it now would answer 404 to
+    # the requests kube-proxy still sends there until the label change reaches every node.
+    plan.unload = [p.name for p in holders if p.name not in chosen_names and not p.leaving]
     return plan
 
 

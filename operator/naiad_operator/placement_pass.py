@@ -32,6 +32,7 @@ from .observe import (
     pod_facts,
     ready_entries,
 )
+from .oom_kills import load_oom
 from .ownership import pool_selector_string
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
 from .pool_snapshot import PoolContext, PoolModel, PoolSnapshot, read_pool
@@ -524,6 +525,7 @@ class _Pass:
         last_failure = None
         for pod, message in self.failures.get(intent.name, {}).items():
             last_failure = {"time": self.now, "pod": pod, "message": message}
+        failed_pods = set(self.failures.get(intent.name, {})) | set(avoid)
         return ModelObservation(
             wanted=plan.wanted if plan is not None else 0,
             holding=holding,
@@ -538,6 +540,7 @@ class _Pass:
                 if pod not in self.failures.get(intent.name, {})
             },
             eligible_pods=eligible,
+            oom_killed=load_oom(self.snap.oom_kills, failed_pods, intent.model_name),
         )
 
     async def _read_traffic(self, models: Sequence[PoolModel]) -> dict[str, dict[str, tuple[float, float]]]:

@@ -91,6 +91,13 @@ def _tolerations(spec: Spec) -> list[Body]:
 
 
 SERVER_FS_GROUP = 10001  # the server image's group (Dockerfile.server)
+# Seconds a deleted pod keeps serving before the server gets SIGTERM (and refuses new requests): the endpoint
+# controllers and every node's kube-proxy (or a load balancer) forget the pod meanwhile, so a rollout or scale-down
+# fails no request that was already on its way. The kubelet's own sleep action: no `sleep` binary in the image.
+PRE_STOP_SLEEP_SECONDS = 5
+# The server drains in-flight requests for up to 30 s after SIGTERM (--exit-timeout-secs); the grace period covers
+# the preStop sleep and that drain.
+TERMINATION_GRACE_PERIOD_SECONDS = PRE_STOP_SLEEP_SECONDS + 30 + 5
 
 
 def _container(spec: Spec, config: OperatorConfig, server: str = "", restricted: bool = False) -> Body:
@@ -110,6 +117,7 @@ def _container(spec: Spec, config: OperatorConfig, server: str = "", restricted:
         "startupProbe": _probe("startup", probes.get("startup"), tls),
         "readinessProbe": _probe("readiness", probes.get("readiness"), tls),
         "livenessProbe": _probe("liveness", probes.get("liveness"), tls),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
@@ -209,6 +217,7 @@ def render_deployment(
         # Set True by the operator once the models placed on the pod are loaded, so a new pod (a rollout, an
         # autoscaler replica) receives traffic only when it can serve.
         "readinessGates": [{"conditionType": MODELS_READY_CONDITION}],
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_PERIOD_SECONDS,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         # fsGroup: the image's group (Dockerfile.server's naiad, 10001) owns the Secret volumes, whose files are

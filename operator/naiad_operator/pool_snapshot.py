@@ -18,6 +18,7 @@ from .model_resources import ModelIntent, model_intent, pool_problems
 from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
 from .objects import Body
 from .observe import PodFacts, current_template_hash, pod_facts, pod_state
+from .oom_kills import OomKill, oom_kills
 from .ownership import pool_selector_string
 from .placement import PodState
 from .scale_to_zero import IdleClock
@@ -130,6 +131,8 @@ class PoolSnapshot:
     states: Mapping[str, PodState]  # pod -> what placement sees
     deployment: Body | None
     hpa: Body | None
+    # pod -> its server container's OOM kill, for pods whose container the OOM killer ended last
+    oom_kills: Mapping[str, OomKill] = field(default_factory=dict)
 
     @property
     def spec(self) -> Mapping[str, Any]:
@@ -178,4 +181,5 @@ async def read_pool(
         states=states,
         deployment=deployment,
         hpa=hpa,
+        oom_kills=oom_kills(pods),
     )

@@ -176,6 +176,8 @@ class ModelObservation:
     scaled_to_zero: bool | None = None
     on_demand_pods: int = 0
     idle_seconds: int = 0
+    # A failed load that died with its server container, OOM-killed (oom_kills.load_oom's message); None: no such.
+    oom_killed: str | None = None
 
 
 def model_phase(
@@ -243,6 +245,8 @@ def model_conditions(
         loaded = condition(
             "Loaded", False, "Loading", f"{observed.available}/{observed.wanted} replicas loaded"
         )
+    elif observed.oom_killed is not None and (observed.failure is not None or observed.retrying):
+        loaded = condition("Loaded", False, "OOMKilled", observed.oom_killed)
     elif observed.failure is not None:
         loaded = condition(
             "Loaded", False, "LoadFailed", f"{observed.failure.get('pod')}: {observed.failure.get('message')}"
@@ -268,7 +272,11 @@ def model_conditions(
     if all(c["status"] == "True" for c in (scheduled, loaded, service)):
         ready = condition("Ready", True, "Ready", loaded["message"])
     else:
-        failing = next(c for c in (scheduled, loaded, service) if c["status"] != "True")
+        # An OOM kill is the cause of whatever else fails (the pod it killed is avoided, so nothing is placed).
+        order = (
+            (loaded, scheduled, service) if loaded["reason"] == "OOMKilled" else (scheduled, loaded, service)
+        )
+        failing = next(c for c in order if c["status"] != "True")
         ready = condition("Ready", False, failing["reason"], failing["message"])
     out = [scheduled, loaded, service, ready]
     if observed.scaled_to_zero is not None:

@@ -98,8 +98,11 @@ def test_every_pod_mode_for_dedicated_pools():
 def test_rollout_prefers_new_pods_and_keeps_serving_on_leaving_ones():
     pods = [pod("old1", {"m": "r"}, leaving=True), pod("old2", {"m": "r"}, leaving=True), pod("new1")]
     result = plan([Demand("m", "r", 2)], pods)["m"]
-    # new1 gets a copy, old1 keeps serving; old2 is surplus and goes once new1 has loaded
-    assert result.load == ["new1"] and result.keep == ["old1"] and result.unload == ["old2"]
+    # new1 gets a copy, old1 keeps serving; old2 is surplus but keeps serving until its pod goes (unloading it
+    # would fail the requests still routed there)
+    assert result.load == ["new1"] and result.keep == ["old1"] and result.unload == []
+    gone = plan([Demand("m", "r", 0)], pods)["m"]
+    assert sorted(gone.unload) == ["old1", "old2"]  # a model going away leaves leaving pods too
     every = plan([Demand("m", "r", None)], pods)["m"]
     assert every.load == ["new1"] and sorted(every.keep) == ["old1", "old2"] and every.unload == []
 

@@ -12,6 +12,7 @@ from naiad_operator.metrics_resources import render_server_hpa, render_service_m
 from naiad_operator.naming import MODELS_READY_CONDITION, SERVER_LABEL, SERVICE_ROLE_LABEL
 from naiad_operator.ownership import Owner
 from naiad_operator.pool_resources import (
+    PRE_STOP_SLEEP_SECONDS,
     render_claim,
     render_deployment,
     render_headless_service,
@@ -147,6 +148,17 @@ def test_probes_use_health_endpoints_and_overrides():
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert c["livenessProbe"]["timeoutSeconds"] == 9
     assert c["livenessProbe"]["periodSeconds"] == 10  # default kept
+
+
+def test_a_deleted_pod_keeps_serving_while_the_service_forgets_it():
+    """preStop sleeps (the kubelet's sleep action) before SIGTERM, and the grace period covers it and the drain."""
+    deployment = render_deployment(OWNER, {"replicas": 1}, CONFIG)
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}}
+    assert (
+        pod["terminationGracePeriodSeconds"] >= PRE_STOP_SLEEP_SECONDS + 30
+    )  # the server's --exit-timeout-secs
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def test_repository_volume_is_read_only_with_sub_path_and_shm():

@@ -178,6 +178,35 @@ def test_backend_directory_takes_precedence(tmp_path):
         assert generate(proc, "llm", {"text_input": "a"}).json()["text_output"] == "from model.py"
 
 
+def test_config_parameters_override_the_parallel_sizes(tmp_path):
+    """What the operator sends for `llm.parallelism: {tensor: 2}`: a config override with the parallel sizes as
+    parameters and KIND_MODEL; the engine gets them over model.json's, which stays as it is."""
+    shutil.copytree(STANDINS / "vllm", tmp_path / "site" / "vllm")
+    repo = tmp_path / "models"
+    write_model(repo, "llm", {"model": "stand-in", "tensor_parallel_size": 1})
+    env = {"PYTHONPATH": f"{ROOT / 'server'}:{tmp_path / 'site'}"}
+
+    def load(parameters: dict | None) -> requests.Response:
+        config = {"backend": "vllm", "instance_group": [{"kind": "KIND_MODEL"}], "parameters": parameters}
+        body = {"parameters": {"config": json.dumps(config)}} if parameters is not None else {}
+        return requests.post(f"{proc.url}/v2/repository/models/llm/load", json=body, timeout=60)
+
+    with NaiadProcess(repo, "--model-control-mode", "explicit", env=env) as proc:
+        assert load(None).status_code == 200
+        assert "engine for stand-in with tensor_parallel_size=1 pipeline_parallel_size=1" in proc.output()
+        r = load(
+            {"tensor_parallel_size": {"string_value": "2"}, "pipeline_parallel_size": {"string_value": "1"}}
+        )
+        assert r.status_code == 200, r.text
+        assert "engine for stand-in with tensor_parallel_size=2 pipeline_parallel_size=1" in proc.output()
+        assert json.loads((repo / "llm" / "1" / "model.json").read_text())["tensor_parallel_size"] == 1
+        answer = generate(proc, "llm", {"text_input": "a b", "parameters": {"max_tokens": 2}})
+        assert answer.json()["text_output"] == "a b b a"
+        r = load({"pipeline_parallel_size": {"string_value": "two"}})
+        assert r.status_code == 400
+        assert "config parameter 'pipeline_parallel_size' must be a positive integer" in r.json()["error"]
+
+
 def _cuda() -> bool:
     try:
         import torch

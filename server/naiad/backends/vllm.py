@@ -3,7 +3,10 @@
 A model is Triton's vllm_backend layout: `config.pbtxt` with `backend: "vllm"` (a bare one is completed to the vLLM
 shape, decoupled, max_batch_size 0) and `<version>/model.json` holding vLLM's engine arguments (`AsyncEngineArgs`:
 `model`, `tensor_parallel_size`, `pipeline_parallel_size`, `gpu_memory_utilization`, `max_model_len`, ...), passed
-through as they are. Unlike Triton's python-based vllm_backend there is no stub process: requests go from the
+through as they are. The config's `parameters` `tensor_parallel_size` / `pipeline_parallel_size` (positive integers)
+override model.json's, so a load with a `config` override can size the engine to the GPUs it was given without
+rewriting the repository (the operator does so for an InferenceModel's `llm.parallelism`); Triton's python-based
+vllm_backend reads model.json only. Unlike Triton's python-based vllm_backend there is no stub process: requests go from the
 server straight to the engine, which runs on an asyncio loop thread of its own per instance.
 
 Requests are in the vLLM shape: `sampling_parameters` (JSON, or the request's parameters) become vLLM's
@@ -59,6 +62,25 @@ def engine_arguments(version_dir: Path, model_name: str) -> dict[str, Any]:
     return value
 
 
+# Config parameters that override model.json's engine argument of the same name.
+PARALLELISM_PARAMETERS = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
+def parameter_overrides(parameters: dict[str, str], model_name: str) -> dict[str, int]:
+    """The engine arguments the config's `parameters` set over model.json's: the parallel sizes."""
+    overrides = {}
+    for key in PARALLELISM_PARAMETERS:
+        if key not in parameters:
+            continue
+        value = parameters[key].strip()
+        if not value.isdigit() or int(value) < 1:
+            raise InvalidArgument(
+                f"model '{model_name}': config parameter '{key}' must be a positive integer, got {value!r}"
+            )
+        overrides[key] = int(value)
+    return overrides
+
+
 def _stat_logger_factory(metrics: EngineMetrics):
     """A vLLM stat-logger factory whose loggers put the scheduler's KV-cache usage on the engine's gauge."""
     from vllm.v1.metrics.loggers import StatLoggerBase
@@ -90,6 +112,7 @@ class Engine:
         model = instance.model
         self.name = model.name
         arguments = engine_arguments(model.version_path, model.name)
+        arguments.update(parameter_overrides(model.parameters, model.name))
         parallel = int(arguments.get("tensor_parallel_size", 1)) * int(
             arguments.get("pipeline_parallel_size", 1)
         )

@@ -81,6 +81,13 @@ class AsyncLLM(EngineClient):
         self.dead = False
         for logger in self._loggers:
             logger.log_engine_initialized()
+        parallel = vllm_config.parallel_config
+        print(
+            f"vllm stand-in: engine for {self.model_config.model} with tensor_parallel_size="
+            f"{parallel.tensor_parallel_size} pipeline_parallel_size={parallel.pipeline_parallel_size}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @classmethod
     def from_vllm_config(

@@ -54,6 +54,7 @@ from .server_spec import (
     repository_uri,
     server_spec_problems,
 )
+from .vllm_parallelism import vllm_load_config
 
 # Fields of a dedicated pool that the InferenceModel decides (its replicas drive the pool; its HPA scales it).
 _MODEL_OWNED_SERVER_FIELDS = ("replicas", "minReplicas", "maxReplicas", "autoscaling")
@@ -209,7 +210,7 @@ def promotion_patch(spec: Spec) -> list[dict[str, Any]]:
 
 
 def _canary_intent(
-    model_name: str, spec: Spec, stable_revision: str, problems: list[str]
+    model_name: str, spec: Spec, stable_revision: str, problems: list[str], llm: LLMSpec | None = None
 ) -> CanaryIntent | None:
     canary = spec.get("canary")
     if not canary:
@@ -222,7 +223,8 @@ def _canary_intent(
         problems.append("canary needs a version or a config that differs from the model's")
         return None
     merged = canary_spec(spec)
-    config = load_config(merged)
+    config, config_problems = vllm_load_config(llm, load_config(merged))
+    problems += [f"canary: {problem}" for problem in config_problems]
     revision = revision_of(model_name, config)
     if revision == stable_revision:
         return None  # the canary is what already runs: nothing to split
@@ -258,21 +260,21 @@ def model_intent(name: str, spec: Spec) -> ModelIntent:
         problems.append("set either serverRef or server, not both")
     dedicated = not spec.get("serverRef")
     pool = dedicated_server_name(name) if dedicated else str(spec["serverRef"]["name"])
-    config = load_config(spec)
     memory = 0
     try:
         memory = quantity_bytes(spec.get("memory"))
     except ValueError as error:
         problems.append(f"memory: {error}")
     llm = llm_spec(name, spec)
+    config, config_problems = vllm_load_config(llm, load_config(spec))
     if llm is not None:
-        problems += llm.problems
+        problems += llm.problems + config_problems
         if dedicated:
             problems += dedicated_gpu_problems(llm, spec.get("server") or {})
     if dedicated:
         problems += _dedicated_problems(spec, repository)
     revision = revision_of(model_name, config)
-    canary = _canary_intent(model_name, spec, revision, problems)
+    canary = _canary_intent(model_name, spec, revision, problems, llm)
     scales_to_zero = spec.get("minReplicas") == 0
     if scales_to_zero:
         problems += _scale_to_zero_problems(spec, dedicated, canary)

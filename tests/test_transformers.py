@@ -258,3 +258,44 @@ def test_cancelling_a_grpc_stream_frees_the_sequence(server):
         time.sleep(0.05)
     assert running(server) == 0
     assert aborted(server) - aborted_before == 1
+
+
+def kv_cache_usage(server) -> float:
+    text = requests.get(f"http://{server.metrics}/metrics").text
+    for line in text.splitlines():
+        if line.startswith('vllm:kv_cache_usage_perc{model_name="tiny"}'):
+            return float(line.split()[-1])
+    raise AssertionError('vllm:kv_cache_usage_perc{model_name="tiny"} is missing from /metrics')
+
+
+def test_kv_cache_usage_follows_the_running_sequences(server):
+    # the default cache: 256 blocks of 32 tokens; each request holds ceil((prompt + 200) / 32) = 7 blocks, so four
+    # hold 28 of 256 at most (0.109); once they finish their blocks are free or kept only for prefix sharing, which
+    # counts as free (as vLLM counts its cached blocks), so the gauge is back at 0
+    deadline = time.monotonic() + 10
+    while kv_cache_usage(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_cache_usage(server) == 0
+
+    def one(i: int) -> None:
+        body = {
+            "text_input": SENTENCES[i % 4],
+            "sampling_parameters": json.dumps({"max_tokens": 200, "temperature": 0, "ignore_eos": True}),
+        }
+        assert generate(server, body).status_code == 200
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    seen = []
+    while any(t.is_alive() for t in threads):
+        seen.append(kv_cache_usage(server))
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert max(seen) > 0
+    assert max(seen) <= 4 * 7 / 256
+    deadline = time.monotonic() + 10
+    while kv_cache_usage(server) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_cache_usage(server) == 0

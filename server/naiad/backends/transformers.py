@@ -10,7 +10,8 @@ Per request: `max_tokens`, `temperature` (0: greedy), `top_p`, `top_k`, `stop` s
 deltas, cancellation (the sequence leaves the batch at the next step), `seed` (transformers' manager samples with
 one generator for all sequences; a seeded request's rows are sampled again with its own, transformers_seed.py).
 Embeddings
-(`embedding_request`) are the mean of the last hidden state over the prompt's tokens.
+(`embedding_request`) are the mean of the last hidden state over the prompt's tokens. The vLLM-named metrics
+(naiad.llm.metrics) include `vllm:kv_cache_usage_perc`, sampled from the paged cache (transformers_kv_cache.py).
 
 Config parameters (`parameters { key: ... value: { string_value: ... } }`): `max_num_seqs` (sequences in one
 batch, 16), `num_blocks` and `block_size` (the paged KV cache: blocks of tokens, 256 of 32 by default; sized
@@ -34,6 +35,7 @@ from ..llm import vllm_request
 from ..llm.metrics import EngineMetrics
 from .api import InstanceState, ResponseSender
 from .engine_backend import EngineBackend
+from .transformers_kv_cache import KVCacheSampler
 from .transformers_seed import SeededSampling
 
 log = logging.getLogger("naiad.transformers")
@@ -117,6 +119,8 @@ class Engine:
             target=self.loop.run_forever, name=f"transformers-{model.name}", daemon=True
         )
         self._thread.start()
+        self.kv_cache = KVCacheSampler(self.manager, self.metrics, self.loop)
+        self.kv_cache.start()
         tok = self.tokenizer
         llm_info.publish(
             model.ctx,
@@ -136,6 +140,7 @@ class Engine:
             log.info("model '%s': %d sequences in one forward", self.name, self.max_sequences)
 
     def close(self) -> None:
+        self.kv_cache.close()
         self.manager.stop(block=True, timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)

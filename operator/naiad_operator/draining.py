@@ -10,8 +10,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 DEFAULT_UNLOAD_DELAY_SECONDS = 5.0
-# After the endpoints dropped a pod: time for kube-proxy on every node (and watching clients) to see it too.
-DEFAULT_SETTLE_SECONDS = 1.0
+# After the endpoints dropped a pod: time for kube-proxy on every node (and watching clients) to see it too
+# (kube-proxy applies EndpointSlice changes at most once a second by default: --iptables-min-sync-period).
+DEFAULT_SETTLE_SECONDS = 2.0
 # How soon a pass with pending unloads asks for the next one.
 RECHECK_SECONDS = 0.5
 

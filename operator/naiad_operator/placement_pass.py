@@ -120,6 +120,10 @@ class _Pass:
         self.unload_failures: dict[str, dict[str, str]] = {}
         self.fresh: set[tuple[str, str]] = set()  # (model, pod) loaded in this pass
         self.drained: set[tuple[str, str]] = set()  # (pod, model) no longer routed, waiting to be unloaded
+        if ctx.drain is not None:  # pods patched early in the pass (lost models, routes) stay unrouted too
+            for name, pods in ctx.drain.draining(self.namespace, self.pool).items():
+                for pod in pods & self.truth.keys():
+                    self.truth[pod].unrouted.add(name)
 
     async def run(self) -> PoolReport:
         snap = self.snap
@@ -163,6 +167,8 @@ class _Pass:
         timeline.mark(self.namespace, tag, "loaded")
         await self._unload_all(valid, plans, demands, loaded)
         await self._unload_strays()
+        for pod, truth in self.truth.items():  # copies kept after all are routed again
+            truth.unrouted = {name for p, name in self.drained if p == pod}
 
         for facts in self.facts:
             if snap.states[facts.name].ready:

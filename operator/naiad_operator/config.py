@@ -41,6 +41,9 @@ class OperatorConfig:
     llm_kv_cache_metric_name: str = DEFAULT_LLM_KV_CACHE_METRIC
     # "auto": an InferencePool per LLM model when the cluster serves inference.networking.k8s.io/v1; "false": never.
     inference_pools: str = "auto"
+    # Seconds a copy leaving a pod that stays waits, at most, for the model's Service endpoints to drop the pod
+    # before it is unloaded (it is unloaded as soon as they do; draining.py).
+    unload_delay_seconds: float = 5.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -90,6 +93,7 @@ class OperatorConfig:
             queue_metric_name=env.get("NAIAD_QUEUE_METRIC") or defaults.queue_metric_name,
             service_monitors=monitors,
             load_retry_seconds=number("NAIAD_LOAD_RETRY_SECONDS", defaults.load_retry_seconds),
+            unload_delay_seconds=number("NAIAD_UNLOAD_DELAY_SECONDS", defaults.unload_delay_seconds),
         )
 
 

@@ -19,6 +19,7 @@ from . import timeline
 from .applied import AppliedCache
 from .config import OperatorConfig
 from .control import ModelControlClient
+from .draining import DrainBook
 from .events import post as post_event
 from .inference_pool import (
     INFERENCE_POOL_API,
@@ -108,6 +109,10 @@ def _models_of_pool(index: kopf.Index[Any, Body], namespace: str, pool: str) -> 
     return [dict(body) for body in index.get((namespace, pool), [])]
 
 
+def _recheck_in(report: PoolReport) -> float | None:
+    return report.recheck_in
+
+
 @kopf.on.startup()  # type: ignore[arg-type]  # see _KOPF_PROTOCOLS
 async def startup(
     settings: kopf.OperatorSettings, memo: kopf.Memo, models_by_pool: kopf.Index[Any, Body], **_: Any
@@ -148,8 +153,9 @@ async def startup(
         meter=VariantMeter(memo.http, config.request_timeout_seconds),
         gauges=GaugeReader(memo.http, config.request_timeout_seconds),
         models=partial(_models_of_pool, models_by_pool),
+        drain=DrainBook(config.unload_delay_seconds),
     )
-    memo.pools = PassRunner(partial(reconcile_pool, context))
+    memo.pools = PassRunner(partial(reconcile_pool, context), again=_recheck_in)
     memo.pool_models = partial(_models_of_pool, models_by_pool)
     memo.pod_fingerprints = {}
     memo.applied = AppliedCache()
@@ -458,8 +464,10 @@ async def model_deleted(
         raise _retry_or_raise(error, f"unloading InferenceModel {name}") from error
     left = report.holders.get(name, [])
     if left and retry < DELETE_RETRIES:
+        # Copies waiting for the Service to drop their pods are unloaded within seconds (draining.py).
+        draining = set(left) <= set(report.draining.get(name, []))
         raise kopf.TemporaryError(
-            f"{intent.model_name} is still loaded on {', '.join(sorted(left))}", delay=10
+            f"{intent.model_name} is still loaded on {', '.join(sorted(left))}", delay=2 if draining else 10
         )
     if left:
         post_event(

@@ -24,6 +24,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("v1", "Secret"): "secrets",
+    ("discovery.k8s.io/v1", "EndpointSlice"): "endpointslices",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("apps/v1", "Deployment"): "deployments",
     ("apps/v1", "ReplicaSet"): "replicasets",

@@ -208,12 +208,14 @@ class PodTruth:
     # Models scaled to zero that this pod loads on demand: labelled like held ones (their Services select it),
     # not recorded as placements.
     routes: set[str] = field(default_factory=set)
+    # Held models whose copy here waits to be unloaded: their label goes first (draining.py), the record stays.
+    unrouted: set[str] = field(default_factory=set)
 
 
 def metadata_patch(facts: PodFacts, truth: PodTruth) -> dict[str, Any] | None:
     """Merge patch for labels and annotations, or None when the pod already says the truth."""
     labels: dict[str, str | None] = {}
-    labelled = set(truth.held) | truth.routes
+    labelled = (set(truth.held) - truth.unrouted) | truth.routes
     for key in facts.labels:
         if key.startswith(MODEL_LABEL_PREFIX) and key[len(MODEL_LABEL_PREFIX) :] not in labelled:
             labels[key] = None

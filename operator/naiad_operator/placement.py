@@ -41,6 +41,9 @@ class Demand:
     # A canary: this revision on `canary_percent` of the model's copies (see canary_count), `revision` on the rest.
     canary_revision: str | None = None
     canary_percent: int = 0
+    # Pods whose copy is waiting to be unloaded (no longer routed: draining.py): kept only when no other copy
+    # will do, ahead of loading a new one.
+    draining: frozenset[str] = frozenset()
 
     @property
     def revisions(self) -> tuple[str, ...]:
@@ -109,9 +112,11 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
 
     fresh = [p for p in eligible if not p.leaving]
     old = [p for p in eligible if p.leaving]
+    routed = [p for p in fresh if p.name not in demand.draining]
     tiers = [
-        [p for p in fresh if demand.name in p.held and current(p)],
-        [p for p in fresh if demand.name in p.held and not current(p)],
+        [p for p in routed if demand.name in p.held and current(p)],
+        [p for p in routed if demand.name in p.held and not current(p)],
+        [p for p in fresh if demand.name in p.held and p.name in demand.draining],
         empties(fresh),
         [p for p in old if demand.name in p.held and current(p)],
         [p for p in old if demand.name in p.held and not current(p)],
@@ -120,10 +125,10 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
     wanted = len(fresh) if demand.replicas is None else demand.replicas
     chosen: list[PodState] = []
     for tier_index, tier in enumerate(tiers):
-        if demand.replicas is None and tier_index >= 3:
+        if demand.replicas is None and tier_index >= 4:
             # Every-pod models keep copies on leaving pods (below) but never add new ones there.
             break
-        if tier_index in (2, 5):
+        if tier_index in (3, 6):
             tier = _spread(tier, chosen)
         for pod in tier:
             if len(chosen) >= wanted:

@@ -15,13 +15,14 @@ from typing import Any
 
 from . import timeline
 from .control import ControlError
+from .endpoint_slices import service_endpoints
 from .events import post as post_event
 from .group_status import read_group
 from .kube import KubeError
 from .llm_gauges import EngineGauges, copy_status
 from .measured_memory import measured_memory, placement_memory
 from .model_resources import ModelIntent, endpoint, grouped, model_selector_string
-from .naming import API_VERSION, MODEL_KIND, SERVER_KIND
+from .naming import API_VERSION, MODEL_KIND, SERVER_KIND, headless_service_name
 from .observe import (
     Held,
     PodFacts,
@@ -62,6 +63,10 @@ class PoolReport:
     found: bool
     # InferenceModel name -> pods that still hold it after the pass.
     holders: dict[str, list[str]] = field(default_factory=dict)
+    # InferenceModel name -> pods among its holders that are no longer routed and wait to be unloaded.
+    draining: dict[str, list[str]] = field(default_factory=dict)
+    # Seconds until the next pass should finish those unloads (None: none pending).
+    recheck_in: float | None = None
 
 
 async def _patch_pod(
@@ -114,6 +119,11 @@ class _Pass:
         self.failures: dict[str, dict[str, str]] = {}  # model -> pod -> load error in this pass
         self.unload_failures: dict[str, dict[str, str]] = {}
         self.fresh: set[tuple[str, str]] = set()  # (model, pod) loaded in this pass
+        self.drained: set[tuple[str, str]] = set()  # (pod, model) no longer routed, waiting to be unloaded
+        if ctx.drain is not None:  # pods patched early in the pass (lost models, routes) stay unrouted too
+            for name, pods in ctx.drain.draining(self.namespace, self.pool).items():
+                for pod in pods & self.truth.keys():
+                    self.truth[pod].unrouted.add(name)
 
     async def run(self) -> PoolReport:
         snap = self.snap
@@ -125,6 +135,7 @@ class _Pass:
         if any(d.went for d in zero.values()):
             await self._patch_routes()  # the Service selects the on-demand pods before the copies go
         measured = measured_memory(snap.index)
+        draining = self.ctx.drain.draining(self.namespace, self.pool) if self.ctx.drain is not None else {}
         demands = {
             m.intent.name: Demand(
                 name=m.intent.name,
@@ -136,6 +147,7 @@ class _Pass:
                 avoid=frozenset(self._avoid(m.intent)),
                 canary_revision=m.intent.canary.revision if m.intent.canary else None,
                 canary_percent=m.intent.canary.percent if m.intent.canary else 0,
+                draining=frozenset(draining.get(m.intent.name, ())),
             )
             for m in valid
         }
@@ -155,6 +167,8 @@ class _Pass:
         timeline.mark(self.namespace, tag, "loaded")
         await self._unload_all(valid, plans, demands, loaded)
         await self._unload_strays()
+        for pod, truth in self.truth.items():  # copies kept after all are routed again
+            truth.unrouted = {name for p, name in self.drained if p == pod}
 
         for facts in self.facts:
             if snap.states[facts.name].ready:
@@ -187,7 +201,13 @@ class _Pass:
         for pod, truth in self.truth.items():
             for name in truth.held:
                 holders.setdefault(name, []).append(pod)
-        return PoolReport(found=True, holders=holders)
+        report = PoolReport(found=True, holders=holders)
+        if self.ctx.drain is not None:
+            self.ctx.drain.retain(self.namespace, self.pool, self.drained)
+            report.recheck_in = self.ctx.drain.recheck_in(self.namespace, self.pool)
+            for pod, name in sorted(self.drained):
+                report.draining.setdefault(name, []).append(pod)
+        return report
 
     # --- steps ------------------------------------------------------------------------------------------------
 
@@ -417,6 +437,40 @@ class _Pass:
             return str(error)
         return None
 
+    async def _routed_away(self, name: str, pods: Sequence[str]) -> list[str]:
+        """Route first, unload after (draining.py): of the copies of InferenceModel `name` to unload, those whose
+        pods its Services no longer route to. The others lose their label in this pass and wait for a later one."""
+        book = self.ctx.drain
+        if book is None or not pods:
+            return list(pods)
+        now, waiting = [], []
+        for pod in pods:
+            truth = self.truth[pod]
+            if name in truth.routes:
+                now.append(pod)  # routed either way: the pod loads the model on demand (scale_to_zero.py)
+                continue
+            truth.unrouted.add(name)
+            self.drained.add((pod, name))
+            if not book.start(self.namespace, self.pool, pod, name):
+                waiting.append(pod)
+        if waiting:
+            listed = await service_endpoints(
+                self.ctx.kube, self.namespace, (name, headless_service_name(name))
+            )
+            for pod in waiting:
+                ip = self.snap.states[pod].ip
+                on = None if listed is None else (pod in listed or (ip is not None and ip in listed))
+                if book.unload_now(self.namespace, self.pool, pod, name, on):
+                    now.append(pod)
+        return now
+
+    def _unloaded(self, pod: str, name: str) -> None:
+        self.truth[pod].held.pop(name, None)
+        self.truth[pod].unrouted.discard(name)
+        self.drained.discard((pod, name))
+        if self.ctx.drain is not None:
+            self.ctx.drain.finish(self.namespace, self.pool, pod, name)
+
     async def _unload_all(
         self,
         models: Sequence[PoolModel],
@@ -426,11 +480,13 @@ class _Pass:
     ) -> None:
         for model in models:
             name = model.intent.name
-            pods = unloads_allowed(plans[name], demands[name], loaded.get(name, set()))
+            pods = await self._routed_away(
+                name, unloads_allowed(plans[name], demands[name], loaded.get(name, set()))
+            )
             errors = await asyncio.gather(*(self._unload(pod, model.intent.model_name) for pod in pods))
             for pod, error in zip(pods, errors):
                 if error is None:
-                    self.truth[pod].held.pop(name, None)
+                    self._unloaded(pod, name)
                     post_event(
                         model.body, "Normal", "Unloaded", f"unloaded {model.intent.model_name} from pod {pod}"
                     )
@@ -446,6 +502,7 @@ class _Pass:
     async def _unload_strays(self) -> None:
         """Models recorded on a pod by an InferenceModel that is gone (or moved to another pool)."""
         bound = {m.intent.name for m in self.snap.models}
+        strays: dict[str, list[str]] = {}  # InferenceModel name -> pods
         for facts in self.facts:
             state, truth = self.snap.states[facts.name], self.truth[facts.name]
             if not state.ready:
@@ -457,16 +514,18 @@ class _Pass:
                 if record.model_name in in_use:
                     truth.held.pop(name)  # another InferenceModel serves that model here now: only forget it
                     continue
-                error = await self._unload(facts.name, record.model_name)
+                strays.setdefault(name, []).append(facts.name)
+        for name, pods in strays.items():
+            for pod in await self._routed_away(name, pods):
+                record = self.truth[pod].held[name]
+                error = await self._unload(pod, record.model_name)
                 if error is None:
-                    truth.held.pop(name)
-                    log.info(
-                        "pod %s: unloaded %s, left by InferenceModel %s", facts.name, record.model_name, name
-                    )
+                    self._unloaded(pod, name)
+                    log.info("pod %s: unloaded %s, left by InferenceModel %s", pod, record.model_name, name)
                 else:
                     log.warning(
                         "pod %s: unloading %s (InferenceModel %s is gone): %s",
-                        facts.name,
+                        pod,
                         record.model_name,
                         name,
                         error,
@@ -507,13 +566,16 @@ class _Pass:
             if held is not None:
                 holding += 1
                 current = held.revision in intent.revisions
-                if current and state.ready:
+                unrouted = intent.name in self.truth[pod].unrouted
+                if current and state.ready and not unrouted:
                     available += 1
                 message = unload_failure or failure or (None if current else "older revision; reload pending")
+                if unrouted and message is None:
+                    message = "no longer routed here; unloading once the Service's endpoints drop the pod"
                 placements.append(
                     Placement(
                         pod,
-                        "Unloading" if unload_failure else "Loaded",
+                        "Unloading" if unload_failure or unrouted else "Loaded",
                         facts.ip,
                         version,
                         message,

@@ -11,6 +11,7 @@ from typing import Any
 
 from .config import OperatorConfig
 from .control import ControlError, IndexEntry, ModelControlClient
+from .draining import DrainBook
 from .kube import KubeClient
 from .llm_gauges import GaugeReader
 from .load_backoff import LoadBackoff
@@ -48,6 +49,9 @@ class PoolContext:
     # When each model that may scale to zero last had a request, and which are scaled to zero. Its request
     # counters are read with `meter` (None: no model is ever found idle).
     idle: IdleClock = field(default_factory=IdleClock)
+    # Copies leaving pods that stay, waiting for the Service to stop routing there before they are unloaded
+    # (None: a copy is unloaded in the pass that removes its label).
+    drain: DrainBook | None = None
 
 
 async def pool_control(ctx: PoolContext, server: Mapping[str, Any]) -> ModelControlClient:

@@ -1,5 +1,6 @@
 """Runs placement passes one at a time per pool and coalesces requests: everyone who asks while a pass is
-running shares the single pass that starts after it, so bursts of pod events cost one extra pass, not many."""
+running shares the single pass that starts after it, so bursts of pod events cost one extra pass, not many. A pass
+whose result asks for a follow-up (work left pending, e.g. an unload waiting for the endpoints) gets one later."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ T = TypeVar("T")
 
 
 class PassRunner(Generic[T]):
-    def __init__(self, run: Callable[[str, str], Awaitable[T]]):
+    def __init__(
+        self, run: Callable[[str, str], Awaitable[T]], again: Callable[[T], float | None] | None = None
+    ):
         self._run = run
+        self._again = again  # seconds after which a pass's result wants another pass (None: no follow-up)
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
         self._queued: dict[Key, asyncio.Future[T]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -45,6 +50,23 @@ class PassRunner(Generic[T]):
                 future.set_exception(error)
             else:
                 future.set_result(result)
+                delay = self._again(result) if self._again is not None else None
+                if delay is not None:
+                    self._follow_up(key, delay)
+
+    def _follow_up(self, key: Key, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        timer = self._timers.get(key)
+        if timer is not None and not timer.cancelled() and timer.when() <= loop.time() + delay:
+            return  # an earlier follow-up is already set
+        if timer is not None:
+            timer.cancel()
+
+        def fire() -> None:
+            self._timers.pop(key, None)
+            self.request(*key)
+
+        self._timers[key] = loop.call_later(delay, fire)
 
     async def run(self, namespace: str, pool: str) -> T:
         """Wait for a pass that starts after this call; its exception, if any, is raised here."""
@@ -64,6 +86,9 @@ class PassRunner(Generic[T]):
             log.warning("placement pass for %s/%s failed: %s", namespace, pool, error)
 
     async def close(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -98,6 +98,7 @@ def test_default_render():
     assert namespace["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert env["NAIAD_QUEUE_METRIC"] == "naiad_queue_time_per_request_us"
     assert env["NAIAD_SERVICE_MONITORS"] == "auto"
+    assert env["NAIAD_UNLOAD_DELAY_SECONDS"] == "5"
     assert container["image"] == "ghcr.io/naiad-dev/naiad-operator:0.1.0"
     assert not any(a.startswith("--namespace") for a in container["args"])
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -171,6 +172,7 @@ NEEDED = [
     ("", "events", {"create"}),
     ("", "secrets", {"get", "create", "patch"}),  # control credential and its per-pool copies; tls ca.crt
     ("networking.k8s.io", "networkpolicies", {"get", "patch", "create", "delete"}),
+    ("discovery.k8s.io", "endpointslices", {"list"}),
     ("policy", "poddisruptionbudgets", {"get", "watch", "patch", "create", "delete"}),
     ("apps", "deployments", {"watch"}),
     ("", "services", {"watch"}),

@@ -1139,3 +1139,35 @@ def test_model_scales_to_zero_and_back_without_a_failed_request(report):
     assert steady.ok > 0
     h.kubectl("-n", NS, "delete", "im", "lazy", "steady", "--timeout=90s", check=False)
     h.kubectl("-n", NS, "delete", "inferenceserver", "ondemand", "--timeout=90s", check=False)
+
+
+def test_scale_down_routes_away_before_unloading_without_a_failed_request(report):
+    """replicas 3 -> 1 on pods that stay: each leaving copy's pod loses its label first and is unloaded only once
+    the model's EndpointSlices dropped it (draining.py), so a client following the Service's endpoints the whole
+    time never reaches a pod that no longer has the model."""
+    h = report
+    h.apply(model("shrink", serverRef={"name": "shrinkpool"}, modelName="add_sub", replicas=3))
+    h.apply(pool("shrinkpool", replicas=3, modelRepository={"path": str(h.repo)}, resources={}))
+    wait(lambda: h.model_status("shrink").get("availableReplicas") == 3, 180, what="3 copies")
+    ips = {p["status"]["podIP"] for p in h.get("pods", selector="naiad.dev/server=shrinkpool")["items"]}
+    assert len(ips) == 3
+    wait(lambda: h.endpoints("shrink") == ips, 60, what="the Service on the 3 pods")
+    with ServiceTraffic(h, "shrink", "add_sub", workers=3) as traffic:
+        traffic.on.set()
+        time.sleep(4)
+        served_before = traffic.ok
+        h.kubectl("-n", NS, "patch", "im", "shrink", "--type=merge", "-p", '{"spec": {"replicas": 1}}')
+        (kept,) = wait(lambda: (e := h.endpoints("shrink")) and len(e) == 1 and e, 60, what="1 endpoint")
+        wait(
+            lambda: {ip for ip in ips if h.index(ip).get("add_sub") == "READY"} == {kept},
+            60,
+            what="unloaded from the 2 other pods",
+        )
+        time.sleep(3)
+    status = h.model_status("shrink")
+    assert status["availableReplicas"] == 1 and status["phase"] == "Available"
+    print(f"shrink: {traffic.ok} ok, {len(traffic.failures)} failed")
+    assert not traffic.failures, traffic.failures[:5]
+    assert traffic.ok > served_before
+    h.kubectl("-n", NS, "delete", "im", "shrink", "--timeout=90s", check=False)
+    h.kubectl("-n", NS, "delete", "inferenceserver", "shrinkpool", "--timeout=90s", check=False)

@@ -22,8 +22,10 @@ def test_config_defaults_and_environment():
             "NAIAD_SERVICE_MONITORS": "false",
             "NAIAD_INFERENCE_POOLS": "False",
             "NAIAD_LLM_WAITING_METRIC": "waiting",
+            "NAIAD_UNLOAD_DELAY_SECONDS": "2.5",
         }
     )
+    assert config.unload_delay_seconds == 2.5 and OperatorConfig().unload_delay_seconds == 5.0
     assert config.server_image == "registry/naiad:2" and config.resync_seconds == 5.0
     assert config.load_timeout_seconds == 1200.0 and config.queue_metric_name == "q"
     assert config.service_monitors == "false"

@@ -181,3 +181,13 @@ def test_copies_of_a_model_go_to_different_nodes_first():
     pods = [pod(f"p{i}", node=f"n{i % 2}") for i in range(4)]
     chosen = plan([Demand("m", "r1", 3)], pods)["m"].load
     assert sorted(p.node for p in pods if p.name in chosen) == ["n0", "n0", "n1"]
+
+
+def test_copies_waiting_to_be_unloaded_are_kept_last_but_before_a_new_load():
+    pods = [pod("a", {"m": "r1"}), pod("b", {"m": "r1"}), pod("c")]
+    # a's copy is no longer routed (draining.py): b's copy is kept instead, and a's goes on waiting
+    p = plan([Demand("m", "r1", replicas=1, draining=frozenset({"a"}))], pods)["m"]
+    assert (p.keep, p.load, p.unload) == (["b"], [], ["a"])
+    # wanting two copies again takes a's copy back rather than loading one on c
+    p = plan([Demand("m", "r1", replicas=2, draining=frozenset({"a"}))], pods)["m"]
+    assert (sorted(p.keep), p.load, p.unload) == (["a", "b"], [], [])

@@ -11,6 +11,7 @@ from operator_fakes import API, NS, FakeKube, FakeServers
 from test_placement_pass import labels_of, model, server, status_of
 
 from naiad_operator.config import OperatorConfig
+from naiad_operator.draining import DrainBook
 from naiad_operator.load_backoff import LoadBackoff
 from naiad_operator.model_resources import model_intent
 from naiad_operator.naming import PLACEMENTS_ANNOTATION
@@ -270,3 +271,18 @@ async def test_an_operator_that_restarts_keeps_a_scaled_model_at_zero():
     assert sum("chat" in models for models in servers.loaded.values()) == 1
     assert len(labelled(kube)) == 1
     assert "ScaledToZero" not in conditions_of(kube, "chat")
+
+
+@on_session_loop
+async def test_going_to_zero_unloads_at_once_where_the_pods_stay_routed():
+    """Route first, unload after (draining.py) has nothing to wait for here: the on-demand pods keep the model's
+    label (they load it on the next request), so the copies go in the pass that scales to zero."""
+    kube, servers, _, ctx, now = make_world()
+    ctx.drain = DrainBook(5.0, clock=lambda: now[0])
+    kube.add(model("chat", dict(SPEC)))
+    await reconcile_pool(ctx, NS, "gpu")
+    now[0] += 61
+    report = await reconcile_pool(ctx, NS, "gpu")
+    assert all("chat" not in models for models in servers.loaded.values())
+    assert labelled(kube) == ["gpu-0", "gpu-1", "gpu-2"]
+    assert report.draining == {} and report.recheck_in is None

@@ -95,4 +95,8 @@ app.kubernetes.io/part-of: naiad
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, update, patch, delete]
+# Route first, unload after: a copy leaving a pod is unloaded once its model's EndpointSlices drop the pod.
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
 {{- end -}}

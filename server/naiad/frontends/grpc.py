@@ -95,15 +95,30 @@ class GrpcFrontend:
         self._health = None
         self._tls_context = None
 
-    async def start(self, host: str, port: int, tls_settings=None, reuse_port: bool = False) -> None:
+    async def start(
+        self, host: str, port: int, tls_settings=None, reuse_port: bool = False, listen: bool = True
+    ) -> None:
         """`tls_settings` (tls.TlsSettings): serve over TLS, reloading the certificate when its files change.
-        `reuse_port`: SO_REUSEPORT for frontend worker processes (grpcio sets it on every port already)."""
+        `reuse_port`: SO_REUSEPORT for frontend worker processes (grpcio sets it on every port already).
+        `listen=False` (Naiad's HTTP/2 server only; grpcio cannot adopt sockets): bind nothing; the engine's
+        acceptor hands this worker its connections (`protocol_factory`, `ssl_context`)."""
         if self.implementation == "grpcio":
             await self._start_grpcio(host, port, tls_settings)
         else:
-            await self._start_h2(host, port, tls_settings, reuse_port)
+            await self._start_h2(host, port, tls_settings, reuse_port, listen)
 
-    async def _start_h2(self, host: str, port: int, tls_settings=None, reuse_port: bool = False) -> None:
+    @property
+    def protocol_factory(self):
+        """What serves a connection accepted elsewhere (Naiad's HTTP/2 server)."""
+        return self._grpc.protocol_factory
+
+    @property
+    def ssl_context(self):
+        return self._tls_context.context if self._tls_context is not None else None
+
+    async def _start_h2(
+        self, host: str, port: int, tls_settings=None, reuse_port: bool = False, listen: bool = True
+    ) -> None:
         from . import h2grpc
 
         methods = h2grpc.service_methods(
@@ -139,7 +154,7 @@ class GrpcFrontend:
             self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")
             context = self._tls_context.context
         try:
-            await self._grpc.start(host, port, ssl=context, reuse_port=reuse_port)
+            await self._grpc.start(host, port, ssl=context, reuse_port=reuse_port, listen=listen)
         except OSError as exc:
             raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
         if self._tls_context is not None:

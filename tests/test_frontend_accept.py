@@ -168,11 +168,14 @@ def test_tls_through_the_acceptor(tmp_path):
             key,
             f"--{endpoint}-use-ssl=true",
         ]
-    proc = NaiadProcess(make_repo(tmp_path), "--frontend-workers", "2", "--allow-metrics", "false", *tls)
+    proc = NaiadProcess(
+        make_repo(tmp_path / "repo"), "--frontend-workers", "2", "--allow-metrics", "false", *tls
+    )
     proc.start()
     try:
         wait_for(lambda: len(worker_pids(proc)) == 2, what="two frontend workers")
         pids = worker_pids(proc)
+        settle(proc, pids)
         context = ssl.create_default_context(cafile=pki.ca)
         conns = []
         for _ in range(2):  # one per worker: both adopt TLS connections

@@ -206,3 +206,46 @@ def test_tls_through_the_acceptor(tmp_path):
             c.close()
     finally:
         assert proc.stop() == 0, proc.output()
+
+
+def listens(pid: int, port: int) -> bool:
+    return any(
+        c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        for c in psutil.Process(pid).net_connections("tcp")
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, worker_ports",
+    [
+        (["--frontend-accept", "reuseport"], ("http", "grpc")),  # every worker binds every port
+        (
+            ["--grpc-implementation", "grpcio"],
+            ("grpc",),
+        ),  # grpcio cannot adopt sockets: SO_REUSEPORT for gRPC
+    ],
+    ids=["reuseport", "grpcio"],
+)
+def test_who_listens(tmp_path, flags, worker_ports):
+    proc = NaiadProcess(make_repo(tmp_path), "--frontend-workers", "2", "--allow-metrics", "false", *flags)
+    proc.start()
+    try:
+        wait_for(lambda: len(worker_pids(proc)) == 2, what="two frontend workers")
+        for name, port in (("http", proc.http_port), ("grpc", proc.grpc_port)):
+            in_workers = name in worker_ports
+            wait_for(  # a worker may still be starting when the first one answers the readiness probe
+                lambda: all(listens(pid, port) == in_workers for pid in worker_pids(proc)),
+                what=name,  # noqa: B023
+            )
+            assert listens(proc.proc.pid, port) != in_workers, name
+        for _ in range(4):
+            c = grpcclient.InferenceServerClient(proc.grpc, channel_args=OWN_CONNECTION)
+            inp = grpcclient.InferInput("INPUT0", [1, 2], "FP32")
+            inp.set_data_from_numpy(np.ones((1, 2), np.float32))
+            np.testing.assert_array_equal(
+                c.infer("identity_fp32", [inp]).as_numpy("OUTPUT0"), np.ones((1, 2))
+            )
+            c.close()
+            keep_alive(proc).close()
+    finally:
+        assert proc.stop() == 0, proc.output()

@@ -19,6 +19,8 @@ import tritonclient.grpc as grpcclient
 from helpers import ROOT, NaiadProcess
 from pki import Pki
 
+from naiad.engine.acceptor import GRPC, HTTP, Acceptor, WorkerSlot
+
 WORKER_MODULE = "naiad.engine.worker"
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # a channel of its own, not a shared subchannel
 
@@ -69,7 +71,7 @@ def owner(pids: list[int], conn: http.client.HTTPConnection) -> int | None:
 
 
 def settle(server: NaiadProcess, pids: list[int]) -> None:
-    """Until the workers hold no connection and have told the acceptor so (they count every 50 ms)."""
+    """Until the workers hold no connection and have told the acceptor so (they count every 20 ms)."""
     gc.collect()  # e.g. the readiness probe's connection, held by a reference cycle in requests
     ports = (server.http_port, server.grpc_port)
     wait_for(lambda: not any(held(p, port) for p in pids for port in ports), 10, "no open connections")
@@ -234,8 +236,10 @@ def test_who_listens(tmp_path, flags, worker_ports):
         for name, port in (("http", proc.http_port), ("grpc", proc.grpc_port)):
             in_workers = name in worker_ports
             wait_for(  # a worker may still be starting when the first one answers the readiness probe
-                lambda: all(listens(pid, port) == in_workers for pid in worker_pids(proc)),
-                what=name,  # noqa: B023
+                lambda port=port, in_workers=in_workers: all(
+                    listens(pid, port) == in_workers for pid in worker_pids(proc)
+                ),
+                what=name,
             )
             assert listens(proc.proc.pid, port) != in_workers, name
         for _ in range(4):
@@ -249,3 +253,26 @@ def test_who_listens(tmp_path, flags, worker_ports):
             keep_alive(proc).close()
     finally:
         assert proc.stop() == 0, proc.output()
+
+
+def test_pick_fewest_of_the_kind_then_fewest_in_all_then_round_robin(tmp_path):
+    acceptor = Acceptor(str(tmp_path))
+    a, b = WorkerSlot(None, 1), WorkerSlot(None, 2)  # type: ignore[arg-type]
+    a.pid, b.pid = 10, 11
+    acceptor.workers = [a, b]
+
+    def hand(kind: bytes) -> WorkerSlot:
+        slot = acceptor.pick(kind)[0]
+        slot.sent[kind] += 1
+        acceptor.handed += 1
+        slot.last = acceptor.handed
+        return slot
+
+    assert [hand(GRPC).pid for _ in range(4)] == [10, 11, 10, 11]  # ties alternate
+    b.received[HTTP], b.open[HTTP] = 0, 5  # b reports 5 open HTTP connections
+    assert [hand(GRPC).pid for _ in range(2)] == [10, 11]  # gRPC is balanced by gRPC connections first
+    assert hand(HTTP).pid == 10  # HTTP by HTTP connections
+    a.received[GRPC], a.open[GRPC] = 3, 0  # a's three gRPC connections closed
+    assert [hand(GRPC).pid for _ in range(3)] == [10, 10, 10]
+    b.pid = 0  # unregistered (dead, or not yet registered): never picked
+    assert [s.pid for s in acceptor.pick(HTTP)] == [10]

@@ -175,6 +175,10 @@ class Acceptor:
         for _, sock in self.listeners:
             self.loop.remove_reader(sock.fileno())
 
+    def _retry(self) -> None:
+        if self.registered() and self.listeners:
+            self._resume()
+
     def pick(self, kind: bytes) -> list[WorkerSlot]:
         """Registered workers, fewest open connections of this kind first (so that a few long gRPC channels are
         spread however many HTTP connections come and go), then fewest in all; among equals the one handed a
@@ -189,8 +193,11 @@ class Acceptor:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and friends: the connection stays queued; try again next turn
-                log.warning("accepting a connection failed: %s", exc)
+            except OSError as exc:  # EMFILE and friends: connections stay queued; try again in a second
+                log.warning("accepting a connection failed: %s; pausing accepts for 1 s", exc)
+                self._pause()
+                assert self.loop is not None
+                self.loop.call_later(1.0, self._retry)
                 return
             with conn:
                 self._hand(kind, conn)

@@ -15,7 +15,7 @@ from .acceptor import KINDS, REPORT
 
 log = logging.getLogger("naiad.worker")
 
-REPORT_INTERVAL_S = 0.05  # how often open connections are counted again while any are open
+REPORT_INTERVAL_S = 0.02  # how often open connections are counted again while any are open
 
 
 class Adopter:
@@ -82,6 +82,8 @@ class Adopter:
             for fd in fds:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)
+                if conn.family in (socket.AF_INET, socket.AF_INET6):  # as a listener's own accepts get it
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 entry = self.kinds.get(kind)
                 if entry is None:
                     log.warning("the acceptor handed over a connection of unknown kind %r; closing it", kind)

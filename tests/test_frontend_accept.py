@@ -71,7 +71,7 @@ def owner(pids: list[int], conn: http.client.HTTPConnection) -> int | None:
 
 
 def settle(server: NaiadProcess, pids: list[int]) -> None:
-    """Until the workers hold no connection and have told the acceptor so (they count every 20 ms)."""
+    """Until the workers hold no connection and have told the acceptor so (a worker reports each close at once)."""
     gc.collect()  # e.g. the readiness probe's connection, held by a reference cycle in requests
     ports = (server.http_port, server.grpc_port)
     wait_for(lambda: not any(held(p, port) for p in pids for port in ports), 10, "no open connections")

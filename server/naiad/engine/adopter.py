@@ -15,7 +15,26 @@ from .acceptor import KINDS, REPORT
 
 log = logging.getLogger("naiad.worker")
 
-REPORT_INTERVAL_S = 0.02  # how often open connections are counted again while any are open
+
+class AdoptedSocket(socket.socket):
+    """An adopted connection's socket. The event loop closes it (asyncio) or detaches it (uvloop) when the
+    connection ends, whichever protocol serves it by then (the frontends swap protocols on a transport), so
+    that is where the end is counted."""
+
+    on_end: Callable[[], None] | None = None
+
+    def ended(self) -> None:
+        callback, self.on_end = self.on_end, None
+        if callback is not None:
+            callback()
+
+    def close(self) -> None:
+        self.ended()
+        super().close()
+
+    def detach(self) -> int:
+        self.ended()
+        return super().detach()
 
 
 class Adopter:
@@ -24,12 +43,11 @@ class Adopter:
     def __init__(self, path: str):
         self.path = path
         self.kinds: dict[bytes, tuple[Callable[[], asyncio.BaseProtocol], ssl_module.SSLContext | None]] = {}
-        self.transports: dict[bytes, set[asyncio.BaseTransport]] = {k: set() for k in KINDS}
-        self.pending = dict.fromkeys(KINDS, 0)  # sockets being adopted (a TLS handshake in progress)
+        self.open = dict.fromkeys(KINDS, 0)  # connections held (adopted or being adopted), by kind
         self.received = dict.fromkeys(KINDS, 0)
         self._reported: dict[bytes, tuple[int, int]] = {}
+        self._report_pending = False
         self._sock: socket.socket | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -51,23 +69,21 @@ class Adopter:
         self.loop.add_reader(sock.fileno(), self._on_message)
         self._send(b"R", b"-", os.getpid(), 0)
 
-    def open(self, kind: bytes) -> int:
-        return self.pending[kind] + len(self.transports[kind])
-
     def _send(self, tag: bytes, kind: bytes, a: int, b: int) -> bool:
         if self._sock is None:
             return False
         try:
             self._sock.send(REPORT.pack(tag, kind, a, b))
         except (BlockingIOError, InterruptedError):
-            self._schedule()  # try again on the next count
+            assert self.loop is not None
+            self.loop.call_later(0.01, self._schedule)  # the acceptor is behind: try again shortly
             return False
         except OSError:
             return False  # the engine is gone; the worker's data channel notices and it exits
         return True
 
     def _on_message(self) -> None:
-        assert self._sock is not None
+        assert self._sock is not None and self.loop is not None
         while True:
             try:
                 data, fds, _, _ = socket.recv_fds(self._sock, 16, 4)
@@ -80,63 +96,54 @@ class Adopter:
                 return
             kind = data[:1]
             for fd in fds:
-                conn = socket.socket(fileno=fd)
+                conn = AdoptedSocket(fileno=fd)
                 conn.setblocking(False)
-                if conn.family in (socket.AF_INET, socket.AF_INET6):  # as a listener's own accepts get it
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 entry = self.kinds.get(kind)
                 if entry is None:
                     log.warning("the acceptor handed over a connection of unknown kind %r; closing it", kind)
                     conn.close()
                     continue
+                if conn.family in (socket.AF_INET, socket.AF_INET6):  # as a listener's own accepts get it
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.received[kind] += 1
-                self.pending[kind] += 1
-                task = self.loop.create_task(self._adopt(kind, conn, *entry))  # type: ignore[union-attr]
+                self.open[kind] += 1
+                conn.on_end = lambda kind=kind: self._ended(kind)
+                task = self.loop.create_task(self._adopt(conn, *entry))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-            self._report()
-
-    async def _adopt(self, kind: bytes, conn: socket.socket, factory, ssl) -> None:
-        try:  # from here the transport owns the socket, and closes it on a failed handshake
-            transport, _ = await self.loop.connect_accepted_socket(factory, conn, ssl=ssl)  # type: ignore[union-attr]
-        except Exception as exc:
-            log.debug("adopting a connection failed: %s", exc)
-        else:
-            self.transports[kind].add(transport)
-        finally:
-            self.pending[kind] -= 1
-            self._report()
-
-    def _report(self) -> None:
-        """Tell the acceptor what this worker holds now (if that changed); count again soon while any are open."""
-        busy = False
-        for kind, transports in self.transports.items():
-            closed = [t for t in transports if t.is_closing()]
-            for t in closed:
-                transports.discard(t)
-            state = (self.received[kind], self.open(kind))
-            if state != self._reported.get(kind) and self._send(b"C", kind, *state):
-                self._reported[kind] = state
-            busy = busy or state[1] > 0
-        if busy:
             self._schedule()
 
-    def _schedule(self) -> None:
-        if self._timer is None and self.loop is not None and self._sock is not None:
-            self._timer = self.loop.call_later(REPORT_INTERVAL_S, self._tick)
+    async def _adopt(self, conn: AdoptedSocket, factory, ssl) -> None:
+        assert self.loop is not None
+        try:  # from here the transport owns the socket, and closes it on a failed handshake
+            await self.loop.connect_accepted_socket(factory, conn, ssl=ssl)
+        except Exception as exc:
+            log.debug("adopting a connection failed: %s", exc)
+            conn.ended()  # counted as gone even if the loop let go of the socket some other way
 
-    def _tick(self) -> None:
-        self._timer = None
-        self._report()
+    def _ended(self, kind: bytes) -> None:
+        self.open[kind] -= 1
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Report once at the end of this loop turn, however many connections came and went in it."""
+        if not self._report_pending and self.loop is not None and self._sock is not None:
+            self._report_pending = True
+            self.loop.call_soon(self._report)
+
+    def _report(self) -> None:
+        """Tell the acceptor what this worker holds now, for each kind that changed."""
+        self._report_pending = False
+        for kind in KINDS:
+            state = (self.received[kind], self.open[kind])
+            if state != self._reported.get(kind) and self._send(b"C", kind, *state):
+                self._reported[kind] = state
 
     def _stop_reading(self) -> None:
         if self._sock is not None and self.loop is not None:
             self.loop.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     def close(self) -> None:
         """Take no more connections (the acceptor stops sending to this worker); open ones stay."""

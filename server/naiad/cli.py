@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--frontend-workers",
         type=frontend_workers,
         default="1",
-        help="processes that serve HTTP and gRPC (SO_REUSEPORT) in front of one engine process that owns the "
+        help="processes that serve HTTP and gRPC (see --frontend-accept) in front of one engine process that owns the "
         "models; 'auto': the CPUs the pod may use (its cgroup quota) less one for the engine; 1: one process, as before",
     )
     s.add_argument(

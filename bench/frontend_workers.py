@@ -1,7 +1,9 @@
 """A/B of `naiad serve --frontend-workers N` on one tree: requests/s and server CPU-seconds per request of
-HTTP binary identity requests (16 values at c64, 4 MiB at c8), the settings alternated round by round.
+HTTP binary identity requests (16 values at c8 and c64, 4 MiB at c8) and gRPC ones over 2 long connections
+(h2load, 32 streams each), the settings alternated round by round.
 
     .venv/bin/python bench/frontend_workers.py --workers 1,2 --rounds 3 --duration 8
+    .venv/bin/python bench/frontend_workers.py --workers "2 --frontend-accept reuseport,2 --frontend-accept balanced"
 
 The server is not pinned (N workers need N cores); wrk runs beside it. The machine may be shared: the server
 and wrk run at nice -20 in scheduling groups of nice -20 (as bench/run.py does), each round runs every setting
@@ -32,6 +34,11 @@ LUA = ROOT / "bench" / "lua" / "infer_binary.lua"
 MODEL_PY = ROOT / "bench" / "models" / "repo" / "identity_16" / "1" / "model.py"
 NICE = ["nice", "-n", "-20"] if os.geteuid() == 0 else []
 SCENARIOS = {"small_c64": (16, 64), "large_c8": (1024 * 1024, 8)}  # FP32 values, connections
+MORE_SCENARIOS = {"small_c8": (16, 8)}  # chosen with --scenarios
+GRPC_SCENARIOS = {
+    "grpc_small_2conn": (16, 2, 32)
+}  # FP32 values, connections, streams per connection (h2load)
+GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 
 CONFIG = """name: "identity_var"
 backend: "python"
@@ -87,6 +94,7 @@ class Server:
     def __init__(self, repo: Path, setting: str, log: Path):
         workers, *extra = setting.split()
         self.port = free_port()
+        self.grpc_port = free_port()
         cmd = [
             *NICE,
             sys.executable,
@@ -100,7 +108,7 @@ class Server:
             "--http-port",
             str(self.port),
             "--grpc-port",
-            str(free_port()),
+            str(self.grpc_port),
             "--allow-metrics",
             "false",
             "--frontend-workers",
@@ -155,6 +163,49 @@ def wrk(port: int, body: Path, header_len: int, conns: int, seconds: float) -> d
     return json.loads(line[len("BENCH_RESULT ") :])
 
 
+def grpc_body(values: int, tmp: Path) -> Path:
+    """One length-prefixed ModelInferRequest (uncompressed) for h2load to send as every request's body."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="identity_var")
+    tensor = req.inputs.add(name="INPUT0", datatype="FP32")
+    tensor.shape.append(values)
+    req.raw_input_contents.append(np.arange(values, dtype=np.float32).tobytes())
+    payload = req.SerializeToString()
+    path = tmp / f"grpc_{values}.bin"
+    path.write_bytes(b"\0" + len(payload).to_bytes(4, "big") + payload)
+    return path
+
+
+def h2load(port: int, body: Path, conns: int, streams: int, seconds: float) -> dict:
+    """gRPC unary calls over `conns` long-lived h2c connections; {"requests", "duration_us", "err_*"}."""
+    cmd = [*NICE, "h2load", f"-c{conns}", f"-m{streams}", f"-D{max(1, round(seconds))}", "-d", str(body),
+           "-H", "content-type: application/grpc", "-H", "te: trailers",
+           f"http://127.0.0.1:{port}{GRPC_PATH}"]  # fmt: skip
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    boost(p.pid)
+    out, _ = p.communicate(timeout=seconds + 60)
+    if p.returncode:
+        raise RuntimeError(f"h2load exited with {p.returncode}:\n{out}")
+    done = ok = 0
+    for line in out.splitlines():
+        words = line.split()
+        if line.startswith("requests:"):  # requests: N total, N started, N done, N succeeded, N failed, ...
+            done = int(words[5])
+        elif line.startswith("status codes:"):
+            ok = int(words[2])
+    return {"requests": ok, "duration_us": max(1, round(seconds)) * 1e6, "err_status": done - ok}
+
+
+def run_scenario(server: Server, name: str, tmp: Path, seconds: float) -> dict:
+    if name in GRPC_SCENARIOS:
+        values, conns, streams = GRPC_SCENARIOS[name]
+        return h2load(server.grpc_port, grpc_body(values, tmp), conns, streams, seconds)
+    values, conns = {**SCENARIOS, **MORE_SCENARIOS}[name]
+    body, hlen = body_file(values, tmp)
+    return wrk(server.port, body, hlen, conns, seconds)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -166,7 +217,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--warmup", type=float, default=2.0)
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"of {', '.join([*SCENARIOS, *MORE_SCENARIOS, *GRPC_SCENARIOS])}",
+    )
     args = p.parse_args()
     settings = [w.strip() for w in args.workers.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="naiad-fw-bench-"))
@@ -180,11 +235,9 @@ def main() -> int:
                 server = Server(repo, n, log)
                 try:
                     for name in args.scenarios.split(","):
-                        values, conns = SCENARIOS[name]
-                        body, hlen = body_file(values, tmp)
-                        wrk(server.port, body, hlen, conns, args.warmup)
+                        run_scenario(server, name, tmp, args.warmup)
                         cpu0 = server.cpu_seconds()
-                        r = wrk(server.port, body, hlen, conns, args.duration)
+                        r = run_scenario(server, name, tmp, args.duration)
                         cpu = server.cpu_seconds() - cpu0
                         errors = sum(v for k, v in r.items() if k.startswith("err_"))
                         rps = r["requests"] / (r["duration_us"] / 1e6)

@@ -230,13 +230,16 @@ class App:
             reloading.start()
 
     async def _start_workers(self, shm, count: int) -> None:
+        from .engine import acceptor
         from .engine.core import EngineService
         from .engine.supervisor import FrontendWorkers
 
         a = self.args
         self.engine = EngineService(self.server, shm)
         await self.engine.start()
-        self.workers = FrontendWorkers(self.engine, count, a.argv)
+        self.workers = FrontendWorkers(
+            self.engine, count, a.argv, acceptor.from_args(a, os.path.dirname(self.engine.path))
+        )
         await self.workers.start()
         if a.allow_http:
             self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port} ({count} frontend workers)")

@@ -170,8 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--frontend-workers",
         type=frontend_workers,
         default="1",
-        help="processes that serve HTTP and gRPC (SO_REUSEPORT) in front of one engine process that owns the "
+        help="processes that serve HTTP and gRPC (see --frontend-accept) in front of one engine process that owns the "
         "models; 'auto': the CPUs the pod may use (its cgroup quota) less one for the engine; 1: one process, as before",
+    )
+    s.add_argument(
+        "--frontend-accept",
+        choices=["balanced", "reuseport"],
+        default="balanced",
+        help="with --frontend-workers > 1: 'balanced': the engine process accepts and hands each connection to the "
+        "worker with the fewest open ones; 'reuseport': every worker listens (SO_REUSEPORT) and the kernel picks "
+        "one by the connection's addresses. --grpc-implementation grpcio always uses reuseport",
     )
     s.add_argument("--allow-metrics", type=_bool, default=True, help="serve Prometheus metrics")
     s.add_argument("--allow-gpu-metrics", type=_bool, default=True, help="export nv_gpu_* metrics (NVML)")

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+from .acceptor import Acceptor
 from .core import EngineService
 
 log = logging.getLogger("naiad.engine")
@@ -22,8 +23,9 @@ WORKER_MALLOC = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshol
 
 
 class FrontendWorkers:
-    def __init__(self, engine: EngineService, count: int, argv: list[str]):
+    def __init__(self, engine: EngineService, count: int, argv: list[str], acceptor: Acceptor | None = None):
         self.engine = engine
+        self.acceptor = acceptor  # --frontend-accept balanced: hands the workers their connections
         self.count = count
         self.argv = argv  # `naiad serve ...` as this process was started
         self.procs: list[asyncio.subprocess.Process | None] = [None] * count
@@ -45,10 +47,14 @@ class FrontendWorkers:
     async def start(self, timeout: float = 60.0) -> None:
         """Start every worker and wait until each listens and has its data channel to the engine."""
         loop = asyncio.get_running_loop()
+        if self.acceptor is not None:
+            self.acceptor.start()
         for i in range(self.count):
             self.procs[i] = await self._spawn()
         deadline = loop.time() + timeout
-        while sum(1 for c in self.engine.connections if c.prefix) < self.count:
+        while sum(1 for c in self.engine.connections if c.prefix) < self.count or (
+            self.acceptor is not None and self.acceptor.registered() < self.count
+        ):
             dead = [p for p in self.procs if p is not None and p.returncode is not None]
             if dead:
                 raise OSError(f"a frontend worker exited with status {dead[0].returncode} while starting")
@@ -74,6 +80,8 @@ class FrontendWorkers:
         self._stopping = True
         for w in self._watchers:
             w.cancel()
+        if self.acceptor is not None:  # no new connections; the workers drain theirs
+            self.acceptor.close()
         live = [p for p in self.procs if p is not None and p.returncode is None]
         for p in live:
             try:

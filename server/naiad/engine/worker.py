@@ -1,5 +1,5 @@
-"""A frontend worker process: HTTP, gRPC and the OpenAI API on SO_REUSEPORT sockets over an `EngineClient`,
-started by the engine (`python -m naiad.engine.worker <engine socket> serve <naiad serve's arguments>`). It exits
+"""A frontend worker process: HTTP, gRPC and the OpenAI API over an `EngineClient`, on connections the engine's
+acceptor hands it (`--frontend-accept balanced`, adopter.py) or on SO_REUSEPORT sockets of its own; started by the engine (`python -m naiad.engine.worker <engine socket> serve <naiad serve's arguments>`). It exits
 when the engine goes away, and drains its connections on SIGTERM."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def _die_with_parent() -> None:
 async def run(path: str, args) -> int:
     from ..app import parse_restricted
     from ..frontends import tls
+    from . import acceptor
+    from .adopter import Adopter
     from .client import EngineClient, RemoteSharedMemory
 
     client = EngineClient(path)
@@ -41,7 +43,13 @@ async def run(path: str, args) -> int:
         from ..frontends.busy_poll import BusyPoll
 
         busy_poll = BusyPoll(loop, args.busy_poll_us)
-    runners, contexts, grpc_frontend = [], [], None
+    runners: list = []  # each with cleanup(): HttpListener or web.AppRunner
+    contexts: list = []
+    grpc_frontend = None
+    adopter = None  # --frontend-accept balanced: the engine accepts, this worker adopts what it is handed
+    if getattr(args, "frontend_accept", "reuseport") == "balanced":
+        adopter = Adopter(os.path.join(os.path.dirname(path), "accept.sock"))
+    listen = adopter is None
     openai = None  # the OpenAI API's /v1 routes, on the HTTP port and on --openai-port
     if args.allow_http or args.openai_port:
         from ..frontends.openai.routes import OpenAIFrontend
@@ -69,7 +77,14 @@ async def run(path: str, args) -> int:
             reloading = tls.ReloadingContext(settings, ["http/1.1"], "HTTP")
             contexts.append(reloading)
             context = reloading.context
-        runners.append(await http.start(args.http_address, args.http_port, ssl=context, reuse_port=True))
+        started = await http.start(
+            args.http_address, args.http_port, ssl=context, reuse_port=True, listen=listen
+        )
+        runners.append(started)
+        if adopter is not None:
+            from ..frontends.http import protocol_factory
+
+            adopter.add(acceptor.HTTP, protocol_factory(started), context)
     if args.openai_port and openai is not None:  # with the HTTP port's TLS and restricted-API settings
         settings = tls.settings_from_args(args, "http")
         context = None
@@ -79,9 +94,14 @@ async def run(path: str, args) -> int:
             context = reloading.context
         host = args.openai_address or args.http_address
         restricted = parse_restricted(args.http_restricted_api)
-        runners.append(
-            await openai.start(host, args.openai_port, ssl=context, restricted=restricted, reuse_port=True)
+        openai_runner = await openai.start(
+            host, args.openai_port, ssl=context, restricted=restricted, reuse_port=True, listen=listen
         )
+        runners.append(openai_runner)
+        if adopter is not None:
+            from ..frontends.http import protocol_factory
+
+            adopter.add(acceptor.OPENAI, protocol_factory(openai_runner), context)
     if args.allow_grpc:
         from ..frontends.grpc import GrpcFrontend, h2_settings
 
@@ -93,11 +113,22 @@ async def run(path: str, args) -> int:
             settings=h2_settings(args),
             busy_poll=busy_poll,
         )
+        adopt_grpc = (
+            adopter is not None and args.grpc_implementation != "grpcio"
+        )  # grpcio cannot adopt sockets
         await grpc_frontend.start(
-            args.grpc_address, args.grpc_port, tls.settings_from_args(args, "grpc"), reuse_port=True
+            args.grpc_address,
+            args.grpc_port,
+            tls.settings_from_args(args, "grpc"),
+            reuse_port=True,
+            listen=not adopt_grpc,
         )
+        if adopter is not None and adopt_grpc:
+            adopter.add(acceptor.GRPC, grpc_frontend.protocol_factory, grpc_frontend.ssl_context)
     for reloading in contexts:
         reloading.start()
+    if adopter is not None:
+        adopter.start()
     await client.connect()  # the engine counts a worker as started once its data channel is up
     lost = loop.create_task(client.lost.wait())
     stopping = loop.create_task(stop.wait())
@@ -106,6 +137,8 @@ async def run(path: str, args) -> int:
         log.error("frontend worker %d: the engine process is gone; exiting", os.getpid())
         client.pool.close()
         return ENGINE_GONE
+    if adopter is not None:
+        adopter.close()
     for reloading in contexts:
         reloading.close()
     if grpc_frontend is not None:

@@ -21,15 +21,16 @@ log = logging.getLogger("naiad.grpc")
 _SERVING_NAMES = ("", "inference.GRPCInferenceService")
 
 
-def grpcio_options(settings) -> list[tuple[str, int]]:
-    """grpc.aio server options (channel arguments) for the same limits and timers as h2_connection.H2Settings."""
+def grpcio_options(settings, reuse_port: bool = False) -> list[tuple[str, int]]:
+    """grpc.aio server options (channel arguments) for the same limits and timers as h2_connection.H2Settings;
+    `reuse_port`: SO_REUSEPORT, for frontend worker processes (else a second server on the port fails to bind)."""
     from .h2grpc_messages import MAX_MESSAGE
 
     s = settings
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE),
         ("grpc.max_receive_message_length", s.max_message),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
         ("grpc.keepalive_time_ms", s.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", s.keepalive_timeout_ms),
         ("grpc.http2.ping_timeout_ms", s.keepalive_timeout_ms),  # grpc core's own PING watchdog (1 min)
@@ -95,15 +96,30 @@ class GrpcFrontend:
         self._health = None
         self._tls_context = None
 
-    async def start(self, host: str, port: int, tls_settings=None, reuse_port: bool = False) -> None:
+    async def start(
+        self, host: str, port: int, tls_settings=None, reuse_port: bool = False, listen: bool = True
+    ) -> None:
         """`tls_settings` (tls.TlsSettings): serve over TLS, reloading the certificate when its files change.
-        `reuse_port`: SO_REUSEPORT for frontend worker processes (grpcio sets it on every port already)."""
+        `reuse_port`: SO_REUSEPORT for frontend worker processes (grpcio sets it on every port already).
+        `listen=False` (Naiad's HTTP/2 server only; grpcio cannot adopt sockets): bind nothing; the engine's
+        acceptor hands this worker its connections (`protocol_factory`, `ssl_context`)."""
         if self.implementation == "grpcio":
-            await self._start_grpcio(host, port, tls_settings)
+            await self._start_grpcio(host, port, tls_settings, reuse_port)
         else:
-            await self._start_h2(host, port, tls_settings, reuse_port)
+            await self._start_h2(host, port, tls_settings, reuse_port, listen)
 
-    async def _start_h2(self, host: str, port: int, tls_settings=None, reuse_port: bool = False) -> None:
+    @property
+    def protocol_factory(self):
+        """What serves a connection accepted elsewhere (Naiad's HTTP/2 server)."""
+        return self._grpc.protocol_factory
+
+    @property
+    def ssl_context(self):
+        return self._tls_context.context if self._tls_context is not None else None
+
+    async def _start_h2(
+        self, host: str, port: int, tls_settings=None, reuse_port: bool = False, listen: bool = True
+    ) -> None:
         from . import h2grpc
 
         methods = h2grpc.service_methods(
@@ -139,7 +155,7 @@ class GrpcFrontend:
             self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")
             context = self._tls_context.context
         try:
-            await self._grpc.start(host, port, ssl=context, reuse_port=reuse_port)
+            await self._grpc.start(host, port, ssl=context, reuse_port=reuse_port, listen=listen)
         except OSError as exc:
             raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
         if self._tls_context is not None:
@@ -157,8 +173,8 @@ class GrpcFrontend:
             if asyncio.iscoroutine(result):
                 await result
 
-    async def _start_grpcio(self, host: str, port: int, tls_settings=None) -> None:
-        options = grpcio_options(self.settings)
+    async def _start_grpcio(self, host: str, port: int, tls_settings=None, reuse_port: bool = False) -> None:
+        options = grpcio_options(self.settings, reuse_port)
         interceptors = [RestrictInterceptor(self.restricted)] if self.restricted else []
         self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, self._grpc)

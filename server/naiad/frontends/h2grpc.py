@@ -412,13 +412,23 @@ class H2GrpcServer:
         ]
         self.tick_interval = max(0.05, min([1.0, *(t / 4 for t in timers)]))
 
-    async def start(self, host: str, port: int, ssl=None, reuse_port: bool = False) -> None:
+    def protocol_factory(self) -> _Connection:
+        """A connection's protocol, for sockets accepted here or elsewhere (`loop.connect_accepted_socket`)."""
+        return _Connection(self)
+
+    async def start(
+        self, host: str, port: int, ssl=None, reuse_port: bool = False, listen: bool = True
+    ) -> None:
         """`ssl`: an ssl.SSLContext (ALPN "h2") to serve h2 over TLS instead of cleartext h2c. `reuse_port`:
-        SO_REUSEPORT, so that every frontend worker process listens on the port."""
+        SO_REUSEPORT, so that every frontend worker process listens on the port. `listen=False`: bind nothing;
+        the engine's acceptor hands this worker its connections (`protocol_factory`)."""
         self.loop = asyncio.get_running_loop()
+        if not listen:
+            self._sweeper = self.loop.call_later(self.tick_interval, self._sweep)
+            return
         host = host.strip("[]") or None
         self._server = await self.loop.create_server(
-            lambda: _Connection(self),
+            self.protocol_factory,
             host,
             port,
             reuse_address=True,

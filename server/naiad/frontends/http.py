@@ -415,21 +415,26 @@ class HttpFrontend:
         return stream
 
     async def start(
-        self, host: str, port: int, ssl=None, reuse_port: bool = False
+        self, host: str, port: int, ssl=None, reuse_port: bool = False, listen: bool = True
     ) -> HttpListener | web.AppRunner:
         """Listen with the fast HTTP/1.1 protocol (http_fast); it hands the aiohttp app every connection
         that sends anything but a plain infer request. `cleanup()` on the result stops both.
         NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before.
         `ssl`: an ssl.SSLContext to serve HTTPS (both paths see the decrypted stream). `reuse_port`:
-        SO_REUSEPORT, so that every frontend worker process listens on the port."""
+        SO_REUSEPORT, so that every frontend worker process listens on the port. `listen=False`: bind nothing; the
+        engine's acceptor hands this worker its connections (`protocol_factory(result)`)."""
         # bodies are inflated by read_body (bounded, off the event loop), not by aiohttp
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         if os.environ.get("NAIAD_HTTP_FAST", "1") == "0":  # escape hatch (and A/B benchmarks): aiohttp only
-            await start_tcp_site(runner, host, port, ssl, reuse_port)
+            if listen:
+                await start_tcp_site(runner, host, port, ssl, reuse_port)
             return runner
         fast = FastHttpServer(self, runner.server, self.max_input_size, self.restricted, self.busy_poll)
         loop = asyncio.get_running_loop()
+        if not listen:
+            fast.start_sweeping(loop)
+            return HttpListener(runner, fast, None)
         try:
             listener = await loop.create_server(
                 fast, host, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024, ssl=ssl
@@ -444,7 +449,7 @@ class HttpFrontend:
 class HttpListener:
     """The running HTTP endpoint: the listening socket, its fast connections and the aiohttp app behind them."""
 
-    def __init__(self, runner: web.AppRunner, fast: FastHttpServer, listener: asyncio.AbstractServer):
+    def __init__(self, runner: web.AppRunner, fast: FastHttpServer, listener: asyncio.AbstractServer | None):
         self.runner = runner
         self.fast = fast
         self.listener = listener
@@ -453,13 +458,26 @@ class HttpListener:
     def server(self):
         return self.runner.server
 
+    @property
+    def protocol_factory(self) -> FastHttpServer:
+        """What serves a connection accepted elsewhere (`loop.connect_accepted_socket`)."""
+        return self.fast
+
     async def cleanup(self, timeout: float = 10.0) -> None:
         """Stop listening, let in-flight fast requests write their responses (idle connections close at
         once), then shut the aiohttp app down as AppRunner.cleanup always did."""
-        self.listener.close()
+        if self.listener is not None:
+            self.listener.close()
         await self.fast.shutdown(timeout)
         await self.runner.cleanup()
+        if self.listener is None:
+            return
         try:
             await asyncio.wait_for(self.listener.wait_closed(), 1.0)
         except asyncio.TimeoutError:
             pass
+
+
+def protocol_factory(started: HttpListener | web.AppRunner):
+    """The protocol factory behind what `HttpFrontend.start` (or `OpenAIFrontend.start`) returned."""
+    return started.protocol_factory if isinstance(started, HttpListener) else started.server

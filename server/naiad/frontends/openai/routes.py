@@ -547,13 +547,22 @@ class OpenAIFrontend:
         return app
 
     async def start(
-        self, host: str, port: int, ssl=None, restricted: dict | None = None, reuse_port: bool = False
+        self,
+        host: str,
+        port: int,
+        ssl=None,
+        restricted: dict | None = None,
+        reuse_port: bool = False,
+        listen: bool = True,
     ) -> web.AppRunner:
-        """Serve `application` on host:port; `reuse_port`: SO_REUSEPORT, so every frontend worker listens."""
+        """Serve `application` on host:port; `reuse_port`: SO_REUSEPORT, so every frontend worker listens.
+        `listen=False`: bind nothing; connections accepted elsewhere are served by the runner's `server`."""
         runner = web.AppRunner(
             self.application(restricted), access_log=None, handle_signals=False, auto_decompress=False
         )
         await runner.setup()
+        if not listen:
+            return runner
         try:
             await start_tcp_site(runner, host, port, ssl, reuse_port)
         except BaseException:

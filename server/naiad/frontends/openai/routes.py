@@ -18,6 +18,7 @@ from ...errors import NaiadError, NotFound
 from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...server import Server
+from .. import drain
 from ..aiohttp_site import start_tcp_site
 from ..http_codec import read_body
 from . import choices, mapping, protocol, templates
@@ -550,9 +551,9 @@ class OpenAIFrontend:
         self, host: str, port: int, ssl=None, restricted: dict | None = None, reuse_port: bool = False
     ) -> web.AppRunner:
         """Serve `application` on host:port; `reuse_port`: SO_REUSEPORT, so every frontend worker listens."""
-        runner = web.AppRunner(
-            self.application(restricted), access_log=None, handle_signals=False, auto_decompress=False
-        )
+        app = self.application(restricted)
+        drain.install(app)  # on SIGTERM, answers close their keep-alive connections
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         try:
             await start_tcp_site(runner, host, port, ssl, reuse_port)

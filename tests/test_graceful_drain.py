@@ -1,0 +1,201 @@
+"""Graceful drain on SIGTERM: in-flight requests finish, requests on open keep-alive connections are served with
+`Connection: close`, new connections are refused, gRPC clients see a GOAWAY (never a reset mid-call), exit 0."""
+
+from __future__ import annotations
+
+import json
+import select
+import shutil
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from helpers import NaiadProcess
+from tritonclient.utils import InferenceServerException
+
+MODELS = Path(__file__).parent / "models"
+
+
+@pytest.fixture(scope="module")
+def slow_repo(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("drain") / "models"
+    shutil.copytree(MODELS / "slow", repo / "slow", ignore=shutil.ignore_patterns("__pycache__"))
+    return repo
+
+
+class KeepAlive:
+    """One HTTP/1.1 keep-alive connection on a raw socket, so that the test sees when the server closes it."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.buf = b""
+
+    def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict, bytes]:
+        head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
+        if body:
+            head += "Content-Type: application/json\r\n"
+        self.sock.sendall(head.encode() + b"\r\n" + body)
+        while b"\r\n\r\n" not in self.buf:
+            self._read()
+        head_bytes, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head_bytes.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        length = int(headers.get("content-length", "0"))
+        while len(self.buf) < length:
+            self._read()
+        payload, self.buf = self.buf[:length], self.buf[length:]
+        return status, headers, payload
+
+    def infer(self, seconds: float) -> tuple[int, dict, dict]:
+        body = {"inputs": [{"name": "SECONDS", "shape": [1], "datatype": "FP32", "data": [seconds]}]}
+        status, headers, payload = self.request("POST", "/v2/models/slow/infer", json.dumps(body).encode())
+        return status, headers, json.loads(payload)
+
+    def _read(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self.buf += data
+
+    def closed_by_server(self, wait: float) -> bool:
+        """Whether the server closed the connection within `wait` seconds (EOF on the socket)."""
+        readable, _, _ = select.select([self.sock], [], [], wait)
+        return bool(readable) and self.sock.recv(1) == b""
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def _slow_http(proc: NaiadProcess, seconds: float, out: dict) -> threading.Thread:
+    def call():
+        conn = KeepAlive(proc.http_port)
+        out["http"] = conn.infer(seconds)
+        conn.close()
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t
+
+
+def test_sigterm_drains_open_connections(slow_repo):
+    proc = NaiadProcess(
+        slow_repo,
+        "--exit-timeout-secs",
+        "20",
+        "--drain-idle-connections-secs",
+        "3",
+    ).start()
+    try:
+        fast = KeepAlive(proc.http_port)  # the fast path's infer
+        aio = KeepAlive(proc.http_port)  # handed off to aiohttp's routes (a GET)
+        idle = KeepAlive(proc.http_port)
+        assert fast.infer(0)[0] == 200
+        status, headers, _ = aio.request("GET", "/v2/models/slow")
+        assert status == 200 and headers.get("connection") != "close"
+        assert idle.infer(0)[0] == 200
+        grpc = grpcclient.InferenceServerClient(proc.grpc)
+        inp = grpcclient.InferInput("SECONDS", [1], "FP32")
+        inp.set_data_from_numpy(np.array([0.0], dtype=np.float32))
+        assert grpc.infer("slow", [inp]).as_numpy("SECONDS_OUT").tolist() == [0.0]
+        slow_in = grpcclient.InferInput("SECONDS", [1], "FP32")
+        slow_in.set_data_from_numpy(np.array([2.5], dtype=np.float32))
+        grpc_out: list = []
+        grpc.async_infer("slow", [slow_in], callback=lambda result, error: grpc_out.append((result, error)))
+        results: dict = {}
+        slow = _slow_http(proc, 2.5, results)
+        time.sleep(0.5)
+        proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.4)
+
+        # new TCP connections are refused, on both ports
+        assert _refused(proc.http_port)
+        assert _refused(proc.grpc_port)
+        # a request on an open keep-alive connection is served, and closes its connection
+        status, headers, body = fast.infer(0.1)
+        assert status == 200 and headers.get("connection") == "close", (status, headers, body)
+        assert body["outputs"][0]["data"] == [0.1]
+        assert fast.closed_by_server(5)
+        status, headers, _ = aio.request("GET", "/v2/models/slow")
+        assert status == 200 and headers.get("connection") == "close", (status, headers)
+        assert aio.closed_by_server(5)
+        # an idle keep-alive connection stays open for the grace, then is closed
+        assert not idle.closed_by_server(1.0)
+        assert idle.closed_by_server(5)
+        # the gRPC client's next call: served here, or UNAVAILABLE before it is sent (the GOAWAY was seen)
+        try:
+            answer = grpc.infer("slow", [inp], client_timeout=10)
+            assert answer.as_numpy("SECONDS_OUT").tolist() == [0.0]
+        except InferenceServerException as exc:
+            assert exc.status() == "StatusCode.UNAVAILABLE", exc
+            assert "reset" not in str(exc).lower() and "socket closed" not in str(exc).lower(), exc
+        # the requests in flight at SIGTERM completed
+        slow.join(15)
+        assert results["http"][0] == 200 and results["http"][2]["outputs"][0]["data"] == [2.5]
+        deadline = time.monotonic() + 15
+        while not grpc_out and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (result, error) = grpc_out[0]
+        assert error is None, (error.status(), error.message(), proc.output()[-3000:])
+        assert result.as_numpy("SECONDS_OUT").tolist() == [2.5]
+        grpc.close()
+        assert proc.proc.wait(20) == 0
+        assert "Server is shutting down" not in proc.output()
+    finally:
+        proc.stop()
+
+
+def test_sigterm_exits_at_once_without_connections(slow_repo):
+    """No open connection: the idle grace does not delay the exit."""
+    proc = NaiadProcess(slow_repo, "--drain-idle-connections-secs", "20").start()
+    try:
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(15) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        proc.stop()
+
+
+def test_frontend_workers_drain(slow_repo):
+    proc = NaiadProcess(
+        slow_repo,
+        "--frontend-workers",
+        "2",
+        "--exit-timeout-secs",
+        "20",
+        "--drain-idle-connections-secs",
+        "2",
+    ).start()
+    try:
+        conns = [KeepAlive(proc.http_port) for _ in range(4)]  # SO_REUSEPORT spreads them over both workers
+        for conn in conns:
+            assert conn.infer(0)[0] == 200
+        results: dict = {}
+        slow = _slow_http(proc, 2.0, results)
+        time.sleep(0.5)
+        proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.4)
+        assert _refused(proc.http_port)
+        for conn in conns:
+            status, headers, body = conn.infer(0.05)
+            assert status == 200 and headers.get("connection") == "close", (status, headers, body)
+            assert conn.closed_by_server(5)
+        slow.join(15)
+        assert results["http"][0] == 200 and results["http"][2]["outputs"][0]["data"] == [2.0]
+        assert proc.proc.wait(20) == 0
+    finally:
+        proc.stop()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import select
 import shutil
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from helpers import NaiadProcess
+from helpers import NaiadProcess, free_ports
 from tritonclient.utils import InferenceServerException
 
 MODELS = Path(__file__).parent / "models"
@@ -72,12 +73,18 @@ class KeepAlive:
         self.sock.close()
 
 
-def _refused(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    except ConnectionRefusedError:
-        return True
-    return False
+def _refused(port: int, within: float = 5.0) -> bool:
+    """Whether new connections to `port` are refused (within `within` seconds of SIGTERM: a loaded machine
+    may take a moment to run the signal handler)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        except ConnectionRefusedError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _slow_http(proc: NaiadProcess, seconds: float, out: dict) -> threading.Thread:
@@ -92,17 +99,22 @@ def _slow_http(proc: NaiadProcess, seconds: float, out: dict) -> threading.Threa
 
 
 def test_sigterm_drains_open_connections(slow_repo):
+    (openai_port,) = free_ports(1)
     proc = NaiadProcess(
         slow_repo,
         "--exit-timeout-secs",
         "20",
         "--drain-idle-connections-secs",
         "3",
+        "--openai-port",
+        str(openai_port),
     ).start()
     try:
         fast = KeepAlive(proc.http_port)  # the fast path's infer
         aio = KeepAlive(proc.http_port)  # handed off to aiohttp's routes (a GET)
         idle = KeepAlive(proc.http_port)
+        openai = KeepAlive(openai_port)  # the OpenAI API's own listener
+        assert openai.request("GET", "/v1/models")[0] == 200
         assert fast.infer(0)[0] == 200
         status, headers, _ = aio.request("GET", "/v2/models/slow")
         assert status == 200 and headers.get("connection") != "close"
@@ -124,6 +136,7 @@ def test_sigterm_drains_open_connections(slow_repo):
         # new TCP connections are refused, on both ports
         assert _refused(proc.http_port)
         assert _refused(proc.grpc_port)
+        assert _refused(openai_port)
         # a request on an open keep-alive connection is served, and closes its connection
         status, headers, body = fast.infer(0.1)
         assert status == 200 and headers.get("connection") == "close", (status, headers, body)
@@ -132,6 +145,9 @@ def test_sigterm_drains_open_connections(slow_repo):
         status, headers, _ = aio.request("GET", "/v2/models/slow")
         assert status == 200 and headers.get("connection") == "close", (status, headers)
         assert aio.closed_by_server(5)
+        status, headers, _ = openai.request("GET", "/v1/models")
+        assert status == 200 and headers.get("connection") == "close", (status, headers)
+        assert openai.closed_by_server(5)
         # an idle keep-alive connection stays open for the grace, then is closed
         assert not idle.closed_by_server(1.0)
         assert idle.closed_by_server(5)
@@ -158,10 +174,46 @@ def test_sigterm_drains_open_connections(slow_repo):
         proc.stop()
 
 
+def test_grpcio_drain(slow_repo):
+    """`--grpc-implementation grpcio`: server.stop(grace) at the start of the drain lets the call in flight
+    finish; the next call is refused before it is sent, never reset mid-call."""
+    proc = NaiadProcess(slow_repo, "--grpc-implementation", "grpcio", "--exit-timeout-secs", "20").start()
+    try:
+        grpc = grpcclient.InferenceServerClient(proc.grpc)
+        inp = grpcclient.InferInput("SECONDS", [1], "FP32")
+        inp.set_data_from_numpy(np.array([0.0], dtype=np.float32))
+        assert grpc.infer("slow", [inp]).as_numpy("SECONDS_OUT").tolist() == [0.0]
+        slow_in = grpcclient.InferInput("SECONDS", [1], "FP32")
+        slow_in.set_data_from_numpy(np.array([2.0], dtype=np.float32))
+        out: list = []
+        grpc.async_infer("slow", [slow_in], callback=lambda result, error: out.append((result, error)))
+        time.sleep(0.5)
+        proc.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.4)
+        try:
+            answer = grpc.infer("slow", [inp], client_timeout=10)
+            assert answer.as_numpy("SECONDS_OUT").tolist() == [0.0]
+        except InferenceServerException as exc:
+            assert exc.status() == "StatusCode.UNAVAILABLE", exc
+            assert "reset" not in str(exc).lower() and "socket closed" not in str(exc).lower(), exc
+        deadline = time.monotonic() + 15
+        while not out and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result, error = out[0]
+        assert error is None, (error.status(), error.message())
+        assert result.as_numpy("SECONDS_OUT").tolist() == [2.0]
+        grpc.close()
+        assert proc.proc.wait(20) == 0
+    finally:
+        proc.stop()
+
+
 def test_sigterm_exits_at_once_without_connections(slow_repo):
     """No open connection: the idle grace does not delay the exit."""
     proc = NaiadProcess(slow_repo, "--drain-idle-connections-secs", "20").start()
     try:
+        gc.collect()  # the readiness probe's requests.get leaves its socket to the garbage collector
+        time.sleep(0.2)
         started = time.monotonic()
         proc.proc.send_signal(signal.SIGTERM)
         assert proc.proc.wait(15) == 0

@@ -113,6 +113,8 @@ def test_sigterm_drains_open_connections(slow_repo):
         fast = KeepAlive(proc.http_port)  # the fast path's infer
         aio = KeepAlive(proc.http_port)  # handed off to aiohttp's routes (a GET)
         idle = KeepAlive(proc.http_port)
+        health = KeepAlive(proc.http_port)
+        assert health.request("GET", "/v2/health/ready")[0] == 200
         openai = KeepAlive(openai_port)  # the OpenAI API's own listener
         assert openai.request("GET", "/v1/models")[0] == 200
         assert fast.infer(0)[0] == 200
@@ -148,6 +150,9 @@ def test_sigterm_drains_open_connections(slow_repo):
         status, headers, _ = openai.request("GET", "/v1/models")
         assert status == 200 and headers.get("connection") == "close", (status, headers)
         assert openai.closed_by_server(5)
+        # draining, the server is live but no longer ready
+        status, headers, _ = health.request("GET", "/v2/health/ready")
+        assert status == 400 and headers.get("connection") == "close", (status, headers)
         # an idle keep-alive connection stays open for the grace, then is closed
         assert not idle.closed_by_server(1.0)
         assert idle.closed_by_server(5)

@@ -256,17 +256,16 @@ class App:
         left of `timeout` for the requests still in flight."""
         from .frontends.drain import drain
 
-        self.server.draining = True
         grace = float(getattr(self.args, "drain_idle_connections_secs", 5.0))
         return await drain(self._runners, self._grpc, grace, timeout)
 
     async def stop(self, timeout: float) -> None:
         for reloading in self._tls_contexts:
             reloading.close()
+        self.server.draining = True  # no longer ready, while the open connections are still served
         if self.workers is not None:
-            await self.workers.stop(
-                timeout
-            )  # each drains its own connections; the engine serves them meanwhile
+            # each worker drains its own connections; the engine serves them meanwhile
+            await self.workers.stop(timeout)
         else:
             timeout = await self.drain(timeout)
         if self.engine is not None:

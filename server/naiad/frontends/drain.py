@@ -110,9 +110,12 @@ async def drain(runners: list, grpc: Any, idle_grace: float, timeout: float) -> 
         if (http_open == 0 and grpc_done) or now >= deadline:
             break
         await asyncio.sleep(0.05)
-    if grpc_task is not None and not grpc_task.done():
-        grpc_task.cancel()
-        await asyncio.gather(grpc_task, return_exceptions=True)
+    if grpc_task is not None:
+        if not grpc_task.done():
+            grpc_task.cancel()
+        for outcome in await asyncio.gather(grpc_task, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                log.error("gRPC drain failed: %r", outcome)
     left = max(0.0, deadline - time.monotonic())
     log.info("drained the frontends' connections (%.1fs of the exit timeout left)", left)
     return left

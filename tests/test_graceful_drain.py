@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 from helpers import NaiadProcess, free_ports
 from tritonclient.utils import InferenceServerException
@@ -22,10 +23,46 @@ from tritonclient.utils import InferenceServerException
 MODELS = Path(__file__).parent / "models"
 
 
+SLOW_STREAM_CONFIG = """name: "slow_stream"
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "COUNT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "IDX" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+SLOW_STREAM_MODEL = '''import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Decoupled: COUNT responses 0.5 s apart, then the final flag."""
+
+    def execute(self, requests):
+        for request in requests:
+            count = int(pb_utils.get_input_tensor_by_name(request, "COUNT").as_numpy()[0])
+            sender = request.get_response_sender()
+
+            def run(count=count, sender=sender):
+                for i in range(count):
+                    time.sleep(0.5)
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("IDX", np.array([i], np.int32))]))
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+            threading.Thread(target=run).start()
+        return None
+'''
+
+
 @pytest.fixture(scope="module")
 def slow_repo(tmp_path_factory) -> Path:
     repo = tmp_path_factory.mktemp("drain") / "models"
     shutil.copytree(MODELS / "slow", repo / "slow", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "slow_stream" / "1").mkdir(parents=True)
+    (repo / "slow_stream" / "config.pbtxt").write_text(SLOW_STREAM_CONFIG)
+    (repo / "slow_stream" / "1" / "model.py").write_text(SLOW_STREAM_MODEL)
     return repo
 
 
@@ -208,6 +245,24 @@ def test_grpcio_drain(slow_repo):
         assert error is None, (error.status(), error.message())
         assert result.as_numpy("SECONDS_OUT").tolist() == [2.0]
         grpc.close()
+        assert proc.proc.wait(20) == 0
+    finally:
+        proc.stop()
+
+
+def test_sse_stream_in_flight_finishes(slow_repo):
+    """A server-sent-events stream that is under way at SIGTERM sends every event, then the server exits 0."""
+    proc = NaiadProcess(slow_repo, "--exit-timeout-secs", "20").start()
+    try:
+        answer = requests.post(
+            f"{proc.url}/v2/models/slow_stream/generate_stream", json={"COUNT": 5}, stream=True, timeout=30
+        )
+        assert answer.status_code == 200
+        lines = answer.iter_lines()
+        first = next(line for line in lines if line.startswith(b"data: "))
+        proc.proc.send_signal(signal.SIGTERM)
+        events = [first] + [line for line in lines if line.startswith(b"data: ")]
+        assert [json.loads(e[len(b"data: ") :])["IDX"] for e in events] == [0, 1, 2, 3, 4]
         assert proc.proc.wait(20) == 0
     finally:
         proc.stop()

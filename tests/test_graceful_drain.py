@@ -293,9 +293,15 @@ def test_frontend_workers_drain(slow_repo):
         "2",
     ).start()
     try:
+        # a worker answers (ready) before the engine has seen every worker connect; one not yet connected
+        # answers 503 "the engine process is gone" until then: wait for the engine's banner
+        deadline = time.monotonic() + 60
+        while "Started HTTPService" not in proc.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
         conns = [KeepAlive(proc.http_port) for _ in range(4)]  # SO_REUSEPORT spreads them over both workers
         for conn in conns:
-            assert conn.infer(0)[0] == 200
+            status, _, body = conn.infer(0)
+            assert status == 200, body
         results: dict = {}
         slow = _slow_http(proc, 2.0, results)
         time.sleep(0.5)

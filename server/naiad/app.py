@@ -254,11 +254,23 @@ class App:
     def endpoints_banner(self) -> str:
         return "Started " + ", ".join(self.endpoints)
 
+    async def drain(self, timeout: float) -> float:
+        """Stop listening and serve the open connections until they close (frontends/drain.py); returns what is
+        left of `timeout` for the requests still in flight."""
+        from .frontends.drain import drain
+
+        grace = float(getattr(self.args, "drain_idle_connections_secs", 5.0))
+        return await drain(self._runners, self._grpc, grace, timeout)
+
     async def stop(self, timeout: float) -> None:
         for reloading in self._tls_contexts:
             reloading.close()
+        self.server.draining = True  # no longer ready, while the open connections are still served
         if self.workers is not None:
+            # each worker drains its own connections; the engine serves them meanwhile
             await self.workers.stop(timeout)
+        else:
+            timeout = await self.drain(timeout)
         if self.engine is not None:
             await self.engine.stop()
         await self.server.stop(timeout)

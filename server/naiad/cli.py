@@ -98,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, finish in-flight requests for up to this long, then exit 0",
     )
     s.add_argument(
+        "--drain-idle-connections-secs",
+        type=float,
+        default=5.0,
+        help="on SIGTERM the listeners close, but requests on open keep-alive connections are still served (each "
+        "answer says Connection: close); idle connections are closed only after this grace (capped by "
+        "--exit-timeout-secs), because a client may have just written a request on one and must get an answer, "
+        "not a reset",
+    )
+    s.add_argument(
         "--disable-auto-complete-config",
         action="store_true",
         help="do not derive missing configuration from the model files",
@@ -424,6 +433,8 @@ async def serve(args: argparse.Namespace) -> int:
     if args.strict_model_config is not None:
         auto_complete = not args.strict_model_config
     try:
+        if args.drain_idle_connections_secs < 0:
+            raise ValueError("--drain-idle-connections-secs must not be negative")
         options = _options(args, auto_complete)
         memory.configure(
             args.pinned_memory_pool_byte_size,

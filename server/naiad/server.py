@@ -119,6 +119,7 @@ class Server:
             self.extensions.insert(6, "system_shared_memory")
         self._started = False
         self._stopping = False
+        self.draining = False  # SIGTERM: open connections are still served, but the server is no longer ready
         self._inflight = 0
         self._handoff: Handoff | None = None  # decoupled responses to the event loop (infer_stream)
         self._idle = asyncio.Event()
@@ -173,7 +174,7 @@ class Server:
     def ready(self) -> bool:
         """Ready once started; with strict readiness, only while no model has failed to load and every remote
         repository could be listed."""
-        if not self._started or self._stopping:
+        if not self._started or self._stopping or self.draining:
             return False
         if not self.options.strict_readiness:
             return True

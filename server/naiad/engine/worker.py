@@ -141,6 +141,11 @@ async def run(path: str, args) -> int:
         adopter.close()
     for reloading in contexts:
         reloading.close()
+    from ..frontends.drain import drain
+
+    # within the engine's wait for this worker (--exit-timeout-secs), which keeps serving it meanwhile
+    budget = max(0.0, args.exit_timeout_secs - 1.0)
+    await drain(runners, grpc_frontend, args.drain_idle_connections_secs, budget)
     if grpc_frontend is not None:
         await grpc_frontend.stop(1.0)
     for runner in runners:

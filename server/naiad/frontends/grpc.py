@@ -195,6 +195,17 @@ class GrpcFrontend:
         await self._grpc.start()
         await self._set_health("SERVING")
 
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: no new connections; calls on open ones finish (up to `timeout`). Naiad's HTTP/2 server sends a
+        two-step GOAWAY; grpcio's server.stop(grace) sends GOAWAY too and waits for the calls in flight."""
+        await self._set_health("NOT_SERVING")
+        if self._grpc is None:
+            return
+        if self.implementation == "grpcio":
+            await self._grpc.stop(timeout)
+        else:
+            await self._grpc.drain(timeout)
+
     async def stop(self, grace: float) -> None:
         await self._set_health("NOT_SERVING")
         if self._tls_context is not None:

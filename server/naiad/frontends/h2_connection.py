@@ -50,6 +50,9 @@ RECV_MAX_FRAME = 1 << 20  # fewer frames for large tensors
 MAX_HEADER_LIST = 64 * 1024  # decoded header list, and the encoded block (HEADERS + CONTINUATION) as well
 WRITE_HIGH_WATER = 4 << 20  # the transport's write buffer above which reading pauses
 KEEPALIVE_PING = b"naiad-ka"  # the opaque data of our keepalive PINGs
+DRAIN_PING = b"naiad-dr"  # the PING after the first GOAWAY of a graceful drain
+MAX_STREAM_ID = 2**31 - 1
+DRAIN_ACK_TIMEOUT = 1.0  # a client that does not answer the drain PING gets the final GOAWAY after this
 
 
 class H2ConnectionError(Exception):
@@ -188,6 +191,7 @@ class H2Connection(asyncio.Protocol):
         self.recv_unacked = 0
         self.blocked: dict[int, Stream] = {}
         self.draining = False
+        self.drain_ping_at: float | None = None  # drain(): the first GOAWAY and its PING went out then
         self.closed = False
         now = self.loop.time()
         self.opened = self.last_recv = self.idle_since = now
@@ -376,7 +380,8 @@ class H2Connection(asyncio.Protocol):
         if not streams:
             self.idle_since = self.loop.time()
             if self.draining:
-                self._maybe_close()
+                # after the caller has written the stream's last frames (_finish writes them after this)
+                self.loop.call_soon(self._maybe_close)
 
     def _release_request(self, st: Stream) -> None:
         """The stream is over: drop what it still holds of the request (DATA not yet parsed, messages the
@@ -427,6 +432,18 @@ class H2Connection(asyncio.Protocol):
             self._goaway(NO_ERROR)
         self._maybe_close()
 
+    def drain(self) -> None:
+        """Graceful two-step GOAWAY (grpc-go's GracefulStop, Go's http2 server): GOAWAY NO_ERROR with the last
+        stream id 2^31-1 and a PING; calls the client sends meanwhile are still served. Once the PING's ACK
+        shows the client has seen the first GOAWAY (or after DRAIN_ACK_TIMEOUT), shutdown() sends the real last
+        stream id: no stream the client started can then be lost in flight, and its next call goes elsewhere."""
+        if self.closed or self.draining or self.drain_ping_at is not None or self.transport is None:
+            return
+        self.drain_ping_at = self.loop.time()
+        self.transport.write(
+            frame(GOAWAY, 0, 0, struct.pack(">II", MAX_STREAM_ID, NO_ERROR)) + frame(PING, 0, 0, DRAIN_PING)
+        )
+
     def abort(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.abort()
@@ -438,6 +455,14 @@ class H2Connection(asyncio.Protocol):
             return
         s = self.settings
         self.resets = 0
+        if (
+            self.drain_ping_at is not None
+            and not self.draining
+            and now - self.drain_ping_at > DRAIN_ACK_TIMEOUT
+        ):
+            self.shutdown()  # the client did not answer the drain PING: the second GOAWAY all the same
+            if self.closed or self.transport.is_closing():
+                return
         handshake = s.handshake_timeout_ms / 1000
         if handshake and not self.preface and now - self.opened > handshake:
             log.debug("gRPC connection: no HTTP/2 preface within %.1fs, closing", handshake)

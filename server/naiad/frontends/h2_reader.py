@@ -13,6 +13,7 @@ import grpc
 import hpack
 
 from .h2_connection import (
+    DRAIN_PING,
     KEEPALIVE_PING,
     MAX_HEADER_LIST,
     RECV_MAX_FRAME,
@@ -242,6 +243,8 @@ class H2Reader(H2Connection, abc.ABC):
         if flags & ACK:
             if payload == KEEPALIVE_PING:
                 self.ping_sent_at = None
+            elif payload == DRAIN_PING and self.drain_ping_at is not None:
+                self.shutdown()  # the client has seen the first GOAWAY: now the real last stream id
             return
         s = self.settings
         now = self.last_recv

@@ -448,6 +448,17 @@ class H2GrpcServer:
                 conn.abort()
         self._sweeper = self.loop.call_later(self.tick_interval, self._sweep)
 
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: stop listening, GOAWAY every connection gracefully (H2Connection.drain) and wait up to
+        `timeout` for their calls to finish and the connections to close."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.drain()
+        deadline = self.loop.time() + timeout
+        while self.connections and self.loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
     async def stop(self, grace: float) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()

@@ -16,7 +16,7 @@ from ..errors import InvalidArgument, NaiadError, NotFound
 from ..inference import InferenceRequest
 from ..repository import decode_file_overrides
 from ..server import Server
-from . import generate
+from . import drain, generate
 from . import shm as shm_handlers
 from .aiohttp_site import start_tcp_site
 from .busy_poll import BusyPoll
@@ -122,6 +122,7 @@ class HttpFrontend:
         if self.restricted:
             middlewares.append(self._restrict)
         self.app = web.Application(client_max_size=max_input_size, middlewares=middlewares)
+        drain.install(self.app)  # on SIGTERM, answers close their keep-alive connections
         r = self.app.router
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)

@@ -165,6 +165,7 @@ class FastHttpServer:
         self.connections: set[FastHttpProtocol] = set()
         self.starter = eager.Starter(busy_poll)  # requests start in data_received (eager.py)
         self.closing = False
+        self.draining = False  # drain.py: answers carry Connection: close, then their connection closes
         self._sweeper: asyncio.TimerHandle | None = None
         self.head_timeout = float(os.environ.get("NAIAD_HTTP_HEAD_TIMEOUT", "30"))
         self.min_body_rate = float(os.environ.get("NAIAD_HTTP_MIN_BODY_RATE", str(16 * 1024)))
@@ -208,6 +209,20 @@ class FastHttpServer:
             elif conn.task is None and not conn.queue and conn.last_active < deadline:
                 conn.close()
         self.start_sweeping(loop)
+
+    def close_idle(self) -> None:
+        """Draining, after the idle grace: close the connections with no request under way (none being received,
+        queued or answered)."""
+        for conn in list(self.connections):
+            if (
+                conn.task is None
+                and not conn.queue
+                and not conn.in_head
+                and conn.head_end < 0
+                and conn.reader is None
+                and conn.final is None
+            ):
+                conn.close()
 
     async def shutdown(self, timeout: float) -> None:
         """Close idle connections now; busy ones after their queued responses (or after `timeout`)."""
@@ -504,7 +519,7 @@ class FastHttpProtocol(asyncio.Protocol):
                         headers = error_headers(exc)
                 if self.lost or self.transport.is_closing():
                     break
-                if not queue and (srv.closing or self.eof or self.final == _CLOSE):
+                if not queue and (srv.closing or srv.draining or self.eof or self.final == _CLOSE):
                     keep_alive = False
                 out = response_bytes(status, chunks, headers, keep_alive)
                 if type(out) is bytes:

@@ -18,6 +18,7 @@ from ...errors import NaiadError, NotFound
 from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...server import Server
+from .. import drain
 from ..aiohttp_site import start_tcp_site
 from ..http_codec import read_body
 from . import choices, mapping, protocol, templates
@@ -557,9 +558,9 @@ class OpenAIFrontend:
     ) -> web.AppRunner:
         """Serve `application` on host:port; `reuse_port`: SO_REUSEPORT, so every frontend worker listens.
         `listen=False`: bind nothing; connections accepted elsewhere are served by the runner's `server`."""
-        runner = web.AppRunner(
-            self.application(restricted), access_log=None, handle_signals=False, auto_decompress=False
-        )
+        app = self.application(restricted)
+        drain.install(app)  # on SIGTERM, answers close their keep-alive connections
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
         await runner.setup()
         if not listen:
             return runner

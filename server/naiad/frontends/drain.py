@@ -1,0 +1,121 @@
+"""Graceful drain on SIGTERM (as Go's http.Server.Shutdown, Envoy's drain and grpc-go's GracefulStop do it): stop
+listening, serve what still arrives on open connections (HTTP/1.1 answers with `Connection: close`, gRPC after a
+two-step GOAWAY), close idle connections after a grace, and return once every connection is closed or at the
+deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiohttp import hdrs, web
+
+log = logging.getLogger("naiad")
+
+
+class DrainState:
+    """Whether an aiohttp app is draining: its responses then carry `Connection: close`."""
+
+    __slots__ = ("draining",)
+
+    def __init__(self) -> None:
+        self.draining = False
+
+
+DRAIN_STATE = web.AppKey("naiad_drain_state", DrainState)
+
+
+def install(app: web.Application) -> None:
+    """Before the app is frozen: once draining, every response closes its connection after it is sent."""
+    state = app[DRAIN_STATE] = DrainState()
+
+    async def close_when_draining(request: web.BaseRequest, response: web.StreamResponse) -> None:
+        if state.draining:
+            response.force_close()  # aiohttp's handler closes the connection after this response
+            response.headers[hdrs.CONNECTION] = "close"
+
+    app.on_response_prepare.append(close_when_draining)
+
+
+class HttpDrain:
+    """One HTTP listener: a web.AppRunner, or http.HttpListener (the fast path in front of an aiohttp app)."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.fast = getattr(runner, "fast", None)
+        self.aiohttp_runner: web.AppRunner = runner.runner if self.fast is not None else runner
+
+    @staticmethod
+    def drains(runner: Any) -> bool:
+        """Only the apps that install() was called on drain (the metrics endpoint simply closes)."""
+        inner = getattr(runner, "runner", runner)
+        app = getattr(inner, "app", None)
+        return app is not None and DRAIN_STATE in app
+
+    def start(self) -> None:
+        """Stop listening; responses from now on carry `Connection: close`."""
+        listener = getattr(self.runner, "listener", None)
+        if listener is not None:
+            listener.close()
+        for site in self.aiohttp_runner.sites:
+            server = getattr(site, "_server", None)  # aiohttp keeps the asyncio.Server of a TCPSite there
+            if server is not None:
+                server.close()
+        self.aiohttp_runner.app[DRAIN_STATE].draining = True
+        if self.fast is not None:
+            self.fast.draining = True
+
+    def close_idle(self) -> None:
+        """The grace is over: close the connections that wait for a request."""
+        if self.fast is not None:
+            self.fast.close_idle()
+        server = self.aiohttp_runner.server
+        if server is not None:
+            for handler in server.connections:
+                # (aiohttp 3.x's RequestHandler waits on _waiter for the next request; close() alone would
+                # cancel that wait but leave the socket open)
+                if handler._waiter is not None and not handler._messages:
+                    handler.force_close()
+                else:
+                    handler.close()  # busy: closes after its response
+
+    def open_connections(self) -> int:
+        n = len(self.fast.connections) if self.fast is not None else 0
+        server = self.aiohttp_runner.server
+        return n + (len(server.connections) if server is not None else 0)
+
+
+async def drain(runners: list, grpc: Any, idle_grace: float, timeout: float) -> float:
+    """Drain the HTTP listeners in `runners` and the gRPC frontend `grpc` (or None): returns the seconds left of
+    `timeout` once every connection is closed (or none, at the deadline)."""
+    deadline = time.monotonic() + timeout
+    https = [HttpDrain(r) for r in runners if HttpDrain.drains(r)]
+    for h in https:
+        h.start()
+    grpc_task = None
+    if grpc is not None:
+        grpc_task = asyncio.ensure_future(grpc.drain(timeout))
+    grace_end = time.monotonic() + min(idle_grace, timeout)
+    idle_closed = False
+    while True:
+        now = time.monotonic()
+        if not idle_closed and now >= grace_end:
+            for h in https:
+                h.close_idle()
+            idle_closed = True
+        http_open = sum(h.open_connections() for h in https)
+        grpc_done = grpc_task is None or grpc_task.done()
+        if (http_open == 0 and grpc_done) or now >= deadline:
+            break
+        await asyncio.sleep(0.05)
+    if grpc_task is not None:
+        if not grpc_task.done():
+            grpc_task.cancel()
+        for outcome in await asyncio.gather(grpc_task, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                log.error("gRPC drain failed: %r", outcome)
+    left = max(0.0, deadline - time.monotonic())
+    log.info("drained the frontends' connections (%.1fs of the exit timeout left)", left)
+    return left

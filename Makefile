@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm
 
 venv: $(VENV)/.installed
 
@@ -37,7 +37,7 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 # Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
 test: venv test-deps lint
 	@# the Go builds are CPU-bound, the image build mostly downloads: run them side by side
-	@$(MAKE) -s -j4 tools images examples llm-deps
+	@$(MAKE) -s -j4 tools images images-llm examples llm-deps
 	@rm -rf .test-results; status=0; \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) || status=$$?; \
@@ -135,6 +135,12 @@ images:
 CUDA_EXTRAS ?=
 images-cuda:
 	@VARIANT=cuda IMAGE_EXTRAS=$(CUDA_EXTRAS) bash tools/images/build.sh
+
+# The LLM server image, ghcr.io/naiad-dev/naiad-server:<version>-llm: the CPU image plus llama-cpp-python and
+# llama.cpp's rpc-server/llama-server (Dockerfile.llm), compiled once by tools/llama_cpp/build.sh and cached; the
+# operator runs `llm.engine: llamacpp` pools and LeaderWorkerSets from it. Writes build/images/naiad-server-llm.tar.
+images-llm:
+	@VARIANT=llm bash tools/images/build.sh
 
 bench: venv
 	bash bench/setup.sh

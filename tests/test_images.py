@@ -335,6 +335,20 @@ def test_stop_leaves_no_process_and_frees_the_port(server_image, tmp_path):
     assert _port_free(port), "the stopped container's port is still bound"
 
 
+def test_a_file_is_mounted_over_a_path_the_image_lacks(server_image, tmp_path):
+    """A pod's /etc/hosts (the kubelet mounts one; the image has none): a file bound at a file's path, read live."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.0.0.7 w-1.g.ns\n")
+    script = "import socket; print('resolved', socket.gethostbyname('w-1.g.ns'))"
+    c = Container(
+        server_image, command=["python", "-c", script], mounts=[(hosts, "/etc/hosts")], log_dir=tmp_path
+    )
+    c.proc.wait(60)
+    c.stop()
+    assert c.proc.returncode == 0 and "resolved 10.0.0.7" in c.output(), c.output()
+    assert (server_image.rootfs / "etc" / "hosts").is_file()  # the empty mount point, in the unpacked copy
+
+
 def test_unpacked_images_unused_for_days_are_pruned(tmp_path):
     """Each rebuilt image unpacks to a new directory (~400 MB): the cache keeps what runs used recently."""
     recent, old = tmp_path / "recent", tmp_path / "old"

@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm e2e-llm-image-tests
 
 venv: $(VENV)/.installed
 
@@ -61,6 +61,13 @@ e2e-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
 	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
 	  tests/operator/test_operator_s3_cluster.py --ignore=e2e/test_real_node.py
+
+# The LLM cluster scenarios in image mode (needs `make images images-llm`): the LeaderWorkerSet's leader and
+# rpc-server worker, and the llama.cpp model's pods, started from the LLM server image. Not part of `make test`.
+e2e-llm-image-tests:
+	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
+	NAIAD_TEST_RUN=cluster-llm-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests/operator/test_operator_lws_cluster.py \
+	  tests/operator/test_operator_llm_cluster.py
 
 # The real node alone (e2e/node: containerd, runc, CNI, kubelet, kube-proxy; the server image imported into
 # containerd; `make test-deps` installs them). `make e2e-tests` runs it with the rest of e2e/; ~2 min warm.

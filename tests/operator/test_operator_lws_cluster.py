@@ -92,10 +92,13 @@ def lws_cluster(lws_tools, harness):  # noqa: F811
     hosts = PodHosts(
         lambda: harness.kubectl("get", "pods", "-A", "-o", "json").stdout, harness.workdir / "pod-hosts"
     )
-    naiad = harness.runner.executables["naiad"]
-    harness.runner.executables["naiad"] = str(hosts.launcher(naiad, harness.workdir / "naiad-with-pod-dns"))
-    if IMAGE_MODE:
+    naiad = harness.runner.executables.get("naiad")
+    if IMAGE_MODE:  # the image's Naiad, with the hosts file where the kubelet mounts a pod's
         harness.runner.image_binds["/etc/hosts"] = str(hosts.path)
+    else:
+        harness.runner.executables["naiad"] = str(
+            hosts.launcher(naiad, harness.workdir / "naiad-with-pod-dns")
+        )
     controller = lws.LwsController(harness.cluster, harness.workdir / "lws", binary, manifests)
     try:
         hosts.start()
@@ -104,7 +107,8 @@ def lws_cluster(lws_tools, harness):  # noqa: F811
     finally:
         controller.stop()
         hosts.stop()
-        harness.runner.executables["naiad"] = naiad
+        if naiad is not None:
+            harness.runner.executables["naiad"] = naiad
         harness.runner.image_binds.pop("/etc/hosts", None)
 
 

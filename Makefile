@@ -56,14 +56,16 @@ e2e-tests:
 
 # The e2e scenarios and the operator's cluster scenarios again with every pod (and the operator) started from the
 # built images (`make images`), as a node would run them: each container in a PID namespace of its own under
-# bubblewrap (e2e/images.py). Part of `make test`, after the host-virtualenv tiers; about 4 minutes.
+# bubblewrap (e2e/images.py). Part of `make test`, after the host-virtualenv tiers; about 4 minutes. The
+# LeaderWorkerSet scenario's leader and rpc-server worker run from the LLM image (`make images-llm`; ~25 s more).
 e2e-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
 	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
-	  tests/operator/test_operator_s3_cluster.py --ignore=e2e/test_real_node.py
+	  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_lws_cluster.py --ignore=e2e/test_real_node.py
 
 # The LLM cluster scenarios in image mode (needs `make images images-llm`): the LeaderWorkerSet's leader and
-# rpc-server worker, and the llama.cpp model's pods, started from the LLM server image. Not part of `make test`.
+# rpc-server worker, and the llama.cpp model's pods (InferencePool, HPA, endpoint picker), started from the LLM
+# server image. The LLM scenario (~1 min 45 s here) is not part of `make test`'s image tier; the LWS one is.
 e2e-llm-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
 	NAIAD_TEST_RUN=cluster-llm-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests/operator/test_operator_lws_cluster.py \
@@ -119,7 +121,7 @@ e2e: venv test-deps
 # The cluster tiers in image mode alone (images built first): the pod runner starts the server pods from the built
 # server image and the operator runs from its image with a ServiceAccount token (e2e/images.py). `make e2e` keeps
 # the faster host-virtualenv mode, which runs the worktree's code without a rebuild.
-e2e-images: venv test-deps images
+e2e-images: venv test-deps images images-llm
 	$(MAKE) -s e2e-image-tests
 
 crds: venv

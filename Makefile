@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda
+.PHONY: tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm e2e-llm-image-tests
 
 venv: $(VENV)/.installed
 
@@ -37,7 +37,7 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 # Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
 test: venv test-deps lint
 	@# the Go builds are CPU-bound, the image build mostly downloads: run them side by side
-	@$(MAKE) -s -j4 tools images examples llm-deps
+	@$(MAKE) -s -j4 tools images images-llm examples llm-deps
 	@rm -rf .test-results; status=0; \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) || status=$$?; \
@@ -56,11 +56,20 @@ e2e-tests:
 
 # The e2e scenarios and the operator's cluster scenarios again with every pod (and the operator) started from the
 # built images (`make images`), as a node would run them: each container in a PID namespace of its own under
-# bubblewrap (e2e/images.py). Part of `make test`, after the host-virtualenv tiers; about 4 minutes.
+# bubblewrap (e2e/images.py). Part of `make test`, after the host-virtualenv tiers; about 4 minutes. The
+# LeaderWorkerSet scenario's leader and rpc-server worker run from the LLM image (`make images-llm`; ~25 s more).
 e2e-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
 	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
-	  tests/operator/test_operator_s3_cluster.py --ignore=e2e/test_real_node.py
+	  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_lws_cluster.py --ignore=e2e/test_real_node.py
+
+# The LLM cluster scenarios in image mode (needs `make images images-llm`): the LeaderWorkerSet's leader and
+# rpc-server worker, and the llama.cpp model's pods (InferencePool, HPA, endpoint picker), started from the LLM
+# server image. The LLM scenario (~1 min 45 s here) is not part of `make test`'s image tier; the LWS one is.
+e2e-llm-image-tests:
+	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
+	NAIAD_TEST_RUN=cluster-llm-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests/operator/test_operator_lws_cluster.py \
+	  tests/operator/test_operator_llm_cluster.py
 
 # The real node alone (e2e/node: containerd, runc, CNI, kubelet, kube-proxy; the server image imported into
 # containerd; `make test-deps` installs them). `make e2e-tests` runs it with the rest of e2e/; ~2 min warm.
@@ -112,7 +121,7 @@ e2e: venv test-deps
 # The cluster tiers in image mode alone (images built first): the pod runner starts the server pods from the built
 # server image and the operator runs from its image with a ServiceAccount token (e2e/images.py). `make e2e` keeps
 # the faster host-virtualenv mode, which runs the worktree's code without a rebuild.
-e2e-images: venv test-deps images
+e2e-images: venv test-deps images images-llm
 	$(MAKE) -s e2e-image-tests
 
 crds: venv
@@ -135,6 +144,12 @@ images:
 CUDA_EXTRAS ?=
 images-cuda:
 	@VARIANT=cuda IMAGE_EXTRAS=$(CUDA_EXTRAS) bash tools/images/build.sh
+
+# The LLM server image, ghcr.io/naiad-dev/naiad-server:<version>-llm: the CPU image plus llama-cpp-python and
+# llama.cpp's rpc-server/llama-server (Dockerfile.llm), compiled once by tools/llama_cpp/build.sh and cached; the
+# operator runs `llm.engine: llamacpp` pools and LeaderWorkerSets from it. Writes build/images/naiad-server-llm.tar.
+images-llm:
+	@VARIANT=llm bash tools/images/build.sh
 
 bench: venv
 	bash bench/setup.sh

@@ -252,6 +252,18 @@ def _mkdir_in_root(rootfs: Path, target: str) -> str:
     return "/" + str(here.relative_to(rootfs)).lstrip(".")
 
 
+def _file_in_root(rootfs: Path, target: str) -> str:
+    """An empty file at ``target`` inside ``rootfs`` (its directory made as ``_mkdir_in_root`` makes it), the mount
+    point of a file bound over it; returns the resolved path inside the container."""
+    parent, _, name = target.rstrip("/").rpartition("/")
+    directory = _mkdir_in_root(rootfs, parent or "/")
+    point = rootfs / directory.lstrip("/") / name
+    if point.is_symlink() or point.is_dir():
+        raise ImageError(f"mount point {target} is not a regular file in {rootfs}")
+    point.touch(exist_ok=True)
+    return directory.rstrip("/") + "/" + name
+
+
 @dataclass
 class Mount:
     source: Path
@@ -314,6 +326,9 @@ class ContainerSpec:
                 parts = target.split("/")[2:-1]
                 for i in range(len(parts)):
                     cmd += ["--perms", "0755", "--dir", "/".join(target.split("/")[:2] + parts[: i + 1])]
+            elif m.source.is_file():
+                # a file (a pod's /etc/hosts, as the kubelet mounts one): an empty file as its mount point
+                target = _file_in_root(rootfs, target)
             elif target != "/tmp":
                 # mount points inside the read-only root: created (empty) in the cached unpacked copy
                 target = _mkdir_in_root(rootfs, target)

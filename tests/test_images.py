@@ -16,6 +16,7 @@ import psutil
 import pytest
 import requests
 from helpers import ROOT, free_ports
+from llm_models import write_llamacpp_model
 
 from e2e.images import (
     ContainerSpec,
@@ -33,6 +34,7 @@ from e2e.images import (
 IMAGES = Path(os.environ.get("NAIAD_IMAGES_OUT", ROOT / "build" / "images"))
 SERVER = "ghcr.io/naiad-dev/naiad-server:0.1.0"
 OPERATOR = "ghcr.io/naiad-dev/naiad-operator:0.1.0"
+SERVER_LLM = "ghcr.io/naiad-dev/naiad-server:0.1.0-llm"  # Dockerfile.llm (`make images-llm`)
 
 
 def _missing() -> str | None:
@@ -171,6 +173,87 @@ def test_server_image_contents(server_image):
     assert not list(rootfs.glob("opt/naiad/lib/python3*/site-packages/naiad/**/__pycache__"))
 
 
+def _wait_ready(c: Container, url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        assert c.proc.poll() is None, c.output()
+        time.sleep(0.2)
+    raise AssertionError(f"server not ready:\n{c.output()}")
+
+
+def test_llm_server_image_serves_a_gguf_with_layers_on_its_rpc_server(store, tmp_path):
+    """The LLM image (`make images-llm`): llama.cpp's rpc-server runs from it (a LeaderWorkerSet's worker), and its
+    Naiad loads a GGUF with llama-cpp-python, offloads the layers to that rpc-server (the group's leader) and answers
+    an OpenAI chat completion, as the image's non-root user."""
+    image = _get(store, SERVER_LLM)
+    assert (image.uid, image.cwd, image.entrypoint) == (10001, "/home/naiad", ["naiad"])
+    rootfs = image.rootfs
+    for tool in ("gcc", "cc", "make", "pip", "pip3"):
+        for d in ("usr/bin", "usr/local/bin", "opt/naiad/bin"):
+            assert not (rootfs / d / tool).exists(), f"{d}/{tool} left in the image"
+    assert not (rootfs / "tmp/llm").exists() and not list((rootfs / "var/lib/apt/lists").glob("*_Packages"))
+
+    for d in ("help", "rpc"):
+        (tmp_path / d).mkdir()
+    helped = Container(image, command=["rpc-server", "--help"], log_dir=tmp_path / "help")
+    helped.proc.wait(60)
+    helped.stop()
+    assert helped.proc.returncode == 0 and "--port" in helped.output(), helped.output()
+
+    rpc_port, http, grpc, metrics = free_ports(4)
+    repo = tmp_path / "repo"
+    write_llamacpp_model(
+        repo / "tiny_llm",
+        f'parameters {{ key: "rpc_servers" value: {{ string_value: "127.0.0.1:{rpc_port}" }} }}\n',
+    )
+    worker = Container(
+        image,
+        command=["rpc-server", "--host", "127.0.0.1", "--port", str(rpc_port)],
+        log_dir=tmp_path / "rpc",
+    )
+    leader = None
+    try:
+        deadline = time.monotonic() + 30
+        while not _port_accepts(rpc_port):
+            assert time.monotonic() < deadline and worker.proc.poll() is None, worker.output()
+            time.sleep(0.2)
+        args = [
+            "serve",
+            "--model-repository=/models",
+            "--model-control-mode=explicit",
+            "--load-model=tiny_llm",
+        ]
+        args += [f"--http-port={http}", f"--grpc-port={grpc}", f"--metrics-port={metrics}"]
+        leader = Container(image, args, mounts=[(repo, "/models")], log_dir=tmp_path)
+        url = f"http://127.0.0.1:{http}"
+        _wait_ready(leader, url)
+        assert requests.get(f"{url}/v2/models/tiny_llm/ready", timeout=10).status_code == 200, leader.output()
+        body = {"model": "tiny_llm", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        res = requests.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert res.status_code == 200, res.text
+        assert res.json()["usage"]["completion_tokens"] >= 1
+        # the leader connected (after the readiness probe's connection) and the worker still serves
+        assert worker.output().count("Accepted client connection") >= 2, worker.output()
+        assert worker.proc.poll() is None
+    finally:
+        if leader is not None:
+            assert leader.stop(signal.SIGTERM) == 0, leader.output()[-3000:]
+        worker.stop(signal.SIGTERM, timeout=5)
+
+
+def _port_accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def test_operator_image_starts(store, tmp_path):
     image = _get(store, OPERATOR)
     assert image.uid == 10001 and image.entrypoint == ["naiad-operator"]
@@ -250,6 +333,20 @@ def test_stop_leaves_no_process_and_frees_the_port(server_image, tmp_path):
     assert time.monotonic() - started < 10
     assert processes_in(c.pidns) == [], "a process of the stopped container is left"
     assert _port_free(port), "the stopped container's port is still bound"
+
+
+def test_a_file_is_mounted_over_a_path_the_image_lacks(server_image, tmp_path):
+    """A pod's /etc/hosts (the kubelet mounts one; the image has none): a file bound at a file's path, read live."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.0.0.7 w-1.g.ns\n")
+    script = "import socket; print('resolved', socket.gethostbyname('w-1.g.ns'))"
+    c = Container(
+        server_image, command=["python", "-c", script], mounts=[(hosts, "/etc/hosts")], log_dir=tmp_path
+    )
+    c.proc.wait(60)
+    c.stop()
+    assert c.proc.returncode == 0 and "resolved 10.0.0.7" in c.output(), c.output()
+    assert (server_image.rootfs / "etc" / "hosts").is_file()  # the empty mount point, in the unpacked copy
 
 
 def test_unpacked_images_unused_for_days_are_pruned(tmp_path):

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0"
+# The server image with llama.cpp (Dockerfile.llm): the pods of `llm.engine: llamacpp` models and their RPC workers.
+DEFAULT_LLM_SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0-llm"
 DEFAULT_QUEUE_METRIC = "naiad_queue_time_per_request_us"
 # prometheus-adapter's names for vllm:num_requests_waiting and vllm:kv_cache_usage_perc (an LLM model's HPA).
 DEFAULT_LLM_WAITING_METRIC = "naiad_llm_requests_waiting"
@@ -20,6 +22,7 @@ DEFAULT_LLM_KV_CACHE_METRIC = "naiad_llm_kv_cache_usage"
 class OperatorConfig:
     server_image: str = DEFAULT_SERVER_IMAGE
     server_image_pull_policy: str = "IfNotPresent"
+    llm_server_image: str = DEFAULT_LLM_SERVER_IMAGE
     # Seconds between self-healing passes over each pool (index of every pod compared with placements).
     resync_seconds: float = 15.0
     # Timeouts of calls to the servers' model-control API: index/health, and load (large models load slowly).
@@ -85,6 +88,7 @@ class OperatorConfig:
             network_policy=policy == "true",
             metrics_from=metrics_from,
             server_image=env.get("NAIAD_SERVER_IMAGE") or defaults.server_image,
+            llm_server_image=env.get("NAIAD_LLM_SERVER_IMAGE") or defaults.llm_server_image,
             server_image_pull_policy=env.get("NAIAD_SERVER_IMAGE_PULL_POLICY")
             or defaults.server_image_pull_policy,
             resync_seconds=number("NAIAD_RESYNC_SECONDS", defaults.resync_seconds),

@@ -19,6 +19,8 @@ ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"
 ENGINE_TYPE = "vllm"
 # Which Naiad engine serves the model, on its pods.
 LLM_ENGINE_LABEL = "naiad.dev/llm-engine"
+# The engine whose pods need the LLM server image (llama-cpp-python and llama.cpp's rpc-server, Dockerfile.llm).
+LLAMACPP_ENGINE = "llamacpp"
 # The Service port clients reach `/v1` on (the pods serve it on their HTTP port).
 OPENAI_SERVICE_PORT = 80
 

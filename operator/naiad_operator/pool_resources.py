@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import OperatorConfig
+from .llm import LLAMACPP_ENGINE, LLM_ENGINE_LABEL
 from .metrics_resources import render_server_hpa, render_service_monitor, service_monitor_wanted
 from .naming import (
     GRPC_PORT,
@@ -100,12 +101,22 @@ PRE_STOP_SLEEP_SECONDS = 5
 TERMINATION_GRACE_PERIOD_SECONDS = PRE_STOP_SLEEP_SECONDS + 30 + 5
 
 
+def server_image(spec: Spec, config: OperatorConfig) -> str:
+    """The pool's own image, else the LLM image for a llama.cpp model's dedicated pool (its pods and a
+    LeaderWorkerSet's rpc-server workers need llama.cpp), else the operator's default server image."""
+    if spec.get("image"):
+        return str(spec["image"])
+    if (spec.get("podLabels") or {}).get(LLM_ENGINE_LABEL) == LLAMACPP_ENGINE:
+        return config.llm_server_image
+    return config.server_image
+
+
 def _container(spec: Spec, config: OperatorConfig, server: str = "", restricted: bool = False) -> Body:
     tls = tls_secret_name(spec) is not None
     probes = spec.get("probes") or {}
     container: Body = {
         "name": SERVER_CONTAINER,
-        "image": spec.get("image") or config.server_image,
+        "image": server_image(spec, config),
         "imagePullPolicy": spec.get("imagePullPolicy") or config.server_image_pull_policy,
         "command": ["naiad"],
         "args": server_args(spec, restricted),

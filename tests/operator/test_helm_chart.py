@@ -93,6 +93,7 @@ def test_default_render():
     assert spread["topologyKey"] == "kubernetes.io/hostname"
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["NAIAD_SERVER_IMAGE"] == "ghcr.io/naiad-dev/naiad-server:0.1.0"
+    assert env["NAIAD_LLM_SERVER_IMAGE"] == "ghcr.io/naiad-dev/naiad-server:0.1.0-llm"  # Dockerfile.llm
     assert env["NAIAD_NETWORK_POLICY"] == "false"
     namespace = next(e for e in container["env"] if e["name"] == "NAIAD_OPERATOR_NAMESPACE")
     assert namespace["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}

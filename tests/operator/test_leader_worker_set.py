@@ -141,6 +141,17 @@ def test_leader_worker_set_rendering():
         assert any(t["key"] == GPU_RESOURCE for t in pod["spec"]["tolerations"])
 
 
+def test_leader_and_workers_run_the_llm_image_unless_the_template_names_one():
+    """rpc-server and llama-cpp-python are in the LLM image (Dockerfile.llm), not in the default server image."""
+    config = OperatorConfig(server_image="registry/naiad:1", llm_server_image="registry/naiad:1-llm")
+    spec = big_model()
+    template = render_leader_worker_set(OWNER, spec, model_intent("big", spec), config)["spec"]
+    template = template["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        (container,) = template[role]["spec"]["containers"]
+        assert container["image"] == "registry/naiad:1-llm"
+
+
 def test_suspended_grouped_model_has_no_groups():
     spec = big_model(suspended=True)
     lws = render_leader_worker_set(OWNER, spec, model_intent("big", spec), CONFIG)

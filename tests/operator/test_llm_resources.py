@@ -24,6 +24,7 @@ from naiad_operator.model_resources import (
 from naiad_operator.naming import DEDICATED_FOR_LABEL, SERVER_LABEL
 from naiad_operator.ownership import Owner
 from naiad_operator.placement_pass import reconcile_pool
+from naiad_operator.pool_resources import render_deployment
 from naiad_operator.pool_snapshot import PoolContext
 from naiad_operator.status import ModelObservation, model_status
 
@@ -72,6 +73,25 @@ def test_no_parallelism_adds_no_gpus_and_keeps_the_template_resources():
     server = render_dedicated_server(OWNER, spec, intent)
     assert server["spec"]["resources"] == {"limits": {"cpu": "2"}}
     assert server["spec"]["podLabels"][ENGINE_TYPE_LABEL] == "vllm"  # Naiad publishes vLLM's metric names
+
+
+@pytest.mark.parametrize(
+    "engine, template, image",
+    [
+        ("llamacpp", {}, "registry/naiad:1-llm"),  # llama-cpp-python is in the LLM image only
+        ("llamacpp", {"image": "mine:2"}, "mine:2"),  # the model's server template wins
+        ("vllm", {}, "registry/naiad:1"),
+    ],
+)
+def test_llamacpp_pools_run_the_llm_server_image(engine, template, image):
+    config = OperatorConfig(server_image="registry/naiad:1", llm_server_image="registry/naiad:1-llm")
+    spec = {**llm_model(), "llm": {"engine": engine}, "server": template}
+    server = render_dedicated_server(OWNER, spec, model_intent("llama", spec))
+    pool_owner = Owner(
+        OWNER.api_version, "InferenceServer", server["metadata"]["name"], "uid-s", OWNER.namespace
+    )
+    pod = render_deployment(pool_owner, server["spec"], config)["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == image
 
 
 def test_gpu_template_that_disagrees_with_the_parallelism_is_a_problem():

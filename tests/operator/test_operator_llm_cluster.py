@@ -22,6 +22,7 @@ import urllib.request
 
 import pytest
 from test_operator_cluster import (  # noqa: F401 (fixtures)
+    IMAGE_MODE,
     NS,
     ROOT,
     adapter_rules,
@@ -41,6 +42,8 @@ if importlib.util.find_spec("llama_cpp") is None:
     )
 
 LLM = "tiny_llm"
+# The operator's default image for llamacpp models (Dockerfile.llm): the pods run from it in image mode.
+LLM_SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0-llm"
 
 
 def gie_crds() -> str:
@@ -76,6 +79,8 @@ def llm_repo(harness):  # noqa: F811
         'parameters { key: "n_parallel" value: { string_value: "2" } }\n'
         'parameters { key: "n_threads" value: { string_value: "1" } }\n'
     )
+    if IMAGE_MODE:
+        harness.runner.images.get(LLM_SERVER_IMAGE)  # unpacked up front, not inside a pod's start
     return harness.repo
 
 
@@ -122,6 +127,10 @@ def test_llm_model_serves_openai_through_its_service_with_an_inference_pool(preb
     (holder,) = h.get("pods", selector="naiad.dev/server=llama-server,naiad.dev/model-llama=loaded")["items"]
     assert holder["metadata"]["labels"]["inference.networking.k8s.io/engine-type"] == "vllm"
     assert holder["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert holder["spec"]["containers"][0]["image"] == LLM_SERVER_IMAGE  # llama.cpp is in the LLM image only
+    if IMAGE_MODE:  # and the pod runs from it, not from this virtualenv
+        procs = [p for p in h.runner.processes() if p.pod == holder["metadata"]["name"]]
+        assert procs and all(p.image_id for p in procs), procs
     # status.copies: the operator read the engine's gauges from the pod's metrics port
     copies = wait(
         lambda: (c := h.model_status("llama").get("copies")) and "requestsWaiting" in c[0] and c,

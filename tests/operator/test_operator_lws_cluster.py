@@ -9,6 +9,9 @@ connections), the leader `naiad serve` with the model and $NAIAD_LLAMACPP_RPC_SE
 headless-Service DNS name, which it resolves through e2e/poddns.py (the group's names in a hosts file, standing in
 for CoreDNS); the leader loads the model with its layers on the worker and answers a chat completion.
 
+In image mode (NAIAD_E2E_IMAGES=1, `make e2e-llm-image-tests`) both pods run from the LLM server image, the
+operator from its image; the hosts file is bound at the containers' /etc/hosts, as the kubelet mounts one.
+
 Same harness as test_operator_cluster.py (its own cluster). Run: pytest tests/operator/test_operator_lws_cluster.py
 """
 
@@ -38,13 +41,10 @@ if importlib.util.find_spec("llama_cpp") is None:
         "llama-cpp-python is built by `make llm-deps` (tools/llama_cpp/build.sh)", allow_module_level=True
     )
 
-if IMAGE_MODE:
-    pytest.skip(
-        "image mode: the server image does not ship llama.cpp's rpc-server (host mode runs the cached build's)",
-        allow_module_level=True,
-    )
-
 LLM = "tiny_llm"
+# The operator's default image for llamacpp models (Dockerfile.llm, `make images-llm`): in image mode the leader's
+# Naiad and the worker's rpc-server run from it.
+LLM_SERVER_IMAGE = "ghcr.io/naiad-dev/naiad-server:0.1.0-llm"
 LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
 
 
@@ -86,12 +86,19 @@ def lws_cluster(lws_tools, harness):  # noqa: F811
         'parameters { key: "rpc_wait_seconds" value: { string_value: "30" } }\n'
     )
     harness.runner.executables["rpc-server"] = rpc_server
+    if IMAGE_MODE:
+        harness.runner.images.get(LLM_SERVER_IMAGE)  # unpacked up front, not inside a pod's start
     # the leader finds its worker by name, as through CoreDNS: the group's names in a hosts file it sees
     hosts = PodHosts(
         lambda: harness.kubectl("get", "pods", "-A", "-o", "json").stdout, harness.workdir / "pod-hosts"
     )
-    naiad = harness.runner.executables["naiad"]
-    harness.runner.executables["naiad"] = str(hosts.launcher(naiad, harness.workdir / "naiad-with-pod-dns"))
+    naiad = harness.runner.executables.get("naiad")
+    if IMAGE_MODE:  # the image's Naiad, with the hosts file where the kubelet mounts a pod's
+        harness.runner.image_binds["/etc/hosts"] = str(hosts.path)
+    else:
+        harness.runner.executables["naiad"] = str(
+            hosts.launcher(naiad, harness.workdir / "naiad-with-pod-dns")
+        )
     controller = lws.LwsController(harness.cluster, harness.workdir / "lws", binary, manifests)
     try:
         hosts.start()
@@ -100,7 +107,9 @@ def lws_cluster(lws_tools, harness):  # noqa: F811
     finally:
         controller.stop()
         hosts.stop()
-        harness.runner.executables["naiad"] = naiad
+        if naiad is not None:
+            harness.runner.executables["naiad"] = naiad
+        harness.runner.image_binds.pop("/etc/hosts", None)
 
 
 def post_json(url: str, body: dict) -> tuple[int, dict]:
@@ -230,6 +239,13 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set(lws_cluster, rep
             what="status.copies with the leader's gauges",
         )
         assert [c["pod"] for c in copies] == ["big-server-0"] and copies[0]["requestsWaiting"] == 0
+        if IMAGE_MODE:  # both pods run from the LLM image, not from this host's build
+            procs = {p.pod: p for p in h.runner.processes() if p.namespace == NS and p.pod.startswith("big-")}
+            assert set(procs) == {"big-server-0", "big-server-0-1"} and all(
+                p.image_id for p in procs.values()
+            )
+            for pod in (leader, worker):
+                assert pod["spec"]["containers"][0]["image"] == LLM_SERVER_IMAGE
         worker_log = h.runner.logs(NS, "big-server-0-1")
         assert "Accepted client connection" in worker_log
         print(

@@ -31,6 +31,8 @@ def test_config_defaults_and_environment():
     assert config.service_monitors == "false"
     assert config.inference_pools == "false" and config.llm_waiting_metric_name == "waiting"
     assert config.llm_kv_cache_metric_name == "naiad_llm_kv_cache_usage"
+    assert config.llm_server_image == "ghcr.io/naiad-dev/naiad-server:0.1.0-llm"
+    assert OperatorConfig.from_env({"NAIAD_LLM_SERVER_IMAGE": "r/n:2-llm"}).llm_server_image == "r/n:2-llm"
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,12 @@
 #   tools/images/build.sh                 # server (CPU) and operator
 #   VARIANT=cuda tools/images/build.sh    # server (CUDA, from PyPI's nvidia-* wheels) and operator
 #   VARIANT=cuda IMAGE_EXTRAS=gpu-wheels,torch,s3 tools/images/build.sh   # the server's backends (Dockerfile's EXTRAS)
+#   VARIANT=llm tools/images/build.sh     # server (CPU) and server-llm: the CPU image plus llama.cpp (Dockerfile.llm)
+#
+# VARIANT=llm builds the CPU server image exactly as the default build does (same storage, same layer cache), then
+# Dockerfile.llm on top of it from a generated context (build/images/llm-context) holding the llama-cpp-python wheel
+# and llama.cpp's rpc-server and llama-server that tools/llama_cpp/build.sh compiled once and cached. Only the
+# naiad-server-llm archive is written (`make images` writes the others).
 #
 # Storage: vfs for the CPU images (works in any container; a full copy of the root per layer, ~3.5 GiB here), the
 # kernel's overlay for the CUDA image where it can be mounted (vfs would copy its ~9 GiB of CUDA libraries per
@@ -23,6 +29,8 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 variant="${VARIANT:-cpu}"
+llm=0
+if [[ $variant == llm ]]; then llm=1; variant=cpu; fi  # the LLM image is layers on top of the CPU one
 extras="${IMAGE_EXTRAS:-}"  # empty: the Dockerfile's default for the variant
 out="${NAIAD_IMAGES_OUT:-$repo/build/images}"
 cache="${NAIAD_IMAGES_CACHE:-$HOME/.cache/naiad-images}"
@@ -45,6 +53,16 @@ if ((${#need[@]})); then
 fi
 
 mkdir -p "$cache" "$out"
+if ((llm)); then
+  # llama-cpp-python's wheel and llama.cpp's servers, compiled once (10-35 min cold) and cached outside the repository
+  log "llama.cpp: tools/llama_cpp/build.sh servers (cached after the first build)"
+  llama="$(cd "$repo" && PYTHON="${PYTHON:-$repo/.venv/bin/python}" bash tools/llama_cpp/build.sh servers | tail -1)"
+  context="$out/llm-context"
+  rm -rf "$context" && mkdir -p "$context/wheels" "$context/bin"
+  cp "$repo/pyproject.toml" "$context/"
+  cp "$llama"/wheels/llama_cpp_python-*.whl "$context/wheels/"
+  cp "$llama/bin/rpc-server" "$llama/bin/llama-server" "$context/bin/"
+fi
 # One build per variant at a time; the CPU and CUDA builds (separate storages and run directories) do not wait for
 # each other: a CUDA build takes long.
 suffix="$([[ $variant == cpu ]] || echo "-$variant")"
@@ -143,7 +161,7 @@ build() {  # <dockerfile> <tag> [build args...]
   local file="$1" tag="$2"; shift 2
   log "building $tag from $file"
   bh build --quiet --isolation chroot --pull=never --layers="$layers" --network host "${lend[@]}" \
-    --build-arg "PYTHON_IMAGE=$base" "$@" -f "$repo/$file" -t "$tag" "$repo" >&2
+    --build-arg "PYTHON_IMAGE=$base" "$@" -f "$repo/$file" -t "$tag" "${build_context:-$repo}" >&2
 }
 # Named as the chart's values name them, so a loaded archive is found by `helm install` as it is.
 registry="${NAIAD_IMAGE_REGISTRY:-ghcr.io/naiad-dev}"
@@ -152,7 +170,15 @@ operator_tag="$registry/naiad-operator:$version"
 server_args=(--build-arg "VARIANT=$variant")
 [[ -z "$extras" ]] || server_args+=(--build-arg "EXTRAS=$extras")
 build Dockerfile.server "$server_tag" "${server_args[@]}"
-build Dockerfile.operator "$operator_tag"
+tags=("$server_tag" "$operator_tag")
+if ((llm)); then
+  tags=("$server_tag-llm")
+  llm_args=(--build-arg "SERVER_IMAGE=$server_tag")
+  [[ -z "${LLM_EXTRAS:-}" ]] || llm_args+=(--build-arg "LLM_EXTRAS=$LLM_EXTRAS")
+  build_context="$context" build Dockerfile.llm "$server_tag-llm" "${llm_args[@]}"
+else
+  build Dockerfile.operator "$operator_tag"
+fi
 
 # The CUDA image cannot be run without a GPU here; check that its backends import and see CUDA.
 if [[ $variant == cuda ]]; then
@@ -176,8 +202,8 @@ fi
 # its dependencies instead of reusing them; disk stays bounded (~3.5 GiB here for CPU).
 bh rmi --prune >/dev/null 2>&1 || true
 
-for tag in "$server_tag" "$operator_tag"; do
-  name="$(basename "${tag%%:*}")$([[ $tag == *-cuda ]] && echo -cuda || true)"
+for tag in "${tags[@]}"; do
+  name="$(basename "${tag%%:*}")${tag#*:"$version"}"  # naiad-server, naiad-server-cuda, naiad-server-llm
   file="$out/$name.tar"
   rm -f "$file"
   bh push --quiet "$tag" "docker-archive:$file:$tag" >/dev/null

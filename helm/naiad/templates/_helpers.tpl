@@ -41,6 +41,10 @@ app.kubernetes.io/part-of: naiad
 {{- printf "%s:%s" .Values.serverImage.repository (default .Chart.AppVersion .Values.serverImage.tag) -}}
 {{- end -}}
 
+{{- define "naiad.llmServerImage" -}}
+{{- printf "%s:%s" .Values.llmServerImage.repository (default (printf "%s-llm" .Chart.AppVersion) .Values.llmServerImage.tag) -}}
+{{- end -}}
+
 {{- define "naiad.adapterRulesName" -}}
 {{- default (printf "%s-prometheus-adapter-rules" (include "naiad.fullname" .)) .Values.prometheusAdapter.rules.configMapName -}}
 {{- end -}}

@@ -847,12 +847,11 @@ def test_rolling_update_under_traffic_from_a_client_pod(
             f"p50 {summary['p50_ms']} ms, p99 {summary['p99_ms']} ms"
         )
         assert summary["ok"] > 100 and summary["ok_keepalive"] > 100, summary
-        # Requests on new connections must all be answered. On keep-alive connections the old pods' shutdown
-        # still fails a few (e2e/README.md: the server answers 503 once SIGTERM came and then closes the
-        # connections a client may be writing to); reported here, not yet required.
+        # Every request is answered, on new connections and on keep-alive ones: the old pods' servers drain
+        # (frontends/drain.py: a request on an open connection gets its answer with Connection: close, so the
+        # client reconnects through kube-proxy to a live pod; before the drain 6 of 8,402 failed here).
         assert summary["failed_new"] == 0, json.dumps(summary["failures"], indent=1)
-        if summary["failed_keepalive"]:
-            print("keep-alive failures:", json.dumps(summary["failures"], indent=1))
+        assert summary["failed_keepalive"] == 0, json.dumps(summary["failures"], indent=1)
     finally:
         c.kubectl("delete", "pod", "client", "-n", ns, "--grace-period=0", "--force", check=False, timeout=60)
         _delete_pool(c, "roll", ["rolled"])

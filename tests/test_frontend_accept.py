@@ -18,36 +18,11 @@ import requests
 import tritonclient.grpc as grpcclient
 from helpers import ROOT, NaiadProcess
 from pki import Pki
+from test_frontend_workers import wait_for, worker_pids
 
 from naiad.engine.acceptor import GRPC, HTTP, Acceptor, WorkerSlot
 
-WORKER_MODULE = "naiad.engine.worker"
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # a channel of its own, not a shared subchannel
-
-
-def worker_pids(server: NaiadProcess) -> list[int]:
-    try:
-        children = psutil.Process(server.proc.pid).children()
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for child in children:
-        try:
-            if WORKER_MODULE in " ".join(child.cmdline()):
-                out.append(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return sorted(out)
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def held(pid: int, port: int) -> int:

@@ -257,6 +257,16 @@ class Server:
         await self.repository.unload(name, unload_dependents)
 
     # ---- inference ----
+    async def _load_on_demand(self, request: InferenceRequest, miss: NaiadError) -> ModelVersion:
+        """The model a request names that is not loaded: loaded for it with --load-on-demand (the wait recorded on
+        the request), else the lookup's error."""
+        if self.on_demand is None:
+            raise miss
+        mv, request.load_wait_ns = await self.on_demand.ready_model(
+            request.model_name, request.model_version, miss
+        )
+        return mv
+
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Run one request to completion; errors are raised as NaiadError."""
         if self._stopping:
@@ -264,11 +274,7 @@ class Server:
         try:
             mv = self.repository.get(request.model_name, request.model_version)
         except NaiadError as miss:
-            if self.on_demand is None:
-                raise
-            mv, request.load_wait_ns = await self.on_demand.ready_model(
-                request.model_name, request.model_version, miss
-            )
+            mv = await self._load_on_demand(request, miss)
         if mv.decoupled:
             raise InvalidArgument(
                 f"ModelInfer RPC doesn't support models with decoupled transaction policy; use "
@@ -333,11 +339,7 @@ class Server:
         try:
             mv = self.repository.get(request.model_name, request.model_version)
         except NaiadError as miss:
-            if self.on_demand is None:
-                raise
-            mv, request.load_wait_ns = await self.on_demand.ready_model(
-                request.model_name, request.model_version, miss
-            )
+            mv = await self._load_on_demand(request, miss)
         if not mv.decoupled:
             yield await self.infer(request)
             return

@@ -6,7 +6,6 @@ the calls' request messages. The call layer above (h2grpc.py) supplies `_start_c
 from __future__ import annotations
 
 import abc
-import asyncio
 import struct
 
 import grpc
@@ -54,7 +53,7 @@ from .h2_framing import (
     frame,
 )
 from .h2grpc_messages import Abort, RequestHead, split_messages
-from .receive_buffers import POOL, POOLED_MIN
+from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
 # Bound here, not imported: CPython 3.11 compiles `imported_name.method(...)` without LOAD_METHOD, which
 # would build a bound-method object at every call in these hot paths.
@@ -499,11 +498,11 @@ class H2Reader(H2Connection, abc.ABC):
         """End the call with a gRPC error status."""
 
 
-class DataReader(asyncio.BufferedProtocol):
+class DataReader(ConnectionReader):
     """The transport's protocol while the rest of a large DATA frame arrives: the kernel writes it into the
     call's message buffer, then the connection reads frames again."""
 
-    __slots__ = ("conn", "fill", "flags", "size", "start", "stream", "view")
+    __slots__ = ("fill", "flags", "size", "start", "stream", "view")
 
     def __init__(self, conn: H2Reader, flags: int, st: Stream, length: int, have: int):
         self.conn = conn
@@ -536,15 +535,3 @@ class DataReader(asyncio.BufferedProtocol):
             conn._data(self.flags, sid, view, in_place=True)
         except H2ConnectionError as exc:
             conn._close_with(exc.code, str(exc))
-
-    def connection_lost(self, exc) -> None:
-        self.conn.connection_lost(exc)
-
-    def eof_received(self):
-        return self.conn.eof_received()
-
-    def pause_writing(self) -> None:
-        self.conn.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.conn.resume_writing()

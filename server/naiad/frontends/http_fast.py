@@ -33,7 +33,7 @@ from ..errors import NaiadError
 from . import eager
 from .busy_poll import BusyPoll
 from .http_codec import compress_response, error_headers, error_payload, response_coding, restricted_message
-from .receive_buffers import POOL, POOLED_MIN
+from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
 log = logging.getLogger("naiad.http")
 
@@ -594,11 +594,11 @@ def _path(model: str, version: str) -> str:
     return f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"
 
 
-class BodyReader(asyncio.BufferedProtocol):
+class BodyReader(ConnectionReader):
     """The transport's protocol while a large request body arrives: the kernel writes it into a pooled
     buffer (receive_buffers.py), then the connection's FastHttpProtocol takes over again."""
 
-    __slots__ = ("body", "conn", "fill", "seeded", "size", "view")
+    __slots__ = ("body", "fill", "seeded", "size", "view")
 
     def __init__(self, conn: FastHttpProtocol, buf, size: int):
         self.conn = conn
@@ -616,15 +616,3 @@ class BodyReader(asyncio.BufferedProtocol):
         self.conn.last_active = self.conn.loop.time()
         if self.fill >= self.size:
             self.conn.body_received(self)
-
-    def connection_lost(self, exc) -> None:
-        self.conn.connection_lost(exc)
-
-    def eof_received(self):
-        return self.conn.eof_received()
-
-    def pause_writing(self) -> None:
-        self.conn.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.conn.resume_writing()

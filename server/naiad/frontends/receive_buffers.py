@@ -14,6 +14,7 @@ the request, its response and any tensor a model kept are done with it. There is
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 import sys
@@ -81,3 +82,25 @@ class ReceivePool:
 
 
 POOL = ReceivePool()  # one per process: the HTTP and gRPC frontends share it (one event loop)
+
+
+class ConnectionReader(asyncio.BufferedProtocol):
+    """The transport's protocol while one large body or frame is read into a receive buffer: a subclass fills
+    `get_buffer`/`buffer_updated`; the connection's other callbacks go to the connection (`conn`) it stands in
+    for, which takes the transport back once the bytes are in."""
+
+    __slots__ = ("conn",)
+
+    conn: asyncio.BaseProtocol
+
+    def connection_lost(self, exc) -> None:
+        self.conn.connection_lost(exc)
+
+    def eof_received(self):
+        return self.conn.eof_received()  # type: ignore[attr-defined]
+
+    def pause_writing(self) -> None:
+        self.conn.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.conn.resume_writing()

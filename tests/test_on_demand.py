@@ -268,9 +268,12 @@ def test_failed_load_answers_every_waiter_with_its_error(tmp_path):
 
 def test_memory_budget_evicts_least_recently_used_and_keeps_pinned(tmp_path):
     alloc = 96  # MiB each model holds
+    # Eviction weighs what a model costs to bring back (its load time) against its idle time (eviction.py), so
+    # that this test sees least-recently-used order, every model takes the same 1 s to load and requests are
+    # 1 s apart: a 2-core machine under load once made one 0.1 s load 3x slower than another and swapped the order.
     for name in ("a", "b", "c"):
-        make_model(tmp_path, name, ALLOC_MB=str(alloc))
-    make_model(tmp_path, "p", ALLOC_MB=str(alloc), NAIAD_PINNED="true")
+        make_model(tmp_path, name, ALLOC_MB=str(alloc), LOAD_SLEEP="1")
+    make_model(tmp_path, "p", ALLOC_MB=str(alloc), LOAD_SLEEP="1", NAIAD_PINNED="true")
     make_model(tmp_path, "worker", ALLOC_MB="64", EXECUTION_ISOLATION="process")
     # one model's measured size, on a server without a budget
     with serve(tmp_path) as probe:
@@ -283,13 +286,18 @@ def test_memory_budget_evicts_least_recently_used_and_keeps_pinned(tmp_path):
         assert found["worker"]["host_memory_bytes"] >= 64 << 20, found["worker"]
     budget = int(size * 2.3)
     with serve(tmp_path, "--model-memory-limit", f"host:{budget}") as server:
-        for name in ("a", "b", "c"):
+
+        def use(name: str) -> None:
             assert infer(server, name).status_code == 200
+            time.sleep(1)
+
+        for name in ("a", "b", "c"):
+            use(name)
         ready = {n for n, e in index(server).items() if e.get("state") == "READY"}
         assert ready == {"b", "c"}  # a was the least recently used
         assert metric(server, "naiad_model_evictions_total", model="a", reason="memory") == 1
-        assert infer(server, "p").status_code == 200  # evicts b (c was used after it)
-        assert infer(server, "a").status_code == 200  # evicts c: p is pinned
+        use("p")  # evicts b (c was used after it)
+        use("a")  # evicts c: p is pinned
         ready = {n for n, e in index(server).items() if e.get("state") == "READY"}
         assert ready == {"p", "a"}
         assert metric(server, "naiad_model_evictions_total", model="b", reason="memory") == 1

@@ -109,6 +109,19 @@ def test_generate_stream_is_sse_without_an_end_marker(server):
     assert [e["TEXT"] for e in sse(r)] == ["hi"] * 3
 
 
+def test_responses_ready_together_go_out_in_one_write(server):
+    """A model that sends faster than the event loop writes: the responses waiting behind one go out with it, in
+    one HTTP chunk (one send, one wakeup of the client), every event whole and in order."""
+    body = {"PROMPT": ["hi"], "STREAM": True, "parameters": {"REPETITION": 400}}
+    with generate(server, body, True, stream=True) as r:
+        assert r.status_code == 200
+        chunks = list(r.raw.read_chunked(decode_content=False))
+    assert all(c.endswith(b"\n\n") for c in chunks)  # events are never split across writes
+    events = b"".join(chunks).split(b"\n\n")[:-1]
+    assert [json.loads(e[len(b"data: ") :])["TEXT"] for e in events] == ["hi"] * 400
+    assert max(c.count(b"data: ") for c in chunks) > 1, f"{len(chunks)} chunks for 400 events"
+
+
 def test_parameters_may_carry_inputs(server):
     r = generate(server, {"PROMPT": "hi", "parameters": {"STREAM": True, "REPETITION": 2}}, True)
     assert [e["TEXT"] for e in sse(r)] == ["hi"] * 2

@@ -161,6 +161,21 @@ def test_stream_without_usage_ends_with_done(server):
     assert got[-2]["choices"][0]["finish_reason"] == "length" and got[-2]["choices"][0]["delta"] == {}
 
 
+def test_tokens_ready_together_go_out_in_one_write(server):
+    """Tokens that arrive faster than the event loop writes go out together (one HTTP chunk), each a whole event
+    of its own, in order."""
+    body = {"model": "counting_vllm", "prompt": "x", "max_tokens": 400, "stream": True}
+    with post(server, "/v1/completions", body, stream=True) as r:
+        assert r.status_code == 200
+        chunks = list(r.raw.read_chunked(decode_content=False))
+    assert all(c.endswith(b"\n\n") for c in chunks)
+    got = [b[len(b"data: ") :] for b in b"".join(chunks).split(b"\n\n")[:-1]]
+    assert got[-1] == b"[DONE]"
+    texts = [json.loads(e)["choices"][0]["text"] for e in got[:-1]]
+    assert "".join(texts) == "".join(f" tok{i}" for i in range(400))
+    assert max(c.count(b"data: ") for c in chunks) > 1, f"{len(chunks)} chunks for {len(got)} events"
+
+
 def test_sampling_parameters_reach_a_vllm_shape_model(client):
     r = client.chat.completions.create(
         model="counting_vllm",

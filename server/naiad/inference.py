@@ -78,6 +78,9 @@ class InferenceResponse:
     error: Exception | None = None
     final: bool = True
     device_outputs: bool = False  # some output is a device_tensors.DeviceTensor
+    # set by Server.infer_stream: the stream's next response is already waiting, so a writer may hold this one's
+    # bytes and send both in one write (an engine step that outran the event loop: one send per burst, not token)
+    more_ready: bool = False
 
     def output(self, name: str) -> OutputTensor | None:
         for o in self.outputs:

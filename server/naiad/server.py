@@ -404,6 +404,7 @@ class Server:
                         self._postprocess(mv, request, resp)
                     if user_callback is not None:
                         user_callback(resp)
+                    resp.more_ready = bool(ready)
                     yield resp
                     if resp.final:
                         break

@@ -388,6 +388,7 @@ class HttpFrontend:
         if req.load_wait_ns:
             load_wait_header(req, stream.headers)
         started = False
+        held: list[bytes] = []  # events whose next one was already waiting: they go out with it, in one write
         responses = self.server.infer_stream(req)
         try:
             async for resp in responses:
@@ -399,20 +400,28 @@ class HttpFrontend:
                     await stream.prepare(request)
                     started = True
                 if resp.error is not None:
-                    await stream.write(b"data: " + orjson.dumps({"error": str(resp.error)}) + b"\n\n")
+                    held.append(b"data: " + orjson.dumps({"error": str(resp.error)}) + b"\n\n")
                 else:
-                    await stream.write(b"data: " + orjson.dumps(generate.encode(resp)) + b"\n\n")
+                    held.append(b"data: " + orjson.dumps(generate.encode(resp)) + b"\n\n")
+                if not resp.more_ready:
+                    await stream.write(b"".join(held))
+                    held.clear()
         except NaiadError as exc:
             if not started:
                 raise
-            await stream.write(b"data: " + orjson.dumps({"error": exc.message}) + b"\n\n")
+            held.append(b"data: " + orjson.dumps({"error": exc.message}) + b"\n\n")
         except ConnectionResetError:  # the client went away mid-stream: nobody to answer, nothing to log
             return stream
         finally:
             await responses.aclose()  # a client that went away cancels the request
         if not started:
             await stream.prepare(request)
-        await stream.write_eof()
+        try:
+            if held:
+                await stream.write(b"".join(held))
+            await stream.write_eof()
+        except ConnectionResetError:
+            pass
         return stream
 
     async def start(

@@ -413,7 +413,11 @@ class OpenAIFrontend:
                             else completion_logprobs(piece.logprobs, gen.logprobs, state.offset)
                         )
                     state.offset += len(piece.text)
-                    await events.send(builder.chunk(piece.text, logprobs=lp, index=i))
+                    chunk = builder.chunk(piece.text, logprobs=lp, index=i)
+                    if resp.more_ready:  # this choice's next response is waiting: one write for both
+                        events.hold(chunk)
+                    else:
+                        await events.send(chunk)
             await self._open(events, builder, prompt, len(states))
             if gen.include_usage:
                 await events.send(builder.usage_chunk(_total_usage(states)))

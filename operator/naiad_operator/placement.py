@@ -253,9 +253,54 @@ def _respread(
 
 def plan_pool(demands: Sequence[Demand], pods: Sequence[PodState], capacity: Capacity) -> dict[str, Plan]:
     """A plan per model. Demands earlier in the sequence are placed first (callers order by creation time), so a
-    full pool turns newcomers away rather than evicting models that were there first."""
+    full pool turns newcomers away rather than evicting models that were there first. A settled pool whose pods
+    hold uneven numbers of models moves one copy towards balance (`_rebalance`)."""
     ledger = _Ledger(pods, demands, capacity)
-    return {demand.name: _plan_one(demand, pods, ledger) for demand in demands}
+    plans = {demand.name: _plan_one(demand, pods, ledger) for demand in demands}
+    _rebalance(demands, pods, plans, ledger)
+    return plans
+
+
+def _rebalance(
+    demands: Sequence[Demand], pods: Sequence[PodState], plans: Mapping[str, Plan], ledger: _Ledger
+) -> None:
+    """One copy moves from the pod holding the most models to the one holding the fewest when they differ by two
+    or more (a pod that replaced a lost one starts empty, while its models went to the others). Only in a settled
+    pool: no rollout, no load, unload or unload-in-waiting anywhere, so moves never pile onto other changes and
+    one pass makes at most one. The new copy is loaded first; the old one is unloaded once it is ready
+    (`unloads_allowed`), routed away first like any surplus copy (draining.py), and later passes rank the routed
+    new copy ahead of it. Every-pod models, canaries and pods that failed to load the model stay as they are."""
+    serving = [p for p in pods if p.ready and p.ip]
+    if any(p.leaving for p in serving) or any(d.draining for d in demands):
+        return
+    if any(plan.load or plan.unload for plan in plans.values()):
+        return
+    if len(serving) < 2:
+        return
+    by_count = sorted(serving, key=lambda p: (ledger.count[p.name], p.name))
+    light, heavy = by_count[0], by_count[-1]
+    if ledger.count[heavy.name] - ledger.count[light.name] < 2:
+        return
+    node_of = {p.name: p.node for p in serving}
+    for demand in sorted(demands, key=lambda d: (d.memory, d.name)):
+        plan = plans[demand.name]
+        if demand.replicas is None or demand.canary_revision is not None or light.name in demand.avoid:
+            continue
+        if heavy.name not in plan.keep or light.name in plan.keep or demand.name in light.held:
+            continue
+        others = {node_of.get(p) for p in plan.keep if p != heavy.name}
+        if light.node is not None and light.node in others and node_of.get(heavy.name) not in others:
+            continue  # it would put two copies on one node where there was one on each
+        if not ledger.has_room(light.name, demand.memory):
+            continue
+        plan.keep.remove(heavy.name)
+        plan.unload.append(heavy.name)
+        plan.load.append(light.name)
+        plan.revisions.pop(heavy.name, None)
+        plan.revisions[light.name] = demand.revision
+        ledger.take(light.name, demand.memory)
+        ledger.give_back(heavy.name, demand.memory)
+        return
 
 
 def unloads_allowed(plan: Plan, demand: Demand, loaded: Iterable[str]) -> list[str]:

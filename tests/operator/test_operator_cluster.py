@@ -1171,3 +1171,70 @@ def test_scale_down_routes_away_before_unloading_without_a_failed_request(report
     assert traffic.ok > served_before
     h.kubectl("-n", NS, "delete", "im", "shrink", "--timeout=90s", check=False)
     h.kubectl("-n", NS, "delete", "inferenceserver", "shrinkpool", "--timeout=90s", check=False)
+
+
+def test_a_pod_added_after_a_loss_gets_copies_back_without_a_failed_request(report):
+    """A pool of 2 pods with 4 single-copy models, 2 each; one pod goes (the pool scaled to 1, as after a lost
+    node) and the other takes all 4; a new pod arrives empty and the operator moves copies back, one per pass,
+    loading the new copy before routing away from and unloading the old one, until 2 and 2. Clients of all four
+    models through their Services the whole time: no request fails, and the pool stays put once balanced."""
+    h = report
+    names = [f"add_sub_r{i}" for i in range(4)]
+    for name in names:
+        target = h.repo / name
+        if not target.exists():
+            shutil.copytree(h.repo / "add_sub", target)
+            config = target / "config.pbtxt"
+            config.write_text(config.read_text().replace('name: "add_sub"', f'name: "{name}"'))
+    for i, name in enumerate(names):
+        h.apply(model(f"rb{i}", serverRef={"name": "rebal"}, modelName=name, replicas=1))
+    h.apply(pool("rebal", replicas=2, modelRepository={"path": str(h.repo)}, resources={}))
+
+    def held() -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for p in h.get("pods", selector="naiad.dev/server=rebal")["items"]:
+            if p["metadata"].get("deletionTimestamp") or not p["status"].get("podIP"):
+                continue
+            index = h.index(p["status"]["podIP"])
+            out[p["metadata"]["name"]] = {n for n in names if index.get(n) == "READY"}
+        return out
+
+    for i in range(4):
+        wait(lambda i=i: h.model_status(f"rb{i}").get("phase") == "Available", 180, what=f"rb{i} Available")
+    h.kubectl(
+        "-n", NS, "patch", "inferenceserver", "rebal", "--type=merge", "-p", '{"spec": {"replicas": 1}}'
+    )
+    (survivor,) = wait(
+        lambda: (c := held()) and len(c) == 1 and all(len(v) == 4 for v in c.values()) and c,
+        180,
+        what="the 4 models on the one pod left",
+    )
+    for i in range(4):
+        wait(lambda i=i: len(h.endpoints(f"rb{i}")) == 1, 60, what=f"rb{i}'s Service on the pod left")
+    traffic = [ServiceTraffic(h, f"rb{i}", name, workers=1) for i, name in enumerate(names)]
+    for t in traffic:
+        t.__enter__()
+        t.on.set()
+    try:
+        h.kubectl(
+            "-n", NS, "patch", "inferenceserver", "rebal", "--type=merge", "-p", '{"spec": {"replicas": 2}}'
+        )
+        balanced = wait(
+            lambda: (c := held()) and len(c) == 2 and sorted(len(v) for v in c.values()) == [2, 2] and c,
+            240,
+            what="2 and 2 models on the 2 pods",
+        )
+        assert len(balanced[survivor]) == 2
+        time.sleep(8)  # four resync periods: nothing else moves
+        assert held() == balanced
+    finally:
+        for t in traffic:
+            t.__exit__()
+    print(f"rebalance: {sum(t.ok for t in traffic)} ok, {sum(len(t.failures) for t in traffic)} failed")
+    for t in traffic:
+        assert not t.failures, t.failures[:5]
+        assert t.ok > 0
+    for i in range(4):
+        assert h.model_status(f"rb{i}")["availableReplicas"] == 1
+    h.kubectl("-n", NS, "delete", "im", *(f"rb{i}" for i in range(4)), "--timeout=90s", check=False)
+    h.kubectl("-n", NS, "delete", "inferenceserver", "rebal", "--timeout=90s", check=False)

@@ -191,3 +191,89 @@ def test_copies_waiting_to_be_unloaded_are_kept_last_but_before_a_new_load():
     # wanting two copies again takes a's copy back rather than loading one on c
     p = plan([Demand("m", "r1", replicas=2, draining=frozenset({"a"}))], pods)["m"]
     assert (sorted(p.keep), p.load, p.unload) == (["a", "b"], [], [])
+
+
+def _counts(pods):
+    return {p.name: len(p.held) for p in pods}
+
+
+def test_a_pod_that_replaced_a_lost_one_takes_copies_back_one_per_pass():
+    # a pod was lost: its models m5 and m6 went to p0 and p1, and its replacement p2 came up empty
+    demands = [Demand(f"m{i}", "r", 1) for i in range(1, 7)]
+    pods = [
+        pod("p0", {"m1": "r", "m2": "r", "m5": "r"}),
+        pod("p1", {"m3": "r", "m4": "r", "m6": "r"}),
+        pod("p2"),
+    ]
+    plans = plan(demands, pods)
+    moving = {name: p for name, p in plans.items() if p.load or p.unload}
+    assert list(moving) == ["m3"]  # one copy per pass, from the fullest pod (p1 by name among equals)
+    assert (moving["m3"].keep, moving["m3"].load, moving["m3"].unload) == ([], ["p2"], ["p1"])
+    assert moving["m3"].revisions == {"p2": "r"}
+    # the old copy goes only once the new one is loaded
+    assert unloads_allowed(moving["m3"], demands[2], []) == []
+    assert unloads_allowed(moving["m3"], demands[2], ["p2"]) == ["p1"]
+    # while p1's copy waits to be unloaded (routed away first), nothing else moves and p2's copy is the one kept
+    pods = [
+        pod("p0", {"m1": "r", "m2": "r", "m5": "r"}),
+        pod("p1", {"m3": "r", "m4": "r", "m6": "r"}),
+        pod("p2", {"m3": "r"}),
+    ]
+    waiting = [
+        Demand(d.name, "r", 1, draining=frozenset({"p1"}) if d.name == "m3" else frozenset()) for d in demands
+    ]
+    plans = plan(waiting, pods)
+    assert (plans["m3"].keep, plans["m3"].unload) == (["p2"], ["p1"])
+    assert all(not p.load and not p.unload for name, p in plans.items() if name != "m3")
+    # the next settled pass moves one from p0; then 2/2/2 and nothing moves
+    pods = [
+        pod("p0", {"m1": "r", "m2": "r", "m5": "r"}),
+        pod("p1", {"m4": "r", "m6": "r"}),
+        pod("p2", {"m3": "r"}),
+    ]
+    plans = plan(demands, pods)
+    assert [(n, p.load, p.unload) for n, p in plans.items() if p.load or p.unload] == [("m1", ["p2"], ["p0"])]
+    pods = [
+        pod("p0", {"m2": "r", "m5": "r"}),
+        pod("p1", {"m4": "r", "m6": "r"}),
+        pod("p2", {"m1": "r", "m3": "r"}),
+    ]
+    assert all(not p.load and not p.unload for p in plan(demands, pods).values())
+
+
+def test_rebalancing_waits_for_a_settled_pool_and_keeps_its_rules():
+    demands = [Demand(f"m{i}", "r", 1) for i in range(1, 5)]
+    full = [pod("a", {"m1": "r", "m2": "r", "m3": "r"}), pod("b", {"m4": "r"})]
+    # a difference of one is balance enough
+    assert all(
+        not p.load
+        for p in plan(
+            demands, [pod("a", {"m1": "r", "m2": "r"}), pod("b", {"m3": "r"}), pod("c", {"m4": "r"})]
+        ).values()
+    )
+    # another model loading somewhere: nothing moves in that pass
+    plans = plan([*demands, Demand("new", "r", 1)], full + [pod("c", {"x": "r", "y": "r"})])
+    assert [n for n, p in plans.items() if p.load or p.unload] == ["new"]
+    # a rollout in progress: nothing moves
+    assert all(not p.load for p in plan(demands, full + [pod("old", leaving=True)]).values())
+    # canaries and a pod that failed to load the model are not moved (a's third model is not the operator's)
+    pods = [pod("a", {"m2": "r", "m3": "r"}, loaded=3), pod("b", {"m4": "r"})]
+    canary = Demand("m2", "r", 1, canary_revision="r2", canary_percent=0)
+    plans = plan([canary, Demand("m3", "r", 1, avoid=frozenset({"b"})), demands[3]], pods)
+    assert all(not p.load and not p.unload for p in plans.values())
+    plans = plan([canary, Demand("m3", "r", 1), demands[3]], pods)
+    assert (plans["m3"].load, plans["m3"].unload) == (["b"], ["a"])
+    # no room on the emptiest pod: nothing moves
+    assert all(
+        not p.load
+        for p in plan(demands, full + [pod("c", {"x": "r"}, loaded=1)], Capacity(max_models=1)).values()
+    )
+    # the move never puts two copies on one node where each node had one
+    two = [Demand("m1", "r", 2), Demand("m2", "r", 1), Demand("m3", "r", 1)]
+    pods = [
+        pod("a", {"m1": "r", "m2": "r", "m3": "r"}, node="n1"),
+        pod("b", {"m1": "r"}, node="n2"),
+        pod("c", node="n2"),
+    ]
+    plans = plan(two, pods)
+    assert plans["m1"].load == [] and plans["m2"].load == ["c"] and plans["m2"].unload == ["a"]

@@ -46,7 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARCHIVES = Path(os.environ.get("NAIAD_IMAGES_OUT", ROOT / "build" / "images"))
-DEFAULT_CACHE = Path(os.environ.get("NAIAD_IMAGES_CACHE", Path.home() / ".cache" / "naiad-e2e-images"))
+DEFAULT_CACHE = Path(os.environ.get("NAIAD_E2E_IMAGES_CACHE", Path.home() / ".cache" / "naiad-e2e-images"))
 TOOLS = ("skopeo", "umoci", "bwrap")
 
 

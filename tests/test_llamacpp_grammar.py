@@ -46,7 +46,13 @@ def test_choice_literals_are_escaped():
 @pytest.mark.parametrize(
     ("spec", "words"),
     [
-        ({"regex": "a+"}, "not supported"),
+        ({"structural_tag": {"format": "x"}}, "not supported"),
+        ({"regex": "(?<=a)b"}, "lookahead or lookbehind"),
+        ({"regex": "(?i)abc"}, "inline flags"),
+        ({"regex": "a\\bb"}, "anchors and word boundaries"),
+        ({"regex": "[\\W_]"}, "negated class"),
+        ({"regex": "((a{100}){100}){100}"}, "repeats too much"),
+        ({"regex": ""}, "non-empty string"),
         ({}, "exactly one"),
         ({"json": {"type": "object"}, "grammar": "root ::= x"}, "exactly one"),
         ({"json": {"type": "integer", "maximum": 3}}, "'maximum'"),
@@ -60,6 +66,25 @@ def test_choice_literals_are_escaped():
 def test_refused_specs(spec, words):
     with pytest.raises(InvalidArgument, match=words):
         grammar.structured_grammar(spec)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        (r"^[a-z]{3}-\d{2}$", 'root ::= ([a-z]){3} "-" ([0-9]){2}\n'),
+        (r"(?:ab)+c*?", 'root ::= ("ab")+ ("c")*\n'),
+        (r"\w+@x\.com", 'root ::= ([0-9A-Z_a-z])+ "@x.com"\n'),
+        (r"[^-^\]]x.", 'root ::= [^\\x2D\\x5E\\]] "x" [^\\x0A]\n'),
+        ('say "\\\\" \t', 'root ::= "say \\"\\\\\\" \\x09"\n'),
+        ("\u00e9\U0001f600", 'root ::= "\u00e9\\U0001F600"\n'),
+    ],
+)
+def test_regex_to_gbnf(pattern, expected):
+    from llama_cpp import LlamaGrammar
+
+    text = grammar.structured_grammar({"regex": pattern})
+    assert text == expected
+    LlamaGrammar.from_string(text, verbose=False)  # llama.cpp's own parser takes it
 
 
 def test_a_property_named_like_a_keyword_is_no_keyword():

@@ -10,6 +10,7 @@ MAX_TOKENS and the finish reason is "stop"."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -232,10 +233,84 @@ def test_generate_extension_takes_structured_outputs(server):
         assert r.json()["text_output"] in choices, seed_choice
     r = generate({"grammar": 'root ::= "a" "b"+'})
     assert r.status_code == 200 and r.json()["text_output"].startswith("ab"), r.text
+    r = generate({"regex": r"[a-z]{3}-\d{2}"})
+    assert r.status_code == 200 and re.fullmatch(r"[a-z]{3}-\d{2}", r.json()["text_output"]), r.text
     for bad, words in (
         ({"grammar": "root ::= ("}, "could not parse the grammar"),
-        ({"regex": "a+"}, "not supported"),
+        ({"regex": "(?=a)a"}, "lookahead"),
+        ({"structural_tag": {"format": "x"}}, "not supported"),
         ({"json": {"type": "object"}, "choice": ["a"]}, "exactly one"),
     ):
         r = generate(bad)
         assert r.status_code == 400 and words in r.json()["error"], r.text
+
+
+REGEXES = [
+    r"[a-z]{3}-\d{2}",
+    r"(cat|dog)s? [0-9]{1,3}!",
+    r"\w{2,5}@[a-z]{1,4}\.(com|org)",
+    r'say "[^"\n]{0,4}"',
+]
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_vllm_structured_outputs_regex_whole_and_streamed(client, pattern):
+    """vLLM's `structured_outputs` {"regex": ...} (the openai client's extra_body): every output is a whole match;
+    streamed, the same seed gives the same text."""
+    for seed in (1, 2):
+        kwargs = dict(model=GGUF, prompt="An id:", max_tokens=MAX_TOKENS, seed=seed)
+        body = {"structured_outputs": {"regex": pattern}}
+        whole = client.completions.create(extra_body=body, **kwargs)
+        assert whole.choices[0].finish_reason == "stop", whole
+        assert re.fullmatch(pattern, whole.choices[0].text), (pattern, whole.choices[0].text)
+        chunks = list(client.completions.create(stream=True, extra_body=body, **kwargs))
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_vllm_guided_fields_and_their_errors(client, server):
+    """The older guided_regex / guided_choice / guided_json fields work the same; a pattern a grammar cannot
+    follow, a request that also sets response_format, and a malformed field are 400s naming the field."""
+    out = client.chat.completions.create(
+        model=GGUF,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        seed=3,
+        extra_body={"guided_regex": r"(yes|no)\."},
+    )
+    assert re.fullmatch(r"(yes|no)\.", out.choices[0].message.content), out
+    out = client.chat.completions.create(
+        model=GGUF,
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        seed=3,
+        extra_body={"guided_choice": ["up", "down"]},
+    )
+    assert out.choices[0].message.content in ("up", "down")
+    out = client.chat.completions.create(
+        model=GGUF, messages=MESSAGES, max_tokens=MAX_TOKENS, seed=1, extra_body={"guided_json": SCHEMA}
+    )
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    for extra, words in (
+        ({"structured_outputs": {"regex": r"(a)\1"}}, "backreference"),
+        ({"guided_regex": "(a{1000}){1000}"}, "repeats too much"),
+        ({"guided_regex": "(unclosed"}, "not a valid regular expression"),
+        ({"structured_outputs": "a+"}, "must be an object"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "give one"),
+    ):
+        r = post(server, "/v1/chat/completions", {"model": GGUF, "messages": MESSAGES, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "structured_outputs" and words in err["message"], err
+
+
+def test_tensorrt_llm_guide_types():
+    from naiad.frontends.openai.errors import OpenAIError
+    from naiad.frontends.openai.mapping import trtllm_guide
+
+    assert trtllm_guide({"json": {"type": "object"}}) == ("json_schema", '{"type": "object"}')
+    assert trtllm_guide({"json_object": True}) == ("json", "{}")
+    assert trtllm_guide({"regex": "a+"}) == ("regex", "a+")
+    assert trtllm_guide({"grammar": 'root ::= "a"'}) == ("ebnf_grammar", 'root ::= "a"')
+    for spec in ({"choice": ["a"]}, {"regex": "a", "grammar": "b"}, {"regex": 1}):
+        with pytest.raises(OpenAIError, match="TensorRT-LLM"):
+            trtllm_guide(spec)

@@ -1,5 +1,5 @@
 """Structured output for the llamacpp backend: vLLM's `structured_outputs` sampling parameter ({"json": schema},
-{"json_object": true}, {"choice": [...]} or {"grammar": GBNF}) as the GBNF grammar that llama.cpp's grammar sampler
+{"json_object": true}, {"choice": [...]}, {"grammar": GBNF} or {"regex": pattern}) as the GBNF grammar that llama.cpp's grammar sampler
 follows. A JSON schema is converted (llama-cpp-python's converter, pure Python) once per distinct schema: an LRU
 cache keeps the last GRAMMAR_CACHE_SIZE grammars."""
 
@@ -10,12 +10,13 @@ import json
 from typing import Any
 
 from ...errors import InvalidArgument
+from .regex_grammar import regex_grammar
 
 GRAMMAR_CACHE_SIZE = 64
 #: vLLM's StructuredOutputsParams fields this backend follows (exactly one per request, as vLLM wants)
-KINDS = ("json", "json_object", "choice", "grammar")
-#: vLLM's fields this backend cannot follow (llama.cpp's grammars have no regex front end here)
-UNSUPPORTED = ("regex", "structural_tag")
+KINDS = ("json", "json_object", "choice", "grammar", "regex")
+#: vLLM's fields this backend cannot follow
+UNSUPPORTED = ("structural_tag",)
 #: JSON schema keywords llama-cpp-python's converter passes over without enforcing them: a schema using one is
 #: refused (as vLLM's xgrammar refuses them) rather than answered with output that breaks it
 UNENFORCED = frozenset(
@@ -85,6 +86,8 @@ def structured_grammar(value: Any) -> str | None:
                 f"'{found[1]}' (at '{found[0] or '/'}'): leave it out"
             )
         return _schema_grammar(json.dumps(schema, ensure_ascii=False))
+    if kind == "regex":
+        return _regex_grammar(spec["regex"])
     if kind == "choice":
         choices = spec["choice"]
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
@@ -125,6 +128,12 @@ def _unenforced(schema: Any, path: str, depth: int = 0) -> tuple[str, str] | Non
             if found is not None:
                 return found
     return None
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _regex_grammar(pattern: Any) -> str:
+    """regex_grammar, cached per pattern (a refused pattern raises and is not cached)."""
+    return regex_grammar(pattern)
 
 
 def _literal(text: str) -> str:

@@ -124,10 +124,22 @@ def structured_output(mv, kind: str, gen: Generation) -> Any:
         wanted = {"json": gen.json_schema} if gen.json_schema is not None else {"json_object": True}
     if gen.tool_choice == "required" or isinstance(gen.tool_choice, dict):
         wanted = {"json": tool_call_schema(gen)}
+    if gen.structured_outputs is not None:
+        if wanted is not None:
+            raise OpenAIError(
+                "'structured_outputs' (or a guided_* field) cannot be combined with 'response_format' or a forced "
+                "'tool_choice': give one",
+                param="structured_outputs",
+            )
+        wanted = gen.structured_outputs
     if wanted is None:
         return None
     if not supports_structured_output(mv, kind):
-        what = "'response_format'" if gen.response_format is not None else "a forced 'tool_choice'"
+        what = {
+            "response_format": "'response_format'",
+            "tool_choice": "a forced 'tool_choice'",
+            "structured_outputs": "'structured_outputs'",
+        }[structured_output_param(gen)]
         raise OpenAIError(
             f"{what} needs guided decoding, which model '{mv.name}' does not offer (vLLM and llama.cpp engines "
             "do; see docs/llm.md)",
@@ -138,10 +150,29 @@ def structured_output(mv, kind: str, gen: Generation) -> Any:
 
 def structured_output_param(gen: Generation) -> str:
     """The request field that asked for structured output (named in its errors)."""
+    if gen.structured_outputs is not None:
+        return "structured_outputs"
     return (
         "tool_choice"
         if gen.tool_choice == "required" or isinstance(gen.tool_choice, dict)
         else "response_format"
+    )
+
+
+def trtllm_guide(structured: dict) -> tuple[str, str]:
+    """TensorRT-LLM's guided_decoding_guide_type and guide for a structured-output dict (its types: json,
+    json_schema, regex, ebnf_grammar); what it has no type for is a 400."""
+    kinds = [k for k, v in structured.items() if v is not None and v is not False]
+    if len(kinds) == 1 and kinds[0] == "json":
+        schema = structured["json"]
+        return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+    if len(kinds) == 1 and kinds[0] == "json_object":
+        return "json", "{}"
+    if len(kinds) == 1 and kinds[0] in ("regex", "grammar") and isinstance(structured[kinds[0]], str):
+        return ("regex" if kinds[0] == "regex" else "ebnf_grammar"), structured[kinds[0]]
+    raise OpenAIError(
+        "a TensorRT-LLM model's guided decoding takes exactly one of json, json_object, regex or grammar (a string)",
+        param="structured_outputs",
     )
 
 
@@ -215,8 +246,9 @@ def generation_request(mv, kind: str, prompt: str, gen: Generation, request_id: 
             )
         ins.add("stop_words", list(gen.stop))
     if structured is not None:
-        ins.add("guided_decoding_guide_type", ["json_schema" if "json" in structured else "json"])
-        ins.add("guided_decoding_guide", [json.dumps(structured.get("json", {}))])
+        guide_type, guide = trtllm_guide(structured)
+        ins.add("guided_decoding_guide_type", [guide_type])
+        ins.add("guided_decoding_guide", [guide])
     ins.add_if("stream", [stream])
     ins.add_if("exclude_input_in_output", [True])
     ins.add_if("return_log_probs", [gen.logprobs is not None])

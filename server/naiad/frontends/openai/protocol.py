@@ -26,6 +26,13 @@ VLLM_EXTRA_SAMPLING = {
     "spaces_between_special_tokens": bool,
     "length_penalty": float,
 }
+#: vLLM's older request fields for structured output -> their StructuredOutputsParams key
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs in one embeddings request
 MAX_N = 16  # choices in one chat or completion request ('n')
@@ -52,6 +59,9 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)  # vLLM's sampling extensions (VLLM_EXTRA_SAMPLING)
     response_format: dict | None = None  # {"type": "json_schema"|"json_object", ...}
     json_schema: Any = None  # the schema structured output must follow (from response_format or a tool)
+    # vLLM's own fields: `structured_outputs` ({"json"|"regex"|"choice"|"grammar"|"json_object": ...}) or the older
+    # guided_json / guided_regex / guided_choice / guided_grammar, as one StructuredOutputsParams-shaped dict
+    structured_outputs: dict | None = None
     tools: list | None = None
     tool_choice: Any = None
     messages: list[dict] | None = None  # chat
@@ -195,6 +205,19 @@ def _common(doc: dict, gen: Generation) -> None:
             gen.json_schema = spec.get("schema", {})
         if fmt["type"] != "text":
             gen.response_format = fmt
+    gen.structured_outputs = _structured_outputs(doc)
+
+
+def _structured_outputs(doc: dict) -> dict | None:
+    """vLLM's request fields for structured output as one dict: `structured_outputs` and the older `guided_*`."""
+    spec = doc.get("structured_outputs")
+    if spec is not None and not isinstance(spec, dict):
+        raise OpenAIError("'structured_outputs' must be an object", param="structured_outputs")
+    out = {k: v for k, v in (spec or {}).items() if v is not None}
+    for field_name, kind in GUIDED.items():
+        if doc.get(field_name) is not None:
+            out[kind] = doc[field_name]
+    return out or None
 
 
 def _message(i: int, msg: Any) -> dict:

@@ -193,18 +193,27 @@ SENTENCES = [
 HF_CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}<|assistant|>"
 
 
-def write_tiny_hf_llama(folder: Path) -> None:
+def write_tiny_hf_llama(folder: Path, byte_level: bool = False) -> None:
     """A tiny random-weight `LlamaConfig` model and a word-level tokenizer trained on SENTENCES, saved with
-    `save_pretrained` into `folder` (a Hugging Face folder the transformers backend serves)."""
+    `save_pretrained` into `folder` (a Hugging Face folder the transformers backend serves). `byte_level`: a
+    byte-level BPE tokenizer instead (every byte a token, as GPT-2's and Llama 3's), which can write any text."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(
-        SENTENCES, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
-    )
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
+        tok.train_from_iterator(SENTENCES, trainer)
+    else:
+        tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=specials))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"

@@ -8,7 +8,8 @@ are in the vLLM shape (`naiad.llm.shape`); a bare `backend: "transformers"` conf
 
 Per request: `max_tokens`, `temperature` (0: greedy), `top_p`, `top_k`, `stop` strings, `ignore_eos`, streaming
 deltas, cancellation (the sequence leaves the batch at the next step), `seed` (transformers' manager samples with
-one generator for all sequences; a seeded request's rows are sampled again with its own, transformers_seed.py).
+one generator for all sequences; a seeded request's rows are sampled again with its own, transformers_seed.py),
+`structured_outputs` (json, json_object, regex, choice, grammar; compiled by xgrammar, transformers_grammar.py).
 Embeddings
 (`embedding_request`) are the mean of the last hidden state over the prompt's tokens. The vLLM-named metrics
 (naiad.llm.metrics) include `vllm:kv_cache_usage_perc`, sampled from the paged cache (transformers_kv_cache.py).
@@ -35,6 +36,7 @@ from ..llm import vllm_request
 from ..llm.metrics import EngineMetrics
 from .api import InstanceState, ResponseSender
 from .engine_backend import EngineBackend
+from .transformers_grammar import GrammarSampling
 from .transformers_kv_cache import KVCacheSampler
 from .transformers_seed import SeededSampling
 
@@ -113,6 +115,7 @@ class Engine:
         )
         self.manager.start()
         self.seeds = SeededSampling(self.manager, self.device)
+        self.grammars = GrammarSampling(self.manager, self.tokenizer, self.vocab_size)
         self._ids = itertools.count()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -130,6 +133,8 @@ class Engine:
                 eos_token=tok.eos_token or "",
                 context_length=self.context_length,
                 tokenize=lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
+                check_structured_outputs=self.grammars.compile,
+                extra={"engine": "transformers", "structured_outputs": True},
             ),
         )
 
@@ -230,6 +235,15 @@ class Engine:
                     raise InvalidArgument(f"sampling parameter 'seed' must be an integer, got {seed!r}")
                 self.seeds.register(rid, seed)
             ignore_eos = bool(req.sampling.get("ignore_eos", False))
+            structured = req.sampling.get("structured_outputs")
+            if structured not in (None, "", b""):
+                if ignore_eos or vllm_request.number(req.sampling, "min_tokens", int, 0) > 0:
+                    raise InvalidArgument(
+                        "'structured_outputs' cannot be combined with 'ignore_eos' or 'min_tokens'"
+                    )
+                compiled = await self.loop.run_in_executor(None, self.grammars.compile, structured)
+                if compiled is not None:
+                    self.grammars.register(rid, compiled)
             results: asyncio.Queue = asyncio.Queue()
             self.manager.register_result_handler(rid, results.put_nowait)
             added = self.manager.add_request(
@@ -302,6 +316,7 @@ class Engine:
             sender.send(error=exc, final=True)
         finally:
             self.seeds.forget(rid)
+            self.grammars.forget(rid)
             metrics.finished(len(prompt_ids), generated, finish)
 
 

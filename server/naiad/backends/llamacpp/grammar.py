@@ -10,13 +10,12 @@ import json
 from typing import Any
 
 from ...errors import InvalidArgument
+from ...llm import structured_outputs
 from .regex_grammar import regex_grammar
 
 GRAMMAR_CACHE_SIZE = 64
 #: vLLM's StructuredOutputsParams fields this backend follows (exactly one per request, as vLLM wants)
 KINDS = ("json", "json_object", "choice", "grammar", "regex")
-#: vLLM's fields this backend cannot follow
-UNSUPPORTED = ("structural_tag",)
 #: JSON schema keywords llama-cpp-python's converter passes over without enforcing them: a schema using one is
 #: refused (as vLLM's xgrammar refuses them) rather than answered with output that breaks it
 UNENFORCED = frozenset(
@@ -43,62 +42,26 @@ _NAMED_SCHEMAS = ("properties", "$defs", "definitions")  # their keys are names,
 def structured_grammar(value: Any) -> str | None:
     """The GBNF grammar for a `structured_outputs` value (its JSON text or the object), or None for none asked;
     anything llama.cpp cannot follow is InvalidArgument naming `structured_outputs`."""
-    if value in (None, "", b""):
+    found = structured_outputs.read(value, KINDS, "llamacpp")
+    if found is None:
         return None
-    spec = value
-    if isinstance(value, (str, bytes)):
-        try:
-            spec = json.loads(value)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(
-                f"sampling parameter 'structured_outputs' is not valid JSON: {exc}"
-            ) from None
-    if not isinstance(spec, dict):
-        raise InvalidArgument("sampling parameter 'structured_outputs' must be a JSON object")
-    asked = [k for k, v in spec.items() if v is not None and v is not False]
-    for key in asked:
-        if key in UNSUPPORTED:
-            raise InvalidArgument(
-                f"structured_outputs.{key} is not supported by the llamacpp backend: use one of {', '.join(KINDS)}"
-            )
-    kinds = [k for k in asked if k in KINDS]
-    if len(kinds) != 1:
-        raise InvalidArgument(
-            f"sampling parameter 'structured_outputs' must hold exactly one of {', '.join(KINDS)}, got "
-            f"{', '.join(asked) or 'none'}"
-        )
-    kind = kinds[0]
+    kind, spec = found
     if kind == "json_object":
         return _schema_grammar("{}")
     if kind == "json":
-        schema = spec["json"]
-        if isinstance(schema, str):  # vLLM takes the schema as text too
-            try:
-                schema = json.loads(schema)
-            except ValueError as exc:
-                raise InvalidArgument(f"structured_outputs.json is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise InvalidArgument("structured_outputs.json must be a JSON schema (an object)")
-        found = _unenforced(schema, "")
-        if found is not None:
+        schema = structured_outputs.json_schema(spec)
+        unenforced = _unenforced(schema, "")
+        if unenforced is not None:
             raise InvalidArgument(
                 f"structured_outputs.json: llama.cpp's grammar cannot enforce the JSON schema keyword "
-                f"'{found[1]}' (at '{found[0] or '/'}'): leave it out"
+                f"'{unenforced[1]}' (at '{unenforced[0] or '/'}'): leave it out"
             )
         return _schema_grammar(json.dumps(schema, ensure_ascii=False))
     if kind == "regex":
-        return _regex_grammar(spec["regex"])
+        return _regex_grammar(spec)
     if kind == "choice":
-        choices = spec["choice"]
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-            raise InvalidArgument("structured_outputs.choice must be a non-empty list of strings")
-        return "root ::= " + " | ".join(_literal(c) for c in choices) + "\n"
-    grammar = spec["grammar"]
-    if not isinstance(grammar, str) or not grammar.strip():
-        raise InvalidArgument(
-            "structured_outputs.grammar must be a GBNF grammar (a string with a 'root' rule)"
-        )
-    return grammar
+        return "root ::= " + " | ".join(_literal(c) for c in structured_outputs.choices(spec)) + "\n"
+    return structured_outputs.grammar_text(spec)
 
 
 def _unenforced(schema: Any, path: str, depth: int = 0) -> tuple[str, str] | None:

@@ -60,7 +60,9 @@ class GrammarSampling:
                 schema = json.dumps(structured_outputs.json_schema(spec))
                 return compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":  # any object (xgrammar's built-in JSON grammar takes any value)
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
             if kind == "regex":
                 if not isinstance(spec, str) or not spec:
                     raise InvalidArgument("structured_outputs.regex must be a non-empty string")

@@ -102,12 +102,12 @@ tools:
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/gie/crds.sh >/dev/null
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/lws/crds.sh >/dev/null
 
-# llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's llama-server and rpc-server
-# from the same source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).
+# llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's rpc-server from the same
+# source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).
 llm-deps: venv
 	@PYTHON=$(PY) bash tools/llama_cpp/build.sh >/dev/null
 	@# rpc-server too: the RPC tests (tests/test_llamacpp_rpc.py) and the LeaderWorkerSet scenario run it
-	@PYTHON=$(PY) bash tools/llama_cpp/build.sh servers >/dev/null
+	@PYTHON=$(PY) bash tools/llama_cpp/build.sh rpc >/dev/null
 
 # Builds kube-apiserver, controller-manager, scheduler, kubectl, kubelet, kube-proxy, etcd, kwok, helm and prometheus-adapter from
 # the official Go modules (pinned in e2e/cluster) into a cache; prints the bin directory last.
@@ -146,7 +146,7 @@ images-cuda:
 	@VARIANT=cuda IMAGE_EXTRAS=$(CUDA_EXTRAS) bash tools/images/build.sh
 
 # The LLM server image, ghcr.io/naiad-dev/naiad-server:<version>-llm: the CPU image plus llama-cpp-python and
-# llama.cpp's rpc-server/llama-server (Dockerfile.llm), compiled once by tools/llama_cpp/build.sh and cached; the
+# llama.cpp's rpc-server (Dockerfile.llm), compiled once by tools/llama_cpp/build.sh and cached; the
 # operator runs `llm.engine: llamacpp` pools and LeaderWorkerSets from it. Writes build/images/naiad-server-llm.tar.
 images-llm:
 	@VARIANT=llm bash tools/images/build.sh

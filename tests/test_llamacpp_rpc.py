@@ -1,5 +1,5 @@
 """The llamacpp backend over llama.cpp's RPC backend: a model's layers offloaded to a real `rpc-server` (built
-from the same llama.cpp by tools/llama_cpp/build.sh servers), named by the model's `rpc_servers` parameter or by
+from the same llama.cpp by tools/llama_cpp/build.sh rpc), named by the model's `rpc_servers` parameter or by
 $NAIAD_LLAMACPP_RPC_SERVERS (what the operator gives a LeaderWorkerSet's leader); greedy output matches the same
 model run locally."""
 
@@ -29,7 +29,7 @@ ONE_THREAD = 'parameters { key: "n_threads" value: { string_value: "1" } }\n'
 def rpc_server_binary() -> Path:
     """llama.cpp's rpc-server from the cached build (built once, several minutes, when missing)."""
     out = subprocess.run(
-        ["bash", str(ROOT / "tools" / "llama_cpp" / "build.sh"), "servers"],
+        ["bash", str(ROOT / "tools" / "llama_cpp" / "build.sh"), "rpc"],
         capture_output=True,
         text=True,
         timeout=3600,

@@ -59,7 +59,7 @@ def lws_tools():
     except (lws.ClusterError, OSError, subprocess.SubprocessError) as error:
         pytest.skip(f"the LeaderWorkerSet controller is not available: {error}")
     servers = subprocess.run(
-        ["bash", str(ROOT / "tools" / "llama_cpp" / "build.sh"), "servers"],
+        ["bash", str(ROOT / "tools" / "llama_cpp" / "build.sh"), "rpc"],
         capture_output=True,
         text=True,
         timeout=3600,

@@ -9,7 +9,7 @@
 #
 # VARIANT=llm builds the CPU server image exactly as the default build does (same storage, same layer cache), then
 # Dockerfile.llm on top of it from a generated context (build/images/llm-context) holding the llama-cpp-python wheel
-# and llama.cpp's rpc-server and llama-server that tools/llama_cpp/build.sh compiled once and cached. Only the
+# and llama.cpp's rpc-server that tools/llama_cpp/build.sh compiled once and cached. Only the
 # naiad-server-llm archive is written (`make images` writes the others).
 #
 # Storage: vfs for the CPU images (works in any container; a full copy of the root per layer, ~3.5 GiB here), the
@@ -54,14 +54,14 @@ fi
 
 mkdir -p "$cache" "$out"
 if ((llm)); then
-  # llama-cpp-python's wheel and llama.cpp's servers, compiled once (10-35 min cold) and cached outside the repository
-  log "llama.cpp: tools/llama_cpp/build.sh servers (cached after the first build)"
-  llama="$(cd "$repo" && PYTHON="${PYTHON:-$repo/.venv/bin/python}" bash tools/llama_cpp/build.sh servers | tail -1)"
+  # llama-cpp-python's wheel and llama.cpp's rpc-server, compiled once (10-20 min cold) and cached outside the repository
+  log "llama.cpp: tools/llama_cpp/build.sh rpc (cached after the first build)"
+  llama="$(cd "$repo" && PYTHON="${PYTHON:-$repo/.venv/bin/python}" bash tools/llama_cpp/build.sh rpc | tail -1)"
   context="$out/llm-context"
   rm -rf "$context" && mkdir -p "$context/wheels" "$context/bin"
   cp "$repo/pyproject.toml" "$context/"
   cp "$llama"/wheels/llama_cpp_python-*.whl "$context/wheels/"
-  cp "$llama/bin/rpc-server" "$llama/bin/llama-server" "$context/bin/"
+  cp "$llama/bin/rpc-server" "$context/bin/"
 fi
 # One build per variant at a time; the CPU and CUDA builds (separate storages and run directories) do not wait for
 # each other: a CUDA build takes long.

@@ -12,7 +12,9 @@
 #
 #   build.sh [install]   the wheel, installed into the virtualenv (PYTHON, default .venv/bin/python) unless that
 #                        version is there already (what `make llm-deps` runs for the tests and `make serve`)
-#   build.sh servers     also llama-server and rpc-server (the LLM benchmark's reference; several minutes more)
+#   build.sh rpc         also rpc-server (the RPC tests, the LeaderWorkerSet workers, the LLM image): ggml and the
+#                        RPC tool only, a few minutes
+#   build.sh servers     also llama-server (the LLM benchmarks' reference): all of llama.cpp again, several minutes more
 #
 # The cache directory is printed as the last line of stdout; progress goes to stderr.
 # Environment: PYTHON, NAIAD_TOOLS_CACHE (cache root), NAIAD_TOOLS_FORCE=1 (rebuild), LLAMA_BUILD_JOBS (make -j).
@@ -20,7 +22,7 @@ set -euo pipefail
 
 version=0.3.16
 mode="${1:-install}"
-[[ "$mode" == install || "$mode" == servers ]] || { echo "usage: build.sh [install|servers]" >&2; exit 2; }
+[[ "$mode" == install || "$mode" == rpc || "$mode" == servers ]] || { echo "usage: build.sh [install|rpc|servers]" >&2; exit 2; }
 PYTHON="${PYTHON:-.venv/bin/python}"
 jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
 
@@ -34,7 +36,11 @@ dest="$root/llama-cpp-python-$hash"
 
 have_wheel() { [[ "${NAIAD_TOOLS_FORCE:-0}" != 1 && -f "$dest/.wheel-complete" ]]; }
 have_servers() { [[ "${NAIAD_TOOLS_FORCE:-0}" != 1 && -f "$dest/.servers-complete" ]]; }
-done_already() { have_wheel && { [[ "$mode" != servers ]] || have_servers; }; }
+have_rpc() { have_servers || [[ "${NAIAD_TOOLS_FORCE:-0}" != 1 && -f "$dest/.rpc-complete" ]]; }
+done_already() {
+  have_wheel || return 1
+  case "$mode" in servers) have_servers ;; rpc) have_rpc ;; *) true ;; esac
+}
 
 install_wheel() {
   [[ "$mode" == install ]] || return 0
@@ -72,17 +78,20 @@ if ! have_wheel; then
   touch "$dest/.wheel-complete"
 fi
 
-if [[ "$mode" == servers ]] && ! have_servers; then
-  echo "[tools/llama_cpp] building llama-server and rpc-server from the vendored llama.cpp" >&2
+if { [[ "$mode" == servers ]] && ! have_servers; } || { [[ "$mode" == rpc ]] && ! have_rpc; }; then
+  targets=(rpc-server)
+  [[ "$mode" == servers ]] && targets+=(llama-server)
+  echo "[tools/llama_cpp] building ${targets[*]} from the vendored llama.cpp" >&2
   tar -xzf "$sdist" -C "$work"
   src="$(ls -d "$work"/llama_cpp_python-*/vendor/llama.cpp)"
   # shellcheck disable=SC2086
   cmake -S "$src" -B "$work/cbuild" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON $cmake_args >&2
-  cmake --build "$work/cbuild" -j "$jobs" --target llama-server rpc-server >&2
+  cmake --build "$work/cbuild" -j "$jobs" --target "${targets[@]}" >&2
   mkdir -p "$dest/bin"
-  for b in llama-server rpc-server; do cp "$work/cbuild/bin/$b" "$dest/bin/"; done
-  touch "$dest/.servers-complete"
+  for b in "${targets[@]}"; do cp "$work/cbuild/bin/$b" "$dest/bin/"; done
+  touch "$dest/.rpc-complete"
+  [[ "$mode" == servers ]] && touch "$dest/.servers-complete"
 fi
 echo "[tools/llama_cpp] done in $(( $(date +%s) - start ))s: $dest" >&2
 install_wheel

@@ -98,19 +98,27 @@ def identity_inputs(module, data: np.ndarray, binary: bool = True):
 
 
 def test_both_workers_accept_connections(server):
+    """Connections held open at once land on both workers: the balanced acceptor gives the second one to the
+    worker without a connection. (Closing each before the next made the test depend on whether the server had
+    counted the close yet: both workers at 0 again means a tie, and the tie always went to the first.)"""
     pids = set(worker_pids(server))
     seen = set()
-    for _ in range(40):
-        conn = http.client.HTTPConnection(*server.http.split(":"))
-        conn.request("GET", "/v2/health/ready")
-        assert conn.getresponse().status == 200
-        port = conn.sock.getsockname()[1]
-        for pid in pids:
-            if any(c.raddr and c.raddr.port == port for c in psutil.Process(pid).net_connections("tcp")):
-                seen.add(pid)
-        conn.close()
-        if seen == pids:
-            break
+    conns = []
+    try:
+        for _ in range(40):
+            conn = http.client.HTTPConnection(*server.http.split(":"))
+            conns.append(conn)
+            conn.request("GET", "/v2/health/ready")
+            assert conn.getresponse().status == 200
+            port = conn.sock.getsockname()[1]
+            for pid in pids:
+                if any(c.raddr and c.raddr.port == port for c in psutil.Process(pid).net_connections("tcp")):
+                    seen.add(pid)
+            if seen == pids:
+                break
+    finally:
+        for conn in conns:
+            conn.close()
     assert seen == pids
 
 

@@ -54,6 +54,10 @@ class DrainBook:
         self._pending[key] = PendingUnload(self._clock() + self.delay)
         return True
 
+    def pending(self, namespace: str, pool: str, pod: str, name: str) -> bool:
+        """Whether the copy is already routed away and waiting to be unloaded."""
+        return (namespace, pool, pod, name) in self._pending
+
     def unload_now(self, namespace: str, pool: str, pod: str, name: str, listed: bool | None) -> bool:
         """Whether a pending copy may be unloaded: the endpoints (`listed`: whether they still list the pod; None:
         they could not be read) dropped the pod `settle` seconds ago, or the deadline passed."""

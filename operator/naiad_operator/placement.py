@@ -113,9 +113,15 @@ def _plan_one(demand: Demand, pods: Sequence[PodState], ledger: _Ledger) -> Plan
     fresh = [p for p in eligible if not p.leaving]
     old = [p for p in eligible if p.leaving]
     routed = [p for p in fresh if p.name not in demand.draining]
+
+    def fewest(group: Iterable[PodState]) -> list[PodState]:
+        # copies beyond the wanted count go from the pods holding the most models (ties: by name), so a copy that
+        # moved to an emptier pod (_rebalance) is the one kept while its old pod still holds it
+        return sorted(group, key=lambda p: (ledger.count[p.name], p.name))
+
     tiers = [
-        [p for p in routed if demand.name in p.held and current(p)],
-        [p for p in routed if demand.name in p.held and not current(p)],
+        fewest(p for p in routed if demand.name in p.held and current(p)),
+        fewest(p for p in routed if demand.name in p.held and not current(p)),
         [p for p in fresh if demand.name in p.held and p.name in demand.draining],
         empties(fresh),
         [p for p in old if demand.name in p.held and current(p)],

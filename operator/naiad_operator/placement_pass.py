@@ -437,30 +437,47 @@ class _Pass:
             return str(error)
         return None
 
-    async def _routed_away(self, name: str, pods: Sequence[str]) -> list[str]:
+    async def _routed_away(self, name: str, pods: Sequence[str], staying: Sequence[str]) -> list[str]:
         """Route first, unload after (draining.py): of the copies of InferenceModel `name` to unload, those whose
-        pods its Services no longer route to. The others lose their label in this pass and wait for a later one."""
+        pods its Services no longer route to. The others lose their label in this pass and wait for a later one.
+        A copy is routed away only once a copy that stays (`staying`) is in the Services' endpoints: a copy moving
+        to another pod keeps its old pod routed until the new one is listed, so the Service is never without one."""
         book = self.ctx.drain
         if book is None or not pods:
             return list(pods)
+        endpoints: list[set[str] | None] = []
+
+        async def listed() -> set[str] | None:
+            if not endpoints:
+                endpoints.append(
+                    await service_endpoints(
+                        self.ctx.kube, self.namespace, (name, headless_service_name(name))
+                    )
+                )
+            return endpoints[0]
+
+        def lists(found: set[str] | None, pod: str) -> bool | None:
+            ip = self.snap.states[pod].ip
+            return None if found is None else (pod in found or (ip is not None and ip in found))
+
         now, waiting = [], []
         for pod in pods:
             truth = self.truth[pod]
             if name in truth.routes:
                 now.append(pod)  # routed either way: the pod loads the model on demand (scale_to_zero.py)
                 continue
+            if staying and not book.pending(self.namespace, self.pool, pod, name):
+                found = await listed()
+                if found is not None and not any(lists(found, other) for other in staying):
+                    continue  # no copy that stays is routed yet: this one keeps serving (a later pass looks again)
             truth.unrouted.add(name)
             self.drained.add((pod, name))
             if not book.start(self.namespace, self.pool, pod, name):
                 waiting.append(pod)
         if waiting:
-            listed = await service_endpoints(
-                self.ctx.kube, self.namespace, (name, headless_service_name(name))
-            )
+            found = await listed()
             for pod in waiting:
-                ip = self.snap.states[pod].ip
-                on = None if listed is None else (pod in listed or (ip is not None and ip in listed))
-                if book.unload_now(self.namespace, self.pool, pod, name, on):
+                if book.unload_now(self.namespace, self.pool, pod, name, lists(found, pod)):
                     now.append(pod)
         return now
 
@@ -480,9 +497,9 @@ class _Pass:
     ) -> None:
         for model in models:
             name = model.intent.name
-            pods = await self._routed_away(
-                name, unloads_allowed(plans[name], demands[name], loaded.get(name, set()))
-            )
+            allowed = unloads_allowed(plans[name], demands[name], loaded.get(name, set()))
+            staying = [p for p in plans[name].chosen if p not in allowed]
+            pods = await self._routed_away(name, allowed, staying)
             errors = await asyncio.gather(*(self._unload(pod, model.intent.model_name) for pod in pods))
             for pod, error in zip(pods, errors):
                 if error is None:
@@ -516,7 +533,7 @@ class _Pass:
                     continue
                 strays.setdefault(name, []).append(facts.name)
         for name, pods in strays.items():
-            for pod in await self._routed_away(name, pods):
+            for pod in await self._routed_away(name, pods, ()):
                 record = self.truth[pod].held[name]
                 error = await self._unload(pod, record.model_name)
                 if error is None:

@@ -145,6 +145,38 @@ async def test_scale_down_removes_the_label_first_and_unloads_after_the_endpoint
 
 
 @on_session_loop
+async def test_a_moving_copy_keeps_its_old_pod_routed_until_the_new_one_is_listed(world):
+    """A copy moved to an emptier pod (placement's rebalancing): the new copy is loaded and labelled first, and the
+    old pod keeps its label, so the Service always has an endpoint, until the endpoints list the new pod; then
+    the old copy drains as any surplus copy does, and the new one is the copy kept."""
+    kube, servers, ctx, clock = world
+    scale(kube, 1)
+    await reconcile_pool(ctx, NS, "gpu")
+    assert labelled(kube) == {"gpu-0"} and holding(servers) == {"10.0.0.0"}
+    servers.loaded["10.0.0.0"].update({"other_a": "1", "other_b": "1"})  # gpu-0 fills up with others' models
+    kube.frozen = {"gpu-0"}  # the EndpointSlice controller has not caught up with gpu-1's label yet
+    await reconcile_pool(ctx, NS, "gpu")
+    assert holding(servers) == {"10.0.0.0", "10.0.0.1"} and unloads(servers) == []
+    assert labelled(kube) == {"gpu-0", "gpu-1"}  # the old pod still routed: the Service is never empty
+    clock[0] += 10
+    await reconcile_pool(ctx, NS, "gpu")
+    assert (
+        labelled(kube) == {"gpu-0", "gpu-1"} and unloads(servers) == []
+    )  # still waiting for gpu-1 to be listed
+    kube.frozen = {"gpu-0", "gpu-1"}  # gpu-1 is in the endpoints now
+    await reconcile_pool(ctx, NS, "gpu")
+    assert labelled(kube) == {"gpu-1"} and unloads(servers) == []  # routing leaves gpu-0 first ...
+    kube.frozen = None
+    await reconcile_pool(ctx, NS, "gpu")
+    clock[0] += 1
+    await reconcile_pool(ctx, NS, "gpu")
+    assert holding(servers) == {"10.0.0.1"} and unloads(servers) == [("unload", "10.0.0.0", "resnet")]
+    assert labelled(kube) == {"gpu-1"}
+    await reconcile_pool(ctx, NS, "gpu")  # and it stays there
+    assert holding(servers) == {"10.0.0.1"} and len([c for c in servers.calls if c[0] == "load"]) == 2
+
+
+@on_session_loop
 async def test_unreadable_endpoints_wait_for_the_unload_delay(world):
     kube, servers, ctx, clock = world
     await reconcile_pool(ctx, NS, "gpu")

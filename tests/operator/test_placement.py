@@ -277,3 +277,10 @@ def test_rebalancing_waits_for_a_settled_pool_and_keeps_its_rules():
     ]
     plans = plan(two, pods)
     assert plans["m1"].load == [] and plans["m2"].load == ["c"] and plans["m2"].unload == ["a"]
+
+
+def test_of_two_copies_the_one_on_the_emptier_pod_is_kept():
+    # a copy moved (rebalancing): the old pod, fuller, holds it too until its copy is unloaded
+    pods = [pod("a", {"m": "r", "x": "r", "y": "r"}), pod("b", {"m": "r"})]
+    result = plan([Demand("m", "r", 1), Demand("x", "r", 1), Demand("y", "r", 1)], pods)["m"]
+    assert (result.keep, result.unload) == (["b"], ["a"])

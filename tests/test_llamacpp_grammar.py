@@ -53,6 +53,10 @@ def test_choice_literals_are_escaped():
         ({"regex": "[\\W_]"}, "negated class"),
         ({"regex": "((a{100}){100}){100}"}, "repeats too much"),
         ({"regex": ""}, "non-empty string"),
+        ({"regex": "(a*)*"}, "repeats something that can match nothing"),
+        ({"regex": "(|a)+b"}, "repeats something that can match nothing"),
+        ({"grammar": 'root ::= ("a"?)+'}, "repeats something that can match nothing"),
+        ({"grammar": 'root ::= x "b"\nx ::= y x | "a"\ny ::= ""?'}, "left recursion"),
         ({}, "exactly one"),
         ({"json": {"type": "object"}, "grammar": "root ::= x"}, "exactly one"),
         ({"json": {"type": "integer", "maximum": 3}}, "'maximum'"),
@@ -133,5 +137,28 @@ def test_the_engine_follows_the_grammar(tmp_path):
         for i in (0, 2):
             assert results[i] == (results[i][0], "stop") and results[i][0] in ("alpha", "beta")
         assert all(results[i][0] not in ("alpha", "beta") for i in (1, 3))
+    finally:
+        engine.close()
+
+
+def test_grammars_that_would_crash_llama_cpp_never_reach_it(tmp_path):
+    """A repetition of something that can match nothing sends llama.cpp's grammar setup into endless recursion (a
+    segmentation fault of the whole server, seen with ("a"*)*): the engine refuses it first, and keeps serving."""
+    from naiad.backends.llamacpp.engine import LlamaEngine
+    from naiad.backends.llamacpp.params import EngineSettings
+
+    engine = LlamaEngine(
+        write_tiny_gguf(tmp_path / "m.gguf"), EngineSettings(n_ctx=64, n_parallel=1, n_threads=1)
+    )
+    try:
+        for spec in (
+            {"grammar": 'root ::= ("a"*)*'},
+            {"regex": "((a?)*)*"},
+            {"grammar": 'root ::= ("" | "a")*'},
+        ):
+            with pytest.raises(InvalidArgument, match="can match nothing"):
+                sampling_params(json.dumps({"structured_outputs": json.dumps(spec)}))
+        for spec in ({"grammar": 'root ::= ("a" | "b")* "c"'}, {"regex": "(ab?)*c"}, {"json_object": True}):
+            engine.check_grammar(grammar.structured_grammar(spec) or "")  # llama.cpp takes these
     finally:
         engine.close()

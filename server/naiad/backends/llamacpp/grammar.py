@@ -11,6 +11,7 @@ from typing import Any
 
 from ...errors import InvalidArgument
 from ...llm import structured_outputs
+from . import gbnf_check
 from .regex_grammar import regex_grammar
 
 GRAMMAR_CACHE_SIZE = 64
@@ -61,7 +62,9 @@ def structured_grammar(value: Any) -> str | None:
         return _regex_grammar(spec)
     if kind == "choice":
         return "root ::= " + " | ".join(_literal(c) for c in structured_outputs.choices(spec)) + "\n"
-    return structured_outputs.grammar_text(spec)
+    text = structured_outputs.grammar_text(spec)
+    gbnf_check.check(text)  # what would crash llama.cpp never reaches it
+    return text
 
 
 def _unenforced(schema: Any, path: str, depth: int = 0) -> tuple[str, str] | None:
@@ -96,7 +99,9 @@ def _unenforced(schema: Any, path: str, depth: int = 0) -> tuple[str, str] | Non
 @functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def _regex_grammar(pattern: Any) -> str:
     """regex_grammar, cached per pattern (a refused pattern raises and is not cached)."""
-    return regex_grammar(pattern)
+    text = regex_grammar(pattern)
+    gbnf_check.check(text)  # a repeated group that can match nothing, (a*)*, would crash llama.cpp
+    return text
 
 
 def _literal(text: str) -> str:

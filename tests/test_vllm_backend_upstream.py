@@ -5,17 +5,12 @@ cancellation, and the backend's own custom metrics."""
 
 from __future__ import annotations
 
-import json
-import queue
 import shutil
-import time
 
-import numpy as np
 import pytest
 import requests
-import tritonclient.grpc as grpcclient
 from helpers import ROOT, NaiadProcess
-from test_vllm_python_backend import standin_path, write_model
+from test_vllm_python_backend import cancel_a_long_stream, standin_path, write_model
 
 UPSTREAM = ROOT / "tests" / "third_party" / "vllm_backend" / "src"
 pytest.importorskip("PIL", reason="vllm_backend's utils/request.py imports Pillow")
@@ -106,32 +101,7 @@ def test_openai_chat_and_completions(server):
 def test_cancelling_a_stream_aborts_the_request(server):
     """A gRPC stream cancelled mid-generation: the backend sees is_cancelled() and aborts the engine's request; the
     model keeps serving."""
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(server.grpc)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    tensors = []
-    for name, dtype, value in (
-        ("text_input", "BYTES", np.array([b"w " * 4], dtype=object)),
-        ("stream", "BOOL", np.array([True])),
-        (
-            "sampling_parameters",
-            "BYTES",
-            np.array([json.dumps({"max_tokens": 100000}).encode()], dtype=object),
-        ),
-    ):
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(value)
-        tensors.append(t)
-    client.async_stream_infer("vllm_model", tensors, request_id="long")
-    for _ in range(3):
-        result, error = results.get(timeout=20)
-        assert error is None and result.as_numpy("text_output")[0] == b" w"
-    client.stop_stream(cancel_requests=True)
-    client.close()
-    deadline = time.monotonic() + 20
-    while "vllm stand-in: aborted request" not in server.output() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert "vllm stand-in: aborted request" in server.output()
+    cancel_a_long_stream(server)
     r = requests.post(
         f"{server.url}/v2/models/vllm_model/generate",
         json={"text_input": "a b", "parameters": {"max_tokens": 2}},

@@ -314,6 +314,13 @@ def test_bad_sampling_parameters_are_an_error_of_the_request(server):
 
 
 def test_cancelling_a_grpc_stream_aborts_the_engine_request(server):
+    cancel_a_long_stream(server)
+    assert "[vllm] cancelled a request" in server.output()
+
+
+def cancel_a_long_stream(server) -> None:
+    """Start a long streamed generation over gRPC, cancel it after three responses, and wait for the stand-in
+    engine to say the request was aborted."""
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -339,7 +346,7 @@ def test_cancelling_a_grpc_stream_aborts_the_engine_request(server):
     deadline = time.monotonic() + 20
     while "vllm stand-in: aborted request" not in server.output() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert "[vllm] cancelled a request" in server.output()
+    assert "vllm stand-in: aborted request" in server.output()
 
 
 def test_custom_metrics_from_the_engine_stat_logger(server):

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgument
 from ..llm import structured_outputs
+from .transformers_runner import model_runner
 
 KINDS = ("json", "json_object", "choice", "grammar", "regex")
 INSTALL_TIMEOUT_S = (
@@ -107,23 +107,11 @@ class GrammarSampling:
         with self._lock:
             if self._installed:
                 return
-            deadline = time.monotonic() + INSTALL_TIMEOUT_S
-            processor = getattr(self.manager, "batch_processor", None)
-            while processor is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-                processor = getattr(self.manager, "batch_processor", None)
-            runner = getattr(processor, "model_runner", None)
-            ios = getattr(runner, "inputs_and_outputs", None)
-            processors = getattr(runner, "logit_processor", None)
-            if (
-                runner is None
-                or getattr(processor, "use_async_batching", False)
-                or not hasattr(ios, "requests_in_batch")
-                or not getattr(processors, "do_processing", False)
-            ):
+            runner = model_runner(self.manager, "'structured_outputs'", "logit_processor")
+            processors = runner.logit_processor
+            if not getattr(processors, "do_processing", False):
                 raise InvalidArgument(
-                    "the transformers backend cannot take 'structured_outputs' with this transformers version or "
-                    "batching mode"
+                    "the transformers backend's logits processors are off: no structured output"
                 )
             runner.logit_processor = _MaskFirst(processors, lambda logits: self._mask(runner, logits))
             self._installed = True

@@ -10,12 +10,9 @@ and seeds are refused with a 400 where the layout is not the one known here, e.g
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
-from ..errors import InvalidArgument
-
-INSTALL_TIMEOUT_S = 30.0  # how long a first seeded request waits for the manager's batch processor to exist
+from .transformers_runner import model_runner
 
 
 class SeededSampling:
@@ -45,23 +42,7 @@ class SeededSampling:
         with self._lock:
             if self._runner is not None:
                 return
-            deadline = time.monotonic() + INSTALL_TIMEOUT_S
-            processor = getattr(self.manager, "batch_processor", None)
-            while processor is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-                processor = getattr(self.manager, "batch_processor", None)
-            runner = getattr(processor, "model_runner", None)
-            ios = getattr(runner, "inputs_and_outputs", None)
-            if (
-                runner is None
-                or getattr(processor, "use_async_batching", False)
-                or not hasattr(ios, "requests_in_batch")
-                or not callable(getattr(runner, "_sample", None))
-            ):
-                raise InvalidArgument(
-                    "the transformers backend cannot take a per-request 'seed' with this transformers version or "
-                    "batching mode"
-                )
+            runner = model_runner(self.manager, "a per-request 'seed'", "_sample")
             original = runner._sample
 
             def sample(scores: Any, output_ids: Any) -> None:

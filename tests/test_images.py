@@ -314,10 +314,12 @@ def test_killing_bwrap_takes_the_whole_container_with_it(server_image, tmp_path)
     processes running: before each container had a PID namespace of its own, setpriv's change of user cleared
     bwrap's parent-death signal and the server went on as uid 10001 with its ports bound."""
     c, port = _daemon_container(server_image, tmp_path)
-    pids = [p.pid for p in container_processes(c.proc.pid)]
+    # taken before the kill, so that one which has exited by the time of the wait counts as gone (not as an error)
+    procs = container_processes(c.proc.pid)
+    assert procs
     c.proc.kill()
     c.proc.wait()
-    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    _, alive = psutil.wait_procs(procs, timeout=10)
     assert not alive, f"container processes outlived bwrap: {alive}"
     assert processes_in(c.pidns) == [] and _port_free(port)
     c.log.close()

@@ -222,36 +222,51 @@ def test_hpa_scales_an_llm_on_requests_waiting(llm_repo, report):  # noqa: F811
     )
     wait(lambda: h.model_status("chat").get("phase") == "Available", 240, what="chat Available")
     stop = threading.Event()
+    # the copies' IPs, re-read by one thread: a kubectl call before each request (as this test made before) kept
+    # each client busy most of the time, and on a quiet machine the queue the HPA scales on seldom formed
+    ips: list[str] = []
+
+    def watch_copies() -> None:
+        while not stop.is_set():
+            try:
+                found = h.get("pods", selector="naiad.dev/model-chat=loaded")["items"]
+                ips[:] = [p["status"]["podIP"] for p in found if p["status"].get("podIP")]
+            except Exception:  # a slow API server: keep the last list
+                pass
+            stop.wait(1)
 
     def stream() -> (
         None
     ):  # long streams, more at once than the two slots: the rest wait in the engine's queue
+        body = {
+            "model": LLM,
+            "prompt": "once upon a time",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        turn = 0
         while not stop.is_set():
-            for p in h.get("pods", selector="naiad.dev/model-chat=loaded")["items"]:
-                if stop.is_set():
-                    return
-                body = {
-                    "model": LLM,
-                    "prompt": "once upon a time",
-                    "max_tokens": 200,
-                    "ignore_eos": True,
-                    "stream": True,
-                }
-                request = urllib.request.Request(
-                    f"http://{p['status']['podIP']}:8000/v1/completions",
-                    data=json.dumps(body).encode(),
-                    headers={"Content-Type": "application/json"},
-                    method="POST",
-                )
-                try:
-                    with urllib.request.urlopen(request, timeout=120) as response:
-                        for _ in response:
-                            if stop.is_set():
-                                break
-                except OSError:
-                    pass
+            if not ips:
+                stop.wait(0.1)
+                continue
+            turn += 1
+            request = urllib.request.Request(
+                f"http://{ips[turn % len(ips)]}:8000/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    for _ in response:
+                        if stop.is_set():
+                            break
+            except OSError:
+                stop.wait(0.1)
 
-    workers = [threading.Thread(target=stream, daemon=True) for _ in range(6)]
+    workers = [threading.Thread(target=watch_copies, daemon=True)]
+    workers += [threading.Thread(target=stream, daemon=True) for _ in range(8)]
     prometheus = monitoring.Prometheus(kubeconfig=h.cluster.kubeconfig, workdir=h.workdir / "llm-prometheus")
     adapter = monitoring.PrometheusAdapter(
         h.cluster, "", rules=adapter_rules(h), workdir=h.workdir / "llm-adapter"

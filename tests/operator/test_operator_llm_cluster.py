@@ -84,6 +84,30 @@ def llm_repo(harness):  # noqa: F811
     return harness.repo
 
 
+def stream_until(stop: threading.Event, ips: list[str], body: dict) -> None:
+    """Streamed `/v1/completions` one after another, read to the end, until `stop` is set; each at the next of the
+    pod IPs in `ips` (a list another thread may update; empty: wait)."""
+    turn = 0
+    while not stop.is_set():
+        if not ips:
+            stop.wait(0.1)
+            continue
+        turn += 1
+        request = urllib.request.Request(
+            f"http://{ips[turn % len(ips)]}:8000/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                for _ in response:
+                    if stop.is_set():
+                        break
+        except OSError:
+            stop.wait(0.1)
+
+
 def post_json(url: str, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
@@ -235,38 +259,10 @@ def test_hpa_scales_an_llm_on_requests_waiting(llm_repo, report):  # noqa: F811
                 pass
             stop.wait(1)
 
-    def stream() -> (
-        None
-    ):  # long streams, more at once than the two slots: the rest wait in the engine's queue
-        body = {
-            "model": LLM,
-            "prompt": "once upon a time",
-            "max_tokens": 200,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        turn = 0
-        while not stop.is_set():
-            if not ips:
-                stop.wait(0.1)
-                continue
-            turn += 1
-            request = urllib.request.Request(
-                f"http://{ips[turn % len(ips)]}:8000/v1/completions",
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-                method="POST",
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=120) as response:
-                    for _ in response:
-                        if stop.is_set():
-                            break
-            except OSError:
-                stop.wait(0.1)
-
     workers = [threading.Thread(target=watch_copies, daemon=True)]
-    workers += [threading.Thread(target=stream, daemon=True) for _ in range(8)]
+    # long streams, more at once than the two slots: the rest wait in the engine's queue
+    body = {"model": LLM, "prompt": "once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    workers += [threading.Thread(target=stream_until, args=(stop, ips, body), daemon=True) for _ in range(8)]
     prometheus = monitoring.Prometheus(kubeconfig=h.cluster.kubeconfig, workdir=h.workdir / "llm-prometheus")
     adapter = monitoring.PrometheusAdapter(
         h.cluster, "", rules=adapter_rules(h), workdir=h.workdir / "llm-adapter"
@@ -408,24 +404,11 @@ def test_endpoint_picker_routes_by_naiads_gauges(prebuilt, llm_repo, report):  #
     picker = EndpointPicker(epp_bin, h.cluster.kubeconfig, "routed", h.workdir / "epp.log")
     stop = threading.Event()
 
-    def stream() -> None:  # long streams at one pod: its two slots run, the rest wait in its queue
-        body = {"model": LLM, "prompt": "busy", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        while not stop.is_set():
-            request = urllib.request.Request(
-                f"http://{busy}:8000/v1/completions",
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-                method="POST",
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=120) as response:
-                    for _ in response:
-                        if stop.is_set():
-                            break
-            except OSError:
-                pass
-
-    workers = [threading.Thread(target=stream, daemon=True) for _ in range(6)]
+    # long streams at one pod: its two slots run, the rest wait in its queue
+    body = {"model": LLM, "prompt": "busy", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    workers = [
+        threading.Thread(target=stream_until, args=(stop, [busy], body), daemon=True) for _ in range(6)
+    ]
     try:
         # the picker knows both pods
         wait(

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 import requests
-from helpers import ROOT, NaiadProcess
-from test_vllm_python_backend import cancel_a_long_stream, standin_path, write_model
+from helpers import ROOT
+from test_vllm_python_backend import cancel_a_long_stream, serve_backend, write_model
 
 UPSTREAM = ROOT / "tests" / "third_party" / "vllm_backend" / "src"
 pytest.importorskip("PIL", reason="vllm_backend's utils/request.py imports Pillow")
@@ -29,16 +29,7 @@ def server(tmp_path_factory):
         "instance_group [ { count: 1 kind: KIND_MODEL } ]\n"
         'parameters: { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n',
     )
-    env = {"PYTHONPATH": standin_path(tmp), "NAIAD_VLLM_STANDIN_HEALTHY_CHECKS": "1"}
-    args = [
-        "--backend-directory",
-        str(tmp / "backends"),
-        "--model-control-mode",
-        "explicit",
-        "--load-model",
-        "*",
-    ]
-    with NaiadProcess(repo, *args, env=env, timeout=120) as proc:
+    with serve_backend(tmp, repo) as proc:
         yield proc
 
 

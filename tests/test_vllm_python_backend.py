@@ -263,6 +263,13 @@ def server(tmp_path_factory):
         "vllm_unhealthy",
         'parameters: { key: "ENABLE_VLLM_HEALTH_CHECK" value: { string_value: "true" } }\n',
     )
+    with serve_backend(tmp, repo) as proc:
+        yield proc
+
+
+def serve_backend(tmp: Path, repo: Path) -> NaiadProcess:
+    """`naiad serve` with `tmp/backends` as its backend directory and the stand-in vllm importable, every model of
+    `repo` loaded."""
     env = {"PYTHONPATH": standin_path(tmp), "NAIAD_VLLM_STANDIN_HEALTHY_CHECKS": "1"}
     args = [
         "--backend-directory",
@@ -272,8 +279,7 @@ def server(tmp_path_factory):
         "--load-model",
         "*",
     ]
-    with NaiadProcess(repo, *args, env=env, timeout=120) as proc:
-        yield proc
+    return NaiadProcess(repo, *args, env=env, timeout=120)
 
 
 def test_bare_config_is_auto_completed(server):

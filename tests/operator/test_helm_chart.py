@@ -1,6 +1,7 @@
 """`helm lint` and `helm template` on the chart, when a helm binary is available (skipped otherwise).
 
-helm is found through $NAIAD_HELM, the e2e cache (~/.cache/naiad-e2e/*/bin/helm), or PATH.
+helm is found through $NAIAD_HELM, the cluster binaries (`$NAIAD_E2E_BIN/helm`, built by `make cluster-tools`; the
+test runs in the cluster tier for that), the e2e cache (~/.cache/naiad-e2e/*/bin/helm), or PATH.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ CHART = ROOT / "helm" / "naiad"
 
 
 def find_helm() -> str | None:
-    candidates = [os.environ.get("NAIAD_HELM", "")]
+    candidates = [os.environ.get("NAIAD_HELM", ""), os.path.join(os.environ.get("NAIAD_E2E_BIN", ""), "helm")]
     candidates += sorted(glob.glob(os.path.expanduser("~/.cache/naiad-e2e/*/bin/helm")))
     candidates.append(shutil.which("helm") or "")
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)

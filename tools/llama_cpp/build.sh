@@ -28,9 +28,12 @@ jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
 
 cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 cmake_args="$cpu_flags -DGGML_RPC=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF"
+# The wheel leaves out llama-cpp-python's multimodal library (mtmd: CLIP, miniaudio, stb_image and four CLIs),
+# which only its LLaVA chat handlers load, on first use; the server never does.
+wheel_args="$cmake_args -DLLAVA_BUILD=OFF"
 
 command -v cmake >/dev/null || { echo "build.sh: cmake is missing (apt-get install cmake)" >&2; exit 3; }
-hash="$( { echo "$version $cmake_args"; c++ --version | head -1; cmake --version | head -1; } | sha256sum | cut -c1-16)"
+hash="$( { echo "$version $wheel_args"; c++ --version | head -1; cmake --version | head -1; } | sha256sum | cut -c1-16)"
 root="${NAIAD_TOOLS_CACHE:-$HOME/.cache/naiad-tools}"
 dest="$root/llama-cpp-python-$hash"
 
@@ -71,8 +74,8 @@ fi
 sdist="$dest/sdist/llama_cpp_python-$version.tar.gz"
 
 if ! have_wheel; then
-  echo "[tools/llama_cpp] building the wheel (CMAKE_ARGS=$cmake_args, -j$jobs)" >&2
-  CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
+  echo "[tools/llama_cpp] building the wheel (CMAKE_ARGS=$wheel_args, -j$jobs)" >&2
+  CMAKE_ARGS="$wheel_args" CMAKE_BUILD_PARALLEL_LEVEL="$jobs" \
     "$PYTHON" -m pip wheel -q --no-deps -w "$work/wheels" "$sdist" >&2
   rm -rf "$dest/wheels" && mv "$work/wheels" "$dest/wheels"
   touch "$dest/.wheel-complete"

@@ -26,6 +26,7 @@ serve: venv examples llm-deps
 	$(VENV)/bin/naiad serve --model-repository $(REPO) --http-port 8000 --grpc-port 8001 --metrics-port 8002
 
 CLUSTER_TESTS := tests/operator/test_operator_cluster.py tests/operator/test_operator_ha_cluster.py \
+  tests/operator/test_operator_keda_cluster.py \
   tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_llm_cluster.py \
   tests/operator/test_operator_lws_cluster.py tests/operator/test_helm_chart.py
 SCALE_BENCH := tests/operator/test_operator_scale.py
@@ -117,6 +118,7 @@ cluster-tools:
 	  case " $(SERVER_GO_TOOLS) " in *" $$t "*) continue;; esac; bash tools/go/build.sh $$t >/dev/null || exit $$?; done
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/gie/crds.sh >/dev/null
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/lws/crds.sh >/dev/null
+	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/keda/crds.sh >/dev/null
 
 # llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's rpc-server from the same
 # source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).

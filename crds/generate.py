@@ -180,7 +180,40 @@ def llm_schema() -> Schema:
     )
 
 
-def server_spec_schema(description: str) -> Schema:
+def scale_to_zero_schema() -> Schema:
+    return obj(
+        "With minReplicas 0: how the pool sleeps and wakes. The operator renders an HTTPScaledObject of KEDA's HTTP "
+        "add-on over this InferenceServer: KEDA scales it to zero pods after idleSeconds without a request through "
+        "the add-on's interceptor, and the interceptor holds the next request while a pod starts.",
+        {
+            "hosts": array(
+                "Host names the interceptor routes to this pool (the Host header of requests sent to its proxy "
+                "Service). Default: the pool Service's names (<name>, <name>.<namespace>, .svc, .svc.cluster.local).",
+                {"type": "string"},
+            ),
+            "idleSeconds": integer(
+                "Seconds without a request through the interceptor before the pool scales to zero (default 300).",
+                minimum=1,
+            ),
+            "startTimeoutSeconds": integer(
+                "How long the interceptor holds a request while the first pod starts (default 300).",
+                minimum=1,
+            ),
+            "responseTimeoutSeconds": integer(
+                "How long the interceptor waits for a forwarded request's response headers, a model's load on "
+                "demand included (default 300).",
+                minimum=1,
+            ),
+            "targetConcurrency": integer(
+                "Requests in flight per pod that KEDA's autoscaler aims at above one pod (default 100).",
+                minimum=1,
+            ),
+        },
+    )
+
+
+def server_spec_schema(description: str, pool: bool = False) -> Schema:
+    """`pool`: the InferenceServer's own spec (it may scale to zero pods), not a model's dedicated pool."""
     return obj(
         description,
         {
@@ -210,9 +243,18 @@ def server_spec_schema(description: str) -> Schema:
             "replicas": integer(
                 "Number of server pods (set by the autoscaler when one is active).", minimum=0, default=1
             ),
-            "minReplicas": integer("Autoscaler lower bound.", minimum=1),
+            "minReplicas": (
+                integer(
+                    "Autoscaler lower bound; 0: the pool scales to zero pods when idle and wakes on a request "
+                    "(scaleToZero; needs KEDA and its HTTP add-on in the cluster).",
+                    minimum=0,
+                )
+                if pool
+                else integer("Autoscaler lower bound.", minimum=1)
+            ),
             "maxReplicas": integer("Autoscaler upper bound.", minimum=1),
             "autoscaling": autoscaling_schema("server pool"),
+            **({"scaleToZero": scale_to_zero_schema()} if pool else {}),
             "resources": obj(
                 "Compute resources of the server container, e.g. limits: {nvidia.com/gpu: 1}.",
                 {
@@ -613,7 +655,7 @@ def inference_server_crd() -> dict[str, Any]:
         "InferenceServer",
         "inferenceservers",
         ["isrv"],
-        server_spec_schema("A pool of Naiad server pods that InferenceModels are loaded into."),
+        server_spec_schema("A pool of Naiad server pods that InferenceModels are loaded into.", pool=True),
         server_status_schema(),
         [
             {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},

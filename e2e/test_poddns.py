@@ -45,3 +45,41 @@ def test_hosts_file_is_rewritten_in_place(tmp_path):
     assert (tmp_path / "hosts").stat().st_ino == inode
     script = hosts.launcher("/bin/true", tmp_path / "run")
     assert "unshare --mount" in script.read_text() and script.stat().st_mode & 0o111
+
+
+def endpoint_slice(service, addresses, headless=True, ready=True, terminating=False):
+    labels = {
+        "kubernetes.io/service-name": service,
+        **({"service.kubernetes.io/headless": ""} if headless else {}),
+    }
+    return {
+        "metadata": {"name": f"{service}-abcde", "namespace": "ns", "labels": labels},
+        "endpoints": [
+            {"addresses": [ip], "conditions": {"ready": ready, "terminating": terminating}}
+            for ip in addresses
+        ],
+    }
+
+
+def test_headless_services_are_named_at_their_endpoints_but_the_terminating_ones(tmp_path):
+    slices = {
+        "items": [
+            endpoint_slice("pool-headless", ["198.18.0.2"]),
+            endpoint_slice("pool-headless", ["198.18.0.1"], ready=False),  # starting: named already
+            endpoint_slice("pool-headless", ["198.18.0.3"], ready=False, terminating=True),  # going: not
+            endpoint_slice("pool", ["198.18.0.1"], headless=False),  # a ClusterIP Service: its IP, not here
+        ]
+    }
+    hosts = PodHosts(
+        lambda: json.dumps({"items": []}),
+        tmp_path / "hosts",
+        endpoint_slices=lambda: json.dumps(slices),
+        static=["127.0.0.1 scaler.keda"],
+    )
+    hosts.refresh()
+    lines = (tmp_path / "hosts").read_text().splitlines()
+    assert lines[2:] == [
+        "127.0.0.1 scaler.keda",
+        "198.18.0.1 pool-headless.ns.svc.cluster.local pool-headless.ns.svc pool-headless.ns",
+        "198.18.0.2 pool-headless.ns.svc.cluster.local pool-headless.ns.svc pool-headless.ns",
+    ]

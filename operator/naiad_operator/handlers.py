@@ -60,6 +60,7 @@ from .ownership import Owner
 from .placement_pass import PoolReport, reconcile_pool
 from .pool_resources import render_pool
 from .pool_snapshot import PoolContext
+from .pool_wake import HTTP_SCALED_OBJECT_API, HTTP_SCALED_OBJECT_PLURAL, MISSING_API, pool_scales_to_zero
 from .runner import PassRunner
 from .scale_to_zero import with_load_on_demand
 from .security import CONTROL_HEADER, CredentialStore, TrustCache
@@ -270,13 +271,16 @@ async def ensure_pool(memo: kopf.Memo, body: Body, *, events: bool) -> list[str]
     monitoring = config.service_monitors != "false" and await kube.api_available(
         "monitoring.coreos.com/v1", "servicemonitors"
     )
+    wake_api = await kube.api_available(HTTP_SCALED_OBJECT_API, HTTP_SCALED_OBJECT_PLURAL)
     credentials = await memo.credentials.refresh()  # also carries out a rotation asked for on the Secret
     pool_models = getattr(memo, "pool_models", None)
-    if pool_models is not None:  # --load-on-demand when one of its models may scale to zero
-        spec = with_load_on_demand(spec, pool_models(owner.namespace, owner.name))
-    objects = render_pool(owner, spec, config, monitoring, credentials.current)
+    models = pool_models(owner.namespace, owner.name) if pool_models is not None else []
+    spec = with_load_on_demand(spec, models)  # when the pool or one of its models may scale to zero
+    objects = render_pool(owner, spec, config, monitoring, credentials.current, wake_api)
     cache = getattr(memo, "applied", None)
     rejected = await _apply_all(kube, objects.apply, cache)
+    if pool_scales_to_zero(spec) and not wake_api:
+        _report(body, [MISSING_API], "ScaleToZeroUnavailable", events)
     for api_version, kind, name in objects.absent:
         await _delete_if_owned(kube, api_version, kind, owner.namespace, name, owner.uid, cache)
     _report(body, rejected, "ApplyFailed", events)

@@ -33,6 +33,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
+    ("http.keda.sh/v1alpha1", "HTTPScaledObject"): "httpscaledobjects",
     (API_VERSION, SERVER_KIND): SERVER_PLURAL,
     (API_VERSION, MODEL_KIND): MODEL_PLURAL,
 }
@@ -224,11 +225,14 @@ class KubeClient:
             raise
         return True
 
-    async def api_available(self, group_version: str, plural: str, ttl: float = 300.0) -> bool:
-        """Whether the cluster serves `plural` in `group_version` (e.g. ServiceMonitors), cached for `ttl`."""
+    async def api_available(
+        self, group_version: str, plural: str, ttl: float = 300.0, missing_ttl: float = 30.0
+    ) -> bool:
+        """Whether the cluster serves `plural` in `group_version` (e.g. ServiceMonitors), cached for `ttl`; an
+        answer of no for `missing_ttl` only, so that an API installed after the operator started is used soon."""
         key = f"{group_version}/{plural}"
         cached = self._discovery.get(key)
-        if cached is not None and time.monotonic() - cached[0] < ttl:
+        if cached is not None and time.monotonic() - cached[0] < (ttl if cached[1] else missing_ttl):
             return cached[1]
         prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
         try:

@@ -27,6 +27,12 @@ from .naming import (
 )
 from .objects import Body, Spec
 from .ownership import Owner, child_metadata, pool_labels, pool_selector
+from .pool_wake import (
+    HTTP_SCALED_OBJECT_API,
+    HTTP_SCALED_OBJECT_KIND,
+    pool_scales_to_zero,
+    render_http_scaled_object,
+)
 from .quantity import parse_quantity
 from .security import (
     CONTROL_ENV,
@@ -417,9 +423,15 @@ def render_disruption_budget(owner: Owner, spec: Spec) -> Body | None:
 
 
 def render_pool(
-    owner: Owner, spec: Spec, config: OperatorConfig, monitoring_api: bool, credential: str | None = None
+    owner: Owner,
+    spec: Spec,
+    config: OperatorConfig,
+    monitoring_api: bool,
+    credential: str | None = None,
+    wake_api: bool = False,
 ) -> PoolObjects:
-    """`credential`: the installation's control credential (None: the control APIs stay open)."""
+    """`credential`: the installation's control credential (None: the control APIs stay open). `wake_api`: the
+    cluster serves KEDA's HTTPScaledObject (a pool with minReplicas 0 then gets one instead of the HPA)."""
     apply: list[Body] = []
     absent: list[tuple[str, str, str]] = []
     claim = render_claim(owner, spec)
@@ -437,11 +449,16 @@ def render_pool(
         apply.append(budget)
     else:
         absent.append(("policy/v1", "PodDisruptionBudget", owner.name))
-    hpa = render_server_hpa(owner, spec, config)
+    waking = pool_scales_to_zero(spec) and wake_api
+    hpa = None if waking else render_server_hpa(owner, spec, config)  # KEDA's own HPA scales a waking pool
     if hpa is not None:
         apply.append(hpa)
     else:
         absent.append(("autoscaling/v2", "HorizontalPodAutoscaler", owner.name))
+    if waking:
+        apply.append(render_http_scaled_object(owner, spec))
+    elif wake_api:
+        absent.append((HTTP_SCALED_OBJECT_API, HTTP_SCALED_OBJECT_KIND, owner.name))
     if monitoring_api:
         if service_monitor_wanted(spec, config):
             apply.append(render_service_monitor(owner, spec))

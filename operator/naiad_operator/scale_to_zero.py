@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .objects import Spec
+from .pool_wake import pool_scales_to_zero
 
 LOAD_ON_DEMAND_FLAG = "--load-on-demand"
 DEFAULT_IDLE_SECONDS = 300
@@ -30,8 +31,9 @@ def runs_on_demand(args: Iterable[Any]) -> bool:
 
 def with_load_on_demand(spec: Spec, models: Iterable[Mapping[str, Any]]) -> Spec:
     """The pool spec its Deployment is rendered from: `--load-on-demand` added to the server's args when one of
-    the pool's InferenceModels may scale to zero (and the user's args do not say otherwise)."""
-    if not any(_may_scale_to_zero(m.get("spec") or {}) for m in models):
+    the pool's InferenceModels may scale to zero, or the pool itself (a request that wakes it arrives before the
+    operator has placed anything; the user's args may still say otherwise)."""
+    if not pool_scales_to_zero(spec) and not any(_may_scale_to_zero(m.get("spec") or {}) for m in models):
         return spec
     args = list(spec.get("args") or [])
     if any(str(a).partition("=")[0] == LOAD_ON_DEMAND_FLAG for a in args):

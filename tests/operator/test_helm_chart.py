@@ -21,10 +21,11 @@ CHART = ROOT / "helm" / "naiad"
 
 
 def find_helm() -> str | None:
-    candidates = [os.environ.get("NAIAD_HELM", ""), os.path.join(os.environ.get("NAIAD_E2E_BIN", ""), "helm")]
+    bin_dir = os.environ.get("NAIAD_E2E_BIN")
+    candidates = [os.environ.get("NAIAD_HELM", ""), os.path.join(bin_dir, "helm") if bin_dir else ""]
     candidates += sorted(glob.glob(os.path.expanduser("~/.cache/naiad-e2e/*/bin/helm")))
     candidates.append(shutil.which("helm") or "")
-    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
 
 
 HELM = find_helm()

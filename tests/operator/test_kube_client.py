@@ -153,6 +153,10 @@ async def test_api_discovery_is_cached(api):
     assert len(recorder.requests) == calls
     recorder.answers[("GET", "/apis/other.dev/v1")] = (404, {"reason": "NotFound"})
     assert not await client.api_available("other.dev/v1", "things")
+    # an API installed later (KEDA after the operator) is seen once the shorter cache of a "no" runs out
+    recorder.answers[("GET", "/apis/other.dev/v1")] = (200, {"resources": [{"name": "things"}]})
+    assert not await client.api_available("other.dev/v1", "things")
+    assert await client.api_available("other.dev/v1", "things", missing_ttl=0)
 
 
 @on_session_loop

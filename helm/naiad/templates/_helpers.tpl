@@ -89,6 +89,10 @@ app.kubernetes.io/part-of: naiad
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [get, list, watch, create, update, patch, delete]
+# An HTTPScaledObject per InferenceServer with minReplicas 0 (KEDA's HTTP add-on wakes it), when the API is served.
+- apiGroups: [http.keda.sh]
+  resources: [httpscaledobjects]
+  verbs: [get, list, watch, create, update, patch, delete]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]

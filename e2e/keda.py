@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from .cluster import ClusterError, KwokCluster
-from .lws import write_serving_certificate
+from .local_process import free_port, tool_output, write_serving_certificate
 from .poddns import PodHosts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,28 +37,14 @@ SCALER = "keda-add-ons-http-external-scaler"
 CRDS_ESTABLISHED = ("scaledobjects.keda.sh", "httpscaledobjects.http.keda.sh")
 
 
-def _tool_output(args: list[str], timeout: float) -> str:
-    env = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/local/go/bin"}
-    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
-    if result.returncode != 0:
-        raise ClusterError(f"{' '.join(args)} failed: {result.stderr[-1500:]}")
-    return result.stdout.strip().splitlines()[-1]
-
-
 def binaries() -> Path:
     """The bin directory of KEDA and the add-on (built from their Go modules once, minutes on a cold cache)."""
-    return Path(_tool_output(["bash", str(ROOT / "tools" / "go" / "build.sh"), "keda"], 3600))
+    return Path(tool_output(["bash", str(ROOT / "tools" / "go" / "build.sh"), "keda"], 3600))
 
 
 def crds_dir() -> Path:
     """The CRDs of the same releases (tools/keda/crds.sh)."""
-    return Path(_tool_output(["bash", str(ROOT / "tools" / "keda" / "crds.sh")], 600))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return Path(tool_output(["bash", str(ROOT / "tools" / "keda" / "crds.sh")], 600))
 
 
 class Keda:
@@ -72,8 +58,8 @@ class Keda:
         self.bin_dir = bin_dir
         self.crds = crds
         self.admin_address = admin_address
-        self.proxy_port, self.admin_port, self.scaler_port = _free_port(), _free_port(), _free_port()
-        self.keda_health_port = _free_port()
+        self.proxy_port, self.admin_port, self.scaler_port = free_port(), free_port(), free_port()
+        self.keda_health_port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
         self.hosts = PodHosts(
             lambda: self.cluster.kubectl("get", "pods", "-A", "-o", "json").stdout,
@@ -120,7 +106,7 @@ class Keda:
                 "KEDA_HTTP_CURRENT_NAMESPACE": NAMESPACE,
                 "KEDA_HTTP_PROXY_PORT": str(self.proxy_port),
                 "KEDA_HTTP_ADMIN_PORT": str(self.admin_port),
-                "OTEL_PROM_EXPORTER_PORT": str(_free_port()),
+                "OTEL_PROM_EXPORTER_PORT": str(free_port()),
             },
             with_hosts=True,
         )
@@ -136,8 +122,8 @@ class Keda:
                 "KEDAHTTP_INTERCEPTOR_ADMIN_PORT": str(self.admin_port),
             },
             args=[
-                f"--metrics-bind-address=127.0.0.1:{_free_port()}",
-                f"--health-probe-bind-address=127.0.0.1:{_free_port()}",
+                f"--metrics-bind-address=127.0.0.1:{free_port()}",
+                f"--health-probe-bind-address=127.0.0.1:{free_port()}",
             ],
         )
         self._run(
@@ -149,9 +135,9 @@ class Keda:
                 "POD_NAMESPACE": NAMESPACE,
             },
             args=[
-                f"--metrics-bind-address=127.0.0.1:{_free_port()}",
+                f"--metrics-bind-address=127.0.0.1:{free_port()}",
                 f"--health-probe-bind-address=127.0.0.1:{self.keda_health_port}",
-                f"--metrics-service-bind-address=127.0.0.1:{_free_port()}",
+                f"--metrics-service-bind-address=127.0.0.1:{free_port()}",
                 "--enable-cert-rotation=false",
                 f"--cert-dir={certs}",
                 "--enable-webhook-patching=false",

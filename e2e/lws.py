@@ -13,9 +13,6 @@ of a LeaderWorkerSet, as the LWS chart's do. Leader election is off (one control
 from __future__ import annotations
 
 import base64
-import datetime
-import ipaddress
-import os
 import socket
 import subprocess
 import time
@@ -25,86 +22,23 @@ from typing import Any
 import yaml
 
 from .cluster import ClusterError, KwokCluster
+from .local_process import free_port, tool_output, write_serving_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
 WEBHOOK_CONFIGURATIONS = ("naiad-e2e-lws-mutating", "naiad-e2e-lws-validating")
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 
 
-def _tool_output(args: list[str], timeout: float) -> str:
-    env = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/local/go/bin"}
-    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
-    if result.returncode != 0:
-        raise ClusterError(f"{' '.join(args)} failed: {result.stderr[-1500:]}")
-    return result.stdout.strip().splitlines()[-1]
-
-
 def controller_binary() -> Path:
     """The controller from the cache (built from its Go module once, minutes on a cold cache)."""
     return (
-        Path(_tool_output(["bash", str(ROOT / "tools" / "go" / "build.sh"), "lws"], 3600)) / "lws-controller"
+        Path(tool_output(["bash", str(ROOT / "tools" / "go" / "build.sh"), "lws"], 3600)) / "lws-controller"
     )
 
 
 def manifests_dir() -> Path:
     """The CRD and webhook manifests of the same LWS release (tools/lws/crds.sh)."""
-    return Path(_tool_output(["bash", str(ROOT / "tools" / "lws" / "crds.sh")], 600))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def write_serving_certificate(cert_dir: Path) -> bytes:
-    """A CA and, signed by it, a certificate for 127.0.0.1 (tls.crt / tls.key, where controller-runtime's webhook
-    server looks); returns the CA certificate (PEM) for the webhooks' caBundle."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "naiad-e2e-lws-ca")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    cert_dir.mkdir(parents=True, exist_ok=True)
-    (cert_dir / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (cert_dir / "tls.key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return ca.public_bytes(serialization.Encoding.PEM)
+    return Path(tool_output(["bash", str(ROOT / "tools" / "lws" / "crds.sh")], 600))
 
 
 def local_webhooks(manifests: Path, port: int, ca: bytes) -> list[dict[str, Any]]:
@@ -134,8 +68,8 @@ class LwsController:
         self.workdir = workdir
         self.binary = binary
         self.manifests = manifests
-        self.port = _free_port()
-        self.health_port = _free_port()
+        self.port = free_port()
+        self.health_port = free_port()
         self.log_path = workdir / "lws-controller.log"
         self.proc: subprocess.Popen | None = None
 

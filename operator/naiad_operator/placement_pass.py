@@ -37,6 +37,7 @@ from .oom_kills import load_oom
 from .ownership import pool_selector_string
 from .placement import Capacity, Demand, Plan, PodState, plan_pool, unloads_allowed
 from .pool_snapshot import PoolContext, PoolModel, PoolSnapshot, read_pool
+from .pool_wake import KEDA_SCALES, pool_scales_to_zero
 from .quantity import quantity_bytes
 from .scale_to_zero import ZeroDecision, decide, model_requests
 from .security import tls_secret_name
@@ -726,6 +727,8 @@ class _Pass:
     async def _write_server_status(self, counts: Sequence[ModelCount]) -> None:
         snap = self.snap
         spec, meta = snap.spec, snap.server["metadata"]
+        # a pool at zero pods without its own HPA: KEDA's (the operator keeps its HPA while KEDA is missing)
+        keda = pool_scales_to_zero(spec) and snap.hpa is None
         status = server_status(
             generation=meta.get("generation"),
             selector=pool_selector_string(self.pool),
@@ -733,6 +736,7 @@ class _Pass:
             deployment=snap.deployment,
             hpa=snap.hpa,
             hpa_wanted=autoscaling_active(spec),
+            autoscaler_delegated_to=KEDA_SCALES if keda else None,
             models=counts,
             problems=server_spec_problems(self.pool, spec),
             old_conditions=(self.snap.server.get("status") or {}).get("conditions"),

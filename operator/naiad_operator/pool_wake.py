@@ -19,6 +19,9 @@ DEFAULT_START_TIMEOUT_SECONDS = 300
 DEFAULT_RESPONSE_TIMEOUT_SECONDS = 300
 DEFAULT_TARGET_CONCURRENCY = 100
 
+KEDA_SCALES = (
+    "KEDA scales this pool (its HTTP add-on's HTTPScaledObject, of the same name), down to zero pods"
+)
 MISSING_API = (
     "minReplicas: 0 needs KEDA and its HTTP add-on in the cluster (http.keda.sh/v1alpha1 HTTPScaledObject is not "
     "served): the pool keeps its pods until it is"

@@ -48,7 +48,9 @@ def merge_conditions(
 # --- InferenceServer ----------------------------------------------------------------------------------------------
 
 
-def _hpa_condition(hpa: Mapping[str, Any] | None, wanted: bool) -> Condition:
+def _hpa_condition(hpa: Mapping[str, Any] | None, wanted: bool, delegated_to: str | None = None) -> Condition:
+    if delegated_to is not None:
+        return condition("AutoscalerReady", True, "Delegated", delegated_to)
     if not wanted:
         return condition("AutoscalerReady", True, "Disabled", "autoscaling is not configured")
     if hpa is None:
@@ -106,9 +108,11 @@ def server_status(
     problems: Sequence[str],
     old_conditions: Sequence[Mapping[str, Any]] | None,
     now: str,
+    autoscaler_delegated_to: str | None = None,
 ) -> dict[str, Any]:
+    """`autoscaler_delegated_to`: who scales the pool instead of its own HPA (KEDA, for a pool at zero pods)."""
     workload = _workload_condition(deployment, desired)
-    autoscaler = _hpa_condition(hpa, hpa_wanted)
+    autoscaler = _hpa_condition(hpa, hpa_wanted, autoscaler_delegated_to)
     if problems:
         ready = condition("Ready", False, "InvalidSpec", "; ".join(problems))
     elif workload["status"] == "True" and autoscaler["status"] == "True":

@@ -164,6 +164,21 @@ def test_a_pool_at_zero_pods_wakes_on_a_request_through_the_interceptor(keda_clu
     # nothing calls it: KEDA takes the pool to zero pods after idleSeconds
     wait(lambda: h.get("inferenceserver", POOL)["spec"].get("replicas") == 0, 120, what="replicas 0")
     wait(lambda: not pods(h), 120, what="no pods")
+    conditions = wait(
+        lambda: (
+            {
+                c["type"]: (c["status"], c["reason"])
+                for c in h.get("inferenceserver", POOL)["status"]["conditions"]
+            }
+            if h.get("inferenceserver", POOL)["status"].get("replicas") == 0
+            else None
+        ),
+        60,
+        what="the status at zero pods",
+    )
+    assert conditions["Ready"][0] == "True" and conditions["AutoscalerReady"] == ("True", "Delegated"), (
+        conditions
+    )
     print(f"{POOL}: at zero pods")
 
     # the first requests wake it: held by the interceptor while a pod starts, then loaded on demand

@@ -242,3 +242,24 @@ def test_status_changes_agrees_with_the_merge_it_stands_for():
     for patch in patches:
         assert status_changes(old, patch) == (merged_status(old, patch) != old), patch
     assert status_changes(None, {})
+
+
+def test_server_status_of_a_pool_keda_scales_to_zero_pods():
+    status = server_status(
+        generation=1,
+        selector="s",
+        desired=0,
+        deployment={"status": {}},
+        hpa=None,  # KEDA's HPA has its own name; the operator's is gone
+        hpa_wanted=True,
+        models=[],
+        problems=[],
+        old_conditions=None,
+        now=NOW,
+        autoscaler_delegated_to="KEDA scales this pool",
+    )
+    assert conditions(status) == {
+        "WorkloadReady": ("True", "ScaledToZero"),
+        "AutoscalerReady": ("True", "Delegated"),
+        "Ready": ("True", "Ready"),
+    }

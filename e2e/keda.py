@@ -4,8 +4,9 @@ keda, as local processes against an e2e cluster: what wakes an InferenceServer a
 In a cluster they run as Deployments behind Services in the `keda` namespace and call each other by those
 Services' DNS names. Here there is no kube-proxy and no cluster DNS, so:
 - the names they dial are in a hosts file of theirs (e2e/poddns.py): the external scaler's Service (KEDA's
-  ScaledObject names it as its scalerAddress) at 127.0.0.1, and every headless Service at its ready endpoints, as
-  CoreDNS answers them (the interceptor forwards to a pool's headless Service);
+  ScaledObject names it as its scalerAddress) at 127.0.0.1, and every headless Service at its endpoints, as
+  CoreDNS answers them (the interceptor forwards to a pool's headless Service; poddns.service_entries says why
+  starting endpoints are named too);
 - the interceptor's admin Service, whose EndpointSlices the scaler reads to find the interceptors it asks for
   their queues, has no selector and one EndpointSlice at an address of the pod network (the first node's
   InternalIP, local to this namespace) where the local interceptor's admin port answers;
@@ -25,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from .cluster import ClusterError, KwokCluster
-from .local_process import free_port, tool_output, write_serving_certificate
+from .local_process import free_port, tool_output, wait_crd_established, write_serving_certificate
 from .poddns import PodHosts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +83,7 @@ class Keda:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.cluster.kubectl("apply", "--server-side", "-f", str(self.crds))
         for crd in CRDS_ESTABLISHED:
-            self._wait_established(crd)
+            wait_crd_established(self.cluster, crd)
         self.cluster.apply(self._admin_objects())
         self.hosts.start()
         certs = self.workdir / "certs"
@@ -191,18 +192,6 @@ class Keda:
                 "ports": [{"name": "admin", "port": self.admin_port, "protocol": "TCP"}],
             },
         ]
-
-    def _wait_established(self, crd: str) -> None:
-        deadline = time.monotonic() + 60
-        while True:  # kubectl wait fails at once while a new CRD has no status yet
-            result = self.cluster.kubectl(
-                "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s", check=False
-            )
-            if result.returncode == 0:
-                return
-            if time.monotonic() > deadline:
-                raise ClusterError(f"the CRD {crd} is not Established: {result.stderr}")
-            time.sleep(0.5)
 
     def _run(
         self, name: str, env: dict[str, str], args: list[str] | None = None, with_hosts: bool = False

@@ -1,6 +1,6 @@
 """What the e2e cluster's local processes (Go controllers built by tools/go/build.sh and run beside the API server:
-LeaderWorkerSet, KEDA) share: the last line a build script prints, a free local port, and a CA with a serving
-certificate for 127.0.0.1."""
+LeaderWorkerSet, KEDA) share: the last line a build script prints, a free local port, a wait for their CRDs, and a
+CA with a serving certificate for 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import ipaddress
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
-from .cluster import ClusterError
+from .cluster import ClusterError, KwokCluster
 
 
 def tool_output(args: list[str], timeout: float) -> str:
@@ -21,6 +22,20 @@ def tool_output(args: list[str], timeout: float) -> str:
     if result.returncode != 0:
         raise ClusterError(f"{' '.join(args)} failed: {result.stderr[-1500:]}")
     return result.stdout.strip().splitlines()[-1]
+
+
+def wait_crd_established(cluster: KwokCluster, crd: str, timeout: float = 60) -> None:
+    """Until the API server serves a CRD just applied (`crd`: its full name, e.g. scaledobjects.keda.sh)."""
+    deadline = time.monotonic() + timeout
+    while True:  # kubectl wait fails at once while a new CRD has no status yet
+        result = cluster.kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s", check=False
+        )
+        if result.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the CRD {crd} is not Established: {result.stderr}")
+        time.sleep(0.5)
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from .cluster import ClusterError, KwokCluster
-from .local_process import free_port, tool_output, write_serving_certificate
+from .local_process import free_port, tool_output, wait_crd_established, write_serving_certificate
 
 ROOT = Path(__file__).resolve().parent.parent
 WEBHOOK_CONFIGURATIONS = ("naiad-e2e-lws-mutating", "naiad-e2e-lws-validating")
@@ -88,20 +88,7 @@ class LwsController:
         config_path = self.workdir / "lws-config.yaml"
         config_path.write_text(yaml.safe_dump(config))
         self.cluster.kubectl("apply", "--server-side", "-f", str(self.manifests / "crds"))
-        deadline = time.monotonic() + 60
-        while True:  # kubectl wait fails at once while the new CRD has no status yet
-            result = self.cluster.kubectl(
-                "wait",
-                "--for=condition=Established",
-                "crd/leaderworkersets.leaderworkerset.x-k8s.io",
-                "--timeout=30s",
-                check=False,
-            )
-            if result.returncode == 0:
-                break
-            if time.monotonic() > deadline:
-                raise ClusterError(f"the LeaderWorkerSet CRD is not Established: {result.stderr}")
-            time.sleep(0.5)
+        wait_crd_established(self.cluster, "leaderworkersets.leaderworkerset.x-k8s.io")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [str(self.binary), f"--config={config_path}", f"--kubeconfig={self.cluster.kubeconfig}"],

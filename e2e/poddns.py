@@ -1,7 +1,7 @@
 """Cluster DNS for the pod runner's pods, as much of it as a group of pods needs: every pod's name under its
 headless Service (`<hostname>.<subdomain>.<namespace>`, `.svc` and `.svc.cluster.local`, which CoreDNS answers in
-a cluster), optionally a headless Service's own name for each of its ready endpoints (as CoreDNS answers it, one
-record per pod), in a hosts file kept current from the API, and a launcher that runs a pod's command with that file at
+a cluster), optionally a headless Service's own name for each of its endpoints that is not terminating (as CoreDNS
+answers it, one record per pod; `service_entries`), in a hosts file kept current from the API, and a launcher that runs a pod's command with that file at
 /etc/hosts in a mount namespace of its own (`unshare --mount`, then a bind mount; the host's /etc/hosts is never
 touched). The file is rewritten in place, so a running process sees pods that start after it (glibc reads the
 file on every lookup)."""

@@ -184,7 +184,7 @@ def free_port() -> int:
 
 
 class Naiad:
-    def __init__(self, repo: Path):
+    def __init__(self, repo: Path, extra_args: list[str] | None = None):
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         fd, self.log_path = tempfile.mkstemp(prefix="naiad-gpu-bench-", suffix=".log")
         path = str(REPO / "server") + os.pathsep + os.environ.get("PYTHONPATH", "")
@@ -209,6 +209,7 @@ class Naiad:
                 str(self.metrics_port),
                 "--strict-readiness",
                 "false",
+                *(extra_args or []),
             ],
             stdout=fd,
             stderr=subprocess.STDOUT,

@@ -1,21 +1,30 @@
 #!/usr/bin/env python3
 """GPU benchmark on a machine with PyTorch but without onnxruntime-gpu or TensorRT: a ResNet-50 TorchScript
-model at batch 1/8/32 served by Naiad on KIND_GPU (pytorch backend) against the same module called in-process.
-Prints a markdown table.
+model served by Naiad on KIND_GPU (pytorch backend) against the same module called in-process, with one or more
+`--frontend-workers` settings side by side. Prints a markdown table.
 
-    python bench/gpu_torch_bench.py                       # on a GPU machine
-    python bench/gpu_torch_bench.py --batches 1,8 --iters 100 --protocol http --json out.json
+    python bench/gpu_torch_bench.py                                   # on a GPU machine
+    python bench/gpu_torch_bench.py --cases 8:8,32:1 --workers 1,8 --protocols grpc,http --json out.json
 
-Rows (p50 / p99 latency of one request and images per second; sequential requests unless --concurrency):
-  torch raw          torch.jit module on cuda:0, numpy in / out (host<->device copies included)
-  naiad torchscript  the same module served by Naiad (KIND_GPU), binary tensors over gRPC or HTTP
+A case `B:C` is batch B at concurrency C. Each row runs C clients for `--duration` seconds after a warm-up, all
+starting at the same instant: with `--clients procs` (the default) each client is a process of its own with its
+own connection (so the client's GIL does not cap the figure, and N frontend workers get N connections to share);
+the in-process row runs C threads on the one module (torch releases the GIL in its kernels: that is the limit).
+Rows: p50 / p99 latency of one request and images per second.
+  torch in-process     torch.jit module on cuda:0, numpy in / out (host<->device copies included)
+  naiad <proto> wN     the same module served by `naiad serve --frontend-workers N`, binary tensors over gRPC or
+                       HTTP (tritonclient)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +32,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from gpu_bench import SHAPE, Naiad, client_fn, measure, resnet50  # noqa: E402
+from gpu_bench import SHAPE, Naiad, client_fn, resnet50  # noqa: E402
 
+MODEL = "resnet50_pt"
 CONFIG = """
 name: "resnet50_pt"
 platform: "pytorch_libtorch"
@@ -35,55 +45,188 @@ instance_group [ { kind: KIND_GPU count: 1 } ]
 """
 
 
+def batch_input(batch: int) -> np.ndarray:
+    return np.random.default_rng(batch).standard_normal((batch, *SHAPE), dtype=np.float32)
+
+
+def timed_loop(fn, start_at: float, duration: float) -> list[float]:
+    """Call `fn` from `start_at` (time.monotonic, shared by every process) for `duration` seconds; the latency of
+    each call that started inside the window."""
+    delay = start_at - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+    end, lat = start_at + duration, []
+    while True:
+        t = time.monotonic()
+        if t >= end:
+            return lat
+        fn()
+        lat.append(time.monotonic() - t)
+
+
+def client_process(args: tuple) -> list[float]:
+    """One client process: its own connection, a warm-up, then the timed window."""
+    http_port, grpc_port, protocol, batch, warmup, start_at, duration = args
+
+    class Addr:  # what client_fn reads of a Naiad
+        pass
+
+    addr = Addr()
+    addr.http_port, addr.grpc_port = http_port, grpc_port
+    fn = client_fn(addr, protocol, MODEL, batch_input(batch), 1)
+    for _ in range(warmup):
+        fn()
+    return timed_loop(fn, start_at, duration)
+
+
+def summarise(lat_lists: list[list[float]], batch: int, duration: float) -> dict:
+    lat = sorted(x for lst in lat_lists for x in lst)
+    if not lat:
+        return {"p50_ms": float("nan"), "p99_ms": float("nan"), "images_per_s": 0.0, "requests": 0}
+    return {
+        "p50_ms": 1000 * statistics.median(lat),
+        "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        "images_per_s": batch * len(lat) / duration,
+        "requests": len(lat),
+    }
+
+
+def run_threads(make_fn, concurrency: int, warmup: int, duration: float, batch: int) -> list[list[float]]:
+    """`concurrency` threads, each making its own client (tritonclient's HTTP client belongs to the thread that
+    made it), warming up and then timed over one shared window."""
+    start_at = time.monotonic() + 2.0 + 0.05 * warmup * batch
+    out: list[list[float]] = [[] for _ in range(concurrency)]
+
+    def one(i: int) -> None:
+        fn = make_fn()
+        for _ in range(warmup):
+            fn()
+        out[i] = timed_loop(fn, start_at, duration)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def served_once(naiad: Naiad, protocol: str, x: np.ndarray) -> np.ndarray:
+    """One request on a thread of its own (and so a client of its own); its output."""
+    out: list[np.ndarray] = []
+    t = threading.Thread(target=lambda: out.append(client_fn(naiad, protocol, MODEL, x, 1)()))
+    t.start()
+    t.join()
+    if not out:
+        raise RuntimeError(f"the check request over {protocol} failed (see above)")
+    return out[0]
+
+
+def run_procs(pool, naiad: Naiad, protocol: str, batch: int, concurrency: int, warmup: int, duration: float):
+    # The processes are already started (the pool is warm); each makes its connection and warms up before the
+    # shared start instant, which leaves room for a slow warm-up at batch 32.
+    start_at = time.monotonic() + 3.0 + 0.05 * warmup * batch
+    args = (naiad.http_port, naiad.grpc_port, protocol, batch, warmup, start_at, duration)
+    return pool.map(client_process, [args] * concurrency)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    ap.add_argument("--cases", default="1:1,8:1,32:1,8:8", help="batch:concurrency, comma separated")
+    ap.add_argument("--workers", default="1", help="--frontend-workers settings served side by side")
+    ap.add_argument("--protocols", default="grpc,http")
+    ap.add_argument("--clients", choices=["procs", "threads"], default="procs")
+    ap.add_argument("--duration", type=float, default=4.0, help="seconds each row is timed")
+    ap.add_argument("--warmup", type=int, default=5, help="requests each client sends before the window")
     ap.add_argument("--work", type=Path, default=HERE / ".work" / "gpu-torch")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="check the plumbing without a GPU (KIND_CPU, cpu)"
+    )
     a = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
+    device = "cpu" if a.cpu_smoke else "cuda:0"
+    if not a.cpu_smoke and not torch.cuda.is_available():
         print("gpu_torch_bench: no CUDA device visible to torch", file=sys.stderr)
         return 2
-    batches = [int(b) for b in a.batches.split(",")]
-    model_dir = a.work / "repo" / "resnet50_pt"
+    cases = [tuple(int(v) for v in c.split(":")) for c in a.cases.split(",")]
+    model_dir = a.work / "repo" / MODEL
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     traced = torch.jit.trace(resnet50(), torch.zeros(1, *SHAPE))
     traced.save(str(model_dir / "1" / "model.pt"))
-    (model_dir / "config.pbtxt").write_text(CONFIG)
+    (model_dir / "config.pbtxt").write_text(CONFIG.replace("KIND_GPU", "KIND_CPU") if a.cpu_smoke else CONFIG)
 
-    gpu_module = torch.jit.load(str(model_dir / "1" / "model.pt"), map_location="cuda:0").eval()
+    gpu_module = torch.jit.load(str(model_dir / "1" / "model.pt"), map_location=device).eval()
+
+    def raw_fn(batch: int):
+        x = batch_input(batch)
+
+        def raw():
+            with torch.inference_mode():
+                return gpu_module(torch.from_numpy(x).to(device)).cpu().numpy()
+
+        return raw
+
     rows = []
-    naiad = Naiad(a.work / "repo")
+    for batch, conc in cases:
+        lats = run_threads(lambda b=batch: raw_fn(b), conc, a.warmup, a.duration, batch)
+        rows.append(
+            {
+                "row": "torch in-process",
+                "batch": batch,
+                "concurrency": conc,
+                **summarise(lats, batch, a.duration),
+            }
+        )
+    pool = (
+        multiprocessing.get_context("spawn").Pool(max(c for _, c in cases)) if a.clients == "procs" else None
+    )
     try:
-        state = naiad.ready("resnet50_pt")
-        if state:
-            raise RuntimeError(f"resnet50_pt is not ready: {state}")
-        for batch in batches:
-            x = np.random.default_rng(0).standard_normal((batch, *SHAPE), dtype=np.float32)
-
-            def raw(x=x):
-                with torch.inference_mode():
-                    return gpu_module(torch.from_numpy(x).to("cuda:0")).cpu().numpy()
-
-            served = client_fn(naiad, a.protocol, "resnet50_pt", x, a.concurrency)
-            expected, got = raw(), served()
-            assert np.allclose(expected, got, rtol=1e-3, atol=1e-3), "served output differs from the module's"
-            for name, fn in (("torch raw", raw), (f"naiad torchscript ({a.protocol})", served)):
-                r = measure(fn, batch, a.iters, a.warmup, a.concurrency)
-                rows.append({"row": name, "batch": batch, **r})
+        for workers in a.workers.split(","):
+            naiad = Naiad(a.work / "repo", ["--frontend-workers", workers.strip()])
+            try:
+                state = naiad.ready(MODEL)
+                if state:
+                    raise RuntimeError(f"{MODEL} is not ready: {state}")
+                for protocol in a.protocols.split(","):
+                    for batch, conc in cases:
+                        x = batch_input(batch)
+                        expected, got = raw_fn(batch)(), served_once(naiad, protocol, x)
+                        assert np.allclose(expected, got, rtol=1e-3, atol=1e-3), "served output differs"
+                        if pool is not None and conc > 1:
+                            lats = run_procs(pool, naiad, protocol, batch, conc, a.warmup, a.duration)
+                        else:
+                            lats = run_threads(
+                                lambda p=protocol, x=x, n=naiad: client_fn(n, p, MODEL, x, 1),
+                                conc,
+                                a.warmup,
+                                a.duration,
+                                batch,
+                            )
+                        rows.append(
+                            {
+                                "row": f"naiad {protocol} w{workers.strip()}",
+                                "batch": batch,
+                                "concurrency": conc,
+                                **summarise(lats, batch, a.duration),
+                            }
+                        )
+                        print(json.dumps(rows[-1]), flush=True)
+            finally:
+                naiad.stop()
     finally:
-        naiad.stop()
-    print(f"| row | batch | p50 ms | p99 ms | images/s |  (GPU: {torch.cuda.get_device_name(0)})")
-    print("|---|---|---|---|---|")
+        if pool is not None:
+            pool.terminate()
+    raw = {(r["batch"], r["concurrency"]): r for r in rows if r["row"] == "torch in-process"}
+    name = "cpu" if a.cpu_smoke else torch.cuda.get_device_name(0)
+    print(f"| row | batch | clients | p50 ms | p99 ms | images/s | of in-process |  (device: {name})")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        ref = raw[(r["batch"], r["concurrency"])]["images_per_s"]
         print(
-            f"| {r['row']} | {r['batch']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['images_per_s']:.0f} |"
+            f"| {r['row']} | {r['batch']} | {r['concurrency']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+            f"{r['images_per_s']:.0f} | {r['images_per_s'] / ref:.2f} |"
         )
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))

@@ -193,13 +193,12 @@ SENTENCES = [
 HF_CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}<|assistant|>"
 
 
-def write_tiny_hf_llama(folder: Path, byte_level: bool = False) -> None:
-    """A tiny random-weight `LlamaConfig` model and a word-level tokenizer trained on SENTENCES, saved with
-    `save_pretrained` into `folder` (a Hugging Face folder the transformers backend serves). `byte_level`: a
-    byte-level BPE tokenizer instead (every byte a token, as GPT-2's and Llama 3's), which can write any text."""
-    import torch
+def _hf_tokenizer(byte_level: bool, vocab_size: int = 0):
+    """The tests' Hugging Face tokenizer: word-level over SENTENCES, or byte-level BPE (every byte a token); with
+    `vocab_size`, padded with added tokens `<extra_N>` up to that size (a real-size vocabulary whose every id
+    decodes to text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     if byte_level:
@@ -215,14 +214,27 @@ def write_tiny_hf_llama(folder: Path, byte_level: bool = False) -> None:
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=specials))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    if vocab_size > tok.get_vocab_size():
+        tok.add_tokens([f"<extra_{i}>" for i in range(vocab_size - tok.get_vocab_size())])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
     fast.chat_template = HF_CHAT_TEMPLATE
+    return fast
+
+
+def write_tiny_hf_llama(folder: Path, byte_level: bool = False) -> None:
+    """A tiny random-weight `LlamaConfig` model and a word-level tokenizer trained on SENTENCES, saved with
+    `save_pretrained` into `folder` (a Hugging Face folder the transformers backend serves). `byte_level`: a
+    byte-level BPE tokenizer instead (every byte a token, as GPT-2's and Llama 3's), which can write any text."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fast = _hf_tokenizer(byte_level)
     fast.save_pretrained(folder)
     torch.manual_seed(1234)
     config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
+        vocab_size=len(fast),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -234,6 +246,34 @@ def write_tiny_hf_llama(folder: Path, byte_level: bool = False) -> None:
         pad_token_id=0,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
+
+
+# A Llama-3.2-1B-shaped config (hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192) with a 32,000-token
+# vocabulary: about 1.1 B parameters, 2.2 GB in bfloat16. The GPU benchmark's "real size" model.
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+
+
+def write_sized_hf_llama(folder: Path, shape: dict, device: str = "cpu") -> None:
+    """A random-weight llama of the given `LlamaConfig` shape in bfloat16 (initialised on `device`: a GPU makes a
+    billion parameters in a second) with the byte-level tokenizer padded to its vocabulary, saved into `folder`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fast = _hf_tokenizer(True, shape["vocab_size"])
+    fast.save_pretrained(folder)
+    torch.manual_seed(1234)
+    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="bfloat16")
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
 
 
 def write_llamacpp_model(model_dir: Path, extra_config: str = "") -> None:

@@ -299,3 +299,53 @@ def test_kv_cache_usage_follows_the_running_sequences(server):
     while kv_cache_usage(server) != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert kv_cache_usage(server) == 0
+
+
+# ---- KIND_GPU ----
+def _gpu_reason() -> str | None:
+    import gpu_models
+
+    return gpu_models.cuda_device_reason() or gpu_models.torch_cuda_reason()
+
+
+@pytest.mark.gpu
+def test_kind_gpu_greedy_output_equals_model_generate(tmp_path):
+    """The same tiny model on KIND_GPU (float32 on cuda:0): greedy text equals `model.generate` on the CPU, a
+    streamed batch of concurrent requests completes, and the KV-cache gauge is exported for the GPU copy."""
+    reason = _gpu_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    repo = tmp_path / "models"
+    (repo / "tiny" / "1").mkdir(parents=True)
+    (repo / "tiny" / "config.pbtxt").write_text(
+        'backend: "transformers"\ninstance_group [ { count: 1 kind: KIND_GPU } ]\n'
+        'parameters: { key: "dtype" value: { string_value: "float32" } }\n'
+    )
+    write_tiny_hf_llama(repo / "tiny" / "1")
+    prompt = "the quick brown fox"
+    expected = reference(repo, prompt, 12)
+    with NaiadProcess(repo, timeout=180) as gpu_server:
+        body = {
+            "text_input": prompt,
+            "sampling_parameters": json.dumps({"max_tokens": 12, "temperature": 0}),
+            "exclude_input_in_output": True,
+        }
+        r = generate(gpu_server, body)
+        assert r.status_code == 200, r.text
+        assert r.json()["text_output"] == expected
+        many = {
+            **body,
+            "sampling_parameters": json.dumps({"max_tokens": 24, "temperature": 0, "ignore_eos": True}),
+        }
+        results: list[requests.Response] = []
+        threads = [
+            threading.Thread(target=lambda: results.append(generate(gpu_server, many))) for _ in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [x.status_code for x in results] == [200] * 8
+        metrics = requests.get(f"http://{gpu_server.metrics}/metrics", timeout=10).text
+        assert 'vllm:kv_cache_usage_perc{model_name="tiny"' in metrics
+        assert 'vllm:request_generation_tokens_count{model_name="tiny"' in metrics

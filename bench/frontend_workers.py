@@ -36,8 +36,10 @@ NICE = ["nice", "-n", "-20"] if os.geteuid() == 0 else []
 SCENARIOS = {"small_c64": (16, 64), "large_c8": (1024 * 1024, 8)}  # FP32 values, connections
 MORE_SCENARIOS = {"small_c8": (16, 8)}  # chosen with --scenarios
 GRPC_SCENARIOS = {
-    "grpc_small_2conn": (16, 2, 32)
+    "grpc_small_2conn": (16, 2, 32),
+    "grpc_small_8conn": (16, 8, 32),
 }  # FP32 values, connections, streams per connection (h2load)
+CLIENT_THREADS = 2  # --client-threads: wrk's and h2load's threads (at most one per connection)
 GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 
 CONFIG = """name: "identity_var"
@@ -45,7 +47,7 @@ backend: "python"
 max_batch_size: 0
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
-instance_group [ { count: 1 kind: KIND_CPU } ]
+instance_group [ { count: INSTANCES kind: KIND_CPU } ]
 """
 
 
@@ -55,10 +57,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_repo(root: Path) -> Path:
+def make_repo(root: Path, instances: int = 1) -> Path:
     (root / "identity_var" / "1").mkdir(parents=True)
     shutil.copy(MODEL_PY, root / "identity_var" / "1" / "model.py")
-    (root / "identity_var" / "config.pbtxt").write_text(CONFIG)
+    (root / "identity_var" / "config.pbtxt").write_text(CONFIG.replace("INSTANCES", str(instances)))
     return root
 
 
@@ -151,7 +153,7 @@ class Server:
 
 def wrk(port: int, body: Path, header_len: int, conns: int, seconds: float) -> dict:
     env = dict(os.environ, BENCH_BODY=str(body), BENCH_HEADER_LEN=str(header_len))
-    threads = 2 if conns >= 8 else 1
+    threads = min(CLIENT_THREADS, conns) if conns >= 8 else 1
     cmd = [*NICE, "wrk", f"-t{threads}", f"-c{conns}", f"-d{max(1, round(seconds))}s", "-s", str(LUA),
            f"http://127.0.0.1:{port}/v2/models/identity_var/infer"]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -179,7 +181,7 @@ def grpc_body(values: int, tmp: Path) -> Path:
 
 def h2load(port: int, body: Path, conns: int, streams: int, seconds: float) -> dict:
     """gRPC unary calls over `conns` long-lived h2c connections; {"requests", "duration_us", "err_*"}."""
-    cmd = [*NICE, "h2load", f"-c{conns}", f"-m{streams}", f"-D{max(1, round(seconds))}", "-d", str(body),
+    cmd = [*NICE, "h2load", f"-t{min(CLIENT_THREADS, conns)}", f"-c{conns}", f"-m{streams}", f"-D{max(1, round(seconds))}", "-d", str(body),
            "-H", "content-type: application/grpc", "-H", "te: trailers",
            f"http://127.0.0.1:{port}{GRPC_PATH}"]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -222,10 +224,18 @@ def main() -> int:
         default=",".join(SCENARIOS),
         help=f"of {', '.join([*SCENARIOS, *MORE_SCENARIOS, *GRPC_SCENARIOS])}",
     )
+    p.add_argument(
+        "--client-threads", type=int, default=2, help="wrk's and h2load's threads (a many-core machine)"
+    )
+    p.add_argument(
+        "--instances", type=int, default=1, help="the model's instances (python processes behind the engine)"
+    )
     args = p.parse_args()
+    global CLIENT_THREADS
+    CLIENT_THREADS = args.client_threads
     settings = [w.strip() for w in args.workers.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="naiad-fw-bench-"))
-    repo = make_repo(tmp / "repo")
+    repo = make_repo(tmp / "repo", args.instances)
     log = tmp / "server.log"
     results: dict = {}
     try:

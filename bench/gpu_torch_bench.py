@@ -94,7 +94,7 @@ def summarise(lat_lists: list[list[float]], batch: int, duration: float) -> dict
 def run_threads(make_fn, concurrency: int, warmup: int, duration: float, batch: int) -> list[list[float]]:
     """`concurrency` threads, each making its own client (tritonclient's HTTP client belongs to the thread that
     made it), warming up and then timed over one shared window."""
-    start_at = time.monotonic() + 2.0 + 0.05 * warmup * batch
+    start_at = time.monotonic() + 1.0 + 0.01 * warmup * batch
     out: list[list[float]] = [[] for _ in range(concurrency)]
 
     def one(i: int) -> None:
@@ -125,7 +125,7 @@ def served_once(naiad: Naiad, protocol: str, x: np.ndarray) -> np.ndarray:
 def run_procs(pool, naiad: Naiad, protocol: str, batch: int, concurrency: int, warmup: int, duration: float):
     # The processes are already started (the pool is warm); each makes its connection and warms up before the
     # shared start instant, which leaves room for a slow warm-up at batch 32.
-    start_at = time.monotonic() + 3.0 + 0.05 * warmup * batch
+    start_at = time.monotonic() + 2.0 + 0.01 * warmup * batch
     args = (naiad.http_port, naiad.grpc_port, protocol, batch, warmup, start_at, duration)
     return pool.map(client_process, [args] * concurrency)
 

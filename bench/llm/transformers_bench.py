@@ -199,7 +199,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (KIND_GPU) or cpu (KIND_CPU, float32)")
     ap.add_argument("--ways", default="inproc,naiad,naiad-openai")
     ap.add_argument("--concurrency", default="1,8,32")
-    ap.add_argument("--requests", type=int, default=0, help="per level (default: max(8, 2 x concurrency))")
+    ap.add_argument(
+        "--requests", type=int, default=0, help="per level (default: max(--min-requests, 2 x concurrency))"
+    )
+    ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=512, help="KV-cache blocks of 32 tokens")
@@ -228,7 +231,7 @@ def main() -> None:
         for way in ways:  # warm up: the first requests start threads and compile kernels
             run_level(2, 2, way.one)
         for r, c in enumerate(int(c) for c in args.concurrency.split(",")):
-            n = args.requests or max(8, 2 * c)
+            n = args.requests or max(args.min_requests, 2 * c)
             for way in ways if r % 2 == 0 else ways[::-1]:
                 row = {
                     "model": args.shape,

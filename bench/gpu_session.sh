@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU tier and the GPU benchmarks in one run on a GPU machine (docs/gpu.md records what it printed):
+#   env      the GPU, driver, Python and the libraries the run found
+#   gputier  pytest -m gpu over the GPU tests this machine's libraries can run
+#   resnet   bench/gpu_torch_bench.py: ResNet-50 TorchScript on KIND_GPU against in-process, --frontend-workers 1 and N
+#   workers  bench/frontend_workers.py: small HTTP and gRPC requests, --frontend-workers 1, 2, 4, 8
+#   llm      bench/llm/transformers_bench.py: the transformers engine on a 1B-shaped llama, in-process against Naiad
+# Each step has its own time limit, writes $OUT/<step>.log and prints its last lines, so one failing step costs only
+# its own time. Run from the repository root:
+#   bash bench/gpu_session.sh                     # every step
+#   STEPS="gputier resnet" bash bench/gpu_session.sh
+# Environment: OUT (default bench/.work/gpu-session), PYTHON (default python3), WHEELS (a folder of wheels to put on
+# PYTHONPATH first, for a machine without a package index), TOOLS (a folder with bin/ and lib/ of wrk and h2load,
+# and perf_analyzer/, likewise carried), WORKERS_N (the frontend workers of the resnet step, default 8).
+set -u
+OUT="${OUT:-bench/.work/gpu-session}"
+PY="${PYTHON:-python3}"
+STEPS="${STEPS:-env gputier resnet workers llm}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -n "${WHEELS:-}" ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/naiad-site \
+    "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH="/tmp/naiad-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/server:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${TOOLS:-}" ]; then
+  export PATH="$TOOLS/bin:$PATH" LD_LIBRARY_PATH="$TOOLS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  [ -x "$TOOLS/perf_analyzer/perf_analyzer" ] && export NAIAD_TOOL_PERF_ANALYZER="$TOOLS/perf_analyzer/perf_analyzer"
+fi
+
+step() {  # step NAME SECONDS COMMAND...: run it with a limit, its output in $OUT/NAME.log
+  local name=$1 limit=$2 start rc
+  shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  start=$(date +%s)
+  timeout -k 15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "=== $name: rc $rc in $(($(date +%s) - start)) s (limit $limit s)"
+  grep -v -e '^Loading weights' -e 'Writing model shards' "$OUT/$name.log" | tail -n "${TAIL:-30}"
+}
+
+step env 40 bash -c "nvidia-smi; nproc; free -g; $PY -c 'import sys, torch, transformers, numpy, grpc, google.protobuf as pb;
+print(sys.version); print(\"torch\", torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0));
+print(\"transformers\", transformers.__version__, \"numpy\", numpy.__version__, \"grpcio\", grpc.__version__, \"protobuf\", pb.__version__)';
+$PY -c 'import naiad.cli, tritonclient.grpc, tritonclient.http, msgspec, orjson, httptools; print(\"naiad imports\")';
+command -v wrk h2load; echo perf_analyzer=\${NAIAD_TOOL_PERF_ANALYZER:-none}"
+
+step gputier 150 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --timeout 120 \
+  tests/test_gpu.py tests/test_server_settings.py tests/test_perf_analyzer.py tests/test_python_gpu_tensors.py \
+  tests/test_transformers.py
+
+step resnet 150 "$PY" bench/gpu_torch_bench.py --cases 1:1,32:1,8:8 --workers "1,${WORKERS_N:-8}" \
+  --protocols grpc,http --duration 3 --json "$OUT/resnet.json"
+
+step workers 90 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 4 --warmup 2 \
+  --client-threads 4 --instances 4 --scenarios small_c64,grpc_small_8conn
+
+step llm 150 "$PY" bench/llm/transformers_bench.py --concurrency 1,8,32 --max-tokens 64 --min-requests 4 \
+  --out "$OUT/llm.jsonl"

@@ -4,6 +4,7 @@ tritonserver-compatible command line."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -220,3 +221,35 @@ def test_serve_needs_no_optional_extra():
     env = dict(os.environ, PYTHONPATH=str(ROOT / "server"))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "serve", done.stderr[-2000:]
+
+
+async def test_not_ready_until_every_listener_is_up(tmp_path, monkeypatch):
+    """While the gRPC listener opens, the HTTP port is up but the server is not ready (a readiness probe on the HTTP
+    port must not send clients to a gRPC port that is not listening yet, or never will be); after it, ready."""
+    from naiad import cli
+    from naiad.app import App
+    from naiad.frontends.grpc import GrpcFrontend
+
+    http_port, grpc_port = free_ports(2)
+    args = cli.build_parser().parse_args(
+        ["serve", "--model-repository", str(tmp_path), "--http-address", "127.0.0.1", "--grpc-address",
+         "127.0.0.1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--allow-metrics", "false"]
+    )  # fmt: skip
+    app = App(cli._options(args, True), args)
+    seen = {}
+    start = GrpcFrontend.start
+
+    async def probing_start(self, *a, **kw):
+        seen["ready"] = app.server.ready()
+        loop = asyncio.get_running_loop()
+        url = f"http://127.0.0.1:{http_port}/v2/health/ready"
+        seen["http"] = await loop.run_in_executor(None, lambda: requests.get(url, timeout=5).status_code)
+        await start(self, *a, **kw)
+
+    monkeypatch.setattr(GrpcFrontend, "start", probing_start)
+    await app.start()
+    try:
+        assert seen == {"ready": False, "http": 400}
+        assert app.server.ready()
+    finally:
+        await app.stop(0)

@@ -174,6 +174,7 @@ class App:
 
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
         await self.server.start()
+        self.server.opening_listeners = True  # not ready until the last listener below is up
         workers = int(getattr(a, "frontend_workers", 1))
         in_process = workers == 1  # more: worker processes serve HTTP and gRPC, this process is the engine
         busy_poll = None
@@ -226,6 +227,7 @@ class App:
             context = self._tls_context(metrics_tls, ["http/1.1"], "metrics")
             self._runners.append(await self.metrics.start(host, a.metrics_port, ssl=context))
             self.endpoints.append(f"Metrics Service at {host}:{a.metrics_port}{tls.describe(metrics_tls)}")
+        self.server.opening_listeners = False
         for reloading in self._tls_contexts:
             reloading.start()
 

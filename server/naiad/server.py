@@ -120,6 +120,9 @@ class Server:
         self._started = False
         self._stopping = False
         self.draining = False  # SIGTERM: open connections are still served, but the server is no longer ready
+        # set by the app while it opens its listeners: not ready until every one is up (a readiness probe answered
+        # on the HTTP port must not send gRPC clients to a port that is not listening yet, or never will be)
+        self.opening_listeners = False
         self._inflight = 0
         self._handoff: Handoff | None = None  # decoupled responses to the event loop (infer_stream)
         self._idle = asyncio.Event()
@@ -174,7 +177,7 @@ class Server:
     def ready(self) -> bool:
         """Ready once started; with strict readiness, only while no model has failed to load and every remote
         repository could be listed."""
-        if not self._started or self._stopping or self.draining:
+        if not self._started or self._stopping or self.draining or self.opening_listeners:
             return False
         if not self.options.strict_readiness:
             return True

@@ -124,6 +124,8 @@ class Server:
         boost(self.proc.pid)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
             try:
                 if requests.get(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=1).ok:
                     return

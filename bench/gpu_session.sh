@@ -54,7 +54,7 @@ $PY -c 'import naiad.cli, tritonclient.grpc, tritonclient.http, msgspec, orjson,
 command -v wrk h2load; echo perf_analyzer=\${NAIAD_TOOL_PERF_ANALYZER:-none}"
 
 step resnet 105 "$PY" bench/gpu_torch_bench.py --cases 1:1,32:1,8:8 --workers "1,${WORKERS_N:-8}" \
-  --protocols grpc,http --duration 3 --json "$OUT/resnet.json"
+  --protocols grpc,http --duration 2.5 --json "$OUT/resnet.json"
 
 step workers 55 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \
   --client-threads 4 --instances 4 --scenarios small_c64,grpc_small_8conn

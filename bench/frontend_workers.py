@@ -117,7 +117,9 @@ class Server:
             workers,
             *extra,
         ]
-        env = dict(os.environ, PYTHONPATH=str(ROOT / "server"))
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])
+        )
         self.proc = subprocess.Popen(
             cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -127,7 +128,7 @@ class InProcess:
         level.add(sent, stamps)
 
     def close(self) -> None:
-        self.manager.stop(block=True, timeout=30)
+        self.manager.stop(block=False)  # (a blocking stop waited forever on a GPU; the process exits next)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
@@ -255,3 +256,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    os._exit(0)  # not waiting for the in-process manager's threads

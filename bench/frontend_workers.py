@@ -43,7 +43,7 @@ CLIENT_THREADS = 2  # --client-threads: wrk's and h2load's threads (at most one 
 GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 
 CONFIG = """name: "identity_var"
-backend: "python"
+backend: "BACKEND"
 max_batch_size: 0
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
@@ -57,10 +57,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_repo(root: Path, instances: int = 1) -> Path:
+def make_repo(root: Path, instances: int = 1, backend: str = "python") -> Path:
+    """The identity model: a python model (its instances are stub processes the engine talks to), or an ONNX
+    Identity graph run by ONNX Runtime inside the engine process (`--backend onnxruntime`)."""
     (root / "identity_var" / "1").mkdir(parents=True)
-    shutil.copy(MODEL_PY, root / "identity_var" / "1" / "model.py")
-    (root / "identity_var" / "config.pbtxt").write_text(CONFIG.replace("INSTANCES", str(instances)))
+    if backend == "python":
+        shutil.copy(MODEL_PY, root / "identity_var" / "1" / "model.py")
+    else:
+        import onnx
+        from onnx import TensorProto, helper
+
+        x = helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, [-1])
+        y = helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, [-1])
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "identity", [x], [y]
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+        model.ir_version = 8
+        onnx.save(model, str(root / "identity_var" / "1" / "model.onnx"))
+    config = CONFIG.replace("INSTANCES", str(instances)).replace("BACKEND", backend)
+    if backend == "onnxruntime":  # one intra-op thread: a pool of spinning threads would measure ONNX Runtime
+        config += 'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }\n'
+    (root / "identity_var" / "config.pbtxt").write_text(config)
     return root
 
 
@@ -234,12 +252,18 @@ def main() -> int:
     p.add_argument(
         "--instances", type=int, default=1, help="the model's instances (python processes behind the engine)"
     )
+    p.add_argument(
+        "--backend",
+        choices=["python", "onnxruntime"],
+        default="python",
+        help="the identity model's backend: python (stub processes) or onnxruntime (inside the engine)",
+    )
     args = p.parse_args()
     global CLIENT_THREADS
     CLIENT_THREADS = args.client_threads
     settings = [w.strip() for w in args.workers.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="naiad-fw-bench-"))
-    repo = make_repo(tmp / "repo", args.instances)
+    repo = make_repo(tmp / "repo", args.instances, args.backend)
     log = tmp / "server.log"
     results: dict = {}
     try:

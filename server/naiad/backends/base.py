@@ -57,7 +57,8 @@ class InlinePolicy:
     62% of the time of a 16-value python identity request (py-spy, bench/README.md). A model qualifies after
     `QUALIFY` executions whose moving average stays under `LIMIT_NS`, and goes back to its thread as soon as
     one inline execution takes longer than `EVICT_NS`, so a slow model can never stall the event loop for
-    more than one execution.
+    more than one execution, or when the average of its inline executions passes twice `LIMIT_NS` (a batched
+    model that qualified on small batches and now executes large ones).
     """
 
     QUALIFY = 32
@@ -76,7 +77,10 @@ class InlinePolicy:
         if not self.allowed:
             return
         if self.inline:
-            if ns > self.EVICT_NS:
+            # back to its thread after one slow execution, or when the executions have grown (a dynamic batcher
+            # composing larger batches than the ones the model qualified with)
+            self._avg = 0.8 * self._avg + 0.2 * ns
+            if ns > self.EVICT_NS or self._avg > 2 * self.LIMIT_NS:
                 self.inline = False
                 self._count = 0
                 self._avg = float(ns)

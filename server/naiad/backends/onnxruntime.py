@@ -104,6 +104,7 @@ class OnnxBackend(ModelFileBackend):
 
     name = "onnxruntime"
     default_model_filename = "model.onnx"
+    allow_inline = True  # a small graph runs on the event loop once it has proved fast (base.InlinePolicy)
 
     auto_complete = staticmethod(auto_complete)
 

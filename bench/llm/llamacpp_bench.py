@@ -261,6 +261,30 @@ def _post(way, level: Level) -> None:
                 raise
 
 
+def generate_stream_body(max_tokens: int) -> dict:
+    """A streamed generate-extension request in the vLLM shape: the prompt, `max_tokens` greedy with ignore_eos."""
+    sampling = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return {
+        "text_input": PROMPT,
+        "stream": True,
+        "exclude_input_in_output": True,
+        "return_num_output_tokens": True,
+        "sampling_parameters": json.dumps(sampling),
+    }
+
+
+def completions_body(max_tokens: int) -> dict:
+    """The same as a streamed OpenAI `/v1/completions` request to model `llm`."""
+    return {
+        "model": "llm",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
 class Naiad:
     name = "naiad"
     server_args: tuple[str, ...] = ()
@@ -279,15 +303,7 @@ class Naiad:
         )
         self.proc = NaiadProcess(self.repo, *self.server_args, env=self.server_env, timeout=300).start()
         self.url = f"{self.proc.url}/v2/models/llm/generate_stream"
-        self.body = {
-            "text_input": PROMPT,
-            "stream": True,
-            "exclude_input_in_output": True,
-            "return_num_output_tokens": True,
-            "sampling_parameters": json.dumps(
-                {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-            ),
-        }
+        self.body = generate_stream_body(args.max_tokens)
         self.local = threading.local()
 
     def one(self, level: Level) -> None:
@@ -320,14 +336,7 @@ class NaiadOpenAI(Naiad):
     def __init__(self, gguf: Path, args):
         super().__init__(gguf, args)
         self.url = f"{self.proc.url}/v1/completions"
-        self.body = {
-            "model": "llm",
-            "prompt": PROMPT,
-            "max_tokens": args.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
+        self.body = completions_body(args.max_tokens)
 
 
 class NaiadOpenAIWorkers(NaiadOpenAI):
@@ -422,6 +431,14 @@ WAYS = {
 }
 
 
+def append_rows(path: str, rows: list[dict]) -> None:
+    """`--out`: the rows as JSON lines, appended (nothing without a path)."""
+    if path:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
 def _print(row: dict) -> None:
     print(
         f"{row['model']:5} c{row['concurrency']:<3} {row['way']:13} round {row['round']!s:6} "
@@ -507,10 +524,7 @@ def main() -> None:
     finally:
         for way in ways:
             way.close()
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    append_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -29,7 +28,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench" / "llm"), str(ROOT / "server"), str(ROOT / "tests")]
 
 from helpers import NaiadProcess  # noqa: E402
-from llamacpp_bench import PROMPT, Level, _post, _print, run_level  # noqa: E402
+from llamacpp_bench import (  # noqa: E402
+    PROMPT,
+    Level,
+    _post,
+    _print,
+    append_rows,
+    completions_body,
+    generate_stream_body,
+    run_level,
+)
 from llm_models import LLAMA_1B, write_sized_hf_llama, write_tiny_hf_llama  # noqa: E402
 
 TINY = {
@@ -158,15 +166,7 @@ class Naiad:
 
     def __init__(self, server: NaiadServer, args):
         self.url = f"{server.proc.url}/v2/models/llm/generate_stream"
-        self.body = {
-            "text_input": PROMPT,
-            "stream": True,
-            "exclude_input_in_output": True,
-            "return_num_output_tokens": True,
-            "sampling_parameters": json.dumps(
-                {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-            ),
-        }
+        self.body = generate_stream_body(args.max_tokens)
         self.local = threading.local()
 
     def one(self, level: Level) -> None:
@@ -184,14 +184,7 @@ class NaiadOpenAI(Naiad):
     def __init__(self, server: NaiadServer, args):
         super().__init__(server, args)
         self.url = f"{server.proc.url}/v1/completions"
-        self.body = {
-            "model": "llm",
-            "prompt": PROMPT,
-            "max_tokens": args.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
+        self.body = completions_body(args.max_tokens)
 
 
 def main() -> None:
@@ -248,10 +241,7 @@ def main() -> None:
             way.close()
         if server is not None:
             server.proc.stop()
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    append_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 # The GPU tier and the GPU benchmarks in one run on a GPU machine (docs/gpu.md records what it printed):
 #   env      the GPU, driver, Python and the libraries the run found
 #   resnet   bench/gpu_torch_bench.py: ResNet-50 TorchScript on KIND_GPU against in-process, --frontend-workers 1 and N
-#   workers  bench/frontend_workers.py: small HTTP and gRPC requests, --frontend-workers 1, 2, 4, 8
+#   workers  bench/frontend_workers.py: small HTTP and gRPC requests to an ONNX identity executed in the engine,
+#            --frontend-workers 1, 2, 4, 8
 #   llm      bench/llm/transformers_bench.py: the transformers engine on a 1B-shaped llama, in-process against Naiad
 #   gputier  pytest -m gpu over the GPU tests this machine's libraries can run (GPUTIER_MORE: more test files, e.g.
 #            tests/test_server_settings.py tests/test_perf_analyzer.py)
+#   stubs    the workers sweep with a python identity model of 4 instances (stub processes behind the engine)
 # Each step has its own time limit, writes $OUT/<step>.log and prints its last lines, so one failing step costs only
 # its own time. Run from the repository root:
 #   bash bench/gpu_session.sh                     # every step
@@ -16,7 +18,7 @@
 set -u
 OUT="${OUT:-bench/.work/gpu-session}"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-env resnet workers llm gputier}"
+STEPS="${STEPS:-env resnet workers llm gputier stubs}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # a step past its limit gets SIGABRT: every thread's stack
 if [ -n "${WHEELS:-}" ]; then
@@ -57,10 +59,13 @@ step resnet 105 "$PY" bench/gpu_torch_bench.py --cases 1:1,32:1,8:8 --workers "1
   --protocols grpc,http --duration 2.5 --json "$OUT/resnet.json"
 
 step workers 55 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \
-  --client-threads 4 --instances 4 --scenarios small_c64,grpc_small_8conn
+  --client-threads 4 --backend onnxruntime --scenarios small_c64,grpc_small_8conn
 
 step llm 90 "$PY" bench/llm/transformers_bench.py --concurrency 1,8,32 --max-tokens 64 --min-requests 3 \
   --out "$OUT/llm.jsonl"
 
 step gputier "${GPUTIER_LIMIT:-80}" "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --timeout 70 \
   tests/test_transformers.py tests/test_python_gpu_tensors.py tests/test_gpu.py ${GPUTIER_MORE:-}
+
+step stubs 55 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \
+  --client-threads 4 --backend python --instances 4 --scenarios small_c64,grpc_small_8conn

@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -67,12 +68,7 @@ def timed_loop(fn, start_at: float, duration: float) -> list[float]:
 def client_process(args: tuple) -> list[float]:
     """One client process: its own connection, a warm-up, then the timed window."""
     http_port, grpc_port, protocol, batch, warmup, start_at, duration = args
-
-    class Addr:  # what client_fn reads of a Naiad
-        pass
-
-    addr = Addr()
-    addr.http_port, addr.grpc_port = http_port, grpc_port
+    addr = types.SimpleNamespace(http_port=http_port, grpc_port=grpc_port)  # what client_fn reads of a Naiad
     fn = client_fn(addr, protocol, MODEL, batch_input(batch), 1)
     for _ in range(warmup):
         fn()

@@ -39,7 +39,6 @@ GRPC_SCENARIOS = {
     "grpc_small_2conn": (16, 2, 32),
     "grpc_small_8conn": (16, 8, 32),
 }  # FP32 values, connections, streams per connection (h2load)
-CLIENT_THREADS = 2  # --client-threads: wrk's and h2load's threads (at most one per connection)
 GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 
 CONFIG = """name: "identity_var"
@@ -173,9 +172,9 @@ class Server:
             self.proc.wait()
 
 
-def wrk(port: int, body: Path, header_len: int, conns: int, seconds: float) -> dict:
+def wrk(port: int, body: Path, header_len: int, conns: int, seconds: float, client_threads: int = 2) -> dict:
     env = dict(os.environ, BENCH_BODY=str(body), BENCH_HEADER_LEN=str(header_len))
-    threads = min(CLIENT_THREADS, conns) if conns >= 8 else 1
+    threads = min(client_threads, conns) if conns >= 8 else 1
     cmd = [*NICE, "wrk", f"-t{threads}", f"-c{conns}", f"-d{max(1, round(seconds))}s", "-s", str(LUA),
            f"http://127.0.0.1:{port}/v2/models/identity_var/infer"]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -201,9 +200,9 @@ def grpc_body(values: int, tmp: Path) -> Path:
     return path
 
 
-def h2load(port: int, body: Path, conns: int, streams: int, seconds: float) -> dict:
+def h2load(port: int, body: Path, conns: int, streams: int, seconds: float, client_threads: int = 2) -> dict:
     """gRPC unary calls over `conns` long-lived h2c connections; {"requests", "duration_us", "err_*"}."""
-    cmd = [*NICE, "h2load", f"-t{min(CLIENT_THREADS, conns)}", f"-c{conns}", f"-m{streams}", f"-D{max(1, round(seconds))}", "-d", str(body),
+    cmd = [*NICE, "h2load", f"-t{min(client_threads, conns)}", f"-c{conns}", f"-m{streams}", f"-D{max(1, round(seconds))}", "-d", str(body),
            "-H", "content-type: application/grpc", "-H", "te: trailers",
            f"http://127.0.0.1:{port}{GRPC_PATH}"]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
@@ -221,13 +220,14 @@ def h2load(port: int, body: Path, conns: int, streams: int, seconds: float) -> d
     return {"requests": ok, "duration_us": max(1, round(seconds)) * 1e6, "err_status": done - ok}
 
 
-def run_scenario(server: Server, name: str, tmp: Path, seconds: float) -> dict:
+def run_scenario(server: Server, name: str, tmp: Path, seconds: float, client_threads: int) -> dict:
+    """One scenario's load for `seconds`, wrk and h2load on at most `client_threads` threads each."""
     if name in GRPC_SCENARIOS:
         values, conns, streams = GRPC_SCENARIOS[name]
-        return h2load(server.grpc_port, grpc_body(values, tmp), conns, streams, seconds)
+        return h2load(server.grpc_port, grpc_body(values, tmp), conns, streams, seconds, client_threads)
     values, conns = {**SCENARIOS, **MORE_SCENARIOS}[name]
     body, hlen = body_file(values, tmp)
-    return wrk(server.port, body, hlen, conns, seconds)
+    return wrk(server.port, body, hlen, conns, seconds, client_threads)
 
 
 def main() -> int:
@@ -259,8 +259,6 @@ def main() -> int:
         help="the identity model's backend: python (stub processes) or onnxruntime (inside the engine)",
     )
     args = p.parse_args()
-    global CLIENT_THREADS
-    CLIENT_THREADS = args.client_threads
     settings = [w.strip() for w in args.workers.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="naiad-fw-bench-"))
     repo = make_repo(tmp / "repo", args.instances, args.backend)
@@ -273,9 +271,9 @@ def main() -> int:
                 server = Server(repo, n, log)
                 try:
                     for name in args.scenarios.split(","):
-                        run_scenario(server, name, tmp, args.warmup)
+                        run_scenario(server, name, tmp, args.warmup, args.client_threads)
                         cpu0 = server.cpu_seconds()
-                        r = run_scenario(server, name, tmp, args.duration)
+                        r = run_scenario(server, name, tmp, args.duration, args.client_threads)
                         cpu = server.cpu_seconds() - cpu0
                         errors = sum(v for k, v in r.items() if k.startswith("err_"))
                         rps = r["requests"] / (r["duration_us"] / 1e6)

@@ -114,6 +114,11 @@ def torch_cuda_reason() -> str | None:
     return None
 
 
+def torch_gpu_reason() -> str | None:
+    """None when NVML sees a CUDA device and torch can use it, else a one-line reason."""
+    return cuda_device_reason() or torch_cuda_reason()
+
+
 def nvml_reason() -> str | None:
     try:
         import pynvml

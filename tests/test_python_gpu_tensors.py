@@ -278,16 +278,7 @@ def test_host_tensors_are_not_device_tensors():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gpu_reason() -> str | None:
-    reason = gm.cuda_device_reason()
-    if reason is not None:
-        return reason
-    import torch
-
-    return None if torch.cuda.is_available() else "torch has no CUDA"
-
-
-GPU_REASON = _gpu_reason()
+GPU_REASON = gm.torch_gpu_reason()
 
 
 def gpu_test(fn):

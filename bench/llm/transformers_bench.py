@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import sys
 import tempfile
@@ -68,40 +69,19 @@ class InProcess:
 
     def __init__(self, folder: Path, args):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        settings = manager_settings(args)
+        from naiad.backends.transformers import start_manager
+
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
-        generation = GenerationConfig(
-            do_sample=True,
-            temperature=0.5,
-            top_k=model.config.vocab_size,
-            top_p=0.99,
-            max_new_tokens=16,
-            pad_token_id=0,
-            eos_token_id=2,
-        )
-        batching = ContinuousBatchingConfig(
-            block_size=settings["block_size"],
-            num_blocks=settings["num_blocks"],
-            max_batch_tokens=settings["max_batch_tokens"],
-            max_requests_per_batch=settings["max_num_seqs"],
-            per_request_processors=True,
-            use_cuda_graph=False,
-        )
-        self.manager = model.init_continuous_batching(
-            generation_config=generation, continuous_batching_config=batching
-        )
-        self.manager.start()
+        self.manager = start_manager(model, manager_settings(args), pad_token_id=0, eos_token_id=2)
         self.prompt = list(self.tokenizer(PROMPT)["input_ids"])
         self.max_tokens = args.max_tokens
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self._ids = iter(range(1 << 62))
-        self._lock = threading.Lock()
+        self._ids = itertools.count()
 
     async def _generate(self, rid: str, stamps: list[float]) -> None:
         results: asyncio.Queue = asyncio.Queue()
@@ -128,8 +108,7 @@ class InProcess:
                 return
 
     def one(self, level: Level) -> None:
-        with self._lock:
-            rid = f"bench-{next(self._ids)}"
+        rid = f"bench-{next(self._ids)}"
         stamps: list[float] = []
         sent = time.perf_counter()
         asyncio.run_coroutine_threadsafe(self._generate(rid, stamps), self.loop).result()

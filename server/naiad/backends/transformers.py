@@ -56,14 +56,46 @@ def _int_parameter(params: dict[str, str], key: str) -> int:
     return number
 
 
+def start_manager(model: Any, settings: dict[str, int], pad_token_id: int, eos_token_id: int | None) -> Any:
+    """transformers' continuous-batching manager over `model`, started: `settings` are the config parameters
+    `max_num_seqs`, `num_blocks`, `block_size` and `max_batch_tokens` (bench/llm/transformers_bench.py calls this too,
+    so its in-process way is configured as the backend is)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    # Sampling: one manager-wide mode; temperature, top_k and top_p per request (the processors exist only
+    # when the generation config's values are not the neutral ones, hence 0.5 / vocab / 0.99 here).
+    generation = GenerationConfig(
+        do_sample=True,
+        temperature=0.5,
+        top_k=model.config.vocab_size,
+        top_p=0.99,
+        max_new_tokens=16,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+    )
+    batching = ContinuousBatchingConfig(
+        block_size=settings["block_size"],
+        num_blocks=settings["num_blocks"],
+        max_batch_tokens=settings["max_batch_tokens"],
+        max_requests_per_batch=settings["max_num_seqs"],
+        per_request_processors=True,
+        use_cuda_graph=False,
+    )
+    manager = model.init_continuous_batching(
+        generation_config=generation, continuous_batching_config=batching
+    )
+    manager.start()
+    return manager
+
+
 class Engine:
     """One instance's model, tokenizer and continuous-batching manager, with an asyncio loop thread on which
     the requests wait for their tokens."""
 
     def __init__(self, instance: InstanceState):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = instance.model
         folder = model.version_path
@@ -91,29 +123,12 @@ class Engine:
         self.metrics = EngineMetrics(model.ctx.server, model.name, self.context_length or 65536)
         self.max_sequences = 1  # the most sequences one forward has carried
         self.model.register_forward_pre_hook(self._count_sequences, with_kwargs=True)
-        # Sampling: one manager-wide mode; temperature, top_k and top_p per request (the processors exist only
-        # when the generation config's values are not the neutral ones, hence 0.5 / vocab / 0.99 here).
-        generation = GenerationConfig(
-            do_sample=True,
-            temperature=0.5,
-            top_k=self.vocab_size,
-            top_p=0.99,
-            max_new_tokens=16,
+        self.manager = start_manager(
+            self.model,
+            {key: _int_parameter(params, key) for key in _DEFAULTS},
             pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0,
             eos_token_id=self.eos_ids[0] if self.eos_ids else None,
         )
-        batching = ContinuousBatchingConfig(
-            block_size=_int_parameter(params, "block_size"),
-            num_blocks=_int_parameter(params, "num_blocks"),
-            max_batch_tokens=_int_parameter(params, "max_batch_tokens"),
-            max_requests_per_batch=_int_parameter(params, "max_num_seqs"),
-            per_request_processors=True,
-            use_cuda_graph=False,
-        )
-        self.manager = self.model.init_continuous_batching(
-            generation_config=generation, continuous_batching_config=batching
-        )
-        self.manager.start()
         self.seeds = SeededSampling(self.manager, self.device)
         self.grammars = GrammarSampling(self.manager, self.tokenizer, self.vocab_size)
         self._ids = itertools.count()

@@ -38,7 +38,9 @@ class NaiadProcess:
         timeout: float = 90.0,
         client_cert=None,
         env: dict | None = None,
+        new_session: bool = False,
     ):
+        self.new_session = new_session  # a process group of its own, for tests that signal the whole group
         self.extra_env = dict(env or {})  # on top of this process's environment (None removes a variable)
         self.repos = [str(r) for r in (repos if isinstance(repos, (list, tuple)) else [repos])]
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
@@ -98,7 +100,9 @@ class NaiadProcess:
 
         self.log = tempfile.NamedTemporaryFile(prefix="naiad-", suffix=".log", delete=False)
         self.log_path = self.log.name
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=self.new_session
+        )
         self._wait()
         return self
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import select
 import shutil
 import signal
@@ -213,6 +214,58 @@ def test_sigterm_drains_open_connections(slow_repo):
         assert proc.proc.wait(20) == 0
         assert "Server is shutting down" not in proc.output()
     finally:
+        proc.stop()
+
+
+def _starting_workers(pid: int) -> set[int]:
+    """The children of `pid` running multiprocessing's spawn bootstrap (python workers before `worker.main`, or
+    after it); not multiprocessing's resource tracker, which is started first and ignores these signals itself."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.add(int(child))
+            except OSError:
+                pass
+    return found
+
+
+def test_group_sigterm_while_python_workers_start(slow_repo):
+    """Ctrl-C, a pod's stop and `timeout` signal the whole process group. A SIGTERM that reaches the python
+    workers of a model loading on demand while they are still starting (Python's start-up and imports, before
+    they can ignore it) must not kill them: the request that loads the model is answered, then the server
+    drains and exits 0. (A CI run of the scale-to-zero scenario lost 4 requests this way.)"""
+    proc = NaiadProcess(
+        slow_repo,
+        "--model-control-mode",
+        "explicit",
+        "--load-on-demand",
+        "--exit-timeout-secs",
+        "60",
+        new_session=True,
+    ).start()
+    try:
+        results: dict = {}
+        request = _slow_http(proc, 0.1, results)  # loads `slow`: 4 instances, a worker process each
+        deadline = time.monotonic() + 30
+        while not _starting_workers(proc.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert _starting_workers(proc.proc.pid), proc.output()[-2000:]
+        os.killpg(proc.proc.pid, signal.SIGTERM)
+        os.killpg(proc.proc.pid, signal.SIGINT)
+        request.join(60)
+        assert results["http"][0] == 200, (results["http"], proc.output()[-3000:])
+        assert results["http"][2]["outputs"][0]["data"] == [0.1]
+        assert proc.proc.wait(60) == 0, proc.output()[-3000:]
+        assert "exited unexpectedly" not in proc.output(), proc.output()[-3000:]
+    finally:
+        if proc.proc.poll() is None:
+            os.killpg(proc.proc.pid, signal.SIGKILL)
         proc.stop()
 
 

@@ -207,5 +207,5 @@ def test_a_pool_at_zero_pods_wakes_on_a_request_through_the_interceptor(keda_clu
     print(f"{POOL}: 4 answers {', '.join(f'{w:.1f}' for w in wakes)} s after the first requests of each wake")
     print(f"{POOL}: {clients.ok} ok, {len(clients.failures)} failed; events:\n{events[-2000:]}")
     for failure in clients.failures:
-        print("failed:", failure[:200])
+        print("failed:", failure[:600])
     assert not clients.failures, (clients.failures[:5], running.logs(1500))

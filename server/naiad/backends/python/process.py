@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing import resource_tracker
 from typing import Any
 
 from ...custom_metrics import COUNTER
@@ -32,6 +33,7 @@ from ...inference import InferenceRequest, InferenceResponse
 from ..base import ModelContext, ModelInstance, Timing
 from .serving import log_record, serve_call, start_bls
 from .wire import (
+    GROUP_SIGNALS,
     PICKLE_ERRORS,
     Channel,
     decode_response,
@@ -149,6 +151,13 @@ class ProcessInstance(ModelInstance):
             args=(exec_child, side_child, spec),
             name=f"naiad-python-{self.ctx.name}-{self.name}",
         )
+        # Ctrl-C, a pod's stop, `timeout` and systemd signal the whole process group, and a worker ignores those
+        # signals only once `worker.main` runs, after Python's start-up and imports (a second or more on a busy
+        # node). Started with them blocked, it keeps any that arrive meanwhile pending until it ignores them.
+        # (multiprocessing starts its resource tracker on the first start, then unblocks these very signals: so
+        # that is done first.)
+        resource_tracker.ensure_running()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
         try:
             process.start()
         except BaseException:
@@ -156,6 +165,7 @@ class ProcessInstance(ModelInstance):
             side_parent.close()
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             exec_child.close()
             side_child.close()
         self._generation += 1

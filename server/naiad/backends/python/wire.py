@@ -41,6 +41,7 @@ value, error), and ("metric_update", metric id, op, value) without an answer; ("
 from __future__ import annotations
 
 import pickle
+import signal
 import socket
 import struct
 import threading
@@ -56,6 +57,9 @@ _HEADER = struct.Struct("<QI")
 _LENGTH = struct.Struct("<Q")
 _MAX_PARTS = 512  # stay well below IOV_MAX per sendmsg
 _IN_BAND_MAX = 64 * 1024  # smaller buffers go inside the pickle: cheaper than parts and reads of their own
+# Signals sent to a whole process group (Ctrl-C, a pod's stop, `timeout`): a worker is started with them blocked
+# and ignores them for its life; the server decides when it ends (finalize, or its sockets closing).
+GROUP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 PICKLE_ERRORS = (pickle.PicklingError, TypeError, AttributeError)  # what pickle.dumps raises for odd objects
 
 

@@ -29,6 +29,7 @@ from ...inference import InferenceRequest, InferenceResponse
 from ..base import ModelContext, Timing
 from .instance import PythonInstance
 from .wire import (
+    GROUP_SIGNALS,
     PICKLE_ERRORS,
     Channel,
     decode_request,
@@ -341,9 +342,11 @@ def _exit() -> None:
 def main(exec_sock: socket.socket, side_sock: socket.socket, spec: dict) -> None:
     """Entry point of the spawned process."""
     # Ctrl-C, `timeout` and systemd signal the whole process group, but the server drains in-flight requests
-    # before it unloads models: the worker ends with finalize, or when the server's sockets close.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # before it unloads models: the worker ends with finalize, or when the server's sockets close. It was started
+    # with these signals blocked (process.py): ignoring them discards any pending, then they are unblocked.
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
     side = Channel(side_sock)
     root = logging.getLogger()
     root.handlers[:] = [_ForwardLogs(side)]

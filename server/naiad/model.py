@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -193,7 +194,9 @@ class ModelVersion:
     async def close(self, timeout: float | None = None) -> None:
         await self.scheduler.close(timeout)
         if self.pool is not None:
-            self.pool.close()
+            # off the event loop: an execution still awaited there (past `timeout`, or its caller cancelled)
+            # finishes on the loop, and its instance's `close` waits for it
+            await asyncio.get_running_loop().run_in_executor(None, self.pool.close)
 
 
 def _shape_matches(shape, dims) -> bool:

@@ -1,9 +1,11 @@
-"""What a backend provides: model instances that execute lists of requests on their own thread."""
+"""What a backend provides: model instances that execute lists of requests on their own thread (or await them on
+the event loop)."""
 
 from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,6 +112,14 @@ class ModelInstance(abc.ABC):
     @abc.abstractmethod
     def execute(self, requests: list[InferenceRequest], timing: Timing) -> list[InferenceResponse]:
         """Run a list of requests; return one response per request (an error response is allowed)."""
+
+    def execute_async(
+        self, requests: list[InferenceRequest], timing: Timing
+    ) -> Awaitable[list[InferenceResponse | None]] | None:
+        """Called on the event loop: an awaitable execution that needs no thread of this process (a model that runs
+        in a worker process answers when the worker replies), or None when this execution runs on the instance's
+        thread (the default)."""
+        return None
 
     def warmup_thread_init(self) -> None:
         """Called once on the instance's thread before the first execution."""

@@ -96,7 +96,8 @@ class InstancePool:
     async def run(
         self, inst: ModelInstance, requests: list[InferenceRequest], dispatch_ns: int
     ) -> list[InferenceResponse | BaseException]:
-        """Execute a batch on `inst` (off the event loop) and account for it. Never raises."""
+        """Execute a batch on `inst` (on its thread, on the loop when its policy allows, or awaited when it runs
+        elsewhere: `execute_async`) and account for it. Never raises."""
         loop = asyncio.get_running_loop()
         timing = Timing()
 
@@ -116,11 +117,15 @@ class InstancePool:
             if inst.inline.inline:
                 results = call()
             else:
-                InstancePool.running_off_loop += 1
-                try:
-                    results = await loop.run_in_executor(self.executors[id(inst)], call)
-                finally:
-                    InstancePool.running_off_loop -= 1
+                pending = inst.execute_async(requests, timing)
+                if pending is not None:
+                    results = await pending
+                else:
+                    InstancePool.running_off_loop += 1
+                    try:
+                        results = await loop.run_in_executor(self.executors[id(inst)], call)
+                    finally:
+                        InstancePool.running_off_loop -= 1
             outcome: list = list(results)
         except BaseException as exc:
             err = as_naiad_error(exc)

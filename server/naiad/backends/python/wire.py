@@ -74,15 +74,7 @@ class Channel:
 
     def send(self, message: tuple) -> None:
         """Pickle first (a pickling error leaves the stream intact), then write the frame atomically."""
-        buffers: list[pickle.PickleBuffer] = []
-
-        def out_of_band(buffer: pickle.PickleBuffer) -> bool:  # a true value keeps it in the pickle
-            if buffer.raw().nbytes < _IN_BAND_MAX:
-                return True
-            buffers.append(buffer)
-            return False
-
-        payload = pickle.dumps(message, protocol=5, buffer_callback=out_of_band)
+        payload, buffers = _pickle(message)
         if not buffers and len(payload) < _IN_BAND_MAX:  # the common small message: one plain write
             frame = _HEADER.pack(len(payload), 0) + payload
             with self._send_lock:
@@ -94,6 +86,28 @@ class Channel:
         parts = [memoryview(head), memoryview(payload), *raws]
         with self._send_lock:
             _sendmsg_all(self.sock, parts)
+            self.sent += 1
+
+    def small_frame(self, message: tuple) -> bytes | None:
+        """`message` as one frame when it is small (no out-of-band buffer, under _IN_BAND_MAX), for `send_frame`
+        on the event loop; None when it is larger (`send` it from a thread). Raises what pickling raises."""
+        payload, buffers = _pickle(message)
+        if buffers or len(payload) >= _IN_BAND_MAX:
+            return None
+        return _HEADER.pack(len(payload), 0) + payload
+
+    def send_frame(self, frame: bytes) -> None:
+        """Write a small frame without waiting for the peer when the socket has room, as it always has on an exec
+        channel between executions (its buffer holds several such frames); only the rest of a partial write, if
+        the kernel ever made one, is written blocking (the worker reads it at once)."""
+        with self._send_lock:
+            try:
+                sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(frame):
+                self.sock.setblocking(True)  # the event loop's poller may have left it non-blocking
+                self.sock.sendall(memoryview(frame)[sent:])
             self.sent += 1
 
     def recv(self) -> Any:
@@ -133,6 +147,67 @@ class Channel:
             pass
         self._rfile.close()
         self.sock.close()
+
+
+class FrameReader:
+    """Reads one frame of a Channel without blocking, as its bytes arrive: the event loop's side of an exchange.
+    `feed()` reads what the socket holds and returns the message once the frame is complete, else None
+    (messages are tuples, never None). Raises EOFError when the peer closed, and what unpickling raises. Reads
+    the socket itself, so the channel's buffered reader must hold nothing: true of an exec channel between
+    exchanges, where the worker sends only replies, one per call."""
+
+    __slots__ = ("_buffers", "_count", "_header", "_payload", "_targets", "_view", "sock")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._header = bytearray(_HEADER.size)
+        self._view = memoryview(self._header)  # what is being filled now
+        self._targets: list[memoryview] = []  # what is filled after it
+        self._payload: bytearray | None = None
+        self._buffers: list[bytearray] = []
+        self._count = -1  # out-of-band buffers: -1 until the header is read, then until their lengths are
+
+    def feed(self) -> Any:
+        while True:
+            view = self._view
+            while view.nbytes:
+                try:
+                    got = self.sock.recv_into(view, view.nbytes, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    self._view = view
+                    return None
+                if not got:
+                    raise EOFError("peer closed the channel")
+                view = view[got:]
+            if self._targets:
+                self._view = self._targets.pop(0)
+                continue
+            if self._payload is None:  # the header: the lengths of the out-of-band buffers come next, if any
+                size, self._count = _HEADER.unpack(self._header)
+                self._payload = bytearray(size)
+                if self._count:
+                    self._header = bytearray(_LENGTH.size * self._count)
+                    self._view = memoryview(self._header)
+                    continue
+            elif self._count > 0 and not self._buffers:  # the lengths
+                self._buffers = [bytearray(n) for (n,) in _LENGTH.iter_unpack(self._header)]
+            else:
+                return pickle.loads(self._payload, buffers=self._buffers)
+            self._targets = [memoryview(b) for b in self._buffers]
+            self._view = memoryview(self._payload)
+
+
+def _pickle(message: tuple) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    """The pickle of `message` and its out-of-band buffers (those of _IN_BAND_MAX bytes or more)."""
+    buffers: list[pickle.PickleBuffer] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:  # a true value keeps it in the pickle
+        if buffer.raw().nbytes < _IN_BAND_MAX:
+            return True
+        buffers.append(buffer)
+        return False
+
+    return pickle.dumps(message, protocol=5, buffer_callback=out_of_band), buffers
 
 
 def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:

@@ -13,6 +13,7 @@ import concurrent.futures
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -232,8 +233,15 @@ class Worker:
         instance = self._start()
         if instance is None:
             _exit()
+        # Wait for the next call in poll, not in a blocking read: the kernel wakes a socket's blocked reader also
+        # when the server consumes a reply this worker sent (its write space grows), once per execution, while
+        # poll is woken for input only. Nothing is ever left buffered between calls: the server sends one at a
+        # time and waits for the reply.
+        incoming = select.poll()
+        incoming.register(self.exec.sock, select.POLLIN)
         while True:
             try:
+                incoming.poll()
                 message = self.exec.recv()
             except (EOFError, OSError):
                 _exit()  # the server went away: nobody is left to answer

@@ -225,3 +225,11 @@ def test_small_frame_is_only_for_small_messages():
     assert channel.small_frame(("execute", [b"x" * (1 << 17)], [None])) is None
     channel.close()
     theirs.close()
+
+
+def test_only_small_bytes_tensors_are_pickled_on_the_loop():
+    from naiad.backends.python.wire import small_object_tensor
+
+    assert small_object_tensor(np.array([b"a few", b"strings"], dtype=np.object_))
+    assert not small_object_tensor(np.array([b"x" * 70_000], dtype=np.object_))
+    assert not small_object_tensor(np.array([b"x"] * 10_000, dtype=np.object_))

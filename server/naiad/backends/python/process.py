@@ -40,6 +40,7 @@ from .wire import (
     FrameReader,
     decode_response,
     encode_request,
+    small_object_tensor,
 )
 
 log = logging.getLogger("naiad.python")
@@ -366,14 +367,20 @@ class ProcessInstance(ModelInstance):
         or restart): the instance thread runs `execute`."""
         if self.decoupled or self._dead is not None or self._exec is None:
             return None
+        # BYTES tensors pickle in band: a large one is left to the thread, to be pickled once and off the loop
+        if not all(small_object_tensor(a) for r in requests for a in r.inputs.values() if a.dtype.hasobject):
+            return None
+        if not self._exec_lock.acquire(blocking=False):
+            return None
         t0 = time.monotonic_ns()
         try:
             frame = self._exec.small_frame(
                 ("execute", [encode_request(r) for r in requests], [None] * len(requests))
             )
         except PICKLE_ERRORS:
-            return None  # `execute` reports it
-        if frame is None or not self._exec_lock.acquire(blocking=False):
+            frame = None  # `execute` reports it
+        if frame is None:
+            self._exec_lock.release()
             return None
         return self._exchange(frame, t0, timing)
 

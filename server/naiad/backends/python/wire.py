@@ -198,6 +198,19 @@ class FrameReader:
             self._view = memoryview(self._payload)
 
 
+def small_object_tensor(array: np.ndarray) -> bool:
+    """Whether an object (BYTES) tensor, which pickles in band, certainly stays well under _IN_BAND_MAX: checked
+    before a message is pickled on the event loop, counting its elements' lengths up to the limit."""
+    if array.size * 8 >= _IN_BAND_MAX:
+        return False
+    total = 0
+    for item in array.flat:
+        total += len(item) + 8 if isinstance(item, (bytes, str)) else 64
+        if total >= _IN_BAND_MAX:
+            return False
+    return True
+
+
 def _pickle(message: tuple) -> tuple[bytes, list[pickle.PickleBuffer]]:
     """The pickle of `message` and its out-of-band buffers (those of _IN_BAND_MAX bytes or more)."""
     buffers: list[pickle.PickleBuffer] = []

@@ -9,7 +9,8 @@ import os
 import numpy as np
 
 from naiad.engine import wire
-from naiad.engine.slabs import SlabMaps, SlabPool
+from naiad.engine.slabs import SHM_DIR, SlabMaps, SlabPool
+from naiad.frontends.receive_buffers import ReceivePool
 from naiad.inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
 
 
@@ -95,3 +96,49 @@ def test_an_output_that_is_the_input_stays_in_the_request_slab():
     finally:
         worker_pool.close()
         engine_pool.close()
+
+
+def test_tensors_in_a_shared_receive_buffer_are_lent_not_copied():
+    """A frontend worker's request body lands in a shared receive buffer: its tensors are described where they
+    are (the engine maps the same memory), the buffer is reused only after the engine's Free and the last
+    view, and one the receive pool lets go is unlinked and its mapping dropped from the engine's cache."""
+    pool = SlabPool(f"naiad-test{os.getpid()}s")
+    receive = ReceivePool(limit=8 << 20)
+    receive.share(pool.receive_segment, pool.drop_segment)
+    maps = SlabMaps()
+    try:
+        buf = receive.take(3 << 20)
+        body = memoryview(buf)[: 3 << 20].toreadonly()
+        buf[1000:1400] = np.arange(100, dtype=np.float32).tobytes()
+        buf[4096 : 4096 + (1 << 20)] = np.full(1 << 18, 7, np.float32).tobytes()
+        small = np.frombuffer(body, np.float32, 100, 1000)
+        big = np.frombuffer(body, np.float32, 1 << 18, 4096).reshape(2, -1)
+        req = InferenceRequest("m", {"SMALL": small, "BIG": big}, {"SMALL": "FP32", "BIG": "FP32"})
+        desc = wire.encode_request(req, pool)
+        assert desc.slab.startswith(pool.prefix + "-r") and desc.inputs[1].offset == 4096
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(pool.prefix + "-") and "-r" not in n]
+        released: list = []
+        got = wire.decode_request(desc, maps, released.append)
+        np.testing.assert_array_equal(got.inputs["BIG"], big)
+        buf[4096:4100] = np.float32(9).tobytes()  # the engine's view is the same memory
+        assert got.inputs["BIG"][0, 0] == 9
+        buf_id = id(buf)
+        del req, small, big, body, buf
+        assert id(receive.take(3 << 20)) != buf_id  # lent to the engine: not handed out again
+        del got
+        gc.collect()
+        assert released == [desc.slab]
+        pool.free(desc.slab)  # the engine's Free
+        again = receive.take(3 << 20)
+        assert id(again) == buf_id
+        del again
+        receive.take(7 << 20)  # past the limit: the idle 3 MiB buffers are let go
+        gone = desc.slab
+        assert not os.path.exists(os.path.join(SHM_DIR, gone))
+        assert gone in maps._maps
+        maps._sweep_at = len(maps._maps)  # (64 mappings in a running engine) the next new one sweeps
+        maps.view(pool.alloc(1).name)
+        assert gone not in maps._maps
+    finally:
+        pool.close()
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(pool.prefix + "-")]

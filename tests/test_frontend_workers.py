@@ -23,6 +23,8 @@ import tritonclient.utils.shared_memory as shm
 from helpers import ROOT, NaiadProcess
 from tritonclient.utils import InferenceServerException
 
+from naiad.engine.slabs import SHM_DIR
+
 MODELS = ROOT / "tests" / "models"
 WORKER_MODULE = "naiad.engine.worker"
 
@@ -167,6 +169,14 @@ def test_large_tensor_byte_for_byte(server, protocol):
         got = client.infer("identity_fp32", identity_inputs(httpclient, data)).as_numpy("OUTPUT0")
     assert got.shape == data.shape and got.tobytes() == data.tobytes()
     client.close()
+    # the body landed in a shared receive buffer the engine read in place: no slab was filled with a copy
+    segments = [
+        n for pid in worker_pids(server) for n in os.listdir(SHM_DIR) if n.startswith(f"naiad-w{pid}-")
+    ]
+    copies = [
+        n for n in segments if "-r" not in n and os.path.getsize(os.path.join(SHM_DIR, n)) >= data.nbytes
+    ]
+    assert copies == [] and any("-r" in n for n in segments), segments
 
 
 def test_system_shared_memory_across_workers(server):

@@ -1,5 +1,6 @@
 """Shared-memory slabs for tensor bytes between a frontend worker and the engine: a pool of pre-faulted segments
-the sender owns and reuses, and the receiver's cache of mappings it reads in place."""
+the sender owns and reuses (and lends the peer the worker's shared receive buffers), and the receiver's cache of
+mappings it reads in place."""
 
 from __future__ import annotations
 
@@ -21,6 +22,30 @@ def _size_class(nbytes: int) -> int:
     return size
 
 
+def create_segment(name: str, size: int, populate: bool) -> mmap.mmap:
+    """A new segment `name` of `size` bytes, mapped shared. Its memory is reserved now (posix_fallocate): a full
+    /dev/shm is an OSError here, not a SIGBUS on the first write into the mapping."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(
+            fd, size, mmap.MAP_SHARED | (_POPULATE if populate else 0), mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except OSError:
+        pass
+
+
 class Slab:
     """One segment of a pool: its name (how the peer maps it) and the writable mapping."""
 
@@ -29,14 +54,26 @@ class Slab:
     def __init__(self, name: str, size: int):
         self.name = name
         self.size = size
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        self.map = create_segment(name, size, populate=True)
         self.array = np.frombuffer(self.map, np.uint8)
         self.array[::4096] = 0  # touch every page now, not on the first request that lands here
+
+
+class _Lent:
+    """A buffer the pool does not own (a shared receive buffer) while the peer reads it: its bytes."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+def _exporter(arr: np.ndarray) -> object:
+    """The object whose memory `arr` views (the end of its chain of bases, through a memoryview)."""
+    obj: object = arr
+    while isinstance(obj, np.ndarray) and obj.base is not None:
+        obj = obj.base
+    return obj.obj if isinstance(obj, memoryview) else obj
 
 
 class SlabPool:
@@ -46,9 +83,11 @@ class SlabPool:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self._free: dict[int, list[Slab]] = {}
-        self._all: dict[str, Slab] = {}
+        self._all: dict[str, Slab | _Lent] = {}
         self._refs: dict[str, int] = {}  # users of an allocated slab: the peer, and views of it here
         self._lock = threading.Lock()  # `free` may run in a finalizer on any thread
+        self._segments: dict[int, str] = {}  # id() of a live shared receive buffer -> its segment's name
+        self._made = 0  # segments made for receive buffers (their names' numbers)
 
     def alloc(self, nbytes: int) -> Slab:
         size = _size_class(nbytes)
@@ -65,6 +104,51 @@ class SlabPool:
             self._refs[name] = 1
         return slab
 
+    def receive_segment(self, size: int) -> mmap.mmap | None:
+        """A new segment for a receive buffer the frontends manage (receive_buffers.ReceivePool.share): the
+        kernel writes a request's bytes there and `lend` describes them to the peer in place. None when
+        shared memory is full (the receive pool then maps private memory, and tensors are copied into slabs).
+        The buffer's owner calls `drop_segment` before letting it go."""
+        with self._lock:
+            name = f"{self.prefix}-r{self._made}"
+            self._made += 1
+        try:
+            buf = create_segment(name, size, populate=False)
+        except OSError:
+            return None
+        self._segments[id(buf)] = name
+        return buf
+
+    def drop_segment(self, buf: mmap.mmap) -> None:
+        """A receive buffer from `receive_segment` is being let go (its memory returns once the peer unmaps it)."""
+        name = self._segments.pop(id(buf), None)
+        if name is not None:
+            _unlink(name)
+
+    def lend(self, arrays: list[np.ndarray]) -> tuple[str, int] | None:
+        """When every array lies in one shared receive buffer: that buffer's name and address, lent to the peer
+        (one user until its Free, like an allocated slab), so the arrays need no copy; otherwise None."""
+        if not self._segments:
+            return None
+        buf = _exporter(arrays[0])
+        name = self._segments.get(id(buf))
+        if name is None:
+            return None
+        whole = np.frombuffer(buf, np.uint8)  # type: ignore[call-overload]
+        lo = whole.__array_interface__["data"][0]
+        hi = lo + whole.nbytes
+        for arr in arrays:
+            at = arr.__array_interface__["data"][0]
+            if not (lo <= at and at + arr.nbytes <= hi):
+                return None
+        with self._lock:
+            if name in self._refs:
+                self._refs[name] += 1
+            else:
+                self._all[name] = _Lent(whole)
+                self._refs[name] = 1
+        return name, lo
+
     def retain(self, name: str) -> np.ndarray:
         """One more user of an allocated slab (views of it in a response); its bytes."""
         with self._lock:
@@ -80,17 +164,16 @@ class SlabPool:
                 return
             if refs:
                 self._refs[name] = refs
+            elif isinstance(slab, _Lent):  # the receive pool's again
+                del self._refs[name], self._all[name]
             else:
                 del self._refs[name]
                 self._free.setdefault(slab.size, []).append(slab)
 
     def close(self) -> None:
         """Unlink every segment (the mappings stay valid until the process exits)."""
-        for name in list(self._all):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
+        for name in [*self._all, *self._segments.values()]:
+            _unlink(name)
 
 
 class SlabMaps:
@@ -98,10 +181,13 @@ class SlabMaps:
 
     def __init__(self) -> None:
         self._maps: dict[str, np.ndarray] = {}
+        self._sweep_at = 64  # mappings past which the next new one first drops those of removed segments
 
     def view(self, name: str) -> np.ndarray:
         arr = self._maps.get(name)
         if arr is None:
+            if len(self._maps) >= self._sweep_at:
+                self._sweep()
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
             try:
                 size = os.fstat(fd).st_size
@@ -111,13 +197,17 @@ class SlabMaps:
             arr = self._maps[name] = np.frombuffer(mm, np.uint8)
         return arr
 
+    def _sweep(self) -> None:
+        """Drop the mappings of segments their owner has removed (a worker's receive buffer it let go: names
+        are never reused), so that their memory goes back; views still in use keep theirs until they go."""
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            del self._maps[name]
+        self._sweep_at = max(64, 2 * len(self._maps))
+
     def forget(self, prefix: str) -> None:
         """Drop the mappings of a peer that is gone, and unlink what it left behind."""
         for name in [n for n in self._maps if n.startswith(prefix + "-")]:
             del self._maps[name]
         for entry in os.listdir(SHM_DIR):
             if entry.startswith(prefix + "-"):
-                try:
-                    os.unlink(os.path.join(SHM_DIR, entry))
-                except OSError:
-                    pass
+                _unlink(entry)

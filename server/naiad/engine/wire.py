@@ -144,7 +144,8 @@ def raise_error(kind: str, message: str) -> errors.NaiadError:
 def pack_tensors(
     items: list[tuple[str, str, np.ndarray]], pool: SlabPool, peer: np.ndarray | None = None
 ) -> tuple[list[Tensor], str]:
-    """Describe tensors for the peer: small ones inline, the rest copied once into one slab of `pool`. With
+    """Describe tensors for the peer: small ones inline, the rest copied once into one slab of `pool`, or, when
+    they all lie in one shared receive buffer (a worker's request body), described where they are. With
     `peer` (the request's slab, as mapped here), an output that lies in it is described by its offset there,
     not copied: a model that answers with (a view of) its input."""
     out: list[Tensor] = []
@@ -152,7 +153,7 @@ def pack_tensors(
     if peer is not None:
         base = peer.__array_interface__["data"][0]
         end = base + peer.nbytes
-    big: list[tuple[Tensor, Any]] = []
+    big: list[tuple[Tensor, Any, np.ndarray | None]] = []
     total = 0
     for name, datatype, arr in items:
         arr = np.asarray(arr)
@@ -176,13 +177,20 @@ def pack_tensors(
         else:
             t.offset, t.nbytes = total, n
             total += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-            big.append((t, raw))
+            big.append((t, raw, arr if dtype else None))
         out.append(t)
     if not big:
         return out, ""
+    arrays = [a for _, _, a in big if a is not None]
+    lent = pool.lend(arrays) if len(arrays) == len(big) else None
+    if lent is not None:  # every array has an address: each is described by its place in the lent buffer
+        name, start = lent
+        for (t, _, _), a in zip(big, arrays, strict=True):
+            t.offset = a.__array_interface__["data"][0] - start
+        return out, name
     slab = pool.alloc(total)
     dst = slab.array
-    for t, raw in big:
+    for t, raw, _ in big:
         dst[t.offset : t.offset + t.nbytes] = np.frombuffer(raw, np.uint8)
     return out, slab.name
 

@@ -27,12 +27,15 @@ def _die_with_parent() -> None:
 async def run(path: str, args) -> int:
     from ..app import parse_restricted
     from ..frontends import tls
+    from ..frontends.receive_buffers import POOL
     from . import acceptor
     from .adopter import Adopter
     from .client import EngineClient, RemoteSharedMemory
 
     client = EngineClient(path)
     shm = client.shm = RemoteSharedMemory(client, enabled=args.allow_client_shm)
+    # large request bodies land in shared memory the engine maps: their tensors reach it without a copy
+    POOL.share(client.pool.receive_segment, client.pool.drop_segment)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,6 +10,9 @@ does not keep goes back to the system as soon as its request is done.
 A buffer is reused only when nothing refers to it any more: every view of it (memoryview, numpy array, a
 write the transport has not finished) holds a reference to the mapping, so its reference count says when
 the request, its response and any tensor a model kept are done with it. There is no release call to forget.
+
+In a frontend worker (`--frontend-workers`) the buffers the pool keeps are shared-memory segments (`share`), so
+the engine process maps the request's tensors where the kernel put them instead of the worker copying them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import mmap
 import os
 import sys
+from collections.abc import Callable
 
 POOLED_MIN = 64 * 1024  # smaller bodies are read as before (the parser's own buffers)
 # buffers the pool keeps, in use or idle; past this a large request gets a buffer of its own, freed after it
@@ -39,6 +43,14 @@ class ReceivePool:
         self.limit = limit
         self.classes: dict[int, list[mmap.mmap]] = {}
         self.bytes = 0  # what the pool's buffers take, in use or idle
+        # shared buffers (`share`): a new named segment of n bytes (None: shared memory is full), and the call
+        # that lets one go
+        self.shared: tuple[Callable[[int], mmap.mmap | None], Callable[[mmap.mmap], None]] | None = None
+
+    def share(self, create: Callable[[int], mmap.mmap | None], drop: Callable[[mmap.mmap], None]) -> None:
+        """Buffers the pool keeps from now on are segments from `create` (engine.slabs.SlabPool's
+        `receive_segment`, which another process can map by name); `drop` is called when one is let go."""
+        self.shared = (create, drop)
 
     def take(self, n: int) -> mmap.mmap:
         """A buffer of at least `n` bytes that no request is using."""
@@ -51,10 +63,13 @@ class ReceivePool:
                 return buf
         if self.bytes + cap > self.limit:
             self._evict(cap)
-        buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
-        if self.bytes + cap <= self.limit:
-            bufs.append(buf)
-            self.bytes += cap
+        if self.bytes + cap > self.limit:  # a buffer of its own, freed after its request
+            return mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
+        buf = self.shared[0](cap) if self.shared is not None else None
+        if buf is None:
+            buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
+        bufs.append(buf)
+        self.bytes += cap
         return buf
 
     def _evict(self, need: int) -> None:
@@ -65,6 +80,8 @@ class ReceivePool:
             for buf in bufs:
                 if self.bytes + need > self.limit and sys.getrefcount(buf) == _FREE_REFS:
                     self.bytes -= cap  # dropped: freed once the last reference goes
+                    if self.shared is not None:
+                        self.shared[1](buf)
                 else:
                     keep.append(buf)
             bufs[:] = keep

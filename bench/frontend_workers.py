@@ -38,6 +38,7 @@ MORE_SCENARIOS = {"small_c8": (16, 8)}  # chosen with --scenarios
 GRPC_SCENARIOS = {
     "grpc_small_2conn": (16, 2, 32),
     "grpc_small_8conn": (16, 8, 32),
+    "grpc_large_8conn": (1024 * 1024, 8, 1),
 }  # FP32 values, connections, streams per connection (h2load)
 GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 

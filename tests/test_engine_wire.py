@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from naiad.engine import wire
+from naiad.engine import slabs, wire
 from naiad.engine.slabs import SHM_DIR, SlabMaps, SlabPool
 from naiad.frontends.receive_buffers import ReceivePool
 from naiad.inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
@@ -142,3 +142,28 @@ def test_tensors_in_a_shared_receive_buffer_are_lent_not_copied():
     finally:
         pool.close()
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(pool.prefix + "-")]
+
+
+def test_receive_buffers_leave_a_quarter_of_shared_memory(monkeypatch):
+    """With /dev/shm three-quarters full the receive pool maps private memory, and a tensor is copied into a
+    slab as before the receive buffers were shared (a full /dev/shm must not starve the slabs)."""
+    pool = SlabPool(f"naiad-test{os.getpid()}q")
+    receive = ReceivePool(limit=8 << 20)
+    receive.share(pool.receive_segment, pool.drop_segment)
+    real = os.statvfs(SHM_DIR)
+
+    class Fs:  # 64 MiB in all, 16.5 MiB free
+        f_frsize, f_blocks, f_bavail = 4096, 16384, 16 * 256 + 128
+
+    try:
+        monkeypatch.setattr(slabs.os, "statvfs", lambda _: Fs)
+        assert receive.take(2 << 20) is not None and not pool._segments  # 16.5 - 16 < 2 MiB: private
+        Fs.f_bavail = real.f_bavail
+        assert receive.take(5 << 20) is not None and pool._segments  # room again: shared
+        Fs.f_bavail = 16 * 256 + 128
+        buf = receive.take(1 << 20)  # full again: private
+        arr = np.frombuffer(memoryview(buf).toreadonly(), np.float32)
+        desc = wire.encode_request(InferenceRequest("m", {"X": arr}, {"X": "FP32"}), pool)
+        assert "-r" not in desc.slab  # copied into a slab
+    finally:
+        pool.close()

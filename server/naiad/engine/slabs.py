@@ -109,6 +109,12 @@ class SlabPool:
         kernel writes a request's bytes there and `lend` describes them to the peer in place. None when
         shared memory is full (the receive pool then maps private memory, and tensors are copied into slabs).
         The buffer's owner calls `drop_segment` before letting it go."""
+        try:
+            fs = os.statvfs(SHM_DIR)
+        except OSError:
+            return None
+        if (fs.f_bavail - fs.f_blocks // 4) * fs.f_frsize < size:
+            return None  # a quarter of /dev/shm stays for slabs (the copies) and clients' regions
         with self._lock:
             name = f"{self.prefix}-r{self._made}"
             self._made += 1

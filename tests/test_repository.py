@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +17,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from helpers import NaiadProcess
+from helpers import ROOT, NaiadProcess
 from tritonclient.utils import InferenceServerException
 
 
@@ -90,6 +93,35 @@ def test_load_with_config_override(explicit):
     with pytest.raises(InferenceServerException, match="parse"):
         client.load_model("identity_fp32", config="{not json")
     assert client.is_model_ready("identity_fp32")  # a failed reload keeps the old version serving
+
+
+def test_load_model_config_at_startup(model_repo):
+    """--load-model-config: a startup load with a config override, as the load API's `config` parameter (the
+    operator starts a LeaderWorkerSet group's leader with its model's parallel sizes this way)."""
+    override = {
+        "name": "identity_fp32",
+        "backend": "python",
+        "max_batch_size": 2,
+        "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+        "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+    }
+    args = ["--model-control-mode", "explicit", "--load-model", "identity_fp32"]
+    with NaiadProcess(model_repo, *args, f"--load-model-config=identity_fp32={json.dumps(override)}") as proc:
+        assert (
+            httpclient.InferenceServerClient(proc.http).get_model_config("identity_fp32")["max_batch_size"]
+            == 2
+        )
+    for bad, message in [
+        ("identity_fp32={not json", "--load-model-config identity_fp32: not JSON"),
+        ("identity_fp32=[1]", "the config must be a JSON object"),
+        ("add_sub={}", "--load-model-config add_sub: only for a model --load-model names"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-m", "naiad.cli", "serve", "--model-repository", str(model_repo), *args,
+             f"--load-model-config={bad}", "--http-port", "0", "--grpc-port", "0"],
+            capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT / "server")),
+        )  # fmt: skip
+        assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
 
 
 def test_load_with_file_override(explicit, model_repo):

@@ -205,6 +205,9 @@ def test_config_parameters_override_the_parallel_sizes(tmp_path):
         r = load({"pipeline_parallel_size": {"string_value": "two"}})
         assert r.status_code == 400
         assert "config parameter 'pipeline_parallel_size' must be a positive integer" in r.json()["error"]
+        r = load({"distributed_executor_backend": {"string_value": "slurm"}})
+        assert r.status_code == 400
+        assert "'distributed_executor_backend' must be one of ray, mp, uni" in r.json()["error"]
 
 
 def _cuda() -> bool:

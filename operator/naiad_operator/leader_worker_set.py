@@ -1,15 +1,18 @@
 """Pure renderer of a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) for an LLM InferenceModel whose copy needs
 more GPUs than one node has (`llm.parallelism` over `llm.gpusPerNode`): one group of pods per copy, a leader running
-Naiad with the model and workers running llama.cpp's `rpc-server`, which the leader's llama.cpp backend offloads the
-layers to. The LWS controller creates the pods, gives them LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX,
-the headless Service that names them, and restarts a group as a whole; only the leaders are the model's endpoints."""
+Naiad with the model, and workers that lend it their GPUs: llama.cpp's `rpc-server`, which the leader's llama.cpp
+backend offloads the layers to, or Ray nodes of the leader's Ray cluster, on which the leader's vLLM engine places
+its tensor- and pipeline-parallel workers (`naiad.llm.ray_group`, as the LWS project's vLLM example does). The LWS
+controller creates the pods, gives them LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX, the headless
+Service that names them, and restarts a group as a whole; only the leaders are the model's endpoints."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 from .config import OperatorConfig
-from .llm import ENGINE_TYPE, ENGINE_TYPE_LABEL, GPU_RESOURCE, LLM_ENGINE_LABEL, LLMSpec
+from .llm import ENGINE_TYPE, ENGINE_TYPE_LABEL, GPU_RESOURCE, LLAMACPP_ENGINE, LLM_ENGINE_LABEL, LLMSpec
 from .model_resources import ModelIntent, render_dedicated_server
 from .naming import GROUP, SERVER_CONTAINER
 from .objects import Body, Spec
@@ -29,6 +32,9 @@ RPC_PORT = 50052
 RPC_CONTAINER = "rpc-server"
 # Read by the leader's llama.cpp backend (naiad.backends.llamacpp.rpc): its workers' rpc-server addresses.
 RPC_SERVERS_ENV = "NAIAD_LLAMACPP_RPC_SERVERS"
+RAY_PORT = 6379  # the Ray head's port on the leader (naiad.llm.ray_group.RAY_PORT)
+RAY_CONTAINER = "ray-worker"
+RAY_GROUP = "naiad-ray-group"  # the console script of naiad.llm.ray_group
 
 
 def worker_addresses(name: str, namespace: str, llm: LLMSpec) -> str:
@@ -44,18 +50,55 @@ def _field_env(name: str, path: str) -> Body:
 
 
 def _leader_container(container: Body, intent: ModelIntent, name: str, namespace: str, llm: LLMSpec) -> Body:
-    """The pool's server container, loading the model at start: ready (strict readiness) once it is loaded,
-    since no operator pass loads it, with the group's workers as its llama.cpp RPC servers."""
+    """The pool's server container, loading the model at start (with its load config, as a load pass would):
+    ready (strict readiness) once it is loaded, since no operator pass loads it. llama.cpp: the group's workers
+    are its RPC servers. vLLM: the server starts once the group's Ray cluster has formed, and its engine joins it."""
     out = copy.deepcopy(container)
     args = [a for a in out["args"] if not a.startswith("--strict-readiness")]
-    out["args"] = [*args[:1], f"--load-model={intent.model_name}", "--strict-readiness=true", *args[1:]]
+    load = [f"--load-model={intent.model_name}"]
+    if intent.load_config is not None:
+        load.append(
+            f"--load-model-config={intent.model_name}={json.dumps(intent.load_config, sort_keys=True)}"
+        )
+    out["args"] = [*args[:1], *load, "--strict-readiness=true", *args[1:]]
     env = [e for e in out.get("env") or [] if e.get("name") not in ("POD_NAME", RPC_SERVERS_ENV)]
-    out["env"] = [
-        _field_env("POD_NAME", "metadata.name"),
-        *env,
-        {"name": RPC_SERVERS_ENV, "value": worker_addresses(name, namespace, llm)},
-    ]
+    out["env"] = [_field_env("POD_NAME", "metadata.name"), *env]
+    if llm.engine == LLAMACPP_ENGINE:
+        out["env"].append({"name": RPC_SERVERS_ENV, "value": worker_addresses(name, namespace, llm)})
+    else:
+        out["args"] = [
+            "leader",
+            "--size=$(LWS_GROUP_SIZE)",
+            *_ray_node_options(llm),
+            "--",
+            *out.get("command", ["naiad"]),
+            *out["args"],
+        ]
+        out["command"] = [RAY_GROUP]
+        out["ports"] = [*out.get("ports", []), {"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"}]
     return out
+
+
+def _ray_node_options(llm: LLMSpec) -> list[str]:
+    """`ray start` options of every node of a group: the pod's GPUs (as the device plugin gave them)."""
+    return [] if llm.gpus_per_pod is None else [f"--num-gpus={llm.gpus_per_pod}"]
+
+
+def _ray_worker_container(container: Body, llm: LLMSpec) -> Body:
+    """A Ray node of the leader's cluster from the server's image, with the server container's resources, env
+    and mounts (the engine's workers read the weights at the leader's paths), in the foreground while it lives."""
+    worker: Body = {
+        "name": RAY_CONTAINER,
+        "image": container["image"],
+        "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
+        "command": [RAY_GROUP],
+        "args": ["worker", "--leader=$(LWS_LEADER_ADDRESS)", f"--port={RAY_PORT}", *_ray_node_options(llm)],
+        "securityContext": copy.deepcopy(container.get("securityContext") or {}),
+    }
+    for key in ("env", "envFrom", "volumeMounts", "resources"):
+        if container.get(key):
+            worker[key] = copy.deepcopy(container[key])
+    return worker
 
 
 def _worker_container(container: Body, llm: LLMSpec) -> Body:
@@ -111,8 +154,11 @@ def render_leader_worker_set(owner: Owner, spec: Spec, intent: ModelIntent, conf
     leader_spec = copy.deepcopy(pod_spec)
     leader_spec["containers"] = [_leader_container(container, intent, name, owner.namespace, llm)]
     worker_spec = copy.deepcopy(pod_spec)
-    worker_spec["containers"] = [_worker_container(container, llm)]
-    worker_spec.pop("volumes", None)  # the weights reach the workers over RPC
+    if llm.engine == LLAMACPP_ENGINE:
+        worker_spec["containers"] = [_worker_container(container, llm)]
+        worker_spec.pop("volumes", None)  # the weights reach the workers over RPC
+    else:
+        worker_spec["containers"] = [_ray_worker_container(container, llm)]
     return {
         "apiVersion": LWS_API,
         "kind": LWS_KIND,

@@ -33,8 +33,9 @@ ENGINE_BACKENDS: dict[str, str | None] = {
 }
 # Engines that can spread one copy over several GPUs of a node.
 _MULTI_GPU_ENGINES = ("vllm", "triton")
-# Engines whose copy can span several pods (a LeaderWorkerSet group): llama.cpp's leader drives rpc-server workers.
-_GROUP_ENGINES = ("llamacpp",)
+# Engines whose copy can span several pods (a LeaderWorkerSet group): llama.cpp's leader drives rpc-server workers,
+# vLLM's engine places its workers on the group's GPUs through Ray (naiad.llm.ray_group).
+_GROUP_ENGINES = ("llamacpp", "vllm")
 
 
 @dataclass(frozen=True)
@@ -142,9 +143,9 @@ def _group_problems(engine: str, gpus: int, gpus_per_node: int, spec: Spec) -> l
     if engine not in _GROUP_ENGINES:
         problems.append(
             f"llm.engine {engine!r}: a copy of {gpus} GPUs on nodes of {gpus_per_node} needs a group of pods, "
-            f"which the operator runs for {', '.join(_GROUP_ENGINES)} (llama.cpp's RPC backend) so far"
+            "which the operator runs for llamacpp (llama.cpp's RPC backend) and vllm (Ray)"
         )
-    elif gpus_per_node != 1:
+    elif engine == LLAMACPP_ENGINE and gpus_per_node != 1:
         problems.append(
             "llm.engine 'llamacpp' runs one device per pod of a group (an rpc-server serves one device): "
             "llm.gpusPerNode must be 1"

@@ -1,6 +1,7 @@
 """The load config that hands a vllm InferenceModel's `llm.parallelism` to the engine: Naiad's vllm backend takes the
 config parameters `tensor_parallel_size` / `pipeline_parallel_size` over `model.json`'s, and a copy over several
-GPUs is one KIND_MODEL instance that sees all of the pod's GPUs. A load's `config` replaces the repository's
+GPUs is one KIND_MODEL instance that sees all of the pod's GPUs (of the group's pods, through Ray, for a copy larger
+than a node). A load's `config` replaces the repository's
 config.pbtxt (Triton's semantics): the base is the model's own `config` when it has one, else a bare vllm config
 the backend completes to the vLLM shape."""
 
@@ -45,4 +46,6 @@ def vllm_load_config(
         return out, [f"config.parameters must be a map of name to {{string_value: ...}}, got {parameters!r}"]
     parameters["tensor_parallel_size"] = {"string_value": str(llm.tensor)}
     parameters["pipeline_parallel_size"] = {"string_value": str(llm.pipeline)}
+    if llm.group_size > 1:  # the engine's workers span the pods of a LeaderWorkerSet group, joined by Ray
+        parameters["distributed_executor_backend"] = {"string_value": "ray"}
     return out, []

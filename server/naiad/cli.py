@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -49,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="model to load at startup in explicit mode (repeatable; '*' loads all)",
+    )
+    s.add_argument(
+        "--load-model-config",
+        action="append",
+        default=[],
+        metavar="MODEL=JSON",
+        help="the config a --load-model model is loaded with at startup, as a load request's `config` parameter "
+        "(JSON; it replaces the repository's config.pbtxt; repeatable)",
     )
     # models on demand (orchestration/): load on the first request, a memory budget, eviction
     s.add_argument(
@@ -389,6 +398,27 @@ def options_table(args: argparse.Namespace, server: Server) -> str:
     return _table(("Option", "Value"), rows)
 
 
+def _load_model_configs(args: argparse.Namespace) -> dict[str, dict]:
+    """--load-model-config MODEL=JSON, checked: a JSON object, for a model --load-model names, in explicit mode."""
+    configs: dict[str, dict] = {}
+    for item in args.load_model_config:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--load-model-config takes MODEL=JSON, got {item!r}")
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--load-model-config {name}: not JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"--load-model-config {name}: the config must be a JSON object")
+        if args.model_control_mode != "explicit" or name not in args.load_model:
+            raise ValueError(
+                f"--load-model-config {name}: only for a model --load-model names (--model-control-mode explicit)"
+            )
+        configs[name] = config
+    return configs
+
+
 def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
     from .cache import parse_cache_config
     from .scheduling.ratelimit import parse_resources
@@ -408,6 +438,7 @@ def _options(args: argparse.Namespace, auto_complete: bool) -> ServerOptions:
         model_repositories=args.model_repository,
         model_control_mode=args.model_control_mode,
         load_models=args.load_model,
+        load_model_configs=_load_model_configs(args),
         repository_poll_secs=args.repository_poll_secs,
         strict_readiness=args.strict_readiness,
         exit_timeout_secs=args.exit_timeout_secs,

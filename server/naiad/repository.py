@@ -477,16 +477,19 @@ class ModelRepository:
         for cb in self.on_change:
             cb(name)
 
-    async def load_many(self, names: list[str], cause: str = "startup") -> None:
-        """Load models concurrently; failures are recorded and logged, never fatal to the others. The caller has
-        just refreshed the repositories' listings."""
+    async def load_many(
+        self, names: list[str], cause: str = "startup", configs: dict[str, dict] | None = None
+    ) -> None:
+        """Load models concurrently (a model in `configs` with that config override); failures are recorded and
+        logged, never fatal to the others. The caller has just refreshed the repositories' listings."""
         ordered = await asyncio.get_running_loop().run_in_executor(None, self._dependency_order, names)
+        configs = configs or {}
         for wave in ordered:
-            await asyncio.gather(*(self._load_quietly(n, cause) for n in wave))
+            await asyncio.gather(*(self._load_quietly(n, cause, configs.get(n)) for n in wave))
 
-    async def _load_quietly(self, name: str, cause: str) -> None:
+    async def _load_quietly(self, name: str, cause: str, config: dict | None = None) -> None:
         try:
-            await self.load(name, refresh=False, cause=cause)
+            await self.load(name, config, refresh=False, cause=cause)
         except NaiadError:
             pass
 

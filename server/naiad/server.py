@@ -41,6 +41,7 @@ class ServerOptions:
     model_repositories: list[str] = field(default_factory=list)
     model_control_mode: str = "none"
     load_models: list[str] = field(default_factory=list)
+    load_model_configs: dict[str, dict] = field(default_factory=dict)  # a startup load's `config` override
     repository_poll_secs: float = 15.0
     strict_readiness: bool = True
     exit_timeout_secs: float = 30.0
@@ -138,7 +139,7 @@ class Server:
         else:
             wanted = self.options.load_models
             names = list(self.repository.scan()) if "*" in wanted else list(dict.fromkeys(wanted))
-        await self.repository.load_many(names)
+        await self.repository.load_many(names, configs=self.options.load_model_configs)
         self.orchestrator.start()
         if mode == "poll":
             self._poll_task = self.loop.create_task(self._poll_forever())

@@ -4,6 +4,8 @@ llama.cpp RPC servers; workers: rpc-server), with the model's Services and Infer
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from naiad_operator.config import OperatorConfig
@@ -11,6 +13,8 @@ from naiad_operator.inference_pool import render_inference_pool
 from naiad_operator.leader_worker_set import (
     GROUP_ROLE_LABEL,
     LWS_API,
+    RAY_GROUP,
+    RAY_PORT,
     RPC_PORT,
     RPC_SERVERS_ENV,
     render_leader_worker_set,
@@ -60,10 +64,13 @@ def test_problems_of_a_copy_larger_than_a_node():
     assert not model_intent("big", big_model()).problems
     (problem,) = model_intent("big", big_model(per_node=0)).problems
     assert "llm.gpusPerNode must be a positive integer" in problem
-    vllm = big_model()
+    vllm = big_model(tensor=4, pipeline=2, per_node=4)
     vllm["llm"]["engine"] = "vllm"
-    (problem,) = model_intent("big", vllm).problems
-    assert "needs a group of pods" in problem and "llamacpp" in problem
+    assert not model_intent("big", vllm).problems  # vLLM's groups: Ray, any GPUs per node
+    transformers = big_model()
+    transformers["llm"]["engine"] = "transformers"
+    (problem,) = model_intent("big", transformers).problems
+    assert "needs a group of pods" in problem and "llamacpp" in problem and "vllm (Ray)" in problem
     (problem,) = model_intent("big", big_model(tensor=2, pipeline=2, per_node=2)).problems
     assert "gpusPerNode must be 1" in problem
     shared = big_model(serverRef={"name": "pool"})
@@ -139,6 +146,45 @@ def test_leader_worker_set_rendering():
     # GPU pods tolerate the GPU taint, leaders and workers alike
     for pod in (leader, worker):
         assert any(t["key"] == GPU_RESOURCE for t in pod["spec"]["tolerations"])
+
+
+def test_a_vllm_copy_over_a_group_joins_the_pods_with_ray():
+    """engine: vllm over two nodes of 4 GPUs: the leader starts Ray's head, waits for the group and serves the
+    model loaded with the parallel sizes and Ray's executor; the workers are Ray nodes with the server's mounts."""
+    spec = big_model(tensor=4, pipeline=2, per_node=4, server={"image": "naiad-vllm:test"})
+    spec["llm"]["engine"] = "vllm"
+    intent = model_intent("big", spec)
+    assert not intent.problems
+    lws = render_leader_worker_set(OWNER, spec, intent, CONFIG)
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    (server,) = template["leaderTemplate"]["spec"]["containers"]
+    assert server["command"] == [RAY_GROUP] and server["image"] == "naiad-vllm:test"
+    args = server["args"]
+    assert args[:4] == ["leader", "--size=$(LWS_GROUP_SIZE)", "--num-gpus=4", "--"]
+    assert (
+        args[4:6] == ["naiad", "serve"] and "--load-model=tiny" in args and "--strict-readiness=true" in args
+    )
+    (config_arg,) = [a for a in args if a.startswith("--load-model-config=")]
+    name, _, config = config_arg[len("--load-model-config=") :].partition("=")
+    config = json.loads(config)
+    assert name == "tiny" and config["instance_group"] == [{"kind": "KIND_MODEL", "count": 1}]
+    assert config["parameters"] == {
+        "tensor_parallel_size": {"string_value": "4"},
+        "pipeline_parallel_size": {"string_value": "2"},
+        "distributed_executor_backend": {"string_value": "ray"},
+    }
+    assert RPC_SERVERS_ENV not in env_of(server)
+    assert {"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"} in server["ports"]
+    assert server["resources"]["limits"][GPU_RESOURCE] == 4
+    worker = template["workerTemplate"]
+    (ray,) = worker["spec"]["containers"]
+    assert ray["command"] == [RAY_GROUP] and ray["image"] == "naiad-vllm:test"
+    assert ray["args"] == ["worker", "--leader=$(LWS_LEADER_ADDRESS)", f"--port={RAY_PORT}", "--num-gpus=4"]
+    assert ray["resources"]["limits"][GPU_RESOURCE] == 4
+    # the engine's workers read the weights where the leader does
+    assert ray["volumeMounts"] == server["volumeMounts"]
+    assert any(v["name"] == "models" for v in worker["spec"]["volumes"])
 
 
 def test_leader_and_workers_run_the_llm_image_unless_the_template_names_one():

@@ -4,7 +4,7 @@ A model is Triton's vllm_backend layout: `config.pbtxt` with `backend: "vllm"` (
 shape, decoupled, max_batch_size 0) and `<version>/model.json` holding vLLM's engine arguments (`AsyncEngineArgs`:
 `model`, `tensor_parallel_size`, `pipeline_parallel_size`, `gpu_memory_utilization`, `max_model_len`, ...), passed
 through as they are. The config's `parameters` `tensor_parallel_size` / `pipeline_parallel_size` (positive integers)
-override model.json's, so a load with a `config` override can size the engine to the GPUs it was given without
+and `distributed_executor_backend` override model.json's, so a load with a `config` override can size the engine to the GPUs it was given without
 rewriting the repository (the operator does so for an InferenceModel's `llm.parallelism`); Triton's python-based
 vllm_backend reads model.json only. Unlike Triton's python-based vllm_backend there is no stub process: requests go from the
 server straight to the engine, which runs on an asyncio loop thread of its own per instance.
@@ -64,11 +64,15 @@ def engine_arguments(version_dir: Path, model_name: str) -> dict[str, Any]:
 
 # Config parameters that override model.json's engine argument of the same name.
 PARALLELISM_PARAMETERS = ("tensor_parallel_size", "pipeline_parallel_size")
+# ... and how the engine runs its workers over them: "ray" when they span the pods of a group (llm/ray_group.py)
+EXECUTOR_PARAMETER = "distributed_executor_backend"
+EXECUTOR_BACKENDS = ("ray", "mp", "uni", "external_launcher")
 
 
-def parameter_overrides(parameters: dict[str, str], model_name: str) -> dict[str, int]:
-    """The engine arguments the config's `parameters` set over model.json's: the parallel sizes."""
-    overrides = {}
+def parameter_overrides(parameters: dict[str, str], model_name: str) -> dict[str, int | str]:
+    """The engine arguments the config's `parameters` set over model.json's: the parallel sizes and the
+    distributed executor."""
+    overrides: dict[str, int | str] = {}
     for key in PARALLELISM_PARAMETERS:
         if key not in parameters:
             continue
@@ -78,6 +82,14 @@ def parameter_overrides(parameters: dict[str, str], model_name: str) -> dict[str
                 f"model '{model_name}': config parameter '{key}' must be a positive integer, got {value!r}"
             )
         overrides[key] = int(value)
+    if EXECUTOR_PARAMETER in parameters:
+        executor = parameters[EXECUTOR_PARAMETER].strip()
+        if executor not in EXECUTOR_BACKENDS:
+            raise InvalidArgument(
+                f"model '{model_name}': config parameter '{EXECUTOR_PARAMETER}' must be one of "
+                f"{', '.join(EXECUTOR_BACKENDS)}, got {executor!r}"
+            )
+        overrides[EXECUTOR_PARAMETER] = executor
     return overrides
 
 

@@ -14,6 +14,7 @@ class ModelConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
 
 @dataclass

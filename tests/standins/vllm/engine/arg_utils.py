@@ -16,6 +16,7 @@ class AsyncEngineArgs:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int | None = None
     enforce_eager: bool = False
@@ -35,6 +36,8 @@ class AsyncEngineArgs:
         runner = "pooling" if self.runner == "pooling" else "generate"
         return VllmConfig(
             model_config=ModelConfig(self.model, self.max_model_len or 2048, runner),
-            parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size),
+            parallel_config=ParallelConfig(
+                self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend
+            ),
             scheduler_config=SchedulerConfig(self.max_num_seqs or 256),
         )

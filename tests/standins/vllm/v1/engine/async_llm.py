@@ -66,6 +66,23 @@ class _Request:
         self.last = 0.0
 
 
+def _join_ray(parallel) -> None:
+    """As vLLM's Ray executor starts (vllm.v1.executor.ray_utils.initialize_ray_cluster): join the Ray cluster
+    (RAY_ADDRESS, else the local one) and refuse to start when it has fewer GPUs than the engine's world size."""
+    import ray
+
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level="ERROR", log_to_driver=False)
+    world = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    if gpus < world:
+        raise ValueError(
+            f"The number of required GPUs exceeds the total number of available GPUs in the Ray cluster: "
+            f"{world} > {gpus}"
+        )
+    print(f"vllm stand-in: ray executor over {nodes} nodes with {gpus} GPUs", file=sys.stderr, flush=True)
+
+
 class AsyncLLM(EngineClient):
     def __init__(self, vllm_config: VllmConfig, stat_loggers: list | None = None, log_stats: bool = True):
         self.vllm_config = vllm_config
@@ -88,6 +105,8 @@ class AsyncLLM(EngineClient):
             file=sys.stderr,
             flush=True,
         )
+        if parallel.distributed_executor_backend == "ray":
+            _join_ray(parallel)
 
     @classmethod
     def from_vllm_config(

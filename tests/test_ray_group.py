@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 from helpers import ROOT
@@ -100,6 +101,14 @@ def test_the_leader_serves_once_the_group_has_joined(site, tmp_path):
         )
         assert r.status_code == 200 and r.json()["text_output"] == "a b b a", r.text
         assert worker.poll() is None  # in the foreground while its node lives
+        # a pod's stop: SIGTERM reaches the worker's Ray node, which drains and exits, and so does the worker
+        os.kill(worker.pid, signal.SIGTERM)
+        worker.wait(60)
+        address = f"--address=127.0.0.1:{ray_port}"
+        deadline = time.monotonic() + 30
+        while any(address in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])):
+            assert time.monotonic() < deadline, "the worker's `ray start` outlived it"
+            time.sleep(0.5)
     finally:
         stop(leader)
         stop(worker)

@@ -75,13 +75,16 @@ def _leader_container(container: Body, intent: ModelIntent, name: str, namespace
             *out["args"],
         ]
         out["command"] = [RAY_GROUP]
+        out["env"].insert(1, _field_env("POD_IP", "status.podIP"))
         out["ports"] = [*out.get("ports", []), {"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"}]
     return out
 
 
 def _ray_node_options(llm: LLMSpec) -> list[str]:
-    """`ray start` options of every node of a group: the pod's GPUs (as the device plugin gave them)."""
-    return [] if llm.gpus_per_pod is None else [f"--num-gpus={llm.gpus_per_pod}"]
+    """`ray start` options of every node of a group: the pod's IP as the node's address (Ray's own guess, the
+    address that reaches the internet, is not always it) and the pod's GPUs (as the device plugin gave them)."""
+    gpus = [] if llm.gpus_per_pod is None else [f"--num-gpus={llm.gpus_per_pod}"]
+    return ["--node-ip-address=$(POD_IP)", *gpus]
 
 
 def _ray_worker_container(container: Body, llm: LLMSpec) -> Body:
@@ -98,6 +101,8 @@ def _ray_worker_container(container: Body, llm: LLMSpec) -> Body:
     for key in ("env", "envFrom", "volumeMounts", "resources"):
         if container.get(key):
             worker[key] = copy.deepcopy(container[key])
+    env = [e for e in worker.get("env") or [] if e.get("name") != "POD_IP"]
+    worker["env"] = [_field_env("POD_IP", "status.podIP"), *env]
     return worker
 
 

@@ -161,9 +161,15 @@ def test_a_vllm_copy_over_a_group_joins_the_pods_with_ray():
     (server,) = template["leaderTemplate"]["spec"]["containers"]
     assert server["command"] == [RAY_GROUP] and server["image"] == "naiad-vllm:test"
     args = server["args"]
-    assert args[:4] == ["leader", "--size=$(LWS_GROUP_SIZE)", "--num-gpus=4", "--"]
+    assert args[:5] == [
+        "leader",
+        "--size=$(LWS_GROUP_SIZE)",
+        "--node-ip-address=$(POD_IP)",
+        "--num-gpus=4",
+        "--",
+    ]
     assert (
-        args[4:6] == ["naiad", "serve"] and "--load-model=tiny" in args and "--strict-readiness=true" in args
+        args[5:7] == ["naiad", "serve"] and "--load-model=tiny" in args and "--strict-readiness=true" in args
     )
     (config_arg,) = [a for a in args if a.startswith("--load-model-config=")]
     name, _, config = config_arg[len("--load-model-config=") :].partition("=")
@@ -175,12 +181,20 @@ def test_a_vllm_copy_over_a_group_joins_the_pods_with_ray():
         "distributed_executor_backend": {"string_value": "ray"},
     }
     assert RPC_SERVERS_ENV not in env_of(server)
+    assert env_of(server)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert {"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"} in server["ports"]
     assert server["resources"]["limits"][GPU_RESOURCE] == 4
     worker = template["workerTemplate"]
     (ray,) = worker["spec"]["containers"]
     assert ray["command"] == [RAY_GROUP] and ray["image"] == "naiad-vllm:test"
-    assert ray["args"] == ["worker", "--leader=$(LWS_LEADER_ADDRESS)", f"--port={RAY_PORT}", "--num-gpus=4"]
+    assert ray["args"] == [
+        "worker",
+        "--leader=$(LWS_LEADER_ADDRESS)",
+        f"--port={RAY_PORT}",
+        "--node-ip-address=$(POD_IP)",
+        "--num-gpus=4",
+    ]
+    assert env_of(ray)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert ray["resources"]["limits"][GPU_RESOURCE] == 4
     # the engine's workers read the weights where the leader does
     assert ray["volumeMounts"] == server["volumeMounts"]

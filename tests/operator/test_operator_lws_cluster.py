@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from test_operator_cluster import (  # noqa: F401 (fixtures)
@@ -99,6 +102,13 @@ def lws_cluster(lws_tools, harness):  # noqa: F811
         harness.runner.executables["naiad"] = str(
             hosts.launcher(naiad, harness.workdir / "naiad-with-pod-dns")
         )
+        # a vLLM group's pods (naiad.llm.ray_group), from this environment
+        harness.runner.executables["naiad-ray-group"] = str(
+            hosts.launcher(
+                str(Path(sys.executable).parent / "naiad-ray-group"),
+                harness.workdir / "ray-group-with-pod-dns",
+            )
+        )
     controller = lws.LwsController(harness.cluster, harness.workdir / "lws", binary, manifests)
     try:
         hosts.start()
@@ -109,6 +119,7 @@ def lws_cluster(lws_tools, harness):  # noqa: F811
         hosts.stop()
         if naiad is not None:
             harness.runner.executables["naiad"] = naiad
+        harness.runner.executables.pop("naiad-ray-group", None)
         harness.runner.image_binds.pop("/etc/hosts", None)
 
 
@@ -270,3 +281,86 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set(lws_cluster, rep
         raise
     finally:
         h.kubectl("-n", NS, "delete", "im", "big", "--timeout=90s", check=False)
+
+
+VLLM = "group_vllm"
+
+
+def test_a_vllm_copy_larger_than_a_node_joins_its_group_with_ray(lws_cluster, report):  # noqa: F811
+    """engine: vllm, tensor 2 x pipeline 2 on nodes of 2 GPUs: the LWS controller makes a group of two pods from
+    the operator's resource; the worker pod's Ray node joins the leader pod's head (found by the LWS_LEADER_ADDRESS
+    the controller injected), the leader's server starts once both are alive and loads the model with Ray's
+    executor, and the engine (the vllm stand-in, which joins the Ray cluster and counts its GPUs as vLLM's Ray
+    executor does; no vLLM runs without a CUDA GPU) sees both pods' 4 GPUs. Real Ray (the test environment's
+    `ray`), not in image mode (no image carries vLLM and Ray: the image tier deselects this scenario)."""
+    h, controller = lws_cluster
+    site = h.workdir / "vllm-site"
+    if not site.exists():
+        shutil.copytree(ROOT / "tests" / "standins" / "vllm", site / "vllm")
+    (h.repo / VLLM / "1").mkdir(parents=True, exist_ok=True)
+    (h.repo / VLLM / "config.pbtxt").write_text('backend: "vllm"\n')
+    (h.repo / VLLM / "1" / "model.json").write_text('{"model": "stand-in"}')
+    ray = Path(sys.executable).parent / "ray"
+    try:
+        h.apply(
+            model(
+                "bigv",
+                modelName=VLLM,
+                storage={"uri": f"file://{h.repo}"},
+                llm={"engine": "vllm", "parallelism": {"tensor": 2, "pipeline": 2}, "gpusPerNode": 2},
+                replicas=1,
+                server={
+                    "env": [
+                        {"name": "PYTHONPATH", "value": f"{ROOT / 'server'}:{site}"},
+                        {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+                    ]
+                },
+            )
+        )
+        pods = wait(
+            lambda: (p := h.get("pods", selector=f"{LWS_NAME}=bigv-server")["items"]) and len(p) == 2 and p,
+            90,
+            what="the group's two pods",
+        )
+        by_name = {p["metadata"]["name"]: p for p in pods}
+        leader, worker = by_name["bigv-server-0"], by_name["bigv-server-0-1"]
+        assert leader["spec"]["containers"][0]["command"] == ["naiad-ray-group"]
+        assert worker["spec"]["containers"][0]["command"] == ["naiad-ray-group"]
+        assert (
+            env_of(worker["spec"]["containers"][0])["LWS_LEADER_ADDRESS"] == f"bigv-server-0.bigv-server.{NS}"
+        )
+        leader_ip = wait(lambda: h.get("pod", "bigv-server-0")["status"].get("podIP"), 60, what="leader IP")
+        wait(
+            lambda: h.endpoints("bigv") == {leader_ip},
+            240,
+            what="the leader Ready (the group's Ray cluster formed, the model loaded)",
+        )
+        log = h.runner.logs(NS, "bigv-server-0")
+        assert "the group's 2 Ray nodes are alive" in log
+        assert "tensor_parallel_size=2 pipeline_parallel_size=2" in log
+        assert "ray executor over 2 nodes with 4 GPUs" in log, log[-3000:]
+        code, body = post_json(
+            f"http://{leader_ip}:8000/v2/models/{VLLM}/generate",
+            {"text_input": "a b", "parameters": {"max_tokens": 2}},
+        )
+        assert code == 200 and body["text_output"] == "a b b a", body
+        wait(
+            lambda: (s := h.model_status("bigv")).get("phase") == "Available" and s, 60, what="bigv Available"
+        )
+        print(f"leader {leader_ip}: {log[-600:]!r}")
+    except BaseException:
+        print(f"--- lws-controller ---\n{controller.log()}")
+        for pod in ("bigv-server-0", "bigv-server-0-1"):
+            print(f"--- {pod} ---\n{h.runner.logs(NS, pod)[-4000:]}")
+        print(h.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout)
+        raise
+    finally:
+        h.kubectl("-n", NS, "delete", "im", "bigv", "--timeout=90s", check=False)
+        try:  # the group's pods gone, then any of their Ray processes still draining (the pods share this host)
+            wait(
+                lambda: not h.get("pods", selector=f"{LWS_NAME}=bigv-server")["items"],
+                90,
+                what="no group pods",
+            )
+        finally:
+            subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=60)

@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,11 +37,20 @@ _COUNT = (
 
 
 def _ray() -> str:
-    """The `ray` command next to this interpreter (the image's environment), else on PATH."""
+    """The `ray` command next to this interpreter (the Ray of Naiad's environment), else on PATH."""
     local = os.path.join(os.path.dirname(sys.executable), "ray")
     found = local if os.access(local, os.X_OK) else shutil.which("ray")
     if found is None:
-        raise SystemExit("ray_group: the `ray` command is not installed (pip install 'ray>=2.40')")
+        raise SystemExit("ray_group: the `ray` command is not installed (pip install 'naiad[vllm]')")
+    return found
+
+
+def _program(name: str) -> str:
+    """`name` on PATH, else next to this interpreter (the environment Naiad is installed in)."""
+    found = shutil.which(name)
+    if found is None:
+        local = os.path.join(os.path.dirname(sys.executable), name)
+        found = local if os.access(local, os.X_OK) else name
     return found
 
 
@@ -58,8 +69,18 @@ def alive_nodes(address: str, timeout: float = 60.0) -> int:
         return 0
 
 
+def _node_ip(ray_options: list[str]) -> str | None:
+    """The --node-ip-address among `ray start`'s options (the pod's IP, as the operator passes it)."""
+    for i, option in enumerate(ray_options):
+        if option.startswith("--node-ip-address="):
+            return option.partition("=")[2]
+        if option == "--node-ip-address" and i + 1 < len(ray_options):
+            return ray_options[i + 1]
+    return None
+
+
 def leader(size: int, port: int, timeout: float, ray_options: list[str], command: list[str]) -> int:
-    address = f"127.0.0.1:{port}"
+    address = f"{_node_ip(ray_options) or '127.0.0.1'}:{port}"
     started = subprocess.run([_ray(), "start", "--head", f"--port={port}", *HEAD, *ray_options])
     if started.returncode != 0:
         print(f"ray_group: `ray start --head` failed with status {started.returncode}", file=sys.stderr)
@@ -85,27 +106,60 @@ def leader(size: int, port: int, timeout: float, ray_options: list[str], command
         flush=True,
     )
     env = dict(os.environ, RAY_ADDRESS=address)  # vLLM's ray.init() joins this cluster
-    os.execvpe(command[0], command, env)
-    return 1  # (not reached)
+    try:
+        os.execve(_program(command[0]), command, env)
+    except OSError as exc:
+        print(f"ray_group: cannot run {command[0]}: {exc}", file=sys.stderr)
+    return 127
+
+
+_stopping = False  # the pod is stopping (SIGTERM): the Ray node drains and exits, nothing is retried
+
+
+def _foreground(argv: list[str]) -> int:
+    """Run `argv`, passing SIGTERM and SIGINT on to it (the pod's stop reaches the Ray node, which drains and
+    exits), and return its status."""
+    child = subprocess.Popen(argv)
+
+    def forward(signum: int, _frame) -> None:
+        global _stopping
+        _stopping = True
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def worker(address: str, port: int, timeout: float, ray_options: list[str]) -> int:
-    target = address if ":" in address else f"{address}:{port}"
+    host, sep, given = address.rpartition(":")
+    if not sep:
+        host, given = address, ""
+    target = f"{host}:{given or port}"
     deadline = time.monotonic() + timeout
-    while True:
-        # --block: ray start stays in the foreground while this node runs, and fails at once when the head
-        # cannot be reached (not up yet, or gone)
-        code = subprocess.run(
-            [_ray(), "start", f"--address={target}", "--block", *COMMON, *ray_options]
-        ).returncode
-        if code == 0 or time.monotonic() >= deadline:
-            if code:
-                print(
-                    f"ray_group: could not join the Ray head at {target} within {timeout:.0f} s",
-                    file=sys.stderr,
-                )
+    code = 1
+    while time.monotonic() < deadline and not _stopping:
+        # the leader's name resolves once its pod is in the group's headless Service; Ray gets its address
+        try:
+            ip = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError:
+            time.sleep(POLL_S)
+            continue
+        target = f"{ip}:{given or port}"
+        # --block: ray start stays in the foreground while this node runs, and fails when the head cannot be
+        # reached (not up yet, or gone)
+        code = _foreground([_ray(), "start", f"--address={target}", "--block", *COMMON, *ray_options])
+        if code == 0 or _stopping:
             return code
         time.sleep(POLL_S * 2)
+    print(
+        f"ray_group: could not join the Ray head at {address} ({target}) within {timeout:.0f} s",
+        file=sys.stderr,
+    )
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

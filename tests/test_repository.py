@@ -72,15 +72,19 @@ def test_broken_model_load_fails_alone(explicit):
     assert entry["state"] == "UNAVAILABLE" and "broken on purpose" in entry["reason"]
 
 
+# identity_fp32's config with max_batch_size 2 (the repository's says 8): a config override a load can tell apart
+IDENTITY_BATCH_2 = {
+    "name": "identity_fp32",
+    "backend": "python",
+    "max_batch_size": 2,
+    "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+    "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+}
+
+
 def test_load_with_config_override(explicit):
     client = httpclient.InferenceServerClient(explicit.http)
-    override = {
-        "name": "identity_fp32",
-        "backend": "python",
-        "max_batch_size": 2,
-        "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
-        "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
-    }
+    override = IDENTITY_BATCH_2
     client.load_model("identity_fp32", config=json.dumps(override))
     assert client.get_model_config("identity_fp32")["max_batch_size"] == 2
     inp = httpclient.InferInput("INPUT0", [3, 1], "FP32")
@@ -98,13 +102,7 @@ def test_load_with_config_override(explicit):
 def test_load_model_config_at_startup(model_repo):
     """--load-model-config: a startup load with a config override, as the load API's `config` parameter (the
     operator starts a LeaderWorkerSet group's leader with its model's parallel sizes this way)."""
-    override = {
-        "name": "identity_fp32",
-        "backend": "python",
-        "max_batch_size": 2,
-        "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
-        "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
-    }
+    override = IDENTITY_BATCH_2
     args = ["--model-control-mode", "explicit", "--load-model", "identity_fp32"]
     with NaiadProcess(model_repo, *args, f"--load-model-config=identity_fp32={json.dumps(override)}") as proc:
         assert (

@@ -71,7 +71,14 @@ def stop(proc: subprocess.Popen) -> None:
 def test_the_leader_serves_once_the_group_has_joined(site, tmp_path):
     repo, env = site
     ray_port, http = free_port(), free_port()
-    node = ["--num-gpus=2", "--num-cpus=1", f"--port={ray_port}", "--timeout=120"]
+    node = [
+        "--num-gpus=2",
+        "--num-cpus=1",
+        f"--port={ray_port}",
+        "--timeout=120",
+        "--token-from-env=GROUP_SECRET",
+    ]
+    env = dict(env, GROUP_SECRET="the pool's control credential")
     # the worker first, as the LeaderWorkerSet may start it: it retries until the head is up
     worker = ray_group("worker", "--leader=127.0.0.1", *node, env=env, log=tmp_path / "worker.log")
     time.sleep(1)
@@ -101,6 +108,13 @@ def test_the_leader_serves_once_the_group_has_joined(site, tmp_path):
         )
         assert r.status_code == 200 and r.json()["text_output"] == "a b b a", r.text
         assert worker.poll() is None  # in the foreground while its node lives
+        # token authentication: a driver without the group's token is refused
+        probe = f"import ray; ray.init(address='127.0.0.1:{ray_port}', logging_level='ERROR')"
+        without = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+        r = subprocess.run(
+            [sys.executable, "-c", probe], env=without, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode != 0 and "ConnectionError" in r.stderr, r.stderr[-2000:]
         # a pod's stop: SIGTERM reaches the worker's Ray node, which drains and exits, and so does the worker
         os.kill(worker.pid, signal.SIGTERM)
         worker.wait(60)
@@ -130,6 +144,7 @@ def test_the_leader_gives_up_on_a_group_that_does_not_form(site, tmp_path):
 def test_usage_errors(site):
     _, env = site
     for args, message in [
+        (["worker", "--leader=x", "--token-from-env=NO_SUCH_VARIABLE"], "refusing an open cluster"),
         (["leader", "--size=2"], "the command to run once the group is up goes after --"),
         (["worker", "--leader=x", "--", "true"], "worker: takes no command"),
         (["leader", "--size=0", "--", "true"], "--size must be at least 1"),
@@ -137,4 +152,4 @@ def test_usage_errors(site):
         r = subprocess.run(
             [sys.executable, "-m", "naiad.llm.ray_group", *args], env=env, capture_output=True, text=True
         )
-        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert r.returncode in (1, 2) and message in r.stderr, r.stderr

@@ -29,7 +29,14 @@ from .inference_pool import (
     render_inference_pool,
 )
 from .kube import KubeClient, KubeError
-from .leader_worker_set import LWS_API, LWS_KIND, LWS_MISSING, LWS_PLURAL, render_leader_worker_set
+from .leader_worker_set import (
+    LWS_API,
+    LWS_KIND,
+    LWS_MISSING,
+    LWS_PLURAL,
+    render_group_control_secret,
+    render_leader_worker_set,
+)
 from .llm_gauges import GaugeReader
 from .load_backoff import LoadBackoff
 from .model_resources import (
@@ -331,7 +338,9 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
         _report(body, [LWS_MISSING], "LeaderWorkerSetMissing", events)
         return intent.pool
     if group:
-        objects.append(render_leader_worker_set(owner, spec, intent, config))
+        credential = (await memo.credentials.refresh()).current
+        objects.append(render_group_control_secret(owner, intent, credential))  # before the pods that read it
+        objects.append(render_leader_worker_set(owner, spec, intent, config, credential))
     elif intent.dedicated:
         existing = await kube.get(API_VERSION, SERVER_KIND, owner.namespace, intent.pool)
         if existing is None or any(

@@ -17,7 +17,8 @@ from .model_resources import ModelIntent, render_dedicated_server
 from .naming import GROUP, SERVER_CONTAINER
 from .objects import Body, Spec
 from .ownership import Owner, child_metadata
-from .pool_resources import render_deployment
+from .pool_resources import render_control_secret, render_deployment
+from .security import CONTROL_ENV
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_KIND = "LeaderWorkerSet"
@@ -69,7 +70,7 @@ def _leader_container(container: Body, intent: ModelIntent, name: str, namespace
         out["args"] = [
             "leader",
             "--size=$(LWS_GROUP_SIZE)",
-            *_ray_node_options(llm),
+            *_ray_node_options(container, llm),
             "--",
             *out.get("command", ["naiad"]),
             *out["args"],
@@ -80,11 +81,15 @@ def _leader_container(container: Body, intent: ModelIntent, name: str, namespace
     return out
 
 
-def _ray_node_options(llm: LLMSpec) -> list[str]:
-    """`ray start` options of every node of a group: the pod's IP as the node's address (Ray's own guess, the
-    address that reaches the internet, is not always it) and the pod's GPUs (as the device plugin gave them)."""
+def _ray_node_options(container: Body, llm: LLMSpec) -> list[str]:
+    """`ray start` options of every node of a group: token authentication from the control credential when the
+    pods have it (else anyone who reaches port 6379 could run code on the group's GPUs), the pod's IP as the node's
+    address (Ray's own guess, the address that reaches the internet, is not always it) and the pod's GPUs (as the
+    device plugin gave them)."""
+    restricted = any(e.get("name") == CONTROL_ENV for e in container.get("env") or [])
+    token = [f"--token-from-env={CONTROL_ENV}"] if restricted else []
     gpus = [] if llm.gpus_per_pod is None else [f"--num-gpus={llm.gpus_per_pod}"]
-    return ["--node-ip-address=$(POD_IP)", *gpus]
+    return [*token, "--node-ip-address=$(POD_IP)", *gpus]
 
 
 def _ray_worker_container(container: Body, llm: LLMSpec) -> Body:
@@ -95,7 +100,12 @@ def _ray_worker_container(container: Body, llm: LLMSpec) -> Body:
         "image": container["image"],
         "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
         "command": [RAY_GROUP],
-        "args": ["worker", "--leader=$(LWS_LEADER_ADDRESS)", f"--port={RAY_PORT}", *_ray_node_options(llm)],
+        "args": [
+            "worker",
+            "--leader=$(LWS_LEADER_ADDRESS)",
+            f"--port={RAY_PORT}",
+            *_ray_node_options(container, llm),
+        ],
         "securityContext": copy.deepcopy(container.get("securityContext") or {}),
     }
     for key in ("env", "envFrom", "volumeMounts", "resources"):
@@ -124,6 +134,14 @@ def _worker_container(container: Body, llm: LLMSpec) -> Body:
     return worker
 
 
+def render_group_control_secret(owner: Owner, intent: ModelIntent, credential: str) -> Body:
+    """The group's copy of the control credential (named as its pool's would be), read by its leaders."""
+    pool_owner = Owner(owner.api_version, owner.kind, intent.pool, owner.uid, owner.namespace)
+    secret = render_control_secret(pool_owner, credential)
+    secret["metadata"] = child_metadata(secret["metadata"]["name"], owner, group_labels(intent))
+    return secret
+
+
 def group_labels(intent: ModelIntent) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "naiad-model-group",
@@ -132,7 +150,9 @@ def group_labels(intent: ModelIntent) -> dict[str, str]:
     }
 
 
-def render_leader_worker_set(owner: Owner, spec: Spec, intent: ModelIntent, config: OperatorConfig) -> Body:
+def render_leader_worker_set(
+    owner: Owner, spec: Spec, intent: ModelIntent, config: OperatorConfig, credential: str | None = None
+) -> Body:
     """The model's LeaderWorkerSet, named like its dedicated pool would be: `replicas` groups of
     `llm.group_size` pods, the leader's pod spec the one its pool's pods would get (image, repository, volumes,
     env, resources, scheduling), the workers' the same placement with rpc-server. A restart of any pod recreates
@@ -143,7 +163,9 @@ def render_leader_worker_set(owner: Owner, spec: Spec, intent: ModelIntent, conf
     name = intent.pool
     server = render_dedicated_server(owner, spec, intent)
     pool_owner = Owner(owner.api_version, owner.kind, name, owner.uid, owner.namespace)
-    template = render_deployment(pool_owner, server["spec"], config)["spec"]["template"]
+    # with the credential, the leader's control APIs are restricted to it as a pool's pods' are (the group's
+    # control Secret: render_group_control_secret), and a vLLM group's Ray cluster takes a token derived from it
+    template = render_deployment(pool_owner, server["spec"], config, credential)["spec"]["template"]
     pod_spec = template["spec"]
     # the pool's: the operator's readiness gate (set by its load passes) and the spread over the pool's pods
     pod_spec.pop("readinessGates", None)

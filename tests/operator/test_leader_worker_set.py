@@ -17,6 +17,7 @@ from naiad_operator.leader_worker_set import (
     RAY_PORT,
     RPC_PORT,
     RPC_SERVERS_ENV,
+    render_group_control_secret,
     render_leader_worker_set,
 )
 from naiad_operator.llm import ENGINE_TYPE_LABEL, GPU_RESOURCE, llm_spec
@@ -29,6 +30,7 @@ from naiad_operator.model_resources import (
 )
 from naiad_operator.naming import LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL, SERVER_LABEL
 from naiad_operator.ownership import Owner
+from naiad_operator.security import CONTROL_ENV
 
 OWNER = Owner("naiad.dev/v1alpha1", "InferenceModel", "big", "uid-b", "ml")
 CONFIG = OperatorConfig()
@@ -155,22 +157,26 @@ def test_a_vllm_copy_over_a_group_joins_the_pods_with_ray():
     spec["llm"]["engine"] = "vllm"
     intent = model_intent("big", spec)
     assert not intent.problems
-    lws = render_leader_worker_set(OWNER, spec, intent, CONFIG)
+    lws = render_leader_worker_set(OWNER, spec, intent, CONFIG, credential="s3cret")
     template = lws["spec"]["leaderWorkerTemplate"]
     assert template["size"] == 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
     (server,) = template["leaderTemplate"]["spec"]["containers"]
     assert server["command"] == [RAY_GROUP] and server["image"] == "naiad-vllm:test"
     args = server["args"]
-    assert args[:5] == [
-        "leader",
-        "--size=$(LWS_GROUP_SIZE)",
-        "--node-ip-address=$(POD_IP)",
-        "--num-gpus=4",
-        "--",
-    ]
+    node = [f"--token-from-env={CONTROL_ENV}", "--node-ip-address=$(POD_IP)", "--num-gpus=4"]
+    assert args[:6] == ["leader", "--size=$(LWS_GROUP_SIZE)", *node, "--"]
     assert (
-        args[5:7] == ["naiad", "serve"] and "--load-model=tiny" in args and "--strict-readiness=true" in args
+        args[6:8] == ["naiad", "serve"] and "--load-model=tiny" in args and "--strict-readiness=true" in args
     )
+    # the leader's control APIs are restricted to the credential, read from the group's control Secret
+    assert any(a.startswith("--http-restricted-api=model-repository") for a in args)
+    assert env_of(server)[CONTROL_ENV] == {
+        "secretKeyRef": {"name": "big-server-control", "key": "credential"}
+    }
+    secret = render_group_control_secret(OWNER, intent, "s3cret")
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "big-server-control"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-b"
+    assert "s3cret" not in json.dumps(lws)  # the pods read it from the Secret, never from their spec
     (config_arg,) = [a for a in args if a.startswith("--load-model-config=")]
     name, _, config = config_arg[len("--load-model-config=") :].partition("=")
     config = json.loads(config)
@@ -187,13 +193,8 @@ def test_a_vllm_copy_over_a_group_joins_the_pods_with_ray():
     worker = template["workerTemplate"]
     (ray,) = worker["spec"]["containers"]
     assert ray["command"] == [RAY_GROUP] and ray["image"] == "naiad-vllm:test"
-    assert ray["args"] == [
-        "worker",
-        "--leader=$(LWS_LEADER_ADDRESS)",
-        f"--port={RAY_PORT}",
-        "--node-ip-address=$(POD_IP)",
-        "--num-gpus=4",
-    ]
+    assert ray["args"] == ["worker", "--leader=$(LWS_LEADER_ADDRESS)", f"--port={RAY_PORT}", *node]
+    assert CONTROL_ENV in env_of(ray)  # the token's secret
     assert env_of(ray)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert ray["resources"]["limits"][GPU_RESOURCE] == 4
     # the engine's workers read the weights where the leader does

@@ -12,6 +12,7 @@ exits and the LeaderWorkerSet recreates the group. The same steps as the LWS pro
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +35,19 @@ _COUNT = (
     "ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False)\n"
     "print(json.dumps(sum(1 for n in ray.nodes() if n['Alive'])))\n"
 )
+
+
+def use_token(variable: str) -> None:
+    """Ray's token authentication for this process and what it starts (`ray start`, the server's vLLM engine):
+    the token is derived from the secret in `variable` (the operator passes the pool's control credential), so the
+    group's nodes share it and nothing without it can join the cluster or run code on it."""
+    secret = os.environ.get(variable, "")
+    if not secret:
+        raise SystemExit(
+            f"ray_group: --token-from-env {variable}: the variable is not set; refusing an open cluster"
+        )
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = hashlib.sha256(b"naiad-ray-group\0" + secret.encode()).hexdigest()
 
 
 def _ray() -> str:
@@ -179,7 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     for parser in (lead, work):
         parser.add_argument("--port", type=int, default=RAY_PORT, help="the head's GCS port")
         parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds to wait for the group")
+        parser.add_argument(
+            "--token-from-env",
+            metavar="VARIABLE",
+            help="Ray's token authentication, the token derived from this variable's secret (same on every pod)",
+        )
     args, ray_options = p.parse_known_args(argv)
+    if args.token_from_env:
+        use_token(args.token_from_env)
     if args.role == "leader":
         if args.size < 1:
             p.error("--size must be at least 1")

@@ -104,7 +104,7 @@ def test_tensors_in_a_shared_receive_buffer_are_lent_not_copied():
     view, and one the receive pool lets go is unlinked and its mapping dropped from the engine's cache."""
     pool = SlabPool(f"naiad-test{os.getpid()}s")
     receive = ReceivePool(limit=8 << 20)
-    receive.share(pool.receive_segment, pool.drop_segment)
+    receive.share(pool)
     maps = SlabMaps()
     try:
         buf = receive.take(3 << 20)
@@ -149,7 +149,7 @@ def test_receive_buffers_leave_a_quarter_of_shared_memory(monkeypatch):
     slab as before the receive buffers were shared (a full /dev/shm must not starve the slabs)."""
     pool = SlabPool(f"naiad-test{os.getpid()}q")
     receive = ReceivePool(limit=8 << 20)
-    receive.share(pool.receive_segment, pool.drop_segment)
+    receive.share(pool)
     real = os.statvfs(SHM_DIR)
 
     class Fs:  # 64 MiB in all, 16.5 MiB free

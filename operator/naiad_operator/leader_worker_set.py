@@ -92,22 +92,28 @@ def _ray_node_options(container: Body, llm: LLMSpec) -> list[str]:
     return [*token, "--node-ip-address=$(POD_IP)", *gpus]
 
 
+def _worker_base(container: Body, name: str, command: str, args: list[str]) -> Body:
+    """A worker's container from the server container's image and security context."""
+    return {
+        "name": name,
+        "image": container["image"],
+        "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
+        "command": [command],
+        "args": args,
+        "securityContext": copy.deepcopy(container.get("securityContext") or {}),
+    }
+
+
 def _ray_worker_container(container: Body, llm: LLMSpec) -> Body:
     """A Ray node of the leader's cluster from the server's image, with the server container's resources, env
     and mounts (the engine's workers read the weights at the leader's paths), in the foreground while it lives."""
-    worker: Body = {
-        "name": RAY_CONTAINER,
-        "image": container["image"],
-        "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
-        "command": [RAY_GROUP],
-        "args": [
-            "worker",
-            "--leader=$(LWS_LEADER_ADDRESS)",
-            f"--port={RAY_PORT}",
-            *_ray_node_options(container, llm),
-        ],
-        "securityContext": copy.deepcopy(container.get("securityContext") or {}),
-    }
+    args = [
+        "worker",
+        "--leader=$(LWS_LEADER_ADDRESS)",
+        f"--port={RAY_PORT}",
+        *_ray_node_options(container, llm),
+    ]
+    worker = _worker_base(container, RAY_CONTAINER, RAY_GROUP, args)
     for key in ("env", "envFrom", "volumeMounts", "resources"):
         if container.get(key):
             worker[key] = copy.deepcopy(container[key])
@@ -118,26 +124,25 @@ def _ray_worker_container(container: Body, llm: LLMSpec) -> Body:
 
 def _worker_container(container: Body, llm: LLMSpec) -> Body:
     """llama.cpp's rpc-server from the server's image, on the pod's IP, with the pod's share of the GPUs."""
-    worker: Body = {
-        "name": RPC_CONTAINER,
-        "image": container["image"],
-        "imagePullPolicy": container.get("imagePullPolicy", "IfNotPresent"),
-        "command": ["rpc-server"],
-        "args": ["--host", "$(POD_IP)", "--port", str(RPC_PORT)],
-        "env": [_field_env("POD_IP", "status.podIP")],
-        "ports": [{"name": "rpc", "containerPort": RPC_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5, "failureThreshold": 3},
-        "securityContext": copy.deepcopy(container.get("securityContext") or {}),
-    }
+    worker = _worker_base(
+        container, RPC_CONTAINER, "rpc-server", ["--host", "$(POD_IP)", "--port", str(RPC_PORT)]
+    )
+    worker["env"] = [_field_env("POD_IP", "status.podIP")]
+    worker["ports"] = [{"name": "rpc", "containerPort": RPC_PORT, "protocol": "TCP"}]
+    worker["readinessProbe"] = {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5, "failureThreshold": 3}
     if llm.gpus_per_pod is not None:
         worker["resources"] = {"limits": {GPU_RESOURCE: llm.gpus_per_pod}}
     return worker
 
 
+def _pool_owner(owner: Owner, intent: ModelIntent) -> Owner:
+    """The model as the owner of what is named after its pool (`<model>-server`)."""
+    return Owner(owner.api_version, owner.kind, intent.pool, owner.uid, owner.namespace)
+
+
 def render_group_control_secret(owner: Owner, intent: ModelIntent, credential: str) -> Body:
     """The group's copy of the control credential (named as its pool's would be), read by its leaders."""
-    pool_owner = Owner(owner.api_version, owner.kind, intent.pool, owner.uid, owner.namespace)
-    secret = render_control_secret(pool_owner, credential)
+    secret = render_control_secret(_pool_owner(owner, intent), credential)
     secret["metadata"] = child_metadata(secret["metadata"]["name"], owner, group_labels(intent))
     return secret
 
@@ -162,7 +167,7 @@ def render_leader_worker_set(
         raise ValueError(f"InferenceModel {intent.name} is not an LLM")
     name = intent.pool
     server = render_dedicated_server(owner, spec, intent)
-    pool_owner = Owner(owner.api_version, owner.kind, name, owner.uid, owner.namespace)
+    pool_owner = _pool_owner(owner, intent)
     # with the credential, the leader's control APIs are restricted to it as a pool's pods' are (the group's
     # control Secret: render_group_control_secret), and a vLLM group's Ray cluster takes a token derived from it
     template = render_deployment(pool_owner, server["spec"], config, credential)["spec"]["template"]

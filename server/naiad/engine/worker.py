@@ -35,7 +35,7 @@ async def run(path: str, args) -> int:
     client = EngineClient(path)
     shm = client.shm = RemoteSharedMemory(client, enabled=args.allow_client_shm)
     # large request bodies land in shared memory the engine maps: their tensors reach it without a copy
-    POOL.share(client.pool.receive_segment, client.pool.drop_segment)
+    POOL.share(client.pool)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,7 +21,7 @@ import asyncio
 import mmap
 import os
 import sys
-from collections.abc import Callable
+from typing import Protocol
 
 POOLED_MIN = 64 * 1024  # smaller bodies are read as before (the parser's own buffers)
 # buffers the pool keeps, in use or idle; past this a large request gets a buffer of its own, freed after it
@@ -36,6 +36,16 @@ def size_class(n: int) -> int:
     return (n + step - 1) // step * step
 
 
+class SegmentSource(Protocol):
+    """Named shared-memory segments for receive buffers (engine.slabs.SlabPool)."""
+
+    def receive_segment(self, size: int) -> mmap.mmap | None:
+        """A new segment of `size` bytes; None when shared memory is full."""
+
+    def drop_segment(self, buf: mmap.mmap) -> None:
+        """A segment from `receive_segment` is being let go."""
+
+
 class ReceivePool:
     """Receive buffers by size class; a buffer is handed out again once no request refers to it."""
 
@@ -43,14 +53,12 @@ class ReceivePool:
         self.limit = limit
         self.classes: dict[int, list[mmap.mmap]] = {}
         self.bytes = 0  # what the pool's buffers take, in use or idle
-        # shared buffers (`share`): a new named segment of n bytes (None: shared memory is full), and the call
-        # that lets one go
-        self.shared: tuple[Callable[[int], mmap.mmap | None], Callable[[mmap.mmap], None]] | None = None
+        self.segments: SegmentSource | None = None  # where kept buffers come from once shared (`share`)
 
-    def share(self, create: Callable[[int], mmap.mmap | None], drop: Callable[[mmap.mmap], None]) -> None:
-        """Buffers the pool keeps from now on are segments from `create` (engine.slabs.SlabPool's
-        `receive_segment`, which another process can map by name); `drop` is called when one is let go."""
-        self.shared = (create, drop)
+    def share(self, segments: SegmentSource) -> None:
+        """Buffers the pool keeps from now on are shared-memory segments of `segments` (a frontend worker's
+        engine.slabs.SlabPool), which another process can map by name."""
+        self.segments = segments
 
     def take(self, n: int) -> mmap.mmap:
         """A buffer of at least `n` bytes that no request is using."""
@@ -63,11 +71,12 @@ class ReceivePool:
                 return buf
         if self.bytes + cap > self.limit:
             self._evict(cap)
-        if self.bytes + cap > self.limit:  # a buffer of its own, freed after its request
-            return mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
-        buf = self.shared[0](cap) if self.shared is not None else None
+        keep = self.bytes + cap <= self.limit  # else a buffer of its own, freed after its request
+        buf = self.segments.receive_segment(cap) if keep and self.segments is not None else None
         if buf is None:
             buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
+        if not keep:
+            return buf
         bufs.append(buf)
         self.bytes += cap
         return buf
@@ -80,8 +89,8 @@ class ReceivePool:
             for buf in bufs:
                 if self.bytes + need > self.limit and sys.getrefcount(buf) == _FREE_REFS:
                     self.bytes -= cap  # dropped: freed once the last reference goes
-                    if self.shared is not None:
-                        self.shared[1](buf)
+                    if self.segments is not None:
+                        self.segments.drop_segment(buf)
                 else:
                     keep.append(buf)
             bufs[:] = keep

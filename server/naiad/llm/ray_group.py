@@ -50,21 +50,17 @@ def use_token(variable: str) -> None:
     os.environ["RAY_AUTH_TOKEN"] = hashlib.sha256(b"naiad-ray-group\0" + secret.encode()).hexdigest()
 
 
+def _command(name: str) -> str | None:
+    """The command `name` of the environment Naiad runs in (next to this interpreter: its `ray`, its `naiad`),
+    else on PATH; None when neither has it."""
+    local = os.path.join(os.path.dirname(sys.executable), name)
+    return local if os.access(local, os.X_OK) else shutil.which(name)
+
+
 def _ray() -> str:
-    """The `ray` command next to this interpreter (the Ray of Naiad's environment), else on PATH."""
-    local = os.path.join(os.path.dirname(sys.executable), "ray")
-    found = local if os.access(local, os.X_OK) else shutil.which("ray")
+    found = _command("ray")
     if found is None:
         raise SystemExit("ray_group: the `ray` command is not installed (pip install 'naiad[vllm]')")
-    return found
-
-
-def _program(name: str) -> str:
-    """`name` on PATH, else next to this interpreter (the environment Naiad is installed in)."""
-    found = shutil.which(name)
-    if found is None:
-        local = os.path.join(os.path.dirname(sys.executable), name)
-        found = local if os.access(local, os.X_OK) else name
     return found
 
 
@@ -121,7 +117,7 @@ def leader(size: int, port: int, timeout: float, ray_options: list[str], command
     )
     env = dict(os.environ, RAY_ADDRESS=address)  # vLLM's ray.init() joins this cluster
     try:
-        os.execve(_program(command[0]), command, env)
+        os.execve(_command(command[0]) or command[0], command, env)
     except OSError as exc:
         print(f"ray_group: cannot run {command[0]}: {exc}", file=sys.stderr)
     return 127

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tier and the GPU benchmarks in one run on a GPU machine (docs/gpu.md records what it printed):
 #   env      the GPU, driver, Python and the libraries the run found
+#   h2d      bench/host_to_device.py: copies to the device from pageable, page-locked (cudaHostRegister) and pinned memory
 #   resnet   bench/gpu_torch_bench.py: ResNet-50 TorchScript on KIND_GPU against in-process, --frontend-workers 1 and N
+#            (tritonclient, and perf_analyzer where TOOLS has one), with the server's share from its statistics
 #   workers  bench/frontend_workers.py: small HTTP and gRPC requests to an ONNX identity executed in the engine,
 #            --frontend-workers 1, 2, 4, 8
 #   llm      bench/llm/transformers_bench.py: the transformers engine on a 1B-shaped llama, in-process against Naiad
@@ -18,7 +20,7 @@
 set -u
 OUT="${OUT:-bench/.work/gpu-session}"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-env resnet workers llm gputier stubs}"
+STEPS="${STEPS:-env h2d resnet workers llm gputier stubs}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # a step past its limit gets SIGABRT: every thread's stack
 if [ -n "${WHEELS:-}" ]; then
@@ -55,8 +57,12 @@ print(\"transformers\", transformers.__version__, \"numpy\", numpy.__version__, 
 $PY -c 'import naiad.cli, tritonclient.grpc, tritonclient.http, msgspec, orjson, httptools; print(\"naiad imports\")';
 command -v wrk h2load; echo perf_analyzer=\${NAIAD_TOOL_PERF_ANALYZER:-none}"
 
-step resnet 105 "$PY" bench/gpu_torch_bench.py --cases 1:1,32:1,8:8 --workers "1,${WORKERS_N:-8}" \
-  --protocols grpc,http --duration 2.5 --json "$OUT/resnet.json"
+step h2d 30 "$PY" bench/host_to_device.py
+
+PA_ARGS=()  # perf_analyzer's rows beside tritonclient's, where there is one
+[ -n "${NAIAD_TOOL_PERF_ANALYZER:-}" ] && PA_ARGS=(--perf-analyzer "$NAIAD_TOOL_PERF_ANALYZER")
+step resnet "${RESNET_LIMIT:-240}" "$PY" bench/gpu_torch_bench.py --cases 1:1,32:1,8:8 --workers "1,${WORKERS_N:-8}" \
+  --protocols grpc,http --duration 2.5 --json "$OUT/resnet.json" "${PA_ARGS[@]}"
 
 step workers 55 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \
   --client-threads 4 --backend onnxruntime --scenarios small_c64,grpc_small_8conn

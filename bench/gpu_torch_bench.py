@@ -10,22 +10,31 @@ A case `B:C` is batch B at concurrency C. Each row runs C clients for `--duratio
 starting at the same instant: with `--clients procs` (the default) each client is a process of its own with its
 own connection (so the client's GIL does not cap the figure, and N frontend workers get N connections to share);
 the in-process row runs C threads on the one module (torch releases the GIL in its kernels: that is the limit).
-Rows: p50 / p99 latency of one request and images per second.
+Rows: p50 / p99 latency of one request and images per second; for served rows also the server's own share, from
+the statistics extension over the row (mean per request, warm-ups included): `server ms` is Triton's request
+success duration (from the request's arrival at the model's scheduler to its response), split into queue, compute
+input (gathering the batch), infer (the backend's execute, the copy to the device and back included) and output
+(scattering the results). The rest of a latency is the protocol, the wire and the client (tritonclient serialising).
   torch in-process     torch.jit module on cuda:0, numpy in / out (host<->device copies included)
   naiad <proto> wN     the same module served by `naiad serve --frontend-workers N`, binary tensors over gRPC or
                        HTTP (tritonclient)
+  perf_analyzer <proto> wN   with `--perf-analyzer PATH`: the cases of batch 8 and more from Triton's C++ client
+                       (which does not serialise in Python), p50 / p99 as it reports them
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import multiprocessing
 import statistics
+import subprocess
 import sys
 import threading
 import time
 import types
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +116,47 @@ def run_threads(make_fn, concurrency: int, warmup: int, duration: float, batch: 
     return out
 
 
+STAGES = ("success", "queue", "compute_input", "compute_infer", "compute_output")
+
+
+def server_stats(naiad: Naiad) -> dict[str, tuple[int, int]]:
+    """The model's inference statistics (count, ns) by stage, from the statistics extension."""
+    url = f"http://127.0.0.1:{naiad.http_port}/v2/models/{MODEL}/stats"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        stats = json.load(r)["model_stats"][0]["inference_stats"]
+    return {k: (int(stats[k]["count"]), int(stats[k]["ns"])) for k in STAGES}
+
+
+def server_split(before: dict, after: dict) -> dict[str, float]:
+    """Milliseconds per request in each stage between two `server_stats` readings."""
+    out = {}
+    for k in STAGES:
+        n = after[k][0] - before[k][0]
+        out[f"server_{k}_ms"] = (after[k][1] - before[k][1]) / n / 1e6 if n else float("nan")
+    return out
+
+
+def perf_analyzer_row(pa: Path, naiad: Naiad, protocol: str, batch: int, conc: int, a) -> dict:
+    """One case from perf_analyzer (its own measurement windows, a stable p50 over them)."""
+    out = a.work / f"pa-{protocol}-{batch}-{conc}.csv"
+    port = naiad.grpc_port if protocol == "grpc" else naiad.http_port
+    cmd = [str(pa), "-m", MODEL, "-i", protocol, "-u", f"127.0.0.1:{port}", "-b", str(batch)]
+    cmd += ["--concurrency-range", str(conc), "--measurement-interval", str(int(a.duration * 1000))]
+    cmd += ["--percentile", "50", "--stability-percentage", "50", "--max-trials", "3", "-f", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"perf_analyzer exited {done.returncode}: {(done.stdout + done.stderr)[-800:]}")
+    with out.open() as f:
+        row = next(csv.DictReader(f))
+    return {
+        "p50_ms": float(row["p50 latency"]) / 1000,
+        "p99_ms": float(row["p99 latency"]) / 1000,
+        "images_per_s": float(row["Inferences/Second"]),
+        "client_send_ms": float(row["Client Send"]) / 1000,
+        "client_recv_ms": float(row["Client Recv"]) / 1000,
+    }
+
+
 def served_once(naiad: Naiad, protocol: str, x: np.ndarray) -> np.ndarray:
     """One request on a thread of its own (and so a client of its own); its output."""
     out: list[np.ndarray] = []
@@ -136,6 +186,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="requests each client sends before the window")
     ap.add_argument("--work", type=Path, default=HERE / ".work" / "gpu-torch")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--perf-analyzer", type=Path, help="also run the cases from this perf_analyzer")
+    ap.add_argument("--perf-analyzer-batch", type=int, default=8, help="... those of at least this batch")
     ap.add_argument(
         "--cpu-smoke", action="store_true", help="check the plumbing without a GPU (KIND_CPU, cpu)"
     )
@@ -190,6 +242,7 @@ def main() -> int:
                         x = batch_input(batch)
                         expected, got = raw_fn(batch)(), served_once(naiad, protocol, x)
                         assert np.allclose(expected, got, rtol=1e-3, atol=1e-3), "served output differs"
+                        before = server_stats(naiad)
                         if pool is not None and conc > 1:
                             lats = run_procs(pool, naiad, protocol, batch, conc, a.warmup, a.duration)
                         else:
@@ -206,9 +259,27 @@ def main() -> int:
                                 "batch": batch,
                                 "concurrency": conc,
                                 **summarise(lats, batch, a.duration),
+                                **server_split(before, server_stats(naiad)),
                             }
                         )
                         print(json.dumps(rows[-1]), flush=True)
+                        if a.perf_analyzer is not None and batch >= a.perf_analyzer_batch:
+                            before = server_stats(naiad)
+                            try:
+                                measured = perf_analyzer_row(a.perf_analyzer, naiad, protocol, batch, conc, a)
+                            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                                print(f"perf_analyzer {protocol} batch {batch} c{conc}: {exc}", flush=True)
+                                continue  # an unstable measurement is a missing row, not a lost run
+                            rows.append(
+                                {
+                                    "row": f"perf_analyzer {protocol} w{workers.strip()}",
+                                    "batch": batch,
+                                    "concurrency": conc,
+                                    **measured,
+                                    **server_split(before, server_stats(naiad)),
+                                }
+                            )
+                            print(json.dumps(rows[-1]), flush=True)
             finally:
                 naiad.stop()
     finally:
@@ -216,13 +287,22 @@ def main() -> int:
             pool.terminate()
     raw = {(r["batch"], r["concurrency"]): r for r in rows if r["row"] == "torch in-process"}
     name = "cpu" if a.cpu_smoke else torch.cuda.get_device_name(0)
-    print(f"| row | batch | clients | p50 ms | p99 ms | images/s | of in-process |  (device: {name})")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| row | batch | clients | p50 ms | p99 ms | images/s | of in-process "
+        f"| server ms (queue / input / infer / output) |  (device: {name})"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ref = raw[(r["batch"], r["concurrency"])]["images_per_s"]
+        split = (
+            f"{r['server_success_ms']:.2f} ({r['server_queue_ms']:.2f} / {r['server_compute_input_ms']:.2f} / "
+            f"{r['server_compute_infer_ms']:.2f} / {r['server_compute_output_ms']:.2f})"
+            if "server_success_ms" in r
+            else ""
+        )
         print(
             f"| {r['row']} | {r['batch']} | {r['concurrency']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-            f"{r['images_per_s']:.0f} | {r['images_per_s'] / ref:.2f} |"
+            f"{r['images_per_s']:.0f} | {r['images_per_s'] / ref:.2f} | {split} |"
         )
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))

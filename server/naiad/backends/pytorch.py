@@ -18,6 +18,7 @@ from .api import InstanceState, ModelFileBackend
 
 _INDEXED = re.compile(r"^(.*)__(\d+)$")
 _threads_lock = threading.Lock()
+_READ_ONLY_NOTE = "The given NumPy array is not writable"
 
 _TORCH_TO_CONFIG = {
     "torch.float32": mc.TYPE_FP32,
@@ -137,6 +138,9 @@ class TorchBackend(ModelFileBackend):
                     f"model '{model.name}' asks for a GPU instance but torch has no CUDA device"
                 )
             device = torch.device(f"cuda:{instance.device_id}")
+            # GPU inputs are read in place from the request's read-only bytes (nothing writes through the view;
+            # the copy to the device is the only one): torch's note about read-only arrays says nothing here
+            warnings.filterwarnings("ignore", _READ_ONLY_NOTE, UserWarning)
         else:
             device = torch.device("cpu")
             with _threads_lock:
@@ -161,9 +165,12 @@ class TorchBackend(ModelFileBackend):
             arr = batch.inputs[name]
             if arr.dtype == np.object_:
                 raise InvalidArgument(f"input '{name}': the pytorch backend does not take BYTES tensors here")
-            if not arr.flags.writeable:
-                arr = arr.copy()  # torch wants writable memory; request bytes are read-only
-            feed.append(torch.from_numpy(arr).to(engine.device))
+            if engine.device.type == "cuda":
+                host = torch.from_numpy(arr)  # read in place: the copy to the device is the only one
+            else:
+                # On the CPU the module works on the tensor itself and may write to it: a copy of read-only bytes
+                host = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+            feed.append(host.to(engine.device))
         try:
             with torch.inference_mode():
                 result = engine.module(*feed)

@@ -153,16 +153,19 @@ class Server:
                 time.sleep(0.2)
         raise RuntimeError(f"server did not start; see {log}")
 
-    def cpu_seconds(self) -> float:
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU-seconds of the server's processes: all of them, and the first (the engine, with frontend workers)."""
         root = psutil.Process(self.proc.pid)
-        total = 0.0
+        total = engine = 0.0
         for p in [root, *root.children(recursive=True)]:
             try:
                 t = p.cpu_times()
                 total += t.user + t.system
+                if p is root:
+                    engine = t.user + t.system
             except psutil.Error:
                 pass
-        return total
+        return total, engine
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
@@ -273,16 +276,20 @@ def main() -> int:
                 try:
                     for name in args.scenarios.split(","):
                         run_scenario(server, name, tmp, args.warmup, args.client_threads)
-                        cpu0 = server.cpu_seconds()
+                        cpu0, engine0 = server.cpu_seconds()
                         r = run_scenario(server, name, tmp, args.duration, args.client_threads)
-                        cpu = server.cpu_seconds() - cpu0
+                        cpu1, engine1 = server.cpu_seconds()
                         errors = sum(v for k, v in r.items() if k.startswith("err_"))
                         rps = r["requests"] / (r["duration_us"] / 1e6)
-                        cpu_us = cpu / max(1, r["requests"]) * 1e6
+                        cpu_us = (cpu1 - cpu0) / max(1, r["requests"]) * 1e6
+                        engine_us = (engine1 - engine0) / max(1, r["requests"]) * 1e6
                         results.setdefault((name, n), []).append((rps, cpu_us, errors))
+                        # the first process's share: with workers the engine (busy = its fraction of one core)
                         print(
                             f"round {rnd + 1} workers={n} {name}: {rps:9.1f} req/s, "
-                            f"{cpu_us:8.1f} us CPU/request, errors {errors}, load {os.getloadavg()[0]:.1f}",
+                            f"{cpu_us:8.1f} us CPU/request (first process {engine_us:.1f} us, busy "
+                            f"{(engine1 - engine0) / (r['duration_us'] / 1e6):.2f}), errors {errors}, "
+                            f"load {os.getloadavg()[0]:.1f}",
                             flush=True,
                         )
                 finally:

@@ -68,7 +68,7 @@ def main() -> int:
         cudart.cudaHostUnregister(ptr)
         unregister = 1000 * (time.perf_counter() - t0)
         pinned = timed(lambda t=torch.empty(n // 4, dtype=torch.float32).pin_memory(): copy(t), a.repeat)
-        del host, arr
+        del host, arr, copy  # every view of the mapping, so that it can be closed
         buf.close()
 
         def rate(ms: float, n: int = n) -> str:

@@ -9,6 +9,8 @@
 #   llm      bench/llm/transformers_bench.py: the transformers engine on a 1B-shaped llama, in-process against Naiad
 #   gputier  pytest -m gpu over the GPU tests this machine's libraries can run (GPUTIER_MORE: more test files, e.g.
 #            tests/test_server_settings.py tests/test_perf_analyzer.py)
+#   large    the workers sweep with 4 MiB requests (HTTP binary at c8, gRPC over 8 connections) to a python identity
+#            of one instance (executed in the engine; its output is its input, sent from where it arrived)
 #   stubs    the workers sweep with a python identity model of 4 instances (stub processes behind the engine)
 # Each step has its own time limit, writes $OUT/<step>.log and prints its last lines, so one failing step costs only
 # its own time. Run from the repository root:
@@ -20,7 +22,7 @@
 set -u
 OUT="${OUT:-bench/.work/gpu-session}"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-env h2d resnet workers llm gputier stubs}"
+STEPS="${STEPS:-env h2d resnet workers large llm gputier stubs}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # a step past its limit gets SIGABRT: every thread's stack
 if [ -n "${WHEELS:-}" ]; then
@@ -66,6 +68,9 @@ step resnet "${RESNET_LIMIT:-240}" "$PY" bench/gpu_torch_bench.py --cases 1:1,32
 
 step workers 55 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \
   --client-threads 4 --backend onnxruntime --scenarios small_c64,grpc_small_8conn
+
+step large 60 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \
+  --client-threads 4 --backend python --scenarios large_c8,grpc_large_8conn
 
 step llm 90 "$PY" bench/llm/transformers_bench.py --concurrency 1,8,32 --max-tokens 64 --min-requests 3 \
   --out "$OUT/llm.jsonl"

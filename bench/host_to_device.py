@@ -17,15 +17,43 @@ import time
 import numpy as np
 
 
-def timed(fn, repeat: int) -> float:
-    """Median milliseconds of `fn()` over `repeat` calls after two warm-ups."""
-    fn(), fn()
+def copy_ms(torch, host, repeat: int) -> float:
+    """Median milliseconds of copying `host` to the device (synchronised) over `repeat` copies after two warm-ups."""
     times = []
-    for _ in range(repeat):
+    for i in range(repeat + 2):
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+        host.to("cuda:0")
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times)
+
+
+def measure(torch, n: int, repeat: int) -> str:
+    """One table row for a tensor of `n` bytes."""
+    cudart = torch.cuda.cudart()
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)  # a receive buffer: anonymous, pageable
+    arr = np.frombuffer(buf, dtype=np.float32)
+    arr[:] = 1.0
+    host = torch.from_numpy(arr)
+    pageable = copy_ms(torch, host, repeat)
+    t0 = time.perf_counter()
+    err = cudart.cudaHostRegister(host.data_ptr(), n, 0)
+    register = 1000 * (time.perf_counter() - t0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed: {err}")
+    registered = copy_ms(torch, host, repeat)
+    t0 = time.perf_counter()
+    cudart.cudaHostUnregister(host.data_ptr())
+    unregister = 1000 * (time.perf_counter() - t0)
+    pinned = copy_ms(torch, torch.empty(n // 4, dtype=torch.float32).pin_memory(), repeat)
+    del host, arr  # every view of the mapping, so that it can be closed
+    buf.close()
+
+    def rate(ms: float) -> str:
+        return f"{ms:.3f} ({n / ms / 1e6:.1f})"
+
+    return f"| {n / 2**20:.1f} | {rate(pageable)} | {rate(registered)} | {rate(pinned)} | {register:.3f} | {unregister:.3f} |"
 
 
 def main() -> int:
@@ -38,45 +66,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("host_to_device: no CUDA device visible to torch", file=sys.stderr)
         return 2
-    cudart = torch.cuda.cudart()
     print(f"device: {torch.cuda.get_device_name(0)}")
     print(
         "| MiB | pageable ms (GB/s) | registered ms (GB/s) | torch pinned ms (GB/s) | register ms | unregister ms |"
     )
     print("|---|---|---|---|---|---|")
     for mib in (float(v) for v in a.mib.split(",")):
-        n = int(mib * 2**20) // 4 * 4
-        buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)  # a receive buffer: anonymous, pageable
-        arr = np.frombuffer(buf, dtype=np.float32)
-        arr[:] = 1.0
-        host = torch.from_numpy(arr)
-
-        def copy(t=host):
-            t.to("cuda:0")
-            torch.cuda.synchronize()
-
-        pageable = timed(copy, a.repeat)
-        ptr = host.data_ptr()
-        t0 = time.perf_counter()
-        err = cudart.cudaHostRegister(ptr, n, 0)
-        register = 1000 * (time.perf_counter() - t0)
-        if int(err) != 0:
-            print(f"cudaHostRegister failed: {err}", file=sys.stderr)
-            return 1
-        registered = timed(copy, a.repeat)
-        t0 = time.perf_counter()
-        cudart.cudaHostUnregister(ptr)
-        unregister = 1000 * (time.perf_counter() - t0)
-        pinned = timed(lambda t=torch.empty(n // 4, dtype=torch.float32).pin_memory(): copy(t), a.repeat)
-        del host, arr, copy  # every view of the mapping, so that it can be closed
-        buf.close()
-
-        def rate(ms: float, n: int = n) -> str:
-            return f"{ms:.3f} ({n / ms / 1e6:.1f})"
-
-        print(
-            f"| {mib} | {rate(pageable)} | {rate(registered)} | {rate(pinned)} | {register:.3f} | {unregister:.3f} |"
-        )
+        print(measure(torch, int(mib * 2**20) // 4 * 4, a.repeat), flush=True)
     return 0
 
 

@@ -63,7 +63,7 @@ step h2d 30 "$PY" bench/host_to_device.py
 
 PA_ARGS=()  # perf_analyzer's rows beside tritonclient's, where there is one
 [ -n "${NAIAD_TOOL_PERF_ANALYZER:-}" ] && PA_ARGS=(--perf-analyzer "$NAIAD_TOOL_PERF_ANALYZER")
-step resnet "${RESNET_LIMIT:-240}" "$PY" bench/gpu_torch_bench.py --cases 1:1,32:1,8:8 --workers "1,${WORKERS_N:-8}" \
+step resnet "${RESNET_LIMIT:-240}" "$PY" bench/gpu_torch_bench.py --cases "${RESNET_CASES:-1:1,32:1,8:8}" --workers "1,${WORKERS_N:-8}" \
   --protocols grpc,http --duration 2.5 --json "$OUT/resnet.json" "${PA_ARGS[@]}"
 
 step workers 55 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \

@@ -1107,3 +1107,52 @@ def test_torchscript_on_kind_gpu(gpu_server, gpu_repo):
             np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a * b)
         finally:
             client.close()
+
+
+@gpu_test
+def test_host_register_page_locks_a_receive_buffer():
+    """The real cudaHostRegister on a pooled receive buffer: the CUDA runtime then reports it as page-locked
+    host memory, and no longer once it is unpinned."""
+    import mmap
+
+    from naiad import host_pinning, memory
+
+    rt = cuda_runtime.cudart()
+    pools = memory.MemoryPools(pinned_bytes=8 << 20)
+    pinning = host_pinning.HostPinning(rt, pools)
+    buf = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE)
+    addr, _ = host_pinning.address_of(buf)
+
+    def memory_type():
+        return cuda_runtime.check(rt.cudaPointerGetAttributes(addr), "cudaPointerGetAttributes").type
+
+    assert memory_type() == rt.cudaMemoryType.cudaMemoryTypeUnregistered
+    assert pinning.pin(buf) and pools.pinned_used == 4 << 20
+    assert memory_type() == rt.cudaMemoryType.cudaMemoryTypeHost
+    pinning.unpin(buf)
+    assert memory_type() == rt.cudaMemoryType.cudaMemoryTypeUnregistered and pools.pinned_used == 0
+
+
+@gpu_test
+def test_large_requests_to_a_gpu_model_arrive_in_page_locked_buffers(gpu_server, gpu_repo):
+    """A GPU server page-locks the buffers large requests are read into (their copy to the device is DMA), and
+    the model still gets the right bytes over HTTP binary and gRPC."""
+    _, built = gpu_repo
+    _ready(gpu_server, built, "add_pt_gpu")
+    a = np.arange(1 << 18, dtype=np.float32).reshape(1, -1)  # 1 MiB per input: a pooled receive buffer
+    b = np.full_like(a, 0.5)
+    for mod, addr in ((httpclient, gpu_server.http), (grpcclient, gpu_server.grpc)):
+        client = mod.InferenceServerClient(addr)
+        try:
+            inputs = [
+                mod.InferInput("INPUT__0", list(a.shape), "FP32"),
+                mod.InferInput("INPUT__1", list(b.shape), "FP32"),
+            ]
+            for inp, x in zip(inputs, (a, b)):
+                inp.set_data_from_numpy(x, **({"binary_data": True} if mod is httpclient else {}))
+            result = client.infer("add_pt_gpu", inputs)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), a + b)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), a * b)
+        finally:
+            client.close()
+    assert "page-locked a request buffer" in gpu_server.output()

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import os
 
+from . import host_pinning
+from .frontends import receive_buffers
 from .server import Server, ServerOptions
 
 log = logging.getLogger("naiad")
@@ -115,6 +117,7 @@ class App:
         self.endpoints: list[str] = []
         self.engine = None  # engine.core.EngineService and engine.supervisor.FrontendWorkers with
         self.workers = None  # --frontend-workers > 1
+        self.pinning: host_pinning.HostPinning | None = None
 
     def _tls_context(self, settings, alpn: list[str], name: str):
         from .frontends import tls
@@ -177,6 +180,11 @@ class App:
         self.server.opening_listeners = True  # not ready until the last listener below is up
         workers = int(getattr(a, "frontend_workers", 1))
         in_process = workers == 1  # more: worker processes serve HTTP and gRPC, this process is the engine
+        # on a GPU machine the buffers requests arrive in are page-locked where a model reads them: this process's
+        # receive buffers, or (under workers) the engine's mappings of the workers' segments
+        self.pinning = host_pinning.for_gpus(self.server.options.gpu_count)
+        if in_process:
+            receive_buffers.POOL.pinning = self.pinning
         busy_poll = None
         if a.busy_poll_us:
             from .frontends.busy_poll import BusyPoll
@@ -237,7 +245,7 @@ class App:
         from .engine.supervisor import FrontendWorkers
 
         a = self.args
-        self.engine = EngineService(self.server, shm)
+        self.engine = EngineService(self.server, shm, self.pinning)
         await self.engine.start()
         self.workers = FrontendWorkers(
             self.engine, count, a.argv, acceptor.from_args(a, os.path.dirname(self.engine.path))

@@ -12,6 +12,7 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2 as pb
 
+from ..host_pinning import HostPinning
 from ..server import Server
 from ..shared_memory.system import SharedMemoryManager
 from . import model_context, wire
@@ -24,12 +25,12 @@ log = logging.getLogger("naiad.engine")
 class EngineService:
     """Listens for frontend workers; each gets a `WorkerConnection` (data) and a control connection."""
 
-    def __init__(self, server: Server, shm: SharedMemoryManager):
+    def __init__(self, server: Server, shm: SharedMemoryManager, pinning: HostPinning | None = None):
         self.server = server
         self.shm = shm
         self.shm_generation = 0  # bumped on every (un)registration, so workers drop stale mappings
         self.pool = SlabPool(f"naiad-e{os.getpid()}")
-        self.maps = SlabMaps()
+        self.maps = SlabMaps(pinning)  # the workers' segments, page-locked on a GPU server
         self._dir = tempfile.mkdtemp(prefix="naiad-engine-")
         self.path = os.path.join(self._dir, "engine.sock")
         self._listener: asyncio.AbstractServer | None = None

@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..host_pinning import HostPinning
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 MIN_SLAB = 256 * 1024  # the smallest size class; tensors below the inline limit never use a slab
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_UNVIEWED_REFS = 3  # a retired mapping's array no view refers to: the list, the loop variable, getrefcount's
 
 
 def _size_class(nbytes: int) -> int:
@@ -185,13 +191,17 @@ class SlabPool:
 class SlabMaps:
     """The receiver's mappings of a peer's segments, made on first sight and kept (the pool reuses names)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pinning: HostPinning | None = None) -> None:
         self._maps: dict[str, np.ndarray] = {}
         self._sweep_at = 64  # mappings past which the next new one first drops those of removed segments
+        self._pinning = pinning  # page-locks each mapping (the engine of a GPU server)
+        self._retired: list[np.ndarray] = []  # page-locked mappings dropped while views of them were in use
 
     def view(self, name: str) -> np.ndarray:
         arr = self._maps.get(name)
         if arr is None:
+            if self._retired:
+                self._unpin_retired()
             if len(self._maps) >= self._sweep_at:
                 self._sweep()
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
@@ -201,19 +211,41 @@ class SlabMaps:
             finally:
                 os.close(fd)
             arr = self._maps[name] = np.frombuffer(mm, np.uint8)
+            if self._pinning is not None:
+                self._pinning.pin(arr)
         return arr
+
+    def _drop(self, name: str) -> None:
+        arr = self._maps.pop(name)
+        if self._pinning is not None:
+            self._retired.append(arr)  # unregistered by _unpin_retired once no view is left
+
+    def _unpin_retired(self) -> None:
+        """Unregister the dropped mappings no view refers to any more (views are numpy views of the mapping's
+        array): their memory must not be unmapped while still registered, nor unregistered under a copy."""
+        keep = []
+        for arr in self._retired:
+            if sys.getrefcount(arr) > _UNVIEWED_REFS:
+                keep.append(arr)
+            else:
+                self._pinning.unpin(arr)
+        self._retired = keep
 
     def _sweep(self) -> None:
         """Drop the mappings of segments their owner has removed (a worker's receive buffer it let go: names
         are never reused), so that their memory goes back; views still in use keep theirs until they go."""
         for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
-            del self._maps[name]
+            self._drop(name)
+        if self._retired:
+            self._unpin_retired()
         self._sweep_at = max(64, 2 * len(self._maps))
 
     def forget(self, prefix: str) -> None:
         """Drop the mappings of a peer that is gone, and unlink what it left behind."""
         for name in [n for n in self._maps if n.startswith(prefix + "-")]:
-            del self._maps[name]
+            self._drop(name)
+        if self._retired:
+            self._unpin_retired()
         for entry in os.listdir(SHM_DIR):
             if entry.startswith(prefix + "-"):
                 _unlink(entry)

@@ -12,7 +12,9 @@ write the transport has not finished) holds a reference to the mapping, so its r
 the request, its response and any tensor a model kept are done with it. There is no release call to forget.
 
 In a frontend worker (`--frontend-workers`) the buffers the pool keeps are shared-memory segments (`share`), so
-the engine process maps the request's tensors where the kernel put them instead of the worker copying them.
+the engine process maps the request's tensors where the kernel put them instead of the worker copying them. On a GPU
+machine the buffers a single-process server keeps are page-locked (`pinning`, host_pinning.py), so that a GPU
+model's copy of a tensor from them is DMA.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import asyncio
 import mmap
 import os
 import sys
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ..host_pinning import HostPinning
 
 POOLED_MIN = 64 * 1024  # smaller bodies are read as before (the parser's own buffers)
 # buffers the pool keeps, in use or idle; past this a large request gets a buffer of its own, freed after it
@@ -54,6 +59,7 @@ class ReceivePool:
         self.classes: dict[int, list[mmap.mmap]] = {}
         self.bytes = 0  # what the pool's buffers take, in use or idle
         self.segments: SegmentSource | None = None  # where kept buffers come from once shared (`share`)
+        self.pinning: HostPinning | None = None  # page-locks kept buffers (a GPU server, one process)
 
     def share(self, segments: SegmentSource) -> None:
         """Buffers the pool keeps from now on are shared-memory segments of `segments` (a frontend worker's
@@ -77,6 +83,8 @@ class ReceivePool:
             buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
         if not keep:
             return buf
+        if self.pinning is not None:
+            self.pinning.pin(buf)
         bufs.append(buf)
         self.bytes += cap
         return buf
@@ -89,6 +97,8 @@ class ReceivePool:
             for buf in bufs:
                 if self.bytes + need > self.limit and sys.getrefcount(buf) == _FREE_REFS:
                     self.bytes -= cap  # dropped: freed once the last reference goes
+                    if self.pinning is not None:
+                        self.pinning.unpin(buf)  # nothing refers to it: no copy can be reading it
                     if self.segments is not None:
                         self.segments.drop_segment(buf)
                 else:

@@ -1,0 +1,114 @@
+"""Page-locked request buffers (naiad.host_pinning) with a stand-in CUDA runtime: what is registered, when it is
+unregistered (never under a view), the pinned pool's budget, and a driver that refuses. The real cudaHostRegister
+runs in tests/test_gpu.py on a GPU."""
+
+from __future__ import annotations
+
+import enum
+import gc
+import logging
+import os
+
+from naiad import host_pinning, memory
+from naiad.engine.slabs import SHM_DIR, SlabMaps, SlabPool
+from naiad.frontends.receive_buffers import ReceivePool
+from naiad.host_pinning import HostPinning, address_of
+
+
+class _Err(enum.Enum):
+    cudaSuccess = 0
+    cudaErrorHostMemoryAlreadyRegistered = 712
+
+
+class Runtime:
+    """cudaHostRegister / cudaHostUnregister as cuda.bindings.runtime answers them, recording the ranges."""
+
+    cudaError_t = _Err
+    cudaHostRegisterPortable = 1
+
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+        self.registered: dict[int, int] = {}
+        self.calls = 0
+
+    def cudaHostRegister(self, addr: int, size: int, flags: int):
+        self.calls += 1
+        assert flags == self.cudaHostRegisterPortable
+        if self.refuse or addr in self.registered:
+            return (_Err.cudaErrorHostMemoryAlreadyRegistered,)
+        self.registered[addr] = size
+        return (_Err.cudaSuccess,)
+
+    def cudaHostUnregister(self, addr: int):
+        del self.registered[addr]  # unregistering what was not registered is a bug: KeyError
+        return (_Err.cudaSuccess,)
+
+
+def test_pin_once_within_the_pool_and_unpin_gives_the_bytes_back():
+    rt, pools = Runtime(), memory.MemoryPools(pinned_bytes=3 << 20)
+    pinning = HostPinning(rt, pools)
+    a, b = bytearray(2 << 20), bytearray(2 << 20)
+    assert pinning.pin(a) and pinning.pin(a)  # idempotent: registered once
+    assert rt.registered == {address_of(a)[0]: 2 << 20} and pools.pinned_used == 2 << 20
+    assert not pinning.pin(b)  # past --pinned-memory-pool-byte-size: stays pageable, the driver is not asked
+    assert rt.calls == 1
+    pinning.unpin(a)
+    pinning.unpin(b)  # never pinned: nothing to do
+    assert rt.registered == {} and pools.pinned_used == 0
+    assert pinning.pin(b)
+
+
+def test_a_refusing_driver_is_reported_once_and_not_asked_again(caplog):
+    rt, pools = Runtime(refuse=True), memory.MemoryPools(pinned_bytes=1 << 30)
+    pinning = HostPinning(rt, pools)
+    with caplog.at_level(logging.WARNING, "naiad.memory"):
+        assert not pinning.pin(bytearray(1 << 20))
+        assert not pinning.pin(bytearray(1 << 20))
+    assert rt.calls == 1 and pools.pinned_used == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "request buffers stay pageable: cudaHostRegister failed (cudaErrorHostMemoryAlreadyRegistered)"
+    ]
+
+
+def test_receive_pool_pins_the_buffers_it_keeps_and_unpins_before_letting_go():
+    rt = Runtime()
+    pool = ReceivePool(limit=4 << 20)
+    pool.pinning = HostPinning(rt, memory.MemoryPools(pinned_bytes=1 << 30))
+    buf = pool.take(3 << 20)
+    assert address_of(buf)[0] in rt.registered
+    own = pool.take(3 << 20)  # over the pool's limit while `buf` is in use: a buffer of its own, not pinned
+    assert address_of(own)[0] not in rt.registered and len(rt.registered) == 1
+    del buf, own
+    other = pool.take((3 << 20) + (1 << 18))  # another size class: the idle buffer is evicted first
+    assert list(rt.registered) == [address_of(other)[0]]
+
+
+def test_engine_maps_are_unpinned_only_once_no_view_is_left():
+    rt = Runtime()
+    owner = SlabPool(f"naiad-pintest{os.getpid()}")
+    maps = SlabMaps(HostPinning(rt, memory.MemoryPools(pinned_bytes=1 << 30)))
+    try:
+        view = maps.view(owner.alloc(1 << 20).name)[100:200]  # a request's tensor
+        assert len(rt.registered) == 1
+        maps.forget(owner.prefix)  # the worker is gone while a model still reads the tensor
+        assert len(rt.registered) == 1, "unregistered under a view"
+        del view
+        gc.collect()
+        maps.forget(owner.prefix)
+        assert rt.registered == {}
+    finally:
+        owner.close()
+    assert not [n for n in os.listdir(SHM_DIR) if n.startswith(owner.prefix + "-")]
+
+
+def test_no_pinning_without_gpus_or_pool(monkeypatch):
+    assert host_pinning.for_gpus(0) is None
+    monkeypatch.setattr(memory, "pools", memory.MemoryPools(pinned_bytes=0))
+    assert host_pinning.for_gpus(1) is None
+    monkeypatch.setattr(memory, "pools", memory.MemoryPools())
+    monkeypatch.setattr(host_pinning.cuda_runtime, "cuda_unavailable_reason", lambda: "no CUDA here")
+    assert host_pinning.for_gpus(1) is None
+    monkeypatch.setattr(host_pinning.cuda_runtime, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(host_pinning.cuda_runtime, "cudart", Runtime)
+    pinning = host_pinning.for_gpus(1)
+    assert isinstance(pinning, HostPinning) and pinning.pools is memory.pools

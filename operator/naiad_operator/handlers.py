@@ -34,7 +34,9 @@ from .leader_worker_set import (
     LWS_KIND,
     LWS_MISSING,
     LWS_PLURAL,
+    group_network_policy_name,
     render_group_control_secret,
+    render_group_network_policy,
     render_leader_worker_set,
 )
 from .llm_gauges import GaugeReader
@@ -341,6 +343,7 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
         credential = (await memo.credentials.refresh()).current
         objects.append(render_group_control_secret(owner, intent, credential))  # before the pods that read it
         objects.append(render_leader_worker_set(owner, spec, intent, config, credential))
+        objects.append(render_group_network_policy(owner, intent))
     elif intent.dedicated:
         existing = await kube.get(API_VERSION, SERVER_KIND, owner.namespace, intent.pool)
         if existing is None or any(
@@ -382,6 +385,15 @@ async def ensure_model(memo: kopf.Memo, body: Body, *, events: bool) -> str:
             )
         elif intent.llm is not None and await kube.api_available(LWS_API, LWS_PLURAL):
             await _delete_if_owned(kube, LWS_API, LWS_KIND, owner.namespace, intent.pool, owner.uid, cache)
+            await _delete_if_owned(
+                kube,
+                "networking.k8s.io/v1",
+                "NetworkPolicy",
+                owner.namespace,
+                group_network_policy_name(intent),
+                owner.uid,
+                cache,
+            )
         if pool_api and not inference_pool:  # not an LLM (any more), or llm.inferencePool.enabled is false
             await _delete_if_owned(
                 kube, INFERENCE_POOL_API, INFERENCE_POOL_KIND, owner.namespace, owner.name, owner.uid, cache

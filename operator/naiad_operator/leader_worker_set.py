@@ -155,6 +155,28 @@ def group_labels(intent: ModelIntent) -> dict[str, str]:
     }
 
 
+def group_network_policy_name(intent: ModelIntent) -> str:
+    return f"{intent.pool}-workers"
+
+
+def render_group_network_policy(owner: Owner, intent: ModelIntent) -> Body:
+    """Ingress to a group's workers only from the pods of the model's groups: llama.cpp's rpc-server takes
+    commands from whoever connects (no authentication of its own), and a Ray worker node's ports are the group's
+    business alone. Always rendered (nothing outside the group has a reason to reach a worker); it takes effect
+    where the cluster's network plugin enforces NetworkPolicy."""
+    group = group_labels(intent)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(group_network_policy_name(intent), owner, group),
+        "spec": {
+            "podSelector": {"matchLabels": {**group, GROUP_ROLE_LABEL: "worker"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": group}}]}],
+        },
+    }
+
+
 def render_leader_worker_set(
     owner: Owner, spec: Spec, intent: ModelIntent, config: OperatorConfig, credential: str | None = None
 ) -> Body:

@@ -18,6 +18,7 @@ from naiad_operator.leader_worker_set import (
     RPC_PORT,
     RPC_SERVERS_ENV,
     render_group_control_secret,
+    render_group_network_policy,
     render_leader_worker_set,
 )
 from naiad_operator.llm import ENGINE_TYPE_LABEL, GPU_RESOURCE, llm_spec
@@ -148,6 +149,33 @@ def test_leader_worker_set_rendering():
     # GPU pods tolerate the GPU taint, leaders and workers alike
     for pod in (leader, worker):
         assert any(t["key"] == GPU_RESOURCE for t in pod["spec"]["tolerations"])
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_group_workers_admit_only_their_groups_pods():
+    """llama.cpp's rpc-server authenticates no one: the workers' NetworkPolicy admits the model's group pods and
+    nobody else (the leaders stay open to clients: it does not select them)."""
+    spec = big_model()
+    intent = model_intent("big", spec)
+    template = render_leader_worker_set(OWNER, spec, intent, CONFIG)["spec"]["leaderWorkerTemplate"]
+    leader, worker = (template[k]["metadata"]["labels"] for k in ("leaderTemplate", "workerTemplate"))
+    policy = render_group_network_policy(OWNER, intent)
+    assert policy["kind"] == "NetworkPolicy" and policy["metadata"]["name"] == "big-server-workers"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-b"
+    selector, (rule,) = policy["spec"]["podSelector"], policy["spec"]["ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"] and set(rule) == {
+        "from"
+    }  # every port, from the peers
+    assert _selects(selector, worker) and not _selects(selector, leader)
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}  # this namespace only
+    assert _selects(peer["podSelector"], leader) and _selects(peer["podSelector"], worker)
+    other = render_leader_worker_set(OWNER, big_model(), model_intent("other", big_model()), CONFIG)
+    other_worker = other["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
+    assert not _selects(peer["podSelector"], other_worker)  # another model's groups are outsiders
 
 
 def test_a_vllm_copy_over_a_group_joins_the_pods_with_ray():

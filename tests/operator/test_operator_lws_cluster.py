@@ -185,6 +185,22 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set(lws_cluster, rep
         ]
         assert worker["spec"]["containers"][0]["command"] == ["rpc-server"]
 
+        # the workers' rpc-server admits only the model's group pods (accepted by the real API server, and its
+        # selectors match the real pods' labels: the worker's, not the leader's; both as peers)
+        policy = wait(
+            lambda: h.get("networkpolicy", "big-server-workers"), 60, what="the workers' NetworkPolicy"
+        )
+        assert policy["metadata"]["ownerReferences"][0]["kind"] == "InferenceModel"
+
+        def selects(selector: dict, pod: dict) -> bool:
+            return all(pod["metadata"]["labels"].get(k) == v for k, v in selector["matchLabels"].items())
+
+        (rule,) = policy["spec"]["ingress"]
+        assert selects(policy["spec"]["podSelector"], worker) and not selects(
+            policy["spec"]["podSelector"], leader
+        )
+        assert all(selects(rule["from"][0]["podSelector"], p) for p in (leader, worker))
+
         # the group's headless Service (made by the LWS controller) and the model's Service on the leader only
         headless = h.get("service", "big-server")
         assert headless["spec"]["clusterIP"] == "None"

@@ -223,12 +223,13 @@ class SlabMaps:
     def _unpin_retired(self) -> None:
         """Unregister the dropped mappings no view refers to any more (views are numpy views of the mapping's
         array): their memory must not be unmapped while still registered, nor unregistered under a copy."""
-        keep = []
+        pinning, keep = self._pinning, []
+        assert pinning is not None  # only mappings it pinned are retired
         for arr in self._retired:
             if sys.getrefcount(arr) > _UNVIEWED_REFS:
                 keep.append(arr)
             else:
-                self._pinning.unpin(arr)
+                pinning.unpin(arr)
         self._retired = keep
 
     def _sweep(self) -> None:

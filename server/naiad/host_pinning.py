@@ -1,5 +1,5 @@
 """Page-locked request buffers: on a GPU machine the server's long-lived receive buffers (and, under frontend
-workers, the engine's mappings of the workers' segments) are registered with cudaHostRegister, within
+workers, the engine's mappings of the workers' segments) are registered with cudaHostRegister, within half of
 `--pinned-memory-pool-byte-size`, so that a GPU model's copy of a request's tensor to the device is DMA.
 
 Measured on an H100 (bench/host_to_device.py): 18.4 MiB from pageable memory 1.35 ms, from the same memory once
@@ -33,6 +33,9 @@ class HostPinning:
     def __init__(self, runtime, pools: memory.MemoryPools):
         self.rt = runtime  # cuda.bindings.runtime (or cuda.cudart)
         self.pools = pools
+        # request buffers take at most half of the pinned pool: the rest stays for the GPU backends' staging
+        # buffers (TensorRT's), which would otherwise find it taken by whichever requests came first
+        self.limit = pools.pinned_bytes // 2
         self.pinned: dict[int, int] = {}  # address -> bytes
         self._lock = threading.Lock()
         self._refused = False  # the driver refused once: said once, not tried again
@@ -43,7 +46,11 @@ class HostPinning:
         with self._lock:
             if addr in self.pinned:
                 return True
-            if self._refused or not self.pools.reserve_pinned(n):
+            if (
+                self._refused
+                or sum(self.pinned.values()) + n > self.limit
+                or not self.pools.reserve_pinned(n)
+            ):
                 return False
             err = self.rt.cudaHostRegister(addr, n, getattr(self.rt, "cudaHostRegisterPortable", 1))
             err = err[0] if isinstance(err, tuple) else err

@@ -6,11 +6,11 @@
 #            (tritonclient, and perf_analyzer where TOOLS has one), with the server's share from its statistics
 #   workers  bench/frontend_workers.py: small HTTP and gRPC requests to an ONNX identity executed in the engine,
 #            --frontend-workers 1, 2, 4, 8
+#   large    the workers sweep with 4 MiB requests (HTTP binary at c8, gRPC over 8 connections) to a python identity
+#            of one instance (executed in the engine; its output is its input, sent from where it arrived)
 #   llm      bench/llm/transformers_bench.py: the transformers engine on a 1B-shaped llama, in-process against Naiad
 #   gputier  pytest -m gpu over the GPU tests this machine's libraries can run (GPUTIER_MORE: more test files, e.g.
 #            tests/test_server_settings.py tests/test_perf_analyzer.py)
-#   large    the workers sweep with 4 MiB requests (HTTP binary at c8, gRPC over 8 connections) to a python identity
-#            of one instance (executed in the engine; its output is its input, sent from where it arrived)
 #   stubs    the workers sweep with a python identity model of 4 instances (stub processes behind the engine)
 # Each step has its own time limit, writes $OUT/<step>.log and prints its last lines, so one failing step costs only
 # its own time. Run from the repository root:

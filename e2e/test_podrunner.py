@@ -297,16 +297,24 @@ def test_image_mode_runs_the_container_from_its_image(kwok_cluster: KwokCluster,
                 p = c.kubectl("get", "pod", name, "-n", ns, "-o", "json", check=False)
                 return json.loads(p.stdout) if p.returncode == 0 else {}
 
-            pod = _wait(
-                lambda: (
-                    get("imagejob").get("status", {}).get("phase") in ("Succeeded", "Failed")
-                    and get("imagejob")
-                ),
-                # the first pod of the tier unpacks the server image (431 MiB on vfs): 90 s was too little once on
-                # a loaded 2-core machine
-                timeout=240,
-                what="imagejob to finish",
-            )
+            try:
+                pod = _wait(
+                    lambda: (
+                        get("imagejob").get("status", {}).get("phase") in ("Succeeded", "Failed")
+                        and get("imagejob")
+                    ),
+                    # the image is unpacked above (store.get); this waits for scheduling, the container and its
+                    # exit (seconds; once, under a loaded CI run, not within 240 s: the message says where it was)
+                    timeout=240,
+                    what="imagejob to finish",
+                )
+            except AssertionError as exc:
+                pods = c.kubectl("get", "pods", "-n", ns, "-o", "wide", check=False).stdout
+                events = c.kubectl("get", "events", "-n", ns, check=False).stdout
+                raise AssertionError(
+                    f"{exc}\npods:\n{pods}\nevents:\n{events}\nrunner events: {runner.events[-20:]}\n"
+                    f"imagejob: {get('imagejob').get('status')}\nlog: {runner.logs(ns, 'imagejob')[-2000:]}"
+                ) from None
             assert pod["status"]["phase"] == "Failed", runner.logs(ns, "imagejob")
             status = pod["status"]["containerStatuses"][0]
             assert status["state"]["terminated"]["exitCode"] == 3

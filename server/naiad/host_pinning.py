@@ -37,6 +37,7 @@ class HostPinning:
         # buffers (TensorRT's), which would otherwise find it taken by whichever requests came first
         self.limit = pools.pinned_bytes // 2
         self.pinned: dict[int, int] = {}  # address -> bytes
+        self.pinned_bytes = 0  # their sum
         self._lock = threading.Lock()
         self._refused = False  # the driver refused once: said once, not tried again
 
@@ -46,11 +47,7 @@ class HostPinning:
         with self._lock:
             if addr in self.pinned:
                 return True
-            if (
-                self._refused
-                or sum(self.pinned.values()) + n > self.limit
-                or not self.pools.reserve_pinned(n)
-            ):
+            if self._refused or self.pinned_bytes + n > self.limit or not self.pools.reserve_pinned(n):
                 return False
             err = self.rt.cudaHostRegister(addr, n, getattr(self.rt, "cudaHostRegisterPortable", 1))
             err = err[0] if isinstance(err, tuple) else err
@@ -62,6 +59,7 @@ class HostPinning:
                 )
                 return False
             self.pinned[addr] = n
+            self.pinned_bytes += n
             log.debug("page-locked a request buffer of %d bytes for copies to the GPU", n)
             return True
 
@@ -72,6 +70,7 @@ class HostPinning:
             n = self.pinned.pop(addr, None)
             if n is None:
                 return
+            self.pinned_bytes -= n
             self.rt.cudaHostUnregister(addr)
             self.pools.release_pinned(n)
 

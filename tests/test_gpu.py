@@ -1046,6 +1046,47 @@ def test_cuda_shared_memory_roundtrip_tritonclient(gpu_server, gpu_repo, proto):
 
 
 @gpu_test
+def test_cuda_shared_memory_roundtrip_through_frontend_workers(gpu_repo):
+    """With `--frontend-workers 2` the engine opens the client's IPC handles once for every worker: each protocol,
+    on fresh connections (so on either worker), reads its input from and writes its output to device memory."""
+    try:
+        import tritonclient.utils.cuda_shared_memory as cudashm
+    except Exception as exc:
+        pytest.skip(f"tritonclient.utils.cuda_shared_memory does not import: {exc}".splitlines()[0])
+    repo, built = gpu_repo
+    model = "mlp_gpu" if not built["mlp_gpu"] else "mlp_cpu"
+    server = NaiadProcess(repo, "--strict-readiness", "false", "--frontend-workers", "2", timeout=300)
+    server.start()
+    handles = []
+
+    def make(name, size, data):
+        h = cudashm.create_shared_memory_region(name, size, 0)
+        handles.append(h)
+        if data is not None:
+            cudashm.set_shared_memory_region(h, [data])
+        return h, cudashm.get_raw_handle(h)
+
+    try:
+        _ready(server, built, model)
+        assert "cuda_shared_memory" in requests.get(f"http://{server.http}/v2").json()["extensions"]
+        for proto in ("http", "grpc", "http", "grpc"):
+            _cuda_shm_roundtrip(
+                server,
+                model,
+                proto,
+                make,
+                lambda h, like: cudashm.get_contents_as_numpy(h, np.float32, list(like.shape)),
+            )
+            for h in handles:
+                cudashm.destroy_shared_memory_region(h)
+            handles.clear()
+    finally:
+        for h in handles:
+            cudashm.destroy_shared_memory_region(h)
+        assert server.stop() == 0, server.output()[-4000:]
+
+
+@gpu_test
 @pytest.mark.parametrize("model", ["mlp_gpu", "mlp_plan"])
 def test_cuda_shared_memory_roundtrip_cuda_python(gpu_server, gpu_repo, model):
     reason = cuda_runtime.cuda_unavailable_reason()

@@ -19,10 +19,10 @@ from ..errors import Unavailable
 from ..inference import InferenceRequest, InferenceResponse
 from ..model import _specs
 from ..server import parse_version
-from ..shared_memory.system import Region, SharedMemoryManager
 from . import wire
 from .channel import Channel
 from .model_context import RemoteContext, remote_context
+from .remote_shm import RemoteSharedMemory
 from .slabs import SlabMaps, SlabPool
 
 CONTROL_TIMEOUT_S = 30.0
@@ -180,46 +180,6 @@ class RemoteTracer:
         )
         self.active = bool(self._control.call("trace_active"))
         return out
-
-
-class RemoteSharedMemory(SharedMemoryManager):
-    """System shared memory registrations live in the engine (every worker answers the same); a worker maps a
-    region itself when a request names it, and drops its mappings when the engine's registrations change."""
-
-    def __init__(self, client: EngineClient, enabled: bool = True):
-        super().__init__(enabled)
-        self._client = client
-        self.generation = 0
-
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        self.check_enabled()
-        self._client.control.call("shm_register", name, key, offset, byte_size)
-        self.drop()
-
-    def unregister(self, name: str = "") -> None:
-        self.check_enabled()
-        self._client.control.call("shm_unregister", name)
-        self.drop()
-
-    def status(self, name: str = "") -> list[dict]:
-        self.check_enabled()
-        return self._client.control.call("shm_status", name)
-
-    def drop(self) -> None:
-        with self._lock:
-            self._regions.clear()
-
-    def _region(self, name: str) -> Region:
-        with self._lock:
-            region = self._regions.get(name)
-        if region is not None:
-            return region
-        key, offset, byte_size = self._client.control.call("shm_region", name)
-        try:
-            super().register(name, key, offset, byte_size)
-        except Exception:
-            pass  # registered here meanwhile: use that mapping
-        return super()._region(name)
 
 
 class EngineClient:
@@ -385,11 +345,7 @@ class EngineClient:
         return bool(self.control.call("ready"))
 
     def metadata(self) -> dict:
-        """The engine's, less CUDA shared memory: a worker does not serve it (its registrations are not
-        forwarded to the engine yet), so clients that read the extensions do not try."""
-        md = self.control.call("metadata")
-        md["extensions"] = [e for e in md["extensions"] if e != "cuda_shared_memory"]
-        return md
+        return self.control.call("metadata")
 
     def model(self, name: str, version: str | int = "") -> RemoteModel:
         return self._remote_model(self.control.call("model_info", name, parse_version(version)))

@@ -100,10 +100,50 @@ class EngineService:
             return None
         if method == "shm_status":
             return self.shm.status(*args)
-        if method == "shm_region":
-            r = self.shm._region(args[0])
-            return [r.key, r.offset, r.byte_size]
+        if method == "shm_lookup":  # what a worker needs to use a region a request names
+            return self._shm_lookup(args[0])
+        if method.startswith("cuda_shm_"):
+            return self._cuda_call(method, args)
         raise wire.raise_error("InvalidArgument", f"unknown engine call '{method}'")
+
+    def _shm_lookup(self, name: str) -> list:
+        """["system", key, offset, byte_size] or ["cuda"]; InvalidArgument (as a single process says it) when
+        no region has that name."""
+        cuda = getattr(self.shm, "cuda", None)
+        if cuda is not None and cuda.has(name):
+            return ["cuda"]
+        r = self.shm._region(name)
+        return ["system", r.key, r.offset, r.byte_size]
+
+    def _cuda_call(self, method: str, args: list[Any]) -> Any:
+        """CUDA shared memory, when this server serves it (it has a GPU): the workers forward registrations
+        here, where the IPC mappings are opened once for every worker."""
+        cuda = getattr(self.shm, "cuda", None)
+        if method == "cuda_shm_state":  # None: the frontends answer as a server without a GPU
+            return None if cuda is None else [cuda.enabled, cuda.reason]
+        if cuda is None:
+            raise wire.raise_error("InvalidArgument", "CUDA shared memory is not supported by this server")
+        if method == "cuda_shm_register":
+            cuda.register(*args)
+        elif method == "cuda_shm_unregister":
+            cuda.unregister(*args)
+        elif method == "cuda_shm_status":
+            return cuda.status(*args)
+        else:
+            raise wire.raise_error("InvalidArgument", f"unknown engine call '{method}'")
+        self.shm_generation += 1
+        return None
+
+    def cuda_outputs(self, request) -> dict[str, dict]:
+        """The requested outputs that go to CUDA shared memory regions: name -> their parameters."""
+        cuda = getattr(self.shm, "cuda", None)
+        if cuda is None:
+            return {}
+        return {
+            o.name: o.parameters
+            for o in request.outputs
+            if o.parameters and cuda.has(o.parameters.get("shared_memory_region"))
+        }
 
     async def call_async(self, method: str, args: list[Any]) -> Any:
         s = self.server
@@ -184,19 +224,26 @@ class WorkerConnection:
         if self.prefix:
             self.engine.maps.forget(self.prefix)
 
-    def _reply(self, rid: int, resp, peer) -> None:
+    def _reply(self, rid: int, resp, peer, cuda_outputs: dict[str, dict]) -> None:
         e = self.engine
+        if cuda_outputs:  # written here, where the regions are mapped; the worker gets their spans
+            for out in resp.outputs:
+                params = cuda_outputs.get(out.name)
+                if params is not None:
+                    e.shm.cuda.write_output(out, params)  # type: ignore[attr-defined]
+                    out.data = wire.CudaSpan(out.datatype, list(out.data.shape), params)
         reply = wire.encode_response(resp, e.pool, peer)
         self.channel.send(wire.Reply(rid, reply, e.server.tracer.active, e.shm_generation))
 
     async def _infer(self, rid: int, msg: wire.Request) -> None:
         try:
-            req = wire.decode_request(msg, self.engine.maps, self._release)
+            req = wire.decode_request(msg, self.engine.maps, self._release, self.engine.shm)
             peer = self.engine.maps.view(msg.slab) if msg.slab else None  # outputs that are inputs stay there
             del msg
+            cuda_outputs = self.engine.cuda_outputs(req)
             resp = await self.engine.server.infer(req)
             del req
-            self._reply(rid, resp, peer)
+            self._reply(rid, resp, peer, cuda_outputs)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -206,11 +253,12 @@ class WorkerConnection:
 
     async def _stream(self, rid: int, msg: wire.Request) -> None:
         try:
-            req = wire.decode_request(msg, self.engine.maps, self._release)
+            req = wire.decode_request(msg, self.engine.maps, self._release, self.engine.shm)
             peer = self.engine.maps.view(msg.slab) if msg.slab else None
             del msg
+            cuda_outputs = self.engine.cuda_outputs(req)
             async for resp in self.engine.server.infer_stream(req):
-                self._reply(rid, resp, peer)
+                self._reply(rid, resp, peer, cuda_outputs)
                 if resp.final:
                     return
             self.channel.send(wire.Value(rid, None))  # the stream ended without a final response

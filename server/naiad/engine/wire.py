@@ -29,6 +29,7 @@ class Tensor(msgspec.Struct, array_like=True):
     offset: int = 0  # in the message's slab
     nbytes: int = 0
     peer: bool = False  # an output whose bytes are the request's own, at `offset` in the request's slab
+    cuda: dict[str, Any] | None = None  # in a CUDA shared memory region: its `shared_memory_*` parameters
 
 
 class Request(msgspec.Struct, array_like=True):
@@ -55,6 +56,27 @@ class Response(msgspec.Struct, array_like=True):
     final: bool
     error: tuple[str, str] | None = None
     slab: str = ""
+
+
+class CudaSpan:
+    """A tensor in a client's CUDA shared memory region, by its `shared_memory_*` parameters: the engine holds the
+    regions' IPC mappings, so it reads such an input (when it decodes the request) and writes such an output
+    (before it replies); a worker only passes the span along."""
+
+    __slots__ = ("datatype", "params", "shape")
+
+    def __init__(self, datatype: str, shape: list[int], params: dict[str, Any]):
+        self.datatype = datatype
+        self.shape = tuple(shape)
+        self.params = params
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.object_) if self.datatype == "BYTES" else tensors.numpy_dtype(self.datatype)
 
 
 # ---- messages (the first element of each frame's array is its tag) ----
@@ -142,7 +164,7 @@ def raise_error(kind: str, message: str) -> errors.NaiadError:
 
 
 def pack_tensors(
-    items: list[tuple[str, str, np.ndarray]], pool: SlabPool, peer: np.ndarray | None = None
+    items: list[tuple[str, str, Any]], pool: SlabPool, peer: np.ndarray | None = None
 ) -> tuple[list[Tensor], str]:
     """Describe tensors for the peer: small ones inline, the rest copied once into one slab of `pool`, or, when
     they all lie in one shared receive buffer (a worker's request body), described where they are. With
@@ -156,6 +178,9 @@ def pack_tensors(
     big: list[tuple[Tensor, Any, np.ndarray | None]] = []
     total = 0
     for name, datatype, arr in items:
+        if type(arr) is CudaSpan:
+            out.append(Tensor(name, datatype, "", list(arr.shape), cuda=arr.params))
+            continue
         arr = np.asarray(arr)
         if datatype == "BYTES" or arr.dtype == np.object_:
             raw: Any = tensors.serialize_bytes(arr)
@@ -209,18 +234,22 @@ def unpack_tensors(
     maps: SlabMaps,
     release: Callable[[str], None],
     own: tuple[str, np.ndarray, Callable[[str], None]] | None = None,
-) -> list[tuple[str, str, np.ndarray]]:
-    """Arrays for described tensors; those in a slab are views of it, and `release(slab)` runs once every view
+) -> list[tuple[str, str, Any]]:
+    """Arrays (a `CudaSpan` for a tensor in CUDA shared memory) for described tensors; those in a slab are views of it, and `release(slab)` runs once every view
     (and anything made from one) is gone. `own`: (name, bytes, release) of this side's request slab, for
     outputs the peer described in it."""
     holder = peer_holder = None
     if slab:
-        holder = _holder(maps.view(slab), [t for t in items if t.data is None and not t.peer], release, slab)
+        in_slab = [t for t in items if t.data is None and not t.peer and t.cuda is None]
+        holder = _holder(maps.view(slab), in_slab, release, slab)
     if own is not None:
         name, buf, release_own = own
         peer_holder = _holder(buf, [t for t in items if t.peer], release_own, name)
-    out = []
+    out: list[tuple[str, str, Any]] = []
     for t in items:
+        if t.cuda is not None:
+            out.append((t.name, t.datatype, CudaSpan(t.datatype, t.shape, t.cuda)))
+            continue
         if t.data is not None:
             raw: Any = t.data
         elif t.peer:
@@ -257,8 +286,21 @@ def encode_request(req: InferenceRequest, pool: SlabPool) -> Request:
     )
 
 
-def decode_request(msg: Request, maps: SlabMaps, release: Callable[[str], None]) -> InferenceRequest:
+def decode_request(
+    msg: Request, maps: SlabMaps, release: Callable[[str], None], shm: Any = None
+) -> InferenceRequest:
+    """The request a worker described; inputs in CUDA shared memory are read through `shm`, the engine's
+    manager (checked now, copied once the model is known, as in a single process)."""
     arrays = unpack_tensors(msg.inputs, msg.slab, maps, release)
+    device = False
+    for i, (name, datatype, arr) in enumerate(arrays):
+        if type(arr) is CudaSpan:
+            cuda = getattr(shm, "cuda", None)
+            if cuda is None:
+                raise errors.InvalidArgument("CUDA shared memory is not supported by this server")
+            read = cuda.read_input(name, datatype, list(arr.shape), arr.params)
+            arrays[i] = (name, datatype, read)
+            device = device or not isinstance(read, np.ndarray)
     return InferenceRequest(
         model_name=msg.model_name,
         inputs={name: arr for name, _, arr in arrays},
@@ -272,6 +314,7 @@ def decode_request(msg: Request, maps: SlabMaps, release: Callable[[str], None])
         correlation_id=msg.correlation_id,
         flags=msg.flags,
         traceparent=msg.traceparent,
+        device_inputs=device,
     )
 
 

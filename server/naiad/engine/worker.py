@@ -30,7 +30,8 @@ async def run(path: str, args) -> int:
     from ..frontends.receive_buffers import POOL
     from . import acceptor
     from .adopter import Adopter
-    from .client import EngineClient, RemoteSharedMemory
+    from .client import EngineClient
+    from .remote_shm import RemoteSharedMemory
 
     client = EngineClient(path)
     shm = client.shm = RemoteSharedMemory(client, enabled=args.allow_client_shm)

@@ -64,13 +64,15 @@ e2e-tests:
 # built images (`make images`), as a node would run them: each container in a PID namespace of its own under
 # bubblewrap (e2e/images.py). Part of `make test`, after the host-virtualenv tiers; about 4 minutes. The
 # LeaderWorkerSet scenario's leader and rpc-server worker run from the LLM image (`make images-llm`; ~25 s more).
-# The vLLM group scenario runs its pods from this environment (the vllm stand-in, Ray): no image has vLLM and Ray.
-VLLM_GROUP_SCENARIO := tests/operator/test_operator_lws_cluster.py::test_a_vllm_copy_larger_than_a_node_joins_its_group_with_ray
+# The Ray group scenarios (engine vllm, and a Triton LLM repository's vllm_backend) run their pods from this
+# environment (the vllm stand-in, Ray): no image has vLLM and Ray.
+NOT_RAY_GROUPS := --deselect tests/operator/test_operator_lws_cluster.py::test_a_vllm_copy_larger_than_a_node_joins_its_group_with_ray \
+  --deselect tests/operator/test_operator_lws_cluster.py::test_a_triton_llm_repository_larger_than_a_node_joins_its_group_with_ray
 e2e-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
 	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
 	  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_lws_cluster.py --ignore=e2e/test_real_node.py \
-	  --deselect $(VLLM_GROUP_SCENARIO)
+	  $(NOT_RAY_GROUPS)
 
 # The LLM cluster scenarios in image mode (needs `make images images-llm`): the LeaderWorkerSet's leader and
 # rpc-server worker, and the llama.cpp model's pods (InferencePool, HPA, endpoint picker), started from the LLM
@@ -78,7 +80,7 @@ e2e-image-tests:
 e2e-llm-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
 	NAIAD_TEST_RUN=cluster-llm-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests/operator/test_operator_lws_cluster.py \
-	  tests/operator/test_operator_llm_cluster.py --deselect $(VLLM_GROUP_SCENARIO)
+	  tests/operator/test_operator_llm_cluster.py $(NOT_RAY_GROUPS)
 
 # The real node alone (e2e/node: containerd, runc, CNI, kubelet, kube-proxy; the server image imported into
 # containerd; `make test-deps` installs them). `make e2e-tests` runs it with the rest of e2e/; ~2 min warm.

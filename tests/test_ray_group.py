@@ -68,8 +68,33 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def test_the_leader_serves_once_the_group_has_joined(site, tmp_path):
+UPSTREAM_VLLM_BACKEND = ROOT / "tests" / "third_party" / "vllm_backend" / "src"
+
+
+def triton_repository(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A Triton LLM repository over the group (the operator's `engine: triton`): Triton's own vllm_backend model.py
+    as the python-based backend `vllm`, and a model.json that asks for the sizes and Ray's executor itself."""
+    shutil.copytree(UPSTREAM_VLLM_BACKEND, tmp_path / "backends" / "vllm")
+    repo = tmp_path / "triton_models"
+    (repo / "llm" / "1").mkdir(parents=True)
+    (repo / "llm" / "config.pbtxt").write_text('backend: "vllm"\n')
+    engine = (
+        '{"model": "stand-in", "tensor_parallel_size": 2, "pipeline_parallel_size": 2, '
+        '"distributed_executor_backend": "ray"}'
+    )
+    (repo / "llm" / "1" / "model.json").write_text(engine)
+    return repo, [f"--backend-directory={tmp_path / 'backends'}"]
+
+
+@pytest.mark.parametrize("repository", ["naiad", "triton"])
+def test_the_leader_serves_once_the_group_has_joined(site, tmp_path, repository):
+    """Naiad's vllm backend (the parallel sizes from the load's config), and Triton's vllm_backend model.py (from
+    its model.json), whose engine runs in the python backend's stub process and joins the cluster from there."""
     repo, env = site
+    extra: list[str] = []
+    if repository == "triton":
+        pytest.importorskip("PIL", reason="vllm_backend's utils/request.py imports Pillow")
+        repo, extra = triton_repository(tmp_path)
     ray_port, http = free_port(), free_port()
     node = [
         "--num-gpus=2",
@@ -83,7 +108,7 @@ def test_the_leader_serves_once_the_group_has_joined(site, tmp_path):
     worker = ray_group("worker", "--leader=127.0.0.1", *node, env=env, log=tmp_path / "worker.log")
     time.sleep(1)
     serve = [sys.executable, "-m", "naiad.cli", "serve", "--model-repository", str(repo), "--http-port", str(http),
-             "--grpc-port", str(free_port()), "--allow-metrics", "false"]  # fmt: skip
+             "--grpc-port", str(free_port()), "--allow-metrics", "false", *extra]  # fmt: skip
     leader = ray_group("leader", "--size=2", *node, "--", *serve, env=env, log=tmp_path / "leader.log")
     try:
         deadline = time.monotonic() + 150

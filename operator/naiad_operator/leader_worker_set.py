@@ -2,7 +2,8 @@
 more GPUs than one node has (`llm.parallelism` over `llm.gpusPerNode`): one group of pods per copy, a leader running
 Naiad with the model, and workers that lend it their GPUs: llama.cpp's `rpc-server`, which the leader's llama.cpp
 backend offloads the layers to, or Ray nodes of the leader's Ray cluster, on which the leader's vLLM engine places
-its tensor- and pipeline-parallel workers (`naiad.llm.ray_group`, as the LWS project's vLLM example does). The LWS
+its tensor- and pipeline-parallel workers (`naiad.llm.ray_group`, as the LWS project's vLLM example does; also for
+`engine: triton`, whose vllm_backend model.json names the sizes and Ray's executor itself). The LWS
 controller creates the pods, gives them LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX, the headless
 Service that names them, and restarts a group as a whole; only the leaders are the model's endpoints."""
 

@@ -34,8 +34,9 @@ ENGINE_BACKENDS: dict[str, str | None] = {
 # Engines that can spread one copy over several GPUs of a node.
 _MULTI_GPU_ENGINES = ("vllm", "triton")
 # Engines whose copy can span several pods (a LeaderWorkerSet group): llama.cpp's leader drives rpc-server workers,
-# vLLM's engine places its workers on the group's GPUs through Ray (naiad.llm.ray_group).
-_GROUP_ENGINES = ("llamacpp", "vllm")
+# vLLM's engine places its workers on the group's GPUs through Ray (naiad.llm.ray_group); so does a Triton LLM
+# repository's vLLM (the python vllm_backend model.py, whose model.json asks for the sizes and Ray's executor).
+_GROUP_ENGINES = ("llamacpp", "vllm", "triton")
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def _group_problems(engine: str, gpus: int, gpus_per_node: int, spec: Spec) -> l
     if engine not in _GROUP_ENGINES:
         problems.append(
             f"llm.engine {engine!r}: a copy of {gpus} GPUs on nodes of {gpus_per_node} needs a group of pods, "
-            "which the operator runs for llamacpp (llama.cpp's RPC backend) and vllm (Ray)"
+            "which the operator runs for llamacpp (llama.cpp's RPC backend), vllm and triton (Ray)"
         )
     elif engine == LLAMACPP_ENGINE and gpus_per_node != 1:
         problems.append(

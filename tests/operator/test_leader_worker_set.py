@@ -73,7 +73,10 @@ def test_problems_of_a_copy_larger_than_a_node():
     transformers = big_model()
     transformers["llm"]["engine"] = "transformers"
     (problem,) = model_intent("big", transformers).problems
-    assert "needs a group of pods" in problem and "llamacpp" in problem and "vllm (Ray)" in problem
+    assert "needs a group of pods" in problem and "llamacpp" in problem and "vllm and triton (Ray)" in problem
+    triton = big_model(tensor=8, pipeline=2, per_node=8)
+    triton["llm"]["engine"] = "triton"
+    assert not model_intent("big", triton).problems  # a Triton LLM repository's vLLM: Ray too
     (problem,) = model_intent("big", big_model(tensor=2, pipeline=2, per_node=2)).problems
     assert "gpusPerNode must be 1" in problem
     shared = big_model(serverRef={"name": "pool"})
@@ -228,6 +231,27 @@ def test_a_vllm_copy_over_a_group_joins_the_pods_with_ray():
     # the engine's workers read the weights where the leader does
     assert ray["volumeMounts"] == server["volumeMounts"]
     assert any(v["name"] == "models" for v in worker["spec"]["volumes"])
+
+
+def test_a_triton_llm_repository_over_a_group_joins_the_pods_with_ray_as_it_is():
+    """engine: triton (Triton's python vllm_backend, whose model.json sizes the engine and names Ray's executor):
+    the same Ray group as engine: vllm, and the model loads with its repository's own config (no override)."""
+    spec = big_model(tensor=8, pipeline=2, per_node=8, server={"image": "naiad-vllm:test"})
+    spec["llm"]["engine"] = "triton"
+    intent = model_intent("big", spec)
+    assert not intent.problems and intent.backend is None and intent.load_config is None
+    lws = render_leader_worker_set(OWNER, spec, intent, CONFIG, credential="s3cret")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2
+    (server,) = template["leaderTemplate"]["spec"]["containers"]
+    node = [f"--token-from-env={CONTROL_ENV}", "--node-ip-address=$(POD_IP)", "--num-gpus=8"]
+    assert server["command"] == [RAY_GROUP]
+    assert server["args"][:6] == ["leader", "--size=$(LWS_GROUP_SIZE)", *node, "--"]
+    assert "--load-model=tiny" in server["args"]
+    assert not [a for a in server["args"] if a.startswith("--load-model-config=")]
+    assert server["resources"]["limits"][GPU_RESOURCE] == 8
+    (ray,) = template["workerTemplate"]["spec"]["containers"]
+    assert ray["args"] == ["worker", "--leader=$(LWS_LEADER_ADDRESS)", f"--port={RAY_PORT}", *node]
 
 
 def test_leader_and_workers_run_the_llm_image_unless_the_template_names_one():

@@ -300,6 +300,8 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set(lws_cluster, rep
 
 
 VLLM = "group_vllm"
+TRITON_VLLM = "group_triton_vllm"
+UPSTREAM_VLLM_BACKEND = ROOT / "tests" / "third_party" / "vllm_backend" / "src"
 
 
 def test_a_vllm_copy_larger_than_a_node_joins_its_group_with_ray(lws_cluster, report):  # noqa: F811
@@ -309,72 +311,110 @@ def test_a_vllm_copy_larger_than_a_node_joins_its_group_with_ray(lws_cluster, re
     executor, and the engine (the vllm stand-in, which joins the Ray cluster and counts its GPUs as vLLM's Ray
     executor does; no vLLM runs without a CUDA GPU) sees both pods' 4 GPUs. Real Ray (the test environment's
     `ray`), not in image mode (no image carries vLLM and Ray: the image tier deselects this scenario)."""
+    h, _ = lws_cluster
+    (h.repo / VLLM / "1").mkdir(parents=True, exist_ok=True)
+    (h.repo / VLLM / "config.pbtxt").write_text('backend: "vllm"\n')
+    (h.repo / VLLM / "1" / "model.json").write_text('{"model": "stand-in"}')
+    log = _ray_group_serves(lws_cluster, "bigv", VLLM, "vllm", [])
+    assert "tensor_parallel_size=2 pipeline_parallel_size=2" in log
+
+
+def test_a_triton_llm_repository_larger_than_a_node_joins_its_group_with_ray(lws_cluster, report):  # noqa: F811
+    """engine: triton, the same group as engine: vllm, for a Triton LLM repository: Triton's own vllm_backend
+    model.py (unmodified, tests/third_party) as the python-based backend `vllm` in the server's backend directory,
+    with model.json asking for tensor 2 x pipeline 2 and Ray's executor itself (the operator loads the model as
+    it is). The model.py's engine (the vllm stand-in) runs in the python backend's stub process, which joins the
+    group's Ray cluster through the RAY_ADDRESS and Ray token the leader's server was started with."""
+    h, _ = lws_cluster
+    backends = h.workdir / "triton-backends"
+    if not backends.exists():
+        shutil.copytree(
+            UPSTREAM_VLLM_BACKEND, backends / "vllm", ignore=shutil.ignore_patterns("__pycache__")
+        )
+    (h.repo / TRITON_VLLM / "1").mkdir(parents=True, exist_ok=True)
+    (h.repo / TRITON_VLLM / "config.pbtxt").write_text('backend: "vllm"\n')
+    engine = {
+        "model": "stand-in",
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "distributed_executor_backend": "ray",
+    }
+    (h.repo / TRITON_VLLM / "1" / "model.json").write_text(json.dumps(engine))
+    _ray_group_serves(lws_cluster, "bigt", TRITON_VLLM, "triton", [f"--backend-directory={backends}"])
+
+
+def _ray_group_serves(lws_cluster, name: str, model_name: str, engine: str, args: list[str]) -> str:
+    """A copy of `model_name` (tensor 2 x pipeline 2 on nodes of 2 GPUs) runs as a Ray group of two pods, loads
+    with Ray's executor over both pods' 4 GPUs, answers `generate` from its leader and becomes Available; the
+    leader's log."""
     h, controller = lws_cluster
     site = h.workdir / "vllm-site"
     if not site.exists():
         shutil.copytree(ROOT / "tests" / "standins" / "vllm", site / "vllm")
-    (h.repo / VLLM / "1").mkdir(parents=True, exist_ok=True)
-    (h.repo / VLLM / "config.pbtxt").write_text('backend: "vllm"\n')
-    (h.repo / VLLM / "1" / "model.json").write_text('{"model": "stand-in"}')
     ray = Path(sys.executable).parent / "ray"
+    leader_pod, worker_pod = f"{name}-server-0", f"{name}-server-0-1"
     try:
         h.apply(
             model(
-                "bigv",
-                modelName=VLLM,
+                name,
+                modelName=model_name,
                 storage={"uri": f"file://{h.repo}"},
-                llm={"engine": "vllm", "parallelism": {"tensor": 2, "pipeline": 2}, "gpusPerNode": 2},
+                llm={"engine": engine, "parallelism": {"tensor": 2, "pipeline": 2}, "gpusPerNode": 2},
                 replicas=1,
                 server={
+                    "args": args,
                     "env": [
                         {"name": "PYTHONPATH", "value": f"{ROOT / 'server'}:{site}"},
                         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
-                    ]
+                    ],
                 },
             )
         )
         pods = wait(
-            lambda: (p := h.get("pods", selector=f"{LWS_NAME}=bigv-server")["items"]) and len(p) == 2 and p,
+            lambda: (p := h.get("pods", selector=f"{LWS_NAME}={name}-server")["items"]) and len(p) == 2 and p,
             90,
             what="the group's two pods",
         )
         by_name = {p["metadata"]["name"]: p for p in pods}
-        leader, worker = by_name["bigv-server-0"], by_name["bigv-server-0-1"]
+        leader, worker = by_name[leader_pod], by_name[worker_pod]
         assert leader["spec"]["containers"][0]["command"] == ["naiad-ray-group"]
         assert worker["spec"]["containers"][0]["command"] == ["naiad-ray-group"]
         assert (
-            env_of(worker["spec"]["containers"][0])["LWS_LEADER_ADDRESS"] == f"bigv-server-0.bigv-server.{NS}"
+            env_of(worker["spec"]["containers"][0])["LWS_LEADER_ADDRESS"]
+            == f"{leader_pod}.{name}-server.{NS}"
         )
-        leader_ip = wait(lambda: h.get("pod", "bigv-server-0")["status"].get("podIP"), 60, what="leader IP")
+        leader_ip = wait(lambda: h.get("pod", leader_pod)["status"].get("podIP"), 60, what="leader IP")
         wait(
-            lambda: h.endpoints("bigv") == {leader_ip},
+            lambda: h.endpoints(name) == {leader_ip},
             240,
             what="the leader Ready (the group's Ray cluster formed, the model loaded)",
         )
-        log = h.runner.logs(NS, "bigv-server-0")
+        log = h.runner.logs(NS, leader_pod)
         assert "the group's 2 Ray nodes are alive" in log
-        assert "tensor_parallel_size=2 pipeline_parallel_size=2" in log
         assert "ray executor over 2 nodes with 4 GPUs" in log, log[-3000:]
         code, body = post_json(
-            f"http://{leader_ip}:8000/v2/models/{VLLM}/generate",
+            f"http://{leader_ip}:8000/v2/models/{model_name}/generate",
             {"text_input": "a b", "parameters": {"max_tokens": 2}},
         )
         assert code == 200 and body["text_output"] == "a b b a", body
         wait(
-            lambda: (s := h.model_status("bigv")).get("phase") == "Available" and s, 60, what="bigv Available"
+            lambda: (s := h.model_status(name)).get("phase") == "Available" and s,
+            60,
+            what=f"{name} Available",
         )
         print(f"leader {leader_ip}: {log[-600:]!r}")
+        return log
     except BaseException:
         print(f"--- lws-controller ---\n{controller.log()}")
-        for pod in ("bigv-server-0", "bigv-server-0-1"):
+        for pod in (leader_pod, worker_pod):
             print(f"--- {pod} ---\n{h.runner.logs(NS, pod)[-4000:]}")
         print(h.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout)
         raise
     finally:
-        h.kubectl("-n", NS, "delete", "im", "bigv", "--timeout=90s", check=False)
+        h.kubectl("-n", NS, "delete", "im", name, "--timeout=90s", check=False)
         try:  # the group's pods gone, then any of their Ray processes still draining (the pods share this host)
             wait(
-                lambda: not h.get("pods", selector=f"{LWS_NAME}=bigv-server")["items"],
+                lambda: not h.get("pods", selector=f"{LWS_NAME}={name}-server")["items"],
                 90,
                 what="no group pods",
             )

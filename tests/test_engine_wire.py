@@ -53,6 +53,35 @@ def test_request_round_trip_inline_and_in_a_slab():
         pool.close()
 
 
+def test_small_tensors_of_every_kind_ride_inline_exactly():
+    """The inline path keeps each array's dtype (byte order included), shape and values, whatever its layout."""
+    pool = SlabPool(f"naiad-test{os.getpid()}k")
+    try:
+        rng = np.random.default_rng(3)
+        cases = {
+            "BOOL": np.array([[True, False, True]]),
+            "UINT8": np.arange(6, dtype=np.uint8).reshape(2, 3),
+            "INT64": np.array([-(2**40), 5], dtype=np.int64),
+            "FP16": rng.random((2, 2)).astype(np.float16),
+            "BF16": np.array([0x3F80, 0x4000], dtype=np.uint16),  # raw bfloat16 words
+            "FP32": rng.random((3, 4), dtype=np.float32).T,  # not contiguous
+            "FP64": rng.random(3).astype(">f8"),  # big-endian
+            "EMPTY": np.zeros((0, 4), np.float32),
+        }
+        items = [(name, "FP32" if name == "EMPTY" else name, arr) for name, arr in cases.items()]
+        described, slab = wire.pack_tensors(items, pool)
+        assert slab == "" and all(t.data is not None for t in described)
+        request = wire.Request("m", -1, "", described, [], {}, 0, 0, 0, 0, None)
+        sent = wire.decoder.decode(wire.encoder.encode(wire.Infer(1, request)))
+        got = wire.unpack_tensors(sent.request.inputs, "", SlabMaps(), print)
+        for (name, datatype, arr), (got_name, got_type, got_arr) in zip(items, got, strict=True):
+            assert (got_name, got_type) == (name, datatype)
+            assert got_arr.dtype == arr.dtype and got_arr.shape == arr.shape, name
+            np.testing.assert_array_equal(got_arr, arr)
+    finally:
+        pool.close()
+
+
 def test_response_error_and_outputs():
     pool = SlabPool(f"naiad-test{os.getpid()}r")
     try:

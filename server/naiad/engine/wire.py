@@ -16,6 +16,8 @@ from ..inference import InferenceRequest, InferenceResponse, OutputTensor, Reque
 from .slabs import SlabMaps, SlabPool
 
 INLINE_LIMIT = 64 * 1024  # tensors up to this many bytes ride in the message; larger ones in a slab
+_INLINE_KINDS = frozenset("biufcV")  # numpy dtype kinds whose bytes are the tensor (not object arrays)
+_DTYPES: dict[str, np.dtype] = {}  # numpy's dtype for each dtype string seen
 _ALIGN = 64
 _LEN = struct.Struct("<I")
 
@@ -178,7 +180,16 @@ def pack_tensors(
     big: list[tuple[Tensor, Any, np.ndarray | None]] = []
     total = 0
     for name, datatype, arr in items:
-        if type(arr) is CudaSpan:
+        kind = type(arr)
+        if (  # the common case first: a small numeric array rides inline, one copy (tobytes)
+            kind is np.ndarray
+            and arr.nbytes <= INLINE_LIMIT
+            and arr.dtype.kind in _INLINE_KINDS
+            and datatype != "BYTES"
+        ):
+            out.append(Tensor(name, datatype, arr.dtype.str, list(arr.shape), arr.tobytes()))
+            continue
+        if kind is CudaSpan:
             out.append(Tensor(name, datatype, "", list(arr.shape), cuda=arr.params))
             continue
         arr = np.asarray(arr)
@@ -258,10 +269,11 @@ def unpack_tensors(
             raw = holder[t.offset : t.offset + t.nbytes]  # type: ignore[index]
         if not t.dtype:
             arr = tensors.deserialize_bytes(raw).reshape(t.shape)
-        elif t.data is not None:
-            arr = np.frombuffer(raw, np.dtype(t.dtype)).reshape(t.shape)
         else:
-            arr = raw.view(np.dtype(t.dtype)).reshape(t.shape)
+            dt = _DTYPES.get(t.dtype)
+            if dt is None:
+                dt = _DTYPES[t.dtype] = np.dtype(t.dtype)
+            arr = (np.frombuffer(raw, dt) if t.data is not None else raw.view(dt)).reshape(t.shape)
         out.append((t.name, t.datatype, arr))
     return out
 
@@ -291,20 +303,22 @@ def decode_request(
 ) -> InferenceRequest:
     """The request a worker described; inputs in CUDA shared memory are read through `shm`, the engine's
     manager (checked now, copied once the model is known, as in a single process)."""
-    arrays = unpack_tensors(msg.inputs, msg.slab, maps, release)
+    inputs: dict[str, Any] = {}
+    datatypes: dict[str, str] = {}
     device = False
-    for i, (name, datatype, arr) in enumerate(arrays):
+    for name, datatype, arr in unpack_tensors(msg.inputs, msg.slab, maps, release):
         if type(arr) is CudaSpan:
             cuda = getattr(shm, "cuda", None)
             if cuda is None:
                 raise errors.InvalidArgument("CUDA shared memory is not supported by this server")
-            read = cuda.read_input(name, datatype, list(arr.shape), arr.params)
-            arrays[i] = (name, datatype, read)
-            device = device or not isinstance(read, np.ndarray)
+            arr = cuda.read_input(name, datatype, list(arr.shape), arr.params)
+            device = device or not isinstance(arr, np.ndarray)
+        inputs[name] = arr
+        datatypes[name] = datatype
     return InferenceRequest(
         model_name=msg.model_name,
-        inputs={name: arr for name, _, arr in arrays},
-        datatypes={name: dt for name, dt, _ in arrays},
+        inputs=inputs,
+        datatypes=datatypes,
         model_version=msg.model_version,
         id=msg.id,
         outputs=[RequestedOutput(n, b, c, p) for n, b, c, p in msg.outputs],

@@ -362,16 +362,34 @@ def _running(pid: int) -> bool:
 def test_frontend_workers_auto_reads_the_cgroup_quota(tmp_path):
     from naiad.engine import cpus
 
+    online = len(os.sched_getaffinity(0))
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert cpus.quota_cpus(str(tmp_path)) == 1.5
-    assert cpus.pod_cpus(str(tmp_path)) == min(2, len(os.sched_getaffinity(0)))
+    assert cpus.pod_cpus(str(tmp_path)) == min(2, online)
+    assert cpus.auto_workers(str(tmp_path)) == 1  # 2 CPUs: one process
+    (tmp_path / "cpu.max").write_text("400000 100000\n")
+    assert cpus.auto_workers(str(tmp_path)) == max(1, min(4, online) - 1)
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert cpus.quota_cpus(str(tmp_path)) is None
+    assert cpus.quota_cpus(str(tmp_path)) is None and cpus.pod_cpus(str(tmp_path)) is None
+    assert cpus.auto_workers(str(tmp_path)) == 1  # no limit: the host's CPUs are not the pod's
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()  # cgroup v1
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpus.quota_cpus(str(tmp_path)) == 3.0
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpus.auto_workers(str(tmp_path)) == 1
     with pytest.raises(argparse.ArgumentTypeError):
         cpus.frontend_workers("0")
     with pytest.raises(argparse.ArgumentTypeError):
         cpus.frontend_workers("many")
     assert cpus.frontend_workers("3") == 3
+    from naiad.cli import build_parser  # the default follows the pod's CPU limit
+
+    assert (
+        build_parser().parse_args(["serve", "--model-repository", "m"]).frontend_workers
+        == cpus.auto_workers()
+    )
 
 
 def test_errors_come_back_as_the_single_process_sends_them(server):

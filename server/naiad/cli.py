@@ -187,9 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--frontend-workers",
         type=frontend_workers,
-        default="1",
+        default="auto",
         help="processes that serve HTTP and gRPC (see --frontend-accept) in front of one engine process that owns the "
-        "models; 'auto': the CPUs the pod may use (its cgroup quota) less one for the engine; 1: one process, as before",
+        "models; 'auto': the CPUs of the pod's CPU limit (its cgroup quota) less one for the engine, and one process "
+        "where there is no limit or it is 2 CPUs or less; 1: one process",
     )
     s.add_argument(
         "--frontend-accept",

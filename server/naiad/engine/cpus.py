@@ -1,5 +1,5 @@
-"""How many CPUs this pod may use: its cgroup CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), else the CPUs
-this process may run on. The default of `--frontend-workers auto`."""
+"""How many CPUs this pod may use: its cgroup CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), never more than the
+CPUs this process may run on; `--frontend-workers auto` (the default) is one worker per CPU less one for the engine."""
 
 from __future__ import annotations
 
@@ -30,22 +30,32 @@ def quota_cpus(root: str = CGROUP) -> float | None:
     return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
-def pod_cpus(root: str = CGROUP) -> int:
-    """Whole CPUs: the quota rounded up, never more than the CPUs this process may run on, at least 1."""
+def pod_cpus(root: str = CGROUP) -> int | None:
+    """Whole CPUs of the pod's quota, rounded up, never more than the CPUs this process may run on; None without
+    a quota (a process with no CPU limit shares its host's CPUs)."""
+    quota = quota_cpus(root)
+    if quota is None:
+        return None
     try:
         online = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         online = os.cpu_count() or 1
-    quota = quota_cpus(root)
-    n = online if quota is None else min(online, math.ceil(quota))
-    return max(1, n)
+    return max(1, min(online, math.ceil(quota)))
+
+
+def auto_workers(root: str = CGROUP) -> int:
+    """`--frontend-workers auto`: the pod's CPUs less one for the engine process (on 2 CPUs that is one process:
+    2 workers beside the engine served 0.86x one process's small requests); 1 without a CPU limit, where a
+    worker per host CPU would take CPUs the pod was never given (the operator passes its own count from the
+    pod's CPU request then)."""
+    cpus = pod_cpus(root)
+    return 1 if cpus is None else max(1, cpus - 1)
 
 
 def frontend_workers(value: str) -> int:
-    """`--frontend-workers` (an argparse type): a positive number, or `auto`: the pod's CPUs less one for the
-    engine process (on 2 CPUs, 2 workers beside the engine served 0.86x one process's small requests)."""
+    """`--frontend-workers` (an argparse type): a positive number, or `auto` (auto_workers)."""
     if str(value).strip().lower() == "auto":
-        return max(1, pod_cpus() - 1)
+        return auto_workers()
     try:
         n = int(value)
     except ValueError:

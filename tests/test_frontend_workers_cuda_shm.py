@@ -62,6 +62,11 @@ class Region:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = make_repo(tmp_path_factory.mktemp("workers_cuda_repo"))
+    shutil.copytree(repo / "identity_fp32", repo / "identity_cached")  # the same model, its responses cached
+    config = (
+        (repo / "identity_cached" / "config.pbtxt").read_text().replace("identity_fp32", "identity_cached")
+    )
+    (repo / "identity_cached" / "config.pbtxt").write_text(config + "response_cache { enable: true }\n")
     path = tmp_path_factory.mktemp("standins")
     shutil.copytree(STANDINS / "cuda", path / "cuda", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(STANDINS / "pynvml.py", path / "pynvml.py")
@@ -73,6 +78,10 @@ def server(tmp_path_factory):
         "explicit",
         "--load-model",
         "identity_fp32",
+        "--load-model",
+        "identity_cached",
+        "--cache-config",
+        "local,size=1048576",
         env={"PYTHONPATH": str(path)},
     )
     proc.start()
@@ -153,6 +162,33 @@ def test_a_cuda_input_with_a_plain_output(server):
         g.unregister_cuda_shared_memory("cu_only_in")
         g.close()
         src.free()
+
+
+def test_a_cached_response_written_to_a_cuda_region_stays_whole_in_the_cache(server):
+    """The engine writes an output to the client's region and sends the worker its span; the response cache's
+    copy of that output must stay the tensor (a hit is answered from the same cached tensors)."""
+    data = np.arange(16, dtype=np.float32).reshape(1, 16) * 3
+    dst = Region(data.nbytes)
+    h = httpclient.InferenceServerClient(server.http)
+    try:
+        h.register_cuda_shared_memory("cu_cached", dst.b64, 0, dst.nbytes)
+        for _ in range(3):  # a miss (cached), then hits: each written to the region
+            inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            inp.set_data_from_numpy(data)
+            out = httpclient.InferRequestedOutput("OUTPUT0")
+            out.set_shared_memory("cu_cached", data.nbytes)
+            h.infer("identity_cached", [inp], outputs=[out])
+            np.testing.assert_array_equal(dst.read(np.float32, (1, 16)), data)
+            dst.write(np.zeros_like(data))
+        stats = h.get_inference_statistics("identity_cached")["model_stats"][0]["inference_stats"]
+        assert stats["cache_hit"]["count"] == 2 and stats["cache_miss"]["count"] == 1
+        inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_data_from_numpy(data)
+        np.testing.assert_array_equal(h.infer("identity_cached", [inp]).as_numpy("OUTPUT0"), data)
+    finally:
+        h.unregister_cuda_shared_memory("cu_cached")
+        h.close()
+        dst.free()
 
 
 def test_errors_are_the_single_process_ones(server):

@@ -13,6 +13,7 @@ from typing import Any
 from tritonclient.grpc import service_pb2 as pb
 
 from ..host_pinning import HostPinning
+from ..inference import OutputTensor
 from ..server import Server
 from ..shared_memory.system import SharedMemoryManager
 from . import model_context, wire
@@ -227,11 +228,15 @@ class WorkerConnection:
     def _reply(self, rid: int, resp, peer, cuda_outputs: dict[str, dict]) -> None:
         e = self.engine
         if cuda_outputs:  # written here, where the regions are mapped; the worker gets their spans
-            for out in resp.outputs:
+            outputs = []
+            for out in resp.outputs:  # (new tensors: the response cache may hold these ones)
                 params = cuda_outputs.get(out.name)
                 if params is not None:
                     e.shm.cuda.write_output(out, params)  # type: ignore[attr-defined]
-                    out.data = wire.CudaSpan(out.datatype, list(out.data.shape), params)
+                    span = wire.CudaSpan(out.datatype, list(out.data.shape), params)
+                    out = OutputTensor(out.name, out.datatype, span)  # type: ignore[arg-type]
+                outputs.append(out)
+            resp.outputs = outputs
         reply = wire.encode_response(resp, e.pool, peer)
         self.channel.send(wire.Reply(rid, reply, e.server.tracer.active, e.shm_generation))
 

@@ -246,9 +246,9 @@ def unpack_tensors(
     release: Callable[[str], None],
     own: tuple[str, np.ndarray, Callable[[str], None]] | None = None,
 ) -> list[tuple[str, str, Any]]:
-    """Arrays (a `CudaSpan` for a tensor in CUDA shared memory) for described tensors; those in a slab are views of it, and `release(slab)` runs once every view
-    (and anything made from one) is gone. `own`: (name, bytes, release) of this side's request slab, for
-    outputs the peer described in it."""
+    """Arrays for described tensors (a `CudaSpan` for one in CUDA shared memory); those in a slab are views of
+    it, and `release(slab)` runs once every view (and anything made from one) is gone. `own`: (name, bytes,
+    release) of this side's request slab, for outputs the peer described in it."""
     holder = peer_holder = None
     if slab:
         in_slab = [t for t in items if t.data is None and not t.peer and t.cuda is None]

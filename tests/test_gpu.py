@@ -1013,16 +1013,29 @@ def _cuda_shm_roundtrip(server, model, proto, make_region, read_region):
     return in_region, out_region
 
 
+@pytest.fixture(scope="module")
+def gpu_workers_server(gpu_repo):
+    """The GPU repository behind `--frontend-workers 2`: the engine opens CUDA IPC handles for every worker."""
+    repo, _ = gpu_repo
+    proc = NaiadProcess(repo, "--strict-readiness", "false", "--frontend-workers", "2", timeout=300)
+    proc.start()
+    yield proc
+    assert proc.stop() == 0, proc.output()[-4000:]
+
+
 @gpu_test
+@pytest.mark.parametrize("workers", [False, True], ids=["one-process", "frontend-workers"])
 @pytest.mark.parametrize("proto", ["http", "grpc"])
-def test_cuda_shared_memory_roundtrip_tritonclient(gpu_server, gpu_repo, proto):
+def test_cuda_shared_memory_roundtrip_tritonclient(request, gpu_repo, proto, workers):
     try:
         import tritonclient.utils.cuda_shared_memory as cudashm
     except Exception as exc:
         pytest.skip(f"tritonclient.utils.cuda_shared_memory does not import: {exc}".splitlines()[0])
+    gpu_server = request.getfixturevalue("gpu_workers_server" if workers else "gpu_server")
     _, built = gpu_repo
     model = "mlp_gpu" if not built["mlp_gpu"] else "mlp_cpu"
     _ready(gpu_server, built, model)
+    assert "cuda_shared_memory" in requests.get(f"http://{gpu_server.http}/v2").json()["extensions"]
     handles = []
 
     def make(name, size, data):
@@ -1043,47 +1056,6 @@ def test_cuda_shared_memory_roundtrip_tritonclient(gpu_server, gpu_repo, proto):
     finally:
         for h in handles:
             cudashm.destroy_shared_memory_region(h)
-
-
-@gpu_test
-def test_cuda_shared_memory_roundtrip_through_frontend_workers(gpu_repo):
-    """With `--frontend-workers 2` the engine opens the client's IPC handles once for every worker: each protocol,
-    on fresh connections (so on either worker), reads its input from and writes its output to device memory."""
-    try:
-        import tritonclient.utils.cuda_shared_memory as cudashm
-    except Exception as exc:
-        pytest.skip(f"tritonclient.utils.cuda_shared_memory does not import: {exc}".splitlines()[0])
-    repo, built = gpu_repo
-    model = "mlp_gpu" if not built["mlp_gpu"] else "mlp_cpu"
-    server = NaiadProcess(repo, "--strict-readiness", "false", "--frontend-workers", "2", timeout=300)
-    server.start()
-    handles = []
-
-    def make(name, size, data):
-        h = cudashm.create_shared_memory_region(name, size, 0)
-        handles.append(h)
-        if data is not None:
-            cudashm.set_shared_memory_region(h, [data])
-        return h, cudashm.get_raw_handle(h)
-
-    try:
-        _ready(server, built, model)
-        assert "cuda_shared_memory" in requests.get(f"http://{server.http}/v2").json()["extensions"]
-        for proto in ("http", "grpc", "http", "grpc"):
-            _cuda_shm_roundtrip(
-                server,
-                model,
-                proto,
-                make,
-                lambda h, like: cudashm.get_contents_as_numpy(h, np.float32, list(like.shape)),
-            )
-            for h in handles:
-                cudashm.destroy_shared_memory_region(h)
-            handles.clear()
-    finally:
-        for h in handles:
-            cudashm.destroy_shared_memory_region(h)
-        assert server.stop() == 0, server.output()[-4000:]
 
 
 @gpu_test

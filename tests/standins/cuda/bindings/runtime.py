@@ -31,6 +31,14 @@ class cudaMemcpyKind(enum.IntEnum):
     cudaMemcpyDefault = 4
 
 
+class cudaMemPoolAttr(enum.IntEnum):
+    cudaMemPoolAttrReleaseThreshold = 4
+
+
+class cuuint64_t(int):
+    pass
+
+
 cudaStreamNonBlocking = 1
 cudaIpcMemLazyEnablePeerAccess = 1
 cudaHostRegisterPortable = 1
@@ -90,6 +98,22 @@ def cudaGetDeviceCount():
 
 def cudaSetDevice(device):
     return _ok() if 0 <= device < _DEVICES else (cudaError_t.cudaErrorInvalidValue,)
+
+
+_thresholds: dict[int, int] = {}  # device -> its default memory pool's release threshold
+
+
+def cudaDeviceGetDefaultMemPool(device):
+    return _ok(device) if 0 <= device < _DEVICES else (cudaError_t.cudaErrorInvalidValue, None)
+
+
+def cudaMemPoolSetAttribute(pool, attr, value):
+    _thresholds[int(pool)] = int(value)
+    return _ok()
+
+
+def cudaMemPoolGetAttribute(pool, attr):
+    return _ok(_thresholds.get(int(pool), 0))
 
 
 def cudaMalloc(size):

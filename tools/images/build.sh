@@ -38,14 +38,26 @@ version="$(sed -n 's/^version = "\(.*\)"/\1/p' "$repo/pyproject.toml" | head -1)
 suite=bookworm
 log() { echo "[images $(date +%H:%M:%S)] $*" >&2; }
 
-need=()
-for tool in buildah mmdebstrap umoci skopeo bwrap; do command -v "$tool" >/dev/null || need+=("$tool"); done
+missing() {
+  need=()
+  for tool in buildah mmdebstrap umoci skopeo bwrap; do command -v "$tool" >/dev/null || need+=("$tool"); done
+}
+missing
 if ((${#need[@]})); then
   if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
-    log "installing ${need[*]} from Debian"
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      buildah mmdebstrap umoci skopeo bubblewrap >/dev/null
+    # `make test` builds `images` and `images-llm` side by side: on a fresh machine both would run apt-get at once
+    # and the second fail on apt's lock. One installs; the other waits here, then finds the tools.
+    exec 9>/var/lock/naiad-images-tools.lock
+    flock 9
+    missing
+    if ((${#need[@]})); then
+      log "installing ${need[*]} from Debian"
+      apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null
+      DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
+        buildah mmdebstrap umoci skopeo bubblewrap >/dev/null
+    fi
+    flock -u 9
+    exec 9>&-
   else
     echo "images: missing ${need[*]}; install Debian's buildah mmdebstrap umoci skopeo bubblewrap" >&2
     exit 3

@@ -4,14 +4,17 @@ to the engine, which holds the CUDA IPC mappings (a worker never creates a CUDA 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import InvalidArgument
 from ..shared_memory.system import Region, SharedMemoryManager
 from .wire import CudaSpan
 
-if TYPE_CHECKING:
-    from .client import EngineClient
+
+class Control(Protocol):
+    """The engine's blocking control calls (`client.ControlChannel`)."""
+
+    def call(self, method: str, *args: Any) -> Any: ...
 
 
 class RemoteSharedMemory(SharedMemoryManager):
@@ -19,27 +22,27 @@ class RemoteSharedMemory(SharedMemoryManager):
     shared memory (it has a GPU), as on a single-process server. Every mapping and every region's kind is
     forgotten when the engine's registrations change (`drop`, on a new `shm_generation`)."""
 
-    def __init__(self, client: EngineClient, enabled: bool = True):
+    def __init__(self, control: Control, enabled: bool = True):
         super().__init__(enabled)
-        self._client = client
+        self._control = control
         self.generation = 0
         self._cuda_regions: set[str] = set()  # names the engine said are CUDA regions
-        cuda = client.control.call("cuda_shm_state")  # None, or [enabled, reason] of the engine's manager
+        cuda = control.call("cuda_shm_state")  # None, or [enabled, reason] of the engine's manager
         self.cuda = RemoteCudaSharedMemory(self, *cuda) if cuda is not None else None
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.check_enabled()
-        self._client.control.call("shm_register", name, key, offset, byte_size)
+        self._control.call("shm_register", name, key, offset, byte_size)
         self.drop()
 
     def unregister(self, name: str = "") -> None:
         self.check_enabled()
-        self._client.control.call("shm_unregister", name)
+        self._control.call("shm_unregister", name)
         self.drop()
 
     def status(self, name: str = "") -> list[dict]:
         self.check_enabled()
-        return self._client.control.call("shm_status", name)
+        return self._control.call("shm_status", name)
 
     def drop(self) -> None:
         with self._lock:
@@ -53,7 +56,7 @@ class RemoteSharedMemory(SharedMemoryManager):
             region = self._regions.get(name)
             if region is not None or name in self._cuda_regions:
                 return region
-        kind, *where = self._client.control.call("shm_lookup", name)
+        kind, *where = self._control.call("shm_lookup", name)
         if kind == "cuda":
             with self._lock:
                 self._cuda_regions.add(name)
@@ -89,7 +92,7 @@ class RemoteCudaSharedMemory:
 
     def __init__(self, shm: RemoteSharedMemory, enabled: bool, reason: str | None):
         self._shm = shm
-        self._control = shm._client.control
+        self._control = shm._control
         self.enabled = enabled
         self.reason = reason
 

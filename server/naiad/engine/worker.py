@@ -34,7 +34,7 @@ async def run(path: str, args) -> int:
     from .remote_shm import RemoteSharedMemory
 
     client = EngineClient(path)
-    shm = client.shm = RemoteSharedMemory(client, enabled=args.allow_client_shm)
+    shm = client.shm = RemoteSharedMemory(client.control, enabled=args.allow_client_shm)
     # large request bodies land in shared memory the engine maps: their tensors reach it without a copy
     POOL.share(client.pool)
     stop = asyncio.Event()

@@ -891,13 +891,18 @@ def gpu_repo(tmp_path_factory):
     return out, gm.build_gpu_repository(out)
 
 
-@pytest.fixture(scope="module")
-def gpu_server(gpu_repo):
+def _serving(gpu_repo, *args: str):
+    """`naiad serve` over the GPU repository while a fixture lasts; returns the server's exit status."""
     repo, _ = gpu_repo
-    proc = NaiadProcess(repo, "--strict-readiness", "false", "--log-verbose", "1", timeout=300)
+    proc = NaiadProcess(repo, "--strict-readiness", "false", *args, timeout=300)
     proc.start()
     yield proc
-    proc.stop()
+    return proc.stop(), proc
+
+
+@pytest.fixture(scope="module")
+def gpu_server(gpu_repo):
+    yield from _serving(gpu_repo, "--log-verbose", "1")
 
 
 def _ready(server, built: dict, name: str) -> None:
@@ -1016,11 +1021,8 @@ def _cuda_shm_roundtrip(server, model, proto, make_region, read_region):
 @pytest.fixture(scope="module")
 def gpu_workers_server(gpu_repo):
     """The GPU repository behind `--frontend-workers 2`: the engine opens CUDA IPC handles for every worker."""
-    repo, _ = gpu_repo
-    proc = NaiadProcess(repo, "--strict-readiness", "false", "--frontend-workers", "2", timeout=300)
-    proc.start()
-    yield proc
-    assert proc.stop() == 0, proc.output()[-4000:]
+    code, proc = yield from _serving(gpu_repo, "--frontend-workers", "2")
+    assert code == 0, proc.output()[-4000:]
 
 
 @gpu_test

@@ -72,14 +72,6 @@ class CudaSpan:
         self.shape = tuple(shape)
         self.params = params
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.object_) if self.datatype == "BYTES" else tensors.numpy_dtype(self.datatype)
-
 
 # ---- messages (the first element of each frame's array is its tag) ----
 

@@ -4,6 +4,7 @@ CPU time per reply. With several checkouts (`--trees`), rounds alternate between
 
     .venv/bin/python bench/engine_socket.py --rounds 3 --duration 6
     .venv/bin/python bench/engine_socket.py --trees .,/tmp/base --backend onnxruntime
+    .venv/bin/python bench/engine_socket.py --connections 8 --window 8     # as 8 workers would feed it
 
 The engine is pinned to the first CPU and the driver to the second (on 2 or more CPUs), so the engine has a core
 of its own; `busy` is the engine's CPU time over the wall time of the measurement.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import shutil
 import signal
 import socket
@@ -40,7 +42,8 @@ def start(tree: Path, repo: Path, log: Path) -> subprocess.Popen:
     port = free_port()
     cmd = [sys.executable, "-m", "naiad.cli", "serve", "--model-repository", str(repo), "--http-port", str(port),
            "--grpc-port", str(free_port()), "--allow-metrics", "false", "--frontend-workers", "2"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(tree / "server"))
+    path = os.environ.get("PYTHONPATH")  # (what else is on it stays: a GPU machine's carried wheels)
+    env = dict(os.environ, PYTHONPATH=str(tree / "server") + (os.pathsep + path if path else ""))
     proc = subprocess.Popen(
         cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
@@ -76,38 +79,54 @@ def frames(count: int) -> list[bytes]:
     return out
 
 
-def drive(pid: int, seconds: float, window: int) -> tuple[float, float, float]:
-    """(replies/s, engine CPU µs per reply, engine busy) with `window` requests in flight for `seconds`."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(engine_socket(pid))
-    sock.sendall(wire.frame(wire.Hello(os.getpid(), "bench", False)))
+def drive(pid: int, seconds: float, window: int, connections: int = 1) -> tuple[float, float, float]:
+    """(replies/s, engine CPU µs per reply, engine busy) with `window` requests in flight on each of
+    `connections` connections (as many workers would hold) for `seconds`."""
+    path = engine_socket(pid)
+    socks = []
+    for _ in range(connections):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        sock.sendall(wire.frame(wire.Hello(os.getpid(), "bench", False)))
+        socks.append(sock)
     ready = frames(65536)
-    sent = replies = 0
+    sent = [0] * connections
+    replies = 0
 
-    def send(n: int) -> None:
-        nonlocal sent
-        sock.sendall(b"".join(ready[(sent + i) % len(ready)] for i in range(n)))
-        sent += n
+    def send(i: int, n: int) -> None:
+        base = sent[i]
+        socks[i].sendall(b"".join(ready[(base + k) % len(ready)] for k in range(n)))
+        sent[i] = base + n
 
-    send(window)
-    buf = bytearray()
+    for i in range(connections):
+        send(i, window)
+    bufs = [bytearray() for _ in socks]
+    poller = select.epoll()
+    for sock in socks:
+        poller.register(sock.fileno(), select.EPOLLIN)
+    index = {sock.fileno(): i for i, sock in enumerate(socks)}
     proc = psutil.Process(pid)
     t0, c0 = time.monotonic(), proc.cpu_times()
     while time.monotonic() - t0 < seconds:
-        buf += sock.recv(1 << 20)
-        off = done = 0
-        while len(buf) - off >= 4:
-            n = int.from_bytes(buf[off : off + 4], "little")
-            if len(buf) - off - 4 < n:
-                break
-            off += 4 + n
-            done += 1
-        del buf[:off]
-        replies += done
-        if done:
-            send(done)
+        for fd, _ in poller.poll(1.0):
+            i = index[fd]
+            buf = bufs[i]
+            buf += socks[i].recv(1 << 20)
+            off = done = 0
+            while len(buf) - off >= 4:
+                n = int.from_bytes(buf[off : off + 4], "little")
+                if len(buf) - off - 4 < n:
+                    break
+                off += 4 + n
+                done += 1
+            del buf[:off]
+            replies += done
+            if done:
+                send(i, done)
     wall, c1 = time.monotonic() - t0, proc.cpu_times()
-    sock.close()
+    poller.close()
+    for sock in socks:
+        sock.close()
     cpu = (c1.user + c1.system) - (c0.user + c0.system)
     return replies / wall, 1e6 * cpu / max(1, replies), cpu / wall
 
@@ -120,7 +139,8 @@ def main() -> int:
     p.add_argument("--backend", choices=["onnxruntime", "python"], default="onnxruntime")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=6.0)
-    p.add_argument("--window", type=int, default=64, help="requests in flight")
+    p.add_argument("--window", type=int, default=64, help="requests in flight on each connection")
+    p.add_argument("--connections", type=int, default=1, help="connections to the engine, as many workers")
     args = p.parse_args()
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="naiad-engine-bench-"))
@@ -135,8 +155,10 @@ def main() -> int:
                     if len(cpus) > 1:
                         os.sched_setaffinity(server.pid, {cpus[0]})
                         os.sched_setaffinity(0, {cpus[1]})
-                    drive(server.pid, 1.0, args.window)  # warm-up: the model qualifies to run inline
-                    row = drive(server.pid, args.duration, args.window)
+                    drive(
+                        server.pid, 1.0, args.window, args.connections
+                    )  # warm-up: the model qualifies to run inline
+                    row = drive(server.pid, args.duration, args.window, args.connections)
                 finally:
                     os.sched_setaffinity(0, set(cpus))
                     os.killpg(server.pid, signal.SIGTERM)

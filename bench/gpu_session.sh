@@ -6,6 +6,8 @@
 #            (tritonclient, and perf_analyzer where TOOLS has one), with the server's share from its statistics
 #   workers  bench/frontend_workers.py: small HTTP and gRPC requests to an ONNX identity executed in the engine,
 #            --frontend-workers 1, 2, 4, 8
+#   engine   bench/engine_socket.py: the engine process's own CPU per small request, fed over its socket by a driver
+#            on another core (no worker), over 1 connection and over 8 (as 8 workers would)
 #   large    the workers sweep with 4 MiB requests (HTTP binary at c8, gRPC over 8 connections) to a python identity
 #            of one instance (executed in the engine; its output is its input, sent from where it arrived)
 #   llm      bench/llm/transformers_bench.py: the transformers engine on a 1B-shaped llama, in-process against Naiad
@@ -22,7 +24,7 @@
 set -u
 OUT="${OUT:-bench/.work/gpu-session}"
 PY="${PYTHON:-python3}"
-STEPS="${STEPS:-env h2d resnet workers large llm gputier stubs}"
+STEPS="${STEPS:-env h2d resnet workers engine large llm gputier stubs}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1  # a step past its limit gets SIGABRT: every thread's stack
 if [ -n "${WHEELS:-}" ]; then
@@ -53,7 +55,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, its output in $OU
   grep -v -e '^Loading weights' -e 'Writing model shards' "$OUT/$name.log" | tail -n "${TAIL:-30}"
 }
 
-step env 15 bash -c "nvidia-smi; nproc; free -g; $PY -c 'import sys, torch, transformers, numpy, grpc, google.protobuf as pb;
+step env 15 bash -c "nvidia-smi; nproc; lscpu | grep -E \"^(Model name|Thread|Core|Socket|CPU\\(s\\))\"; free -g; $PY -c 'import sys, torch, transformers, numpy, grpc, google.protobuf as pb;
 print(sys.version); print(\"torch\", torch.__version__, torch.cuda.is_available(), torch.cuda.get_device_name(0));
 print(\"transformers\", transformers.__version__, \"numpy\", numpy.__version__, \"grpcio\", grpc.__version__, \"protobuf\", pb.__version__)';
 $PY -c 'import naiad.cli, tritonclient.grpc, tritonclient.http, msgspec, orjson, httptools; print(\"naiad imports\")';
@@ -68,6 +70,9 @@ step resnet "${RESNET_LIMIT:-240}" "$PY" bench/gpu_torch_bench.py --cases "${RES
 
 step workers 55 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \
   --client-threads 4 --backend onnxruntime --scenarios small_c64,grpc_small_8conn
+
+step engine 40 bash -c "$PY bench/engine_socket.py --rounds 2 --duration 3 --connections 1 --window 64 &&
+  $PY bench/engine_socket.py --rounds 2 --duration 3 --connections 8 --window 8"
 
 step large 60 "$PY" bench/frontend_workers.py --workers 1,2,4,8 --rounds 1 --duration 3 --warmup 1 \
   --client-threads 4 --backend python --scenarios large_c8,grpc_large_8conn

@@ -10,6 +10,7 @@ import logging
 import os
 
 from naiad import host_pinning, memory
+from naiad.engine import slabs
 from naiad.engine.slabs import SHM_DIR, SlabMaps, SlabPool
 from naiad.frontends.receive_buffers import ReceivePool
 from naiad.host_pinning import HostPinning, address_of
@@ -103,6 +104,63 @@ def test_engine_maps_are_unpinned_only_once_no_view_is_left():
     finally:
         owner.close()
     assert not [n for n in os.listdir(SHM_DIR) if n.startswith(owner.prefix + "-")]
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_an_idle_mapping_gives_its_page_lock_to_a_new_one_when_the_budget_is_used(monkeypatch, caplog):
+    """Many workers' segments outgrow the request buffers' half of the pinned pool: a mapping unused for
+    PIN_IDLE_S with no view left is unpinned for one in use, never one in use or one being read."""
+    clock = _Clock()
+    monkeypatch.setattr(slabs, "time", clock)
+    rt = Runtime()
+    owner = SlabPool(f"naiad-pintest{os.getpid()}")
+    maps = SlabMaps(HostPinning(rt, memory.MemoryPools(pinned_bytes=6 << 20)))  # 3 MiB for request buffers
+    a, b = owner.alloc(2 << 20).name, owner.alloc(2 << 20).name
+
+    def pinned() -> set[str]:
+        return {n for n in (a, b) if address_of(maps.view(n))[0] in rt.registered}
+
+    try:
+        with caplog.at_level(logging.INFO, "naiad.memory"):
+            maps.view(a)
+            maps.view(b)  # `a` was used just now: `b` stays pageable, nothing is unpinned
+        assert len(rt.registered) == 1 and address_of(maps.view(a))[0] in rt.registered
+        assert [r.getMessage() for r in caplog.records] == [
+            "request buffers past 3 MiB stay pageable (half of --pinned-memory-pool-byte-size is theirs); a "
+            "larger pool page-locks more of them"
+        ]
+        clock.now += 0.5
+        maps.view(b)  # too soon to try again
+        assert rt.calls == 1
+        clock.now += slabs.PIN_IDLE_S
+        maps.view(b)  # `a` idle, nothing reads it: its bytes go to `b`
+        assert len(rt.registered) == 1 and address_of(maps.view(b))[0] in rt.registered
+        reading = maps.view(b)[100:200]  # a request's tensor in `b`
+        clock.now += 2 * slabs.PIN_IDLE_S
+        maps.view(a)  # `b` is idle but still read: it keeps its page lock
+        assert pinned() == {b}
+        del reading
+        gc.collect()
+        clock.now += 2 * slabs.PIN_IDLE_S
+        maps.view(a)
+        assert pinned() == {a}
+        calls = rt.calls
+        for _ in range(10):  # both in use: neither is unpinned for the other, however often they alternate
+            clock.now += 0.1
+            maps.view(a)
+            maps.view(b)
+        assert rt.calls == calls and pinned() == {a}
+        maps.forget(owner.prefix)
+        assert rt.registered == {}
+    finally:
+        owner.close()
 
 
 def test_no_pinning_without_gpus_or_pool(monkeypatch):

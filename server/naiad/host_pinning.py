@@ -40,6 +40,7 @@ class HostPinning:
         self.pinned_bytes = 0  # their sum
         self._lock = threading.Lock()
         self._refused = False  # the driver refused once: said once, not tried again
+        self._told_full = False  # the budget ran short once: said once
 
     def pin(self, buf) -> bool:
         """Page-lock `buf` (idempotent); False when it stays pageable."""
@@ -47,7 +48,16 @@ class HostPinning:
         with self._lock:
             if addr in self.pinned:
                 return True
-            if self._refused or self.pinned_bytes + n > self.limit or not self.pools.reserve_pinned(n):
+            if self._refused:
+                return False
+            if self.pinned_bytes + n > self.limit or not self.pools.reserve_pinned(n):
+                if not self._told_full:
+                    self._told_full = True
+                    log.info(
+                        "request buffers past %d MiB stay pageable (half of --pinned-memory-pool-byte-size is "
+                        "theirs); a larger pool page-locks more of them",
+                        self.limit >> 20,
+                    )
                 return False
             err = self.rt.cudaHostRegister(addr, n, getattr(self.rt, "cudaHostRegisterPortable", 1))
             err = err[0] if isinstance(err, tuple) else err
@@ -62,6 +72,15 @@ class HostPinning:
             self.pinned_bytes += n
             log.debug("page-locked a request buffer of %d bytes for copies to the GPU", n)
             return True
+
+    def fits(self, n: int) -> bool:
+        """Whether `n` more bytes could be page-locked now (within the budget and the pool, the driver willing)."""
+        with self._lock:
+            return (
+                not self._refused
+                and self.pinned_bytes + n <= self.limit
+                and self.pools.pinned_used + n <= self.pools.pinned_bytes
+            )
 
     def unpin(self, buf) -> None:
         """Undo `pin` (nothing when `buf` was not pinned); before the buffer's memory is unmapped."""

@@ -8,6 +8,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,6 +20,12 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 MIN_SLAB = 256 * 1024  # the smallest size class; tensors below the inline limit never use a slab
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _UNVIEWED_REFS = 3  # a retired mapping's array no view refers to: the list, the loop variable, getrefcount's
+# A page-locked mapping unused this long with no view left gives its bytes to a new mapping when the budget for
+# request buffers is used up (with many workers their idle segments would otherwise hold it: measured on an H200,
+# ResNet-50 over HTTP with 8 workers executed in 8.3 ms instead of 6.0 after gRPC's segments took the budget);
+# a mapping left pageable tries again this often. Mappings in use within it are never unpinned, so a working set
+# larger than the budget does not register and unregister buffers by turns.
+PIN_IDLE_S = 1.0
 
 
 def _size_class(nbytes: int) -> int:
@@ -196,27 +203,59 @@ class SlabMaps:
         self._sweep_at = 64  # mappings past which the next new one first drops those of removed segments
         self._pinning = pinning  # page-locks each mapping (the engine of a GPU server)
         self._retired: list[np.ndarray] = []  # page-locked mappings dropped while views of them were in use
+        self._used: dict[str, float] = {}  # with pinning: each mapping's last use (time.monotonic)
+        self._pageable: dict[str, float] = {}  # with pinning: mappings not page-locked -> when to try again
 
     def view(self, name: str) -> np.ndarray:
         arr = self._maps.get(name)
-        if arr is None:
-            if self._retired:
-                self._unpin_retired()
-            if len(self._maps) >= self._sweep_at:
-                self._sweep()
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-            try:
-                size = os.fstat(fd).st_size
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            arr = self._maps[name] = np.frombuffer(mm, np.uint8)
+        if arr is not None:
             if self._pinning is not None:
-                self._pinning.pin(arr)
+                now = self._used[name] = time.monotonic()
+                retry = self._pageable.get(name)
+                if retry is not None and now >= retry:
+                    self._pin(name, arr, now)
+            return arr
+        if self._retired:
+            self._unpin_retired()
+        if len(self._maps) >= self._sweep_at:
+            self._sweep()
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        arr = self._maps[name] = np.frombuffer(mm, np.uint8)
+        if self._pinning is not None:
+            self._pin(name, arr, time.monotonic())
         return arr
+
+    def _pin(self, name: str, arr: np.ndarray, now: float) -> None:
+        """Page-lock a mapping; when the budget is used up, first unpin mappings idle for PIN_IDLE_S with no
+        view (least recently used first) until it fits. Left pageable, it tries again after PIN_IDLE_S."""
+        pinning = self._pinning
+        assert pinning is not None
+        self._used[name] = now
+        pinned = pinning.pin(arr)
+        if not pinned and not pinning.fits(arr.nbytes):
+            for other in sorted(self._used, key=self._used.__getitem__):
+                if now - self._used[other] < PIN_IDLE_S or pinning.fits(arr.nbytes):
+                    break
+                held = self._maps.get(other)
+                if other in self._pageable or held is None or sys.getrefcount(held) > _UNVIEWED_REFS:
+                    continue  # (not pinned, or a view of it is being read)
+                pinning.unpin(held)
+                self._pageable[other] = now
+            pinned = pinning.pin(arr)
+        if pinned:
+            self._pageable.pop(name, None)
+        else:
+            self._pageable[name] = now + PIN_IDLE_S
 
     def _drop(self, name: str) -> None:
         arr = self._maps.pop(name)
+        self._used.pop(name, None)
+        self._pageable.pop(name, None)
         if self._pinning is not None:
             self._retired.append(arr)  # unregistered by _unpin_retired once no view is left
 

@@ -73,14 +73,15 @@ class HostPinning:
             log.debug("page-locked a request buffer of %d bytes for copies to the GPU", n)
             return True
 
+    @property
+    def refused(self) -> bool:
+        """The driver refused a registration: nothing more is page-locked."""
+        return self._refused
+
     def fits(self, n: int) -> bool:
-        """Whether `n` more bytes could be page-locked now (within the budget and the pool, the driver willing)."""
+        """Whether `n` more bytes are within the budget and the pool now."""
         with self._lock:
-            return (
-                not self._refused
-                and self.pinned_bytes + n <= self.limit
-                and self.pools.pinned_used + n <= self.pools.pinned_bytes
-            )
+            return self.pinned_bytes + n <= self.limit and self.pools.pinned_used + n <= self.pools.pinned_bytes
 
     def unpin(self, buf) -> None:
         """Undo `pin` (nothing when `buf` was not pinned); before the buffer's memory is unmapped."""

@@ -237,7 +237,7 @@ class SlabMaps:
         assert pinning is not None
         self._used[name] = now
         pinned = pinning.pin(arr)
-        if not pinned and not pinning.fits(arr.nbytes):
+        if not pinned and not pinning.refused and not pinning.fits(arr.nbytes):
             for other in sorted(self._used, key=self._used.__getitem__):
                 if now - self._used[other] < PIN_IDLE_S or pinning.fits(arr.nbytes):
                     break

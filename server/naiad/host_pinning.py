@@ -81,9 +81,7 @@ class HostPinning:
     def fits(self, n: int) -> bool:
         """Whether `n` more bytes are within the budget and the pool now."""
         with self._lock:
-            return (
-                self.pinned_bytes + n <= self.limit and self.pools.pinned_used + n <= self.pools.pinned_bytes
-            )
+            return self.pinned_bytes + n <= self.limit and self.pools.pinned_fits(n)
 
     def unpin(self, buf) -> None:
         """Undo `pin` (nothing when `buf` was not pinned); before the buffer's memory is unmapped."""

@@ -45,9 +45,13 @@ class MemoryPools:
         if self.pinned_bytes < 0:
             raise ValueError("--pinned-memory-pool-byte-size must be non-negative")
 
+    def pinned_fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` more of the pinned pool are free now."""
+        return self.pinned_used + nbytes <= self.pinned_bytes
+
     def reserve_pinned(self, nbytes: int) -> bool:
         with self._lock:
-            if self.pinned_used + nbytes > self.pinned_bytes:
+            if not self.pinned_fits(nbytes):
                 return False
             self.pinned_used += nbytes
             return True

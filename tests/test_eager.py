@@ -160,3 +160,25 @@ async def test_only_the_first_request_of_a_loop_turn_starts_at_once():
     await asyncio.sleep(0)  # the loop has turned
     assert starter.start(loop, request("third")) is None
     assert steps == ["first", "second", "third"]
+
+
+async def test_a_cancellation_before_the_tasks_first_step_reaches_the_coroutine_where_it_waits():
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    seen = []
+
+    async def request():
+        try:
+            await fut
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+        finally:
+            seen.append("cleaned up")
+
+    task = eager.Starter().start(loop, request())
+    assert task is not None
+    task.cancel()  # in the same turn: the Task has not taken a step yet (a connection lost at once)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fut.cancelled() and seen == ["cancelled", "cleaned up"]

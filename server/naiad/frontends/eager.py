@@ -16,6 +16,7 @@ spread over more, smaller turns: 7-8% fewer requests per second at c64 (HTTP and
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextvars
 from collections.abc import Coroutine
 from typing import Any
@@ -50,32 +51,41 @@ class Starter:
         except Exception as exc:
             loop.call_exception_handler({"message": "request coroutine failed", "exception": exc})
             return None
-        return loop.create_task(_resume(coro, waiting), context=ctx)
+        return loop.create_task(Started(coro, waiting), context=ctx)  # type: ignore[arg-type]
 
     def _turned(self) -> None:
         self.burst = False
 
 
-async def _resume(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
-    """Drive `coro` on from where `Starter.start` left it, as its own Task would: wait for what it waits on, let
-    it read the outcome, and pass a cancellation of this Task on into it."""
-    while True:
-        cancelled = None
-        try:
-            if waiting is None:  # a bare `yield` (asyncio.sleep(0)): give the loop one turn
-                await asyncio.sleep(0)
-            else:
-                # the coroutine's own `await` marked the future as waited on; a Task clears the mark when it
-                # takes a yielded future, and so does this driver before waiting on it in turn
-                waiting._asyncio_future_blocking = False
-                await waiting
-        except asyncio.CancelledError as exc:
-            if waiting is None or not waiting.cancelled():
-                # this Task was cancelled, not the future: the coroutine gets it where it waits
-                cancelled = exc
-        except BaseException:  # the coroutine reads the future's error itself when it resumes
-            pass
-        try:
-            waiting = coro.send(None) if cancelled is None else coro.throw(cancelled)
-        except StopIteration as stop:
-            return stop.value
+class Started:
+    """A coroutine `Starter.start` began, for a Task to drive on exactly as if the Task had started it: the Task's
+    first step gets what the coroutine already waits on; every later step goes into the coroutine, and so does
+    a cancellation, even one that comes before the Task's first step (a connection lost in the same turn)."""
+
+    __slots__ = ("coro", "waiting")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], waiting: Any):
+        self.coro = coro
+        self.waiting = (
+            waiting  # (a future the coroutine's own `await` marked as waited on, or None: a bare yield)
+        )
+
+    def send(self, value: Any) -> Any:
+        waiting = self.waiting
+        if waiting is not _TAKEN:
+            self.waiting = _TAKEN
+            return waiting
+        return self.coro.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        waiting, self.waiting = self.waiting, _TAKEN
+        if waiting is not _TAKEN and waiting is not None:
+            waiting.cancel()  # a Task cancelled while it waits cancels what it waits on first
+        return self.coro.throw(*exc)
+
+    def close(self) -> None:
+        self.coro.close()
+
+
+_TAKEN = object()
+collections.abc.Coroutine.register(Started)  # what asyncio.Task asks of a coroutine: send, throw and close

@@ -4,6 +4,7 @@ forwarded request, stream and control call on the one in-process `Server`."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import shutil
@@ -12,6 +13,7 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2 as pb
 
+from ..frontends import eager
 from ..host_pinning import HostPinning
 from ..inference import OutputTensor
 from ..server import Server
@@ -194,7 +196,7 @@ class WorkerConnection:
     def on_message(self, msg: wire.Message) -> None:
         loop = self.channel.loop
         if isinstance(msg, wire.Infer):
-            self.tasks[msg.id] = loop.create_task(self._infer(msg.id, msg.request))
+            self._start(msg.id, self._infer(msg.id, msg.request))
         elif isinstance(msg, wire.Stream):
             self.tasks[msg.id] = loop.create_task(self._stream(msg.id, msg.request))
         elif isinstance(msg, wire.Free):
@@ -216,6 +218,19 @@ class WorkerConnection:
                 task.cancel()
         elif isinstance(msg, wire.Hello):
             self.pid, self.prefix = msg.pid, msg.prefix
+
+    def _start(self, rid: int, coro) -> None:
+        """Run a request's coroutine at once, in a copy of the context as a Task would; a Task drives it on only
+        if it has to wait (a model executing inline never does: frontends/eager.py)."""
+        ctx = contextvars.copy_context()
+        try:
+            waiting = ctx.run(coro.send, None)
+        except StopIteration:
+            return
+        self.tasks[rid] = self.channel.loop.create_task(
+            eager.Started(coro, waiting),  # type: ignore[arg-type]
+            context=ctx,
+        )
 
     def on_lost(self) -> None:
         self.engine.connections.discard(self)

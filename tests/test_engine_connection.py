@@ -1,0 +1,98 @@
+"""engine/core.WorkerConnection: a forwarded request runs at once when its model answers without waiting, and
+under a Task (cancelled with the connection) when it has to wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from naiad.engine import wire
+from naiad.engine.core import EngineService, WorkerConnection
+from naiad.inference import InferenceResponse, OutputTensor
+from naiad.shared_memory.system import SharedMemoryManager
+
+
+class _Tracer:
+    active = False
+
+
+class _Server:
+    """What the engine asks of a Server to run a request: a model that answers at once or when told."""
+
+    tracer = _Tracer()
+
+    def __init__(self):
+        self.gate: asyncio.Future | None = None
+        self.cancelled = 0
+
+    async def infer(self, req):
+        if req.model_name == "waits":
+            self.gate = asyncio.get_running_loop().create_future()
+            try:
+                await self.gate
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        x = req.inputs["INPUT0"]
+        return InferenceResponse(req.model_name, "1", [OutputTensor("OUTPUT0", "FP32", x * 2)])
+
+
+def _infer(rid: int, model: str) -> wire.Infer:
+    data = np.arange(4, dtype=np.float32).tobytes()
+    t = wire.Tensor("INPUT0", "FP32", "<f4", [4], data)
+    return wire.Infer(rid, wire.Request(model, -1, "", [t], [], {}, 0, 0, 0, 0, None))
+
+
+def _connection(server: _Server) -> tuple[WorkerConnection, list]:
+    engine = EngineService(server, SharedMemoryManager(enabled=True))  # type: ignore[arg-type]
+    conn = WorkerConnection(engine)
+    sent: list = []
+    conn.channel.send = sent.append  # type: ignore[method-assign]
+    return conn, sent
+
+
+def _outputs(reply: wire.Reply) -> list[float]:
+    return np.frombuffer(reply.response.outputs[0].data, np.float32).tolist()
+
+
+async def test_a_request_that_never_waits_is_answered_inside_the_read_without_a_task():
+    conn, sent = _connection(_Server())
+    try:
+        before = len(asyncio.all_tasks())
+        conn.on_message(_infer(1, "at_once"))
+        assert [type(m) for m in sent] == [wire.Reply] and sent[0].id == 1
+        assert _outputs(sent[0]) == [0.0, 2.0, 4.0, 6.0]
+        assert not conn.tasks and len(asyncio.all_tasks()) == before
+    finally:
+        conn.engine.pool.close()
+
+
+async def test_a_request_that_waits_is_driven_by_a_task_and_answered_when_its_model_is():
+    server = _Server()
+    conn, sent = _connection(server)
+    try:
+        conn.on_message(_infer(2, "waits"))
+        assert not sent and set(conn.tasks) == {2}
+        conn.on_message(_infer(3, "at_once"))  # others are not held up behind it
+        assert [m.id for m in sent] == [3]
+        assert server.gate is not None
+        server.gate.set_result(None)
+        await asyncio.wait_for(conn.tasks[2], 5)
+        assert [m.id for m in sent] == [3, 2] and _outputs(sent[1]) == [0.0, 2.0, 4.0, 6.0]
+        assert not conn.tasks
+    finally:
+        conn.engine.pool.close()
+
+
+async def test_a_waiting_request_is_cancelled_when_its_worker_goes_away():
+    server = _Server()
+    conn, sent = _connection(server)
+    try:
+        conn.on_message(_infer(4, "waits"))
+        task = conn.tasks[4]
+        conn.on_lost()
+        await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled() and server.cancelled == 1 and not sent
+    finally:
+        conn.engine.pool.close()

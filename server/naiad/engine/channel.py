@@ -37,19 +37,22 @@ class Channel(asyncio.Protocol):
         buf += data
         off, end = 0, len(buf)
         decode = wire.decoder.decode
-        while end - off >= 4:
-            n = int.from_bytes(buf[off : off + 4], "little")
-            if end - off - 4 < n:
-                break
-            with memoryview(buf) as view:
+        length = wire.LENGTH.unpack_from
+        with memoryview(buf) as view:
+            while end - off >= 4:
+                (n,) = length(view, off)
+                if end - off - 4 < n:
+                    break
                 msg = decode(view[off + 4 : off + 4 + n])
-            off += 4 + n
-            try:
-                self.on_message(msg)
-            except Exception:
-                log.exception("handling a %s message failed", type(msg).__name__)
+                off += 4 + n
+                try:
+                    self.on_message(msg)
+                except Exception:
+                    log.exception("handling a %s message failed", type(msg).__name__)
         if off:
             del buf[:off]
+        if self._wbuf:  # what those messages answered at once goes out now, not a loop turn later
+            self._flush()
 
     def send(self, msg: wire.Message) -> None:
         """Queue a message; everything queued in this loop turn goes out in one write."""

@@ -228,7 +228,7 @@ class EngineClient:
         self.lost.set()
 
     def _on_message(self, msg: wire.Message) -> None:
-        if isinstance(msg, wire.Reply):
+        if type(msg) is wire.Reply:
             self.tracer.active = msg.tracing
             if self.shm is not None and msg.shm_generation != self.shm.generation:
                 self.shm.generation = msg.shm_generation
@@ -238,11 +238,13 @@ class EngineClient:
             if queue is None and (fut is None or fut.done()):
                 return
             own = None
-            if any(t.peer for t in msg.response.outputs):
-                # outputs in this worker's own request slab: hold it now, before the engine's Free of it
-                # (read in this same call) could return it to the pool
-                name = self._request_slabs[msg.id]
-                own = (name, self.pool.retain(name), self.pool.free)
+            for t in msg.response.outputs:
+                if t.peer:
+                    # outputs in this worker's own request slab: hold it now, before the engine's Free of it
+                    # (read in this same call) could return it to the pool
+                    name = self._request_slabs[msg.id]
+                    own = (name, self.pool.retain(name), self.pool.free)
+                    break
             if queue is not None:
                 queue.put_nowait((msg.response, own))
             else:

@@ -196,3 +196,39 @@ def test_receive_buffers_leave_a_quarter_of_shared_memory(monkeypatch):
         assert "-r" not in desc.slab  # copied into a slab
     finally:
         pool.close()
+
+
+def test_every_field_a_request_and_a_response_carry_crosses_as_it_was():
+    pool = SlabPool(f"naiad-test{os.getpid()}f")
+    try:
+        x = np.arange(4, dtype=np.int64)
+        req = InferenceRequest(
+            "m",
+            {"X": x},
+            {"X": "INT64"},
+            model_version=3,
+            id="req-9",
+            outputs=[RequestedOutput("Y", False, 2, {"k": 1})],
+            parameters={"p": "v"},
+            priority=2,
+            timeout_us=5000,
+            correlation_id="seq-a",
+            flags=3,
+            traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )
+        desc = wire.decoder.decode(wire.encoder.encode(wire.Infer(1, wire.encode_request(req, pool))))
+        got = wire.decode_request(desc.request, SlabMaps(), lambda _: None)
+        for field in ("model_name", "datatypes", "model_version", "id", "outputs", "parameters", "priority",
+                      "timeout_us", "correlation_id", "flags", "traceparent"):  # fmt: skip
+            assert getattr(got, field) == getattr(req, field), field
+        np.testing.assert_array_equal(got.inputs["X"], x)
+        assert got.device_inputs is False
+        resp = InferenceResponse("m", "3", [OutputTensor("Y", "INT64", x)], id="req-9", parameters={"q": 1.5})
+        resp.final = False
+        back = wire.decode_response(wire.encode_response(resp, pool), SlabMaps(), lambda _: None)
+        assert (back.model_name, back.model_version, back.id, back.parameters, back.final, back.error) == (
+            "m", "3", "req-9", {"q": 1.5}, False, None,
+        )  # fmt: skip
+        np.testing.assert_array_equal(back.outputs[0].data, x)
+    finally:
+        pool.close()

@@ -353,14 +353,13 @@ def decode_response(
     own: tuple[str, np.ndarray, Callable[[str], None]] | None = None,
 ) -> InferenceResponse:
     arrays = unpack_tensors(msg.outputs, msg.slab, maps, release, own)
-    return (
-        InferenceResponse(  # (by position: model_name, model_version, outputs, id, parameters, error, final)
-            msg.model_name,
-            msg.model_version,
-            [OutputTensor(name, dt, arr) for name, dt, arr in arrays],
-            msg.id,
-            msg.parameters,
-            raise_error(*msg.error) if msg.error is not None else None,
-            msg.final,
-        )
+    # by position: model_name, model_version, outputs, id, parameters, error, final
+    return InferenceResponse(
+        msg.model_name,
+        msg.model_version,
+        [OutputTensor(name, dt, arr) for name, dt, arr in arrays],
+        msg.id,
+        msg.parameters,
+        raise_error(*msg.error) if msg.error is not None else None,
+        msg.final,
     )

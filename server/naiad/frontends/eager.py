@@ -66,9 +66,8 @@ class Started:
 
     def __init__(self, coro: Coroutine[Any, Any, Any], waiting: Any):
         self.coro = coro
-        self.waiting = (
-            waiting  # (a future the coroutine's own `await` marked as waited on, or None: a bare yield)
-        )
+        # a future the coroutine's own `await` marked as waited on, or None (a bare yield)
+        self.waiting = waiting
 
     def send(self, value: Any) -> Any:
         waiting = self.waiting

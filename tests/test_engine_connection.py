@@ -96,3 +96,32 @@ async def test_a_waiting_request_is_cancelled_when_its_worker_goes_away():
         assert task.cancelled() and server.cancelled == 1 and not sent
     finally:
         conn.engine.pool.close()
+
+
+async def test_the_replies_a_read_made_are_written_before_the_loop_turns():
+    class Transport:
+        def __init__(self):
+            self.writes: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(bytes(data))
+
+        def close(self) -> None:
+            pass
+
+    engine = EngineService(_Server(), SharedMemoryManager(enabled=True))  # type: ignore[arg-type]
+    conn = WorkerConnection(engine)
+    transport = Transport()
+    conn.channel.connection_made(transport)
+    try:
+        conn.channel.data_received(b"".join(wire.frame(_infer(i, "at_once")) for i in (5, 6, 7)))
+        assert len(transport.writes) == 1  # three replies, one write, no loop turn in between
+        body = memoryview(transport.writes[0])
+        ids, off = [], 0
+        while off < len(body):
+            (n,) = wire.LENGTH.unpack_from(body, off)
+            ids.append(wire.decoder.decode(body[off + 4 : off + 4 + n]).id)
+            off += 4 + n
+        assert ids == [5, 6, 7]
+    finally:
+        engine.pool.close()

@@ -4,6 +4,8 @@ under a Task (cancelled with the connection) when it has to wait."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -44,12 +46,28 @@ def _infer(rid: int, model: str) -> wire.Infer:
     return wire.Infer(rid, wire.Request(model, -1, "", [t], [], {}, 0, 0, 0, 0, None))
 
 
-def _connection(server: _Server) -> tuple[WorkerConnection, list]:
+@contextlib.contextmanager
+def _connection(server: _Server) -> Iterator[WorkerConnection]:
+    """A worker's connection to an engine over `server`; what it sends is collected in `conn.sent`."""
     engine = EngineService(server, SharedMemoryManager(enabled=True))  # type: ignore[arg-type]
     conn = WorkerConnection(engine)
-    sent: list = []
-    conn.channel.send = sent.append  # type: ignore[method-assign]
-    return conn, sent
+    conn.sent = []  # type: ignore[attr-defined]
+    conn.channel.send = conn.sent.append  # type: ignore[attr-defined,method-assign]
+    try:
+        yield conn
+    finally:
+        engine.pool.close()
+
+
+class _Transport:
+    def __init__(self):
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        pass
 
 
 def _outputs(reply: wire.Reply) -> list[float]:
@@ -57,63 +75,43 @@ def _outputs(reply: wire.Reply) -> list[float]:
 
 
 async def test_a_request_that_never_waits_is_answered_inside_the_read_without_a_task():
-    conn, sent = _connection(_Server())
-    try:
+    with _connection(_Server()) as conn:
         before = len(asyncio.all_tasks())
         conn.on_message(_infer(1, "at_once"))
-        assert [type(m) for m in sent] == [wire.Reply] and sent[0].id == 1
-        assert _outputs(sent[0]) == [0.0, 2.0, 4.0, 6.0]
+        assert [type(m) for m in conn.sent] == [wire.Reply] and conn.sent[0].id == 1
+        assert _outputs(conn.sent[0]) == [0.0, 2.0, 4.0, 6.0]
         assert not conn.tasks and len(asyncio.all_tasks()) == before
-    finally:
-        conn.engine.pool.close()
 
 
 async def test_a_request_that_waits_is_driven_by_a_task_and_answered_when_its_model_is():
     server = _Server()
-    conn, sent = _connection(server)
-    try:
+    with _connection(server) as conn:
         conn.on_message(_infer(2, "waits"))
-        assert not sent and set(conn.tasks) == {2}
+        assert not conn.sent and set(conn.tasks) == {2}
         conn.on_message(_infer(3, "at_once"))  # others are not held up behind it
-        assert [m.id for m in sent] == [3]
+        assert [m.id for m in conn.sent] == [3]
         assert server.gate is not None
         server.gate.set_result(None)
         await asyncio.wait_for(conn.tasks[2], 5)
-        assert [m.id for m in sent] == [3, 2] and _outputs(sent[1]) == [0.0, 2.0, 4.0, 6.0]
+        assert [m.id for m in conn.sent] == [3, 2] and _outputs(conn.sent[1]) == [0.0, 2.0, 4.0, 6.0]
         assert not conn.tasks
-    finally:
-        conn.engine.pool.close()
 
 
 async def test_a_waiting_request_is_cancelled_when_its_worker_goes_away():
     server = _Server()
-    conn, sent = _connection(server)
-    try:
+    with _connection(server) as conn:
         conn.on_message(_infer(4, "waits"))
         task = conn.tasks[4]
         conn.on_lost()
         await asyncio.gather(task, return_exceptions=True)
-        assert task.cancelled() and server.cancelled == 1 and not sent
-    finally:
-        conn.engine.pool.close()
+        assert task.cancelled() and server.cancelled == 1 and not conn.sent
 
 
 async def test_the_replies_a_read_made_are_written_before_the_loop_turns():
-    class Transport:
-        def __init__(self):
-            self.writes: list[bytes] = []
-
-        def write(self, data: bytes) -> None:
-            self.writes.append(bytes(data))
-
-        def close(self) -> None:
-            pass
-
-    engine = EngineService(_Server(), SharedMemoryManager(enabled=True))  # type: ignore[arg-type]
-    conn = WorkerConnection(engine)
-    transport = Transport()
-    conn.channel.connection_made(transport)
-    try:
+    with _connection(_Server()) as conn:
+        del conn.channel.send  # the channel's own: queued, then written
+        transport = _Transport()
+        conn.channel.connection_made(transport)
         conn.channel.data_received(b"".join(wire.frame(_infer(i, "at_once")) for i in (5, 6, 7)))
         assert len(transport.writes) == 1  # three replies, one write, no loop turn in between
         body = memoryview(transport.writes[0])
@@ -123,5 +121,3 @@ async def test_the_replies_a_read_made_are_written_before_the_loop_turns():
             ids.append(wire.decoder.decode(body[off + 4 : off + 4 + n]).id)
             off += 4 + n
         assert ids == [5, 6, 7]
-    finally:
-        engine.pool.close()

@@ -41,6 +41,8 @@ async def test_a_coroutine_that_waits_is_resumed_by_a_task_with_the_futures_resu
 
     task = eager.Starter().start(loop, request())
     assert steps == ["before"] and isinstance(task, asyncio.Task)
+    # the Task shows the request's coroutine as its own: in its repr and in its stack (asyncio.all_tasks dumps)
+    assert "request()" in repr(task) and task.get_stack()[0].f_code.co_name == "request"
     loop.call_later(0.01, fut.set_result, 42)
     assert await asyncio.wait_for(task, 5) == "done"
     assert steps == ["before", 42, "after"]

@@ -85,6 +85,23 @@ class Started:
     def close(self) -> None:
         self.coro.close()
 
+    # what asyncio reads of a Task's coroutine for its repr and its stack: the started coroutine's own
+    @property
+    def __name__(self) -> str:
+        return self.coro.__name__
+
+    @property
+    def cr_code(self) -> Any:
+        return self.coro.cr_code  # type: ignore[attr-defined]
+
+    @property
+    def cr_frame(self) -> Any:
+        return self.coro.cr_frame  # type: ignore[attr-defined]
+
+    @property
+    def cr_running(self) -> bool:
+        return self.coro.cr_running  # type: ignore[attr-defined]
+
 
 _TAKEN = object()
 collections.abc.Coroutine.register(Started)  # what asyncio.Task asks of a coroutine: send, throw and close

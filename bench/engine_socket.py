@@ -155,9 +155,8 @@ def main() -> int:
                     if len(cpus) > 1:
                         os.sched_setaffinity(server.pid, {cpus[0]})
                         os.sched_setaffinity(0, {cpus[1]})
-                    drive(
-                        server.pid, 1.0, args.window, args.connections
-                    )  # warm-up: the model qualifies to run inline
+                    # warm-up: the model qualifies to run inline
+                    drive(server.pid, 1.0, args.window, args.connections)
                     row = drive(server.pid, args.duration, args.window, args.connections)
                 finally:
                     os.sched_setaffinity(0, set(cpus))

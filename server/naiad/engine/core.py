@@ -4,7 +4,6 @@ forwarded request, stream and control call on the one in-process `Server`."""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import os
 import shutil
@@ -220,17 +219,10 @@ class WorkerConnection:
             self.pid, self.prefix = msg.pid, msg.prefix
 
     def _start(self, rid: int, coro) -> None:
-        """Run a request's coroutine at once, in a copy of the context as a Task would; a Task drives it on only
-        if it has to wait (a model executing inline never does: frontends/eager.py)."""
-        ctx = contextvars.copy_context()
-        try:
-            waiting = ctx.run(coro.send, None)
-        except StopIteration:
-            return
-        self.tasks[rid] = self.channel.loop.create_task(
-            eager.Started(coro, waiting),  # type: ignore[arg-type]
-            context=ctx,
-        )
+        """Run a request at once; a Task drives it on only if its model makes it wait (frontends/eager.py)."""
+        task = eager.start_now(self.channel.loop, coro)
+        if task is not None:
+            self.tasks[rid] = task
 
     def on_lost(self) -> None:
         self.engine.connections.discard(self)

@@ -34,27 +34,32 @@ class Starter:
         self.poll = poll  # told of each turn that starts requests (busy_poll.py)
 
     def start(self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None:
-        """Run `coro` until it first waits: None when it finished there, else the Task that runs the rest.
-
-        An exception that ends the coroutine early goes to the loop's exception handler, as a failed Task's would."""
+        """`start_now` for the first request of a turn of the loop; a Task for the others."""
         if self.burst:
             return loop.create_task(coro)
         self.burst = True
         loop.call_soon(self._turned)
         if self.poll is not None:
             self.poll.kick()
-        ctx = contextvars.copy_context()
-        try:
-            waiting = ctx.run(coro.send, None)
-        except StopIteration:
-            return None
-        except Exception as exc:
-            loop.call_exception_handler({"message": "request coroutine failed", "exception": exc})
-            return None
-        return loop.create_task(Started(coro, waiting), context=ctx)  # type: ignore[arg-type]
+        return start_now(loop, coro)
 
     def _turned(self) -> None:
         self.burst = False
+
+
+def start_now(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> asyncio.Task | None:
+    """Run `coro` until it first waits, in a copy of the context as a Task would: None when it finished there, else
+    the Task that runs the rest. An exception that ends it early goes to the loop's exception handler, as a failed
+    Task's would."""
+    ctx = contextvars.copy_context()
+    try:
+        waiting = ctx.run(coro.send, None)
+    except StopIteration:
+        return None
+    except Exception as exc:
+        loop.call_exception_handler({"message": "request coroutine failed", "exception": exc})
+        return None
+    return loop.create_task(Started(coro, waiting), context=ctx)  # type: ignore[arg-type]
 
 
 class Started:

@@ -24,6 +24,27 @@ async def test_a_deferred_execution_is_counted_at_the_end_of_the_turn():
     assert stats.failures_by_reason == {"BACKEND": 1}
 
 
+async def test_a_deferred_request_reaches_the_latency_observers_as_a_direct_one_does():
+    """flush counts a turn's executions under one hold of the lock, then tells the observers (the Prometheus
+    histograms) of each request exactly as record_request does: queue and compute only for a success."""
+    seen: list[tuple] = []
+    direct, deferred = ModelStats("m", "1"), ModelStats("m", "1")
+    for stats in (direct, deferred):
+        stats.observers.append(lambda *args, into=seen: into.append(args))
+    direct.record_execution(2, 10, 20, 30)
+    direct.record_request(True, 1000, 100, 10, 20, 30, reason="BACKEND")
+    direct.record_request(False, 2000, 200, 10, 20, 30, reason="BACKEND")
+    expected, seen[:] = list(seen), []
+    deferred.record_run(2, 10, 20, 30, [(True, 1000, 100), (False, 2000, 200)], asyncio.get_running_loop())
+    assert seen == [] and deferred.last_inference_ms == 0
+    await asyncio.sleep(0)
+    assert seen == expected == [("m", "1", 1e-6, 1e-7, 6e-8), ("m", "1", 2e-6, None, None)]
+    assert deferred.last_inference_ms > 0
+    a, b = direct.as_dict(), deferred.as_dict()
+    a.pop("last_inference"), b.pop("last_inference")
+    assert a == b
+
+
 async def test_the_statistics_extension_sees_a_run_recorded_in_the_same_turn():
     stats = ModelStats("m", "1")
     loop = asyncio.get_running_loop()

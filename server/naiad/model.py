@@ -60,6 +60,7 @@ class ModelVersion:
         # `reshape` (config.pbtxt): the shape the model sees instead of `dims`, batch dimension kept.
         self.input_reshape = {n: s.reshape for n, s in self.inputs.items() if s.reshape is not None}
         self.output_reshape = {n: s.dims for n, s in self.outputs.items() if s.reshape is not None}
+        self._required = tuple(s.name for s in self.inputs.values() if not s.optional)
 
     def metadata(self, versions: list[str]) -> dict:
         def entry(spec: TensorSpec) -> dict:
@@ -133,13 +134,13 @@ class ModelVersion:
                     f"[request id: {request.id or '<id_unknown>'}] inference request batch-size must be <= "
                     f"{self.max_batch_size} for '{name}'"
                 )
-        for spec in self.inputs.values():
-            if not spec.optional and spec.name not in request.inputs:
+        for required in self._required:
+            if required not in request.inputs:
                 raise InvalidArgument(
-                    f"[request id: {request.id or '<id_unknown>'}] expected {len(self._required())} inputs "
+                    f"[request id: {request.id or '<id_unknown>'}] expected {len(self._required)} inputs "
                     f"but got {len(request.inputs)} inputs for model '{name}'. Got input(s) "
                     f"{_names(request.inputs)}, but missing required input(s) "
-                    f"{_names([s for s in self._required() if s not in request.inputs])}. "
+                    f"{_names([s for s in self._required if s not in request.inputs])}. "
                     "Please provide all required input(s)."
                 )
         if self.outputs or not self.is_python:
@@ -150,9 +151,6 @@ class ModelVersion:
                     raise InvalidArgument(
                         f"classification is not supported for BYTES output '{out.name}' of model '{name}'"
                     )
-
-    def _required(self) -> list[str]:
-        return [s.name for s in self.inputs.values() if not s.optional]
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse | None:
         if self.input_reshape:
@@ -202,7 +200,10 @@ class ModelVersion:
 def _shape_matches(shape, dims) -> bool:
     if len(shape) != len(dims):
         return False
-    return all(d == -1 or d == s for s, d in zip(shape, dims))
+    for s, d in zip(shape, dims):  # (a loop, not all() over a generator: this runs on every request)
+        if d != -1 and d != s:
+            return False
+    return True
 
 
 def _fmt(shape) -> str:

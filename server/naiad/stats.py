@@ -69,14 +69,17 @@ class ModelStats:
     def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One execution of the model on a (possibly batched) set of requests."""
         with self.lock:
-            self.execution_count += 1
-            self.inference_count += batch_size
-            b = self.batch_stats.get(batch_size)
-            if b is None:
-                b = self.batch_stats[batch_size] = BatchStat()
-            b.compute_input.add(input_ns)
-            b.compute_infer.add(infer_ns)
-            b.compute_output.add(output_ns)
+            self._count_execution(batch_size, input_ns, infer_ns, output_ns)
+
+    def _count_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        self.execution_count += 1
+        self.inference_count += batch_size
+        b = self.batch_stats.get(batch_size)
+        if b is None:
+            b = self.batch_stats[batch_size] = BatchStat()
+        b.compute_input.add(input_ns)
+        b.compute_infer.add(infer_ns)
+        b.compute_output.add(output_ns)
 
     def record_request(
         self,
@@ -91,19 +94,39 @@ class ModelStats:
         """One request finished (each request in a batch is charged the batch's compute times)."""
         with self.lock:
             self.last_inference_ms = int(time.time() * 1000)
-            if ok:
-                self.success.add(total_ns)
-                self.queue.add(queue_ns)
-                self.compute_input.add(input_ns)
-                self.compute_infer.add(infer_ns)
-                self.compute_output.add(output_ns)
-            else:
-                self.fail.add(total_ns)
-                self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
+            self._count_request(ok, total_ns, queue_ns, input_ns, infer_ns, output_ns, reason)
         if self.observers:
-            compute_s = (input_ns + infer_ns + output_ns) / 1e9 if ok else None
-            for obs in self.observers:
-                obs(self.model, self.version, total_ns / 1e9, queue_ns / 1e9 if ok else None, compute_s)
+            self._observe(ok, total_ns, queue_ns, input_ns + infer_ns + output_ns)
+
+    def _count_request(
+        self,
+        ok: bool,
+        total_ns: int,
+        queue_ns: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        reason: str,
+    ) -> None:
+        if ok:
+            self.success.add(total_ns)
+            self.queue.add(queue_ns)
+            self.compute_input.add(input_ns)
+            self.compute_infer.add(infer_ns)
+            self.compute_output.add(output_ns)
+        else:
+            self.fail.add(total_ns)
+            self.failures_by_reason[reason] = self.failures_by_reason.get(reason, 0) + 1
+
+    def _observe(self, ok: bool, total_ns: int, queue_ns: int, compute_ns: int) -> None:
+        for obs in self.observers:
+            obs(
+                self.model,
+                self.version,
+                total_ns / 1e9,
+                queue_ns / 1e9 if ok else None,
+                compute_ns / 1e9 if ok else None,
+            )
 
     def record_run(
         self,
@@ -125,13 +148,20 @@ class ModelStats:
             loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Count what record_run deferred."""
+        """Count what record_run deferred (under one hold of the lock: the loop runs it once a turn)."""
         with self.lock:
             deferred, self._deferred = self._deferred, []
-        for batch_size, input_ns, infer_ns, output_ns, requests in deferred:
-            self.record_execution(batch_size, input_ns, infer_ns, output_ns)
-            for ok, total_ns, queue_ns in requests:
-                self.record_request(ok, total_ns, queue_ns, input_ns, infer_ns, output_ns, reason="BACKEND")
+            if not deferred:
+                return
+            self.last_inference_ms = int(time.time() * 1000)
+            for batch_size, input_ns, infer_ns, output_ns, requests in deferred:
+                self._count_execution(batch_size, input_ns, infer_ns, output_ns)
+                for ok, total_ns, queue_ns in requests:
+                    self._count_request(ok, total_ns, queue_ns, input_ns, infer_ns, output_ns, "BACKEND")
+        if self.observers:
+            for _, input_ns, infer_ns, output_ns, requests in deferred:
+                for ok, total_ns, queue_ns in requests:
+                    self._observe(ok, total_ns, queue_ns, input_ns + infer_ns + output_ns)
 
     def record_cache(self, hit: bool, ns: int) -> None:
         with self.lock:

@@ -115,6 +115,9 @@ class InstanceState:
             o.name: config_to_wire(data_type_name(o.data_type)) for o in model.config.output
         }
         self._all_outputs = [o.name for o in model.config.output]
+        # read on every execution: the config does not change while the version is loaded
+        self._batched = model.max_batch_size > 0
+        self._version = str(model.version)
 
     @property
     def kind(self) -> Literal["CPU", "GPU"]:
@@ -140,7 +143,7 @@ class InstanceState:
     def gather(self, requests: list[InferenceRequest], names: list[str] | None = None) -> Batch:
         """Stack the requests' inputs along the batch dimension into contiguous arrays."""
         t0 = time.monotonic_ns()
-        batched = self.model.max_batch_size > 0
+        batched = self._batched
         sizes = [r.batch_size(batched) for r in requests]
         keys = names if names is not None else list(requests[0].inputs)
         if len(requests) == 1:
@@ -199,14 +202,14 @@ class InstanceState:
                 raise InvalidArgument(f"model '{self.model.name}' has no output '{name}'")
             tensors.append(OutputTensor(name, datatype_of(arr, self._output_types.get(name)), arr))
         return InferenceResponse(
-            model_name=self.model.name, model_version=str(self.model.version), outputs=tensors, id=request.id
+            model_name=self.model.name, model_version=self._version, outputs=tensors, id=request.id
         )
 
     def error(self, request: InferenceRequest, error: BaseException | str) -> InferenceResponse:
         """A response that fails this request alone (the rest of the batch still succeeds)."""
         exc = Internal(error) if isinstance(error, str) else as_naiad_error(error)
         return InferenceResponse(
-            model_name=self.model.name, model_version=str(self.model.version), id=request.id, error=exc
+            model_name=self.model.name, model_version=self._version, id=request.id, error=exc
         )
 
     def sender(self, request: InferenceRequest) -> ResponseSender:
@@ -214,7 +217,7 @@ class InstanceState:
         return ResponseSender(self, request)
 
 
-@dataclass
+@dataclass(slots=True)
 class Batch:
     """Inputs of several requests stacked along the first dimension; `sizes` says how many rows each has."""
 
@@ -342,7 +345,8 @@ class LifecycleInstance(ModelInstance):
             model._instances += 1
         self.model = model
         self.state = InstanceState(model, group, device_id, self.name)
-        self.inline = InlinePolicy(backend.allow_inline and not model.decoupled)
+        self._decoupled = model.decoupled  # read on every execution; the config does not change while loaded
+        self.inline = InlinePolicy(backend.allow_inline and not self._decoupled)
         self._initialized = False
 
     def warmup_thread_init(self) -> None:
@@ -362,7 +366,7 @@ class LifecycleInstance(ModelInstance):
         measured = timing.input_ns + timing.infer_ns + timing.output_ns
         if not measured:  # the backend used no helper: all of it was compute
             timing.infer_ns += time.monotonic_ns() - t0
-        if self.model.decoupled:
+        if self._decoupled:
             if result is not None:
                 raise Internal(
                     f"model '{self.ctx.name}' is decoupled: instance_execute must return None and send "

@@ -142,7 +142,12 @@ class InstancePool:
                         ("COMPUTE_END", done),
                     )
                 )
-        batch = sum(r.batch_size(self.batched) for r in requests)
+        batched = self.batched
+        batch = (
+            requests[0].batch_size(batched)
+            if len(requests) == 1
+            else sum(r.batch_size(batched) for r in requests)
+        )
         finished = [
             (
                 not isinstance(res, BaseException) and (res is None or res.error is None),

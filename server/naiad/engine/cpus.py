@@ -45,7 +45,7 @@ def pod_cpus(root: str = CGROUP) -> int | None:
 
 def auto_workers(root: str = CGROUP) -> int:
     """`--frontend-workers auto`: the pod's CPUs less one for the engine process (on 2 CPUs that is one process:
-    2 workers beside the engine serve 0.8x one process's small requests at 8 connections, 1.2x at 64); 1 without
+    2 workers beside the engine serve 0.8x one process's small requests at 8 connections, 1.1-1.2x at 64); 1 without
     a CPU limit, where a worker per host CPU would take CPUs the pod was never given (the operator passes its own
     count from the pod's CPU request then)."""
     cpus = pod_cpus(root)

@@ -217,7 +217,7 @@ class InstanceState:
         return ResponseSender(self, request)
 
 
-@dataclass(slots=True)
+@dataclass
 class Batch:
     """Inputs of several requests stacked along the first dimension; `sizes` says how many rows each has."""
 

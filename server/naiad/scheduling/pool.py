@@ -142,12 +142,7 @@ class InstancePool:
                         ("COMPUTE_END", done),
                     )
                 )
-        batched = self.batched
-        batch = (
-            requests[0].batch_size(batched)
-            if len(requests) == 1
-            else sum(r.batch_size(batched) for r in requests)
-        )
+        batch = sum(r.batch_size(self.batched) for r in requests)
         finished = [
             (
                 not isinstance(res, BaseException) and (res is None or res.error is None),

@@ -18,6 +18,7 @@ from .slabs import SlabMaps, SlabPool
 INLINE_LIMIT = 64 * 1024  # tensors up to this many bytes ride in the message; larger ones in a slab
 _INLINE_KINDS = frozenset("biufcV")  # numpy dtype kinds whose bytes are the tensor (not object arrays)
 _DTYPES: dict[str, np.dtype] = {}  # numpy's dtype for each dtype string seen
+_DTYPE_STRS: dict[np.dtype, str] = {}  # each dtype of those kinds seen, and its string (`.str` costs 0.14 µs)
 _ALIGN = 64
 LENGTH = struct.Struct("<I")  # the length prefix of a frame
 
@@ -39,7 +40,7 @@ class Request(msgspec.Struct, array_like=True):
     model_version: int
     id: str
     inputs: list[Tensor]
-    outputs: list[tuple[str, bool | None, int, dict]]
+    outputs: list[RequestedOutput]  # (a dataclass: msgspec makes them as it decodes, 0.17 µs a request less)
     parameters: dict[str, Any]
     priority: int
     timeout_us: int
@@ -173,14 +174,14 @@ def pack_tensors(
     total = 0
     for name, datatype, arr in items:
         kind = type(arr)
-        if (  # the common case first: a small numeric array rides inline, one copy (tobytes)
-            kind is np.ndarray
-            and arr.nbytes <= INLINE_LIMIT
-            and arr.dtype.kind in _INLINE_KINDS
-            and datatype != "BYTES"
-        ):
-            out.append(Tensor(name, datatype, arr.dtype.str, list(arr.shape), arr.tobytes()))
-            continue
+        # the common case first: a small numeric array rides inline, one copy (tobytes)
+        if kind is np.ndarray and arr.nbytes <= INLINE_LIMIT and datatype != "BYTES":
+            dstr = _DTYPE_STRS.get(arr.dtype)
+            if dstr is None and arr.dtype.kind in _INLINE_KINDS:
+                dstr = _DTYPE_STRS[arr.dtype] = arr.dtype.str
+            if dstr is not None:
+                out.append(Tensor(name, datatype, dstr, list(arr.shape), arr.tobytes()))
+                continue
         if kind is CudaSpan:
             out.append(Tensor(name, datatype, "", list(arr.shape), cuda=arr.params))
             continue
@@ -250,24 +251,28 @@ def unpack_tensors(
         peer_holder = _holder(buf, [t for t in items if t.peer], release_own, name)
     out: list[tuple[str, str, Any]] = []
     for t in items:
+        raw: Any = t.data
+        if raw is not None and t.dtype:  # the common case: a small numeric tensor, over the message's bytes
+            out.append((t.name, t.datatype, np.ndarray(t.shape, _dtype(t.dtype), raw)))
+            continue
         if t.cuda is not None:
             out.append((t.name, t.datatype, CudaSpan(t.datatype, t.shape, t.cuda)))
             continue
-        if t.data is not None:
-            raw: Any = t.data
-        elif t.peer:
-            raw = peer_holder[t.offset : t.offset + t.nbytes]  # type: ignore[index]
-        else:
-            raw = holder[t.offset : t.offset + t.nbytes]  # type: ignore[index]
+        if raw is None:
+            raw = (peer_holder if t.peer else holder)[t.offset : t.offset + t.nbytes]  # type: ignore[index]
         if not t.dtype:
             arr = tensors.deserialize_bytes(raw).reshape(t.shape)
         else:
-            dt = _DTYPES.get(t.dtype)
-            if dt is None:
-                dt = _DTYPES[t.dtype] = np.dtype(t.dtype)
-            arr = (np.frombuffer(raw, dt) if t.data is not None else raw.view(dt)).reshape(t.shape)
+            arr = raw.view(_dtype(t.dtype)).reshape(t.shape)
         out.append((t.name, t.datatype, arr))
     return out
+
+
+def _dtype(text: str) -> np.dtype:
+    dt = _DTYPES.get(text)
+    if dt is None:
+        dt = _DTYPES[text] = np.dtype(text)
+    return dt
 
 
 def encode_request(req: InferenceRequest, pool: SlabPool) -> Request:
@@ -279,7 +284,7 @@ def encode_request(req: InferenceRequest, pool: SlabPool) -> Request:
         req.model_version,
         req.id,
         inputs,
-        [(o.name, o.binary, o.classification, o.parameters) for o in req.outputs],
+        req.outputs,
         req.parameters,
         req.priority,
         req.timeout_us,
@@ -313,7 +318,7 @@ def decode_request(
         datatypes,
         msg.model_version,
         msg.id,
-        [RequestedOutput(n, b, c, p) for n, b, c, p in msg.outputs],
+        msg.outputs,
         msg.parameters,
     )
     # the rest are set only when not their defaults (keywords cost a request ~0.3 us; most requests have none)

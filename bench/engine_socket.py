@@ -31,7 +31,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "server"))
+sys.path.append(str(ROOT / "server"))  # (after PYTHONPATH: `--frames` runs with a tree's own)
 
 from frontend_workers import free_port, make_repo  # noqa: E402
 
@@ -68,18 +68,40 @@ def engine_socket(pid: int) -> str:
 
 
 def frames(count: int) -> list[bytes]:
-    data = np.random.default_rng(0).random(16, dtype=np.float32).tobytes()
-    out = []
-    for i in range(1, count + 1):
-        tensor = wire.Tensor("INPUT0", "FP32", "<f4", [16], data)
-        request = wire.Request(
-            "identity_var", -1, "", [tensor], [("OUTPUT0", True, 0, {})], {}, 0, 0, 0, 0, None
-        )
-        out.append(wire.frame(wire.Infer(i, request)))
-    return out
+    """`count` Infer frames of a 16-value request, as this interpreter's `naiad` (a tree's own) describes one."""
+    from naiad.engine.slabs import SlabPool
+    from naiad.inference import InferenceRequest, RequestedOutput
+
+    data = np.random.default_rng(0).random(16, dtype=np.float32)
+    pool = SlabPool(f"naiad-bench{os.getpid()}")
+    request = InferenceRequest(
+        "identity_var",
+        {"INPUT0": data},
+        {"INPUT0": "FP32"},
+        outputs=[RequestedOutput("OUTPUT0", True, 0, {})],
+    )
+    desc = wire.encode_request(request, pool)
+    pool.close()
+    return [wire.frame(wire.Infer(i, desc)) for i in range(1, count + 1)]
 
 
-def drive(pid: int, seconds: float, window: int, connections: int = 1) -> tuple[float, float, float]:
+def tree_frames(tree: Path, count: int) -> list[bytes]:
+    """`frames` made by the tree's own wire module (the format may differ between the trees compared)."""
+    env = dict(os.environ, PYTHONPATH=str(tree / "server"))
+    out = subprocess.run(
+        [sys.executable, __file__, "--frames", str(count)], env=env, stdout=subprocess.PIPE, check=True
+    ).stdout
+    chunks, off = [], 0
+    while off < len(out):
+        n = int.from_bytes(out[off : off + 4], "little")
+        chunks.append(out[off : off + 4 + n])
+        off += 4 + n
+    return chunks
+
+
+def drive(
+    pid: int, ready: list[bytes], seconds: float, window: int, connections: int = 1
+) -> tuple[float, float, float]:
     """(replies/s, engine CPU µs per reply, engine busy) with `window` requests in flight on each of
     `connections` connections (as many workers would hold) for `seconds`."""
     path = engine_socket(pid)
@@ -89,7 +111,6 @@ def drive(pid: int, seconds: float, window: int, connections: int = 1) -> tuple[
         sock.connect(path)
         sock.sendall(wire.frame(wire.Hello(os.getpid(), "bench", False)))
         socks.append(sock)
-    ready = frames(65536)
     sent = [0] * connections
     replies = 0
 
@@ -141,7 +162,11 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--window", type=int, default=64, help="requests in flight on each connection")
     p.add_argument("--connections", type=int, default=1, help="connections to the engine, as many workers")
+    p.add_argument("--frames", type=int, default=0, help=argparse.SUPPRESS)  # (a tree's frames, to stdout)
     args = p.parse_args()
+    if args.frames:
+        sys.stdout.buffer.write(b"".join(frames(args.frames)))
+        return 0
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="naiad-engine-bench-"))
     repo = make_repo(tmp / "repo", backend=args.backend)
@@ -150,14 +175,15 @@ def main() -> int:
     try:
         for rnd in range(args.rounds):
             for tree in trees if rnd % 2 == 0 else trees[::-1]:
+                ready = tree_frames(tree, 65536)
                 server = start(tree, repo, tmp / "server.log")
                 try:
                     if len(cpus) > 1:
                         os.sched_setaffinity(server.pid, {cpus[0]})
                         os.sched_setaffinity(0, {cpus[1]})
                     # warm-up: the model qualifies to run inline
-                    drive(server.pid, 1.0, args.window, args.connections)
-                    row = drive(server.pid, args.duration, args.window, args.connections)
+                    drive(server.pid, ready, 1.0, args.window, args.connections)
+                    row = drive(server.pid, ready, args.duration, args.window, args.connections)
                 finally:
                     os.sched_setaffinity(0, set(cpus))
                     os.killpg(server.pid, signal.SIGTERM)

@@ -1,6 +1,9 @@
 """Where `Server.infer` spends a small request, layer by layer, in one process: each layer of the path (the
 backend's `instance_execute`, the instance's `execute`, the instance pool's `run`, the scheduler, validation,
 `Server.infer`) is called in a loop on a 16-value identity, and each row adds one layer to the one above it.
+The last row is the engine of `--frontend-workers` around `Server.infer`: its connection's channel is handed
+64 `Infer` frames at a time, as one read from a worker brings them, and what it writes goes nowhere (the wire
+format both ways, the request's start and the reply, without the socket).
 
     .venv/bin/python bench/request_layers.py --backend onnxruntime
     .venv/bin/python bench/request_layers.py --trees .,/tmp/base --rounds 3      # /tmp/base: a worktree
@@ -33,7 +36,9 @@ LAYERS = [
     "scheduler",
     "validate + model",
     "Server.infer",
+    "engine connection",
 ]
+BURST = 64  # requests a loop turn: the event loop turns between bursts, and the engine reads a burst at once
 
 
 async def measure(backend: str, calls: int) -> dict[str, float]:
@@ -42,8 +47,11 @@ async def measure(backend: str, calls: int) -> dict[str, float]:
     from frontend_workers import make_repo
 
     from naiad.backends.base import Timing
+    from naiad.engine import wire
+    from naiad.engine.core import EngineService, WorkerConnection
     from naiad.inference import InferenceRequest, RequestedOutput
     from naiad.server import Server, ServerOptions
+    from naiad.shared_memory.system import SharedMemoryManager
 
     root = Path(tempfile.mkdtemp())
     make_repo(root / "repo", 1, backend)
@@ -96,7 +104,7 @@ async def measure(backend: str, calls: int) -> dict[str, float]:
         for _ in range(3):
             t0 = time.perf_counter()
             for i in range(calls):
-                if i % 64 == 0:
+                if i % BURST == 0:
                     await asyncio.sleep(0)
                 req = request()
                 if fn is not None:
@@ -105,15 +113,42 @@ async def measure(backend: str, calls: int) -> dict[str, float]:
                         await result
             best = min(best, time.perf_counter() - t0)
         out[name] = best / calls * 1e6
+    # the engine of --frontend-workers around Server.infer
+    conn = WorkerConnection(EngineService(server, SharedMemoryManager()))
+    conn.channel.connection_made(_Discard())
+    desc = wire.encode_request(request(), conn.engine.pool)  # (as the tree's own worker describes it)
+    burst = b"".join(wire.frame(wire.Infer(i, desc)) for i in range(BURST))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls // BURST):
+            await asyncio.sleep(0)
+            conn.channel.data_received(burst)
+            for _ in range(BURST):  # (the parent takes the request's making off this row too)
+                request()
+        best = min(best, time.perf_counter() - t0)
+    out["engine connection"] = best / (calls // BURST * BURST) * 1e6
+    conn.channel.close()
+    conn.engine.pool.close()
     await server.stop()
     return out
+
+
+class _Discard:
+    """The engine connection's transport: what it writes goes nowhere."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def child(tree: Path, backend: str, calls: int, cpu: int) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "server"), str(ROOT / "bench")]))
     cmd = [sys.executable, __file__, "--child", "--backend", backend, "--calls", str(calls)]
     out = subprocess.run(
-        ["taskset", "-c", str(cpu), *cmd], env=env, capture_output=True, text=True, check=True
+        ["taskset", "-c", str(cpu), *cmd], env=env, stdout=subprocess.PIPE, text=True, check=True
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
 

@@ -27,7 +27,11 @@ def test_request_round_trip_inline_and_in_a_slab():
             {"SMALL": "FP32", "BIG": "FP64", "TEXT": "BYTES"},
             model_version=2,
             id="r1",
-            outputs=[RequestedOutput("OUT", True, 0, {"shared_memory_region": "x"})],
+            outputs=[
+                RequestedOutput("OUT", True, 0, {"shared_memory_region": "x"}),
+                RequestedOutput("CLASSES", None, 3, {"shared_memory_offset": np.int64(64)}),
+                RequestedOutput("JSON", False),
+            ],
             parameters={"sequence_id": 7},
             correlation_id=7,
             flags=1,
@@ -41,7 +45,12 @@ def test_request_round_trip_inline_and_in_a_slab():
         np.testing.assert_array_equal(got.inputs["BIG"], big)
         assert list(got.inputs["TEXT"]) == [b"a", b"bc", b""]
         assert got.datatypes == req.datatypes and got.model_version == 2 and got.correlation_id == 7
-        assert got.outputs[0].parameters == {"shared_memory_region": "x"}
+        assert got.outputs == [  # every field of each requested output, a numpy scalar as a plain number
+            RequestedOutput("OUT", True, 0, {"shared_memory_region": "x"}),
+            RequestedOutput("CLASSES", None, 3, {"shared_memory_offset": 64}),
+            RequestedOutput("JSON", False, 0, {}),
+        ]
+        assert type(got.outputs[1].parameters["shared_memory_offset"]) is int
         view = got.inputs["BIG"][1, 10:20]  # a view of a view keeps the slab
         del got
         gc.collect()
@@ -67,8 +76,9 @@ def test_small_tensors_of_every_kind_ride_inline_exactly():
             "FP32": rng.random((3, 4), dtype=np.float32).T,  # not contiguous
             "FP64": rng.random(3).astype(">f8"),  # big-endian
             "EMPTY": np.zeros((0, 4), np.float32),
+            "SCALAR": np.array(2.5, np.float32),  # no dimensions
         }
-        items = [(name, "FP32" if name == "EMPTY" else name, arr) for name, arr in cases.items()]
+        items = [(name, "FP32" if name in ("EMPTY", "SCALAR") else name, arr) for name, arr in cases.items()]
         described, slab = wire.pack_tensors(items, pool)
         assert slab == "" and all(t.data is not None for t in described)
         request = wire.Request("m", -1, "", described, [], {}, 0, 0, 0, 0, None)

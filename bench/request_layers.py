@@ -128,8 +128,7 @@ async def measure(backend: str, calls: int) -> dict[str, float]:
                 request()
         best = min(best, time.perf_counter() - t0)
     out["engine connection"] = best / (calls // BURST * BURST) * 1e6
-    conn.channel.close()
-    conn.engine.pool.close()
+    await conn.engine.stop()  # (its connection, slab pool and socket directory)
     await server.stop()
     return out
 

@@ -15,7 +15,7 @@ def _success(stats: dict) -> int:
 
 async def test_a_deferred_execution_is_counted_at_the_end_of_the_turn():
     stats = ModelStats("m", "1")
-    stats.record_run(2, 10, 20, 30, [(True, 1000, 100), (False, 2000, 200)], asyncio.get_running_loop())
+    stats.record_run(2, 10, 20, 30, [(True, 1000, 100), (False, 2000, 200)])
     assert stats.success.count == 0  # not on the way to the responses
     await asyncio.sleep(0)
     assert stats.success.count == 1 and stats.fail.count == 1
@@ -35,7 +35,7 @@ async def test_a_deferred_request_reaches_the_latency_observers_as_a_direct_one_
     direct.record_request(True, 1000, 100, 10, 20, 30, reason="BACKEND")
     direct.record_request(False, 2000, 200, 10, 20, 30, reason="BACKEND")
     expected, seen[:] = list(seen), []
-    deferred.record_run(2, 10, 20, 30, [(True, 1000, 100), (False, 2000, 200)], asyncio.get_running_loop())
+    deferred.record_run(2, 10, 20, 30, [(True, 1000, 100), (False, 2000, 200)])
     assert seen == [] and deferred.last_inference_ms == 0
     await asyncio.sleep(0)
     assert seen == expected == [("m", "1", 1e-6, 1e-7, 6e-8), ("m", "1", 2e-6, None, None)]
@@ -47,9 +47,8 @@ async def test_a_deferred_request_reaches_the_latency_observers_as_a_direct_one_
 
 async def test_the_statistics_extension_sees_a_run_recorded_in_the_same_turn():
     stats = ModelStats("m", "1")
-    loop = asyncio.get_running_loop()
     for _ in range(3):
-        stats.record_run(1, 1, 2, 3, [(True, 500, 50)], loop)
+        stats.record_run(1, 1, 2, 3, [(True, 500, 50)])
     doc = stats.as_dict()  # no turn of the loop in between
     assert _success(doc) == 3 and doc["execution_count"] == 3
     assert doc["batch_stats"][0]["compute_infer"] == {"count": 3, "ns": 6}

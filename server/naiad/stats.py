@@ -135,7 +135,6 @@ class ModelStats:
         infer_ns: int,
         output_ns: int,
         requests: list[tuple[bool, int, int]],
-        loop: asyncio.AbstractEventLoop,
     ) -> None:
         """One execution and its requests (ok, total ns, queue ns each), recorded as record_execution and
         record_request would, at the end of this turn of the event loop: after the responses have been written,
@@ -144,8 +143,8 @@ class ModelStats:
         with self.lock:
             self._deferred.append((batch_size, input_ns, infer_ns, output_ns, requests))
             first = len(self._deferred) == 1
-        if first:
-            loop.call_soon(self.flush)
+        if first:  # (the loop asked for once a turn: on Python 3.11 asking makes a getpid system call)
+            asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
         """Count what record_run deferred (under one hold of the lock: the loop runs it once a turn)."""

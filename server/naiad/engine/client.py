@@ -285,7 +285,11 @@ class EngineClient:
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         rid = next(self._ids)
-        fut = self._pending[rid] = asyncio.get_running_loop().create_future()
+        channel = self.channel
+        # (the channel's loop, not asyncio's running one: on Python 3.11 asking costs a getpid system call)
+        fut = self._pending[rid] = (
+            channel.loop if channel is not None else asyncio.get_running_loop()
+        ).create_future()
         try:
             desc = wire.encode_request(request, self.pool)
             if desc.slab:

@@ -81,13 +81,14 @@ class DynamicBatchScheduler:
 
     # ---- submission ----
     async def submit(self, request: InferenceRequest) -> InferenceResponse | None:
-        loop = asyncio.get_running_loop()
         if self._closed:
             raise Unavailable(f"model '{self.config.name}' is unloading")
         if not self.dynamic and not self.queued:
             inst = self.pool.try_acquire()
             if inst is not None:
                 return await self._run_now(inst, request)
+        # (asked for after the direct path: on Python 3.11 asking makes a getpid system call)
+        loop = asyncio.get_running_loop()
         if self._task is None:
             self._task = loop.create_task(self._dispatch_loop())
         level = self._level(request)

@@ -98,12 +98,7 @@ class InstancePool:
     ) -> list[InferenceResponse | BaseException]:
         """Execute a batch on `inst` (on its thread, on the loop when its policy allows, or awaited when it runs
         elsewhere: `execute_async`) and account for it. Never raises."""
-        loop = asyncio.get_running_loop()
         timing = Timing()
-
-        def call():
-            return inst.execute(requests, timing)
-
         if log.isEnabledFor(logging.DEBUG):  # --log-verbose >= 1: how the batcher composed this execution
             log.debug(
                 "model %s, instance %s, executing %d requests (batch size %d)",
@@ -115,7 +110,7 @@ class InstancePool:
         start = time.monotonic_ns()
         try:
             if inst.inline.inline:
-                results = call()
+                results = inst.execute(requests, timing)
             else:
                 pending = inst.execute_async(requests, timing)
                 if pending is not None:
@@ -123,7 +118,9 @@ class InstancePool:
                 else:
                     InstancePool.running_off_loop += 1
                     try:
-                        results = await loop.run_in_executor(self.executors[id(inst)], call)
+                        results = await asyncio.get_running_loop().run_in_executor(
+                            self.executors[id(inst)], inst.execute, requests, timing
+                        )
                     finally:
                         InstancePool.running_off_loop -= 1
             outcome: list = list(results)
@@ -151,7 +148,7 @@ class InstancePool:
             )
             for req, res in zip(requests, outcome)
         ]
-        self.stats.record_run(batch, timing.input_ns, timing.infer_ns, timing.output_ns, finished, loop)
+        self.stats.record_run(batch, timing.input_ns, timing.infer_ns, timing.output_ns, finished)
         return outcome
 
     def execute_on(self, inst: ModelInstance, fn, *args):

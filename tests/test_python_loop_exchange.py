@@ -6,7 +6,9 @@ cancelled. Also the frame reader those exchanges use, fed frames in pieces."""
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -17,6 +19,7 @@ import pytest
 import uvloop
 
 from naiad.backends.base import Timing
+from naiad.backends.python.exec_watch import ExecWatch
 from naiad.backends.python.process import ProcessInstance
 from naiad.backends.python.wire import Channel, FrameReader
 from naiad.inference import InferenceRequest
@@ -162,6 +165,80 @@ async def _cancelled(repo):
         assert pending is not None
         (response,) = await pending
         np.testing.assert_array_equal(response.outputs[0].data, y)
+    finally:
+        await server.stop(1)
+
+
+def test_the_loop_registers_the_exec_channel_once_and_hands_it_to_the_thread_and_back(repo, monkeypatch):
+    uvloop.run(_registered_once(repo, monkeypatch))
+
+
+async def _registered_once(repo, monkeypatch):
+    """Every exchange on the loop finds the channel registered already, but the first (registering a reader and
+    removing it for each execution cost 6.5 us); a reply the instance thread reads is left to it and ends the
+    registration, which the next exchange on the loop makes again."""
+    seen: list[bool] = []
+    expect = ExecWatch.expect
+
+    def spied(self, on_reply):
+        seen.append(self.registered)
+        expect(self, on_reply)
+
+    monkeypatch.setattr(ExecWatch, "expect", spied)
+    server = Server(ServerOptions(model_repositories=[str(repo)]))
+    await server.start()
+    try:
+        (instance,) = server.repository.get("echo1").pool.instances
+        for i in range(20):
+            x = np.full(4, i, dtype=np.float32)
+            np.testing.assert_array_equal(await _infer(server, "echo1", x), x)
+        watch = instance._watch
+        assert seen == [False] + [True] * 19 and watch is not None and watch.registered
+        large = np.random.default_rng(0).random(1 << 18, dtype=np.float32)  # the instance thread's
+        np.testing.assert_array_equal(await _infer(server, "echo1", large), large)
+        await asyncio.sleep(0.05)  # the loop saw the thread's reply arrive: not its own to read
+        assert not watch.registered
+        x = np.arange(3, dtype=np.float32)
+        np.testing.assert_array_equal(await _infer(server, "echo1", x), x)
+        assert instance._watch is watch and watch.registered and seen[-1] is False
+    finally:
+        await server.stop(1)
+
+
+def test_reloaded_and_restarted_workers_are_watched_on_their_own_sockets(repo):
+    uvloop.run(_reloaded_and_restarted(repo))
+
+
+async def _reloaded_and_restarted(repo):
+    """A channel the loop watches is closed on the loop (unregistered first), whichever thread closes it: a
+    closed descriptor's number is the next socket's, and a registration libuv kept for the old one would leave the
+    new worker's replies unread (a request that never ends)."""
+    server = Server(ServerOptions(model_repositories=[str(repo)], model_control_mode="explicit"))
+    await server.start()
+    try:
+        x = np.arange(5, dtype=np.float32)
+        for _ in range(3):  # closed by the unload, on a thread of the loop's executor
+            await server.load_model("echo1")
+            for _ in range(5):
+                np.testing.assert_array_equal(await asyncio.wait_for(_infer(server, "echo1", x), 10), x)
+            (instance,) = server.repository.get("echo1").pool.instances
+            watch = instance._watch
+            assert watch is not None and watch.registered
+            await server.unload_model("echo1")
+            await asyncio.sleep(0.05)
+            assert not watch.registered and watch.channel.sock.fileno() == -1
+        await server.load_model("echo1")
+        (instance,) = server.repository.get("echo1").pool.instances
+        np.testing.assert_array_equal(await asyncio.wait_for(_infer(server, "echo1", x), 10), x)
+        old, generation = instance._watch, instance._generation
+        os.kill(instance.pid, signal.SIGKILL)  # closed by the restart, on a thread of its own
+        deadline = time.monotonic() + 60
+        while not (instance._generation > generation and instance.ready()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)
+        assert old is not None and not old.registered and old.channel.sock.fileno() == -1
+        np.testing.assert_array_equal(await asyncio.wait_for(_infer(server, "echo1", x), 10), x)
+        assert instance._watch is not old and instance._watch.registered
     finally:
         await server.stop(1)
 

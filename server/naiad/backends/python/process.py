@@ -32,12 +32,12 @@ from ...custom_metrics import COUNTER
 from ...errors import Internal, NaiadError, Unavailable
 from ...inference import InferenceRequest, InferenceResponse
 from ..base import ModelContext, ModelInstance, Timing
+from .exec_watch import ExecWatch
 from .serving import log_record, serve_call, start_bls
 from .wire import (
     GROUP_SIGNALS,
     PICKLE_ERRORS,
     Channel,
-    FrameReader,
     decode_response,
     encode_request,
     small_object_tensor,
@@ -84,6 +84,7 @@ class ProcessInstance(ModelInstance):
         self.restarts = 0
         self._process: multiprocessing.process.BaseProcess | None = None
         self._exec: Channel | None = None  # the instance thread's
+        self._watch: ExecWatch | None = None  # the loop's reader of the exec channel (`_exchange`)
         self._side: Channel | None = None  # the reader thread's (and anyone's, to send)
         self._reader: threading.Thread | None = None
         self._lock = threading.Condition()
@@ -235,8 +236,13 @@ class ProcessInstance(ModelInstance):
         _live.discard(self)
 
     def _close_channels(self) -> None:
+        watch, self._watch = self._watch, None
         for channel in (self._exec, self._side):
-            if channel is not None:
+            if channel is None:
+                continue
+            if watch is not None and channel is watch.channel:
+                watch.close()  # (closed on the loop, which polls it)
+            else:
                 channel.close()
 
     # ---- restarting a worker that died ----
@@ -389,36 +395,27 @@ class ProcessInstance(ModelInstance):
         it is released once the reply is read, even when the awaiting task was cancelled meanwhile)."""
         loop = asyncio.get_running_loop()
         generation, channel = self._generation, self._exec
-        fd = channel.sock.fileno()
-        reader = FrameReader(channel.sock)
+        watch = self._watch
+        if watch is None or watch.channel is not channel or watch.loop is not loop:
+            watch = self._watch = ExecWatch(loop, channel)
         reply: asyncio.Future = loop.create_future()
 
         def finish(message: tuple | None, error: BaseException | None) -> None:
-            loop.remove_reader(fd)
             self._exec_lock.release()
             if not reply.done():
                 if error is None:
                     reply.set_result(message)
                 else:
-                    reply.set_exception(error)
-
-        def on_readable() -> None:
-            try:
-                message = reader.feed()
-            except (EOFError, OSError) as exc:
-                finish(None, exc)
-            except Exception as exc:
-                finish(None, self._undecodable(exc))
-            else:
-                if message is not None:
-                    finish(message, None)
+                    reply.set_exception(
+                        error if isinstance(error, (EOFError, OSError)) else self._undecodable(error)
+                    )
 
         try:
             channel.send_frame(frame)
-            loop.add_reader(fd, on_readable)
         except OSError:
             self._exec_lock.release()
             raise (await asyncio.to_thread(self._worker_gone, None, generation)) from None
+        watch.expect(finish)
         try:
             _, value, error = await reply
         except (EOFError, OSError):

@@ -2,8 +2,8 @@
 
 Transport: two `socket.socketpair()`s per instance. The *exec* channel carries only execute and
 finalize calls and their replies, strictly one at a time: a small call is written and its reply read
-on the server's event loop (`small_frame`, `send_frame`, `FrameReader`), any other by the instance
-thread (`send`, `recv`); an execution costs one wake-up each way. The *side* channel carries
+on the server's event loop (`small_frame`, `send_frame`, `FrameReader`, read by `exec_watch.ExecWatch`),
+any other by the instance thread (`send`, `recv`); an execution costs one wake-up each way. The *side* channel carries
 everything that may happen at any time (BLS calls, decoupled responses, cancellation, logs) and is
 read by a reader thread on each side, so BLS calls are served while an execution is in flight and
 decoupled responses flow after `execute` returned.

@@ -188,6 +188,7 @@ class DynamicBatchScheduler:
         return None
 
     async def _dispatch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while not self._closed:
             while not self.queued:
                 self._wakeup.clear()
@@ -201,7 +202,7 @@ class DynamicBatchScheduler:
             if not batch:
                 self.pool.release(inst)
                 continue
-            task = asyncio.get_running_loop().create_task(self._run(inst, batch))
+            task = loop.create_task(self._run(inst, batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
             # This coroutine's locals outlive the iteration while it waits for the next request: the batch's

@@ -39,11 +39,11 @@ class ExecWatch:
     def expect(self, on_reply: OnReply) -> None:
         """Read the next frame on the loop; then `on_reply(message, None)`, or `on_reply(None, error)` once the
         worker is gone (EOFError, OSError) or its reply does not decode. Call it on the loop."""
-        self._reader = FrameReader(self.channel.sock)
-        self._on_reply = on_reply
-        if not self.registered:
+        if not self.registered:  # (first: a registration that fails leaves nothing expected)
             self.loop.add_reader(self.fd, self._readable)
             self.registered = True
+        self._reader = FrameReader(self.channel.sock)
+        self._on_reply = on_reply
 
     def _readable(self) -> None:
         reader = self._reader

@@ -412,10 +412,10 @@ class ProcessInstance(ModelInstance):
 
         try:
             channel.send_frame(frame)
+            watch.expect(finish)
         except OSError:
             self._exec_lock.release()
             raise (await asyncio.to_thread(self._worker_gone, None, generation)) from None
-        watch.expect(finish)
         try:
             _, value, error = await reply
         except (EOFError, OSError):

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ..backends.base import ModelInstance, Timing
@@ -108,6 +109,7 @@ class InstancePool:
                 sum(r.batch_size(self.batched) for r in requests),
             )
         start = time.monotonic_ns()
+        results: Sequence[InferenceResponse | None]
         try:
             if inst.inline.inline:
                 results = inst.execute(requests, timing)

@@ -3,10 +3,10 @@
 Transport: two `socket.socketpair()`s per instance. The *exec* channel carries only execute and
 finalize calls and their replies, strictly one at a time: a small call is written and its reply read
 on the server's event loop (`small_frame`, `send_frame`, `FrameReader`, read by `exec_watch.ExecWatch`),
-any other by the instance thread (`send`, `recv`); an execution costs one wake-up each way. The *side* channel carries
-everything that may happen at any time (BLS calls, decoupled responses, cancellation, logs) and is
-read by a reader thread on each side, so BLS calls are served while an execution is in flight and
-decoupled responses flow after `execute` returned.
+any other by the instance thread (`send`, `recv`); an execution costs one wake-up each way. The *side*
+channel carries everything that may happen at any time (BLS calls, decoupled responses, cancellation,
+logs) and is read by a reader thread on each side, so BLS calls are served while an execution is in
+flight and decoupled responses flow after `execute` returned.
 
 A frame is a header (`<QI`: pickle length, buffer count), the out-of-band buffer lengths (`<Q`
 each), the pickle (protocol 5), then the raw buffers, sent with one `sendmsg` (scatter/gather, no

@@ -245,15 +245,17 @@ def test_64_streams_on_4_slots_all_complete(naiad):
     done = threading.Event()
 
     def watch():
+        # scraped back to back: the 64 streams of 16 tokens are over in about 0.13 s on a quiet machine, in which
+        # a scrape every 20 ms saw 4-5 samples and, once under CI's load, none while requests waited
         while not done.is_set():
             peak_waiting[0] = max(
                 peak_waiting[0], metric(naiad, "vllm:num_requests_waiting", model_name=MODEL)
             )
-            time.sleep(0.02)
+            time.sleep(0.001)
 
     def one(i):
         events = generate_stream(
-            naiad, f"Request {i}:", max_tokens=16, temperature=0, ignore_eos=True, return_finish_reason=True
+            naiad, f"Request {i}:", max_tokens=48, temperature=0, ignore_eos=True, return_finish_reason=True
         )
         results[i] = events
 

@@ -18,6 +18,12 @@ def _run(coro) -> None:
     uvloop.run(coro)  # as `naiad serve` runs (its poller leaves a watched descriptor non-blocking)
 
 
+def _watched() -> tuple[ExecWatch, socket.socket]:
+    """A watch on our end of a socket pair (on the running loop), and the worker's end."""
+    ours, theirs = socket.socketpair()
+    return ExecWatch(asyncio.get_running_loop(), Channel(ours)), theirs
+
+
 def _expect(watch: ExecWatch) -> asyncio.Future:
     fut = asyncio.get_running_loop().create_future()
 
@@ -33,9 +39,8 @@ def _expect(watch: ExecWatch) -> asyncio.Future:
 
 def test_replies_are_read_with_one_registration():
     async def main():
-        ours, theirs = socket.socketpair()
+        watch, theirs = _watched()
         worker = Channel(theirs)
-        watch = ExecWatch(asyncio.get_running_loop(), Channel(ours))
         for i in range(5):
             fut = _expect(watch)
             worker.send(("reply", i, None))
@@ -49,10 +54,9 @@ def test_replies_are_read_with_one_registration():
 
 def test_a_reply_nobody_expects_is_left_to_the_thread_and_ends_the_registration():
     async def main():
-        ours, theirs = socket.socketpair()
+        watch, theirs = _watched()
         worker = Channel(theirs)
-        channel = Channel(ours)
-        watch = ExecWatch(asyncio.get_running_loop(), channel)
+        channel = watch.channel
         fut = _expect(watch)
         worker.send(("reply", "loop", None))
         assert await asyncio.wait_for(fut, 5) == ("reply", "loop", None)
@@ -75,8 +79,8 @@ def test_a_reply_nobody_expects_is_left_to_the_thread_and_ends_the_registration(
 @pytest.mark.parametrize("closer", ["loop", "thread"])
 def test_close_unregisters_on_the_loop_and_fails_what_was_expected(closer):
     async def main():
-        ours, theirs = socket.socketpair()
-        watch = ExecWatch(asyncio.get_running_loop(), Channel(ours))
+        watch, theirs = _watched()
+        ours = watch.channel.sock
         fut = _expect(watch)
         assert watch.registered
         if closer == "loop":
@@ -89,8 +93,7 @@ def test_close_unregisters_on_the_loop_and_fails_what_was_expected(closer):
             await asyncio.wait_for(fut, 5)
         assert not watch.registered and ours.fileno() == -1  # closed by the loop, after unregistering
         # the next socket may get the same descriptor number: a watch on it is polled afresh
-        mine, peer = socket.socketpair()
-        again = ExecWatch(asyncio.get_running_loop(), Channel(mine))
+        again, peer = _watched()
         fut = _expect(again)
         Channel(peer).send(("reply", "new", None))
         assert await asyncio.wait_for(fut, 5) == ("reply", "new", None)
@@ -103,8 +106,7 @@ def test_close_unregisters_on_the_loop_and_fails_what_was_expected(closer):
 
 def test_the_workers_end_fails_the_expected_reply():
     async def main():
-        ours, theirs = socket.socketpair()
-        watch = ExecWatch(asyncio.get_running_loop(), Channel(ours))
+        watch, theirs = _watched()
         fut = _expect(watch)
         theirs.close()
         with pytest.raises(EOFError):
@@ -117,9 +119,8 @@ def test_the_workers_end_fails_the_expected_reply():
 
 def test_a_registration_that_fails_leaves_nothing_expected():
     async def main():
-        ours, theirs = socket.socketpair()
-        channel = Channel(ours)
-        watch = ExecWatch(asyncio.get_running_loop(), channel)
+        watch, theirs = _watched()
+        channel = watch.channel
         channel.close()  # the descriptor is gone
         called = []
         with pytest.raises(OSError):

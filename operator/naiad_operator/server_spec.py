@@ -143,6 +143,13 @@ def repository_claim(server: str, spec: Spec) -> str | None:
     return None
 
 
+# After its preStop sleep, a server goes on listening while new connections still reach it and stops once none has
+# come for this long: on a busy node the Service's endpoint change can reach kube-proxy after the sleep is over
+# (an e2e rollout under CI load saw 4 "connection refused" at one instant). The kubelet's readiness (every 5 s) and
+# liveness (10 s) probes come further apart than this, so an unrouted pod stops listening within seconds.
+DRAIN_QUIET_SECONDS = 2.0
+
+
 def server_args(spec: Spec, restricted: bool = False) -> list[str]:
     """`naiad serve` arguments: explicit model control (the operator loads models live), fixed ports, the control
     APIs restricted to the installation's credential (read from the environment: never in the args), TLS from
@@ -164,6 +171,7 @@ def server_args(spec: Spec, restricted: bool = False) -> list[str]:
         f"--http-port={HTTP_PORT}",
         f"--grpc-port={GRPC_PORT}",
         f"--metrics-port={METRICS_PORT}",
+        f"--drain-quiet-secs={DRAIN_QUIET_SECONDS:g}",
         *(restriction_args() if restricted else []),
         *(tls_args() if tls_secret_name(spec) else []),
         *frontend_workers_args(spec),

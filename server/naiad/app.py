@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import time
 
 from . import host_pinning
 from .frontends import receive_buffers
@@ -270,13 +271,24 @@ class App:
         from .frontends.drain import drain
 
         grace = float(getattr(self.args, "drain_idle_connections_secs", 5.0))
-        return await drain(self._runners, self._grpc, grace, timeout)
+        quiet = float(getattr(self.args, "drain_quiet_secs", 0.0))
+        return await drain(self._runners, self._grpc, grace, timeout, quiet)
 
     async def stop(self, timeout: float) -> None:
         for reloading in self._tls_contexts:
             reloading.close()
         self.server.draining = True  # no longer ready, while the open connections are still served
         if self.workers is not None:
+            acceptor = self.workers.acceptor
+            if (
+                acceptor is not None
+            ):  # --frontend-accept balanced: this process listens, and goes on while needed
+                from .frontends.drain import listen_while_arriving
+
+                started = time.monotonic()
+                quiet = float(getattr(self.args, "drain_quiet_secs", 0.0))
+                await listen_while_arriving(lambda: acceptor.handed, quiet, timeout / 2)
+                timeout -= time.monotonic() - started
             # each worker drains its own connections; the engine serves them meanwhile
             await self.workers.stop(timeout)
         else:

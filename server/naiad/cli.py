@@ -110,10 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-idle-connections-secs",
         type=float,
         default=5.0,
-        help="on SIGTERM the listeners close, but requests on open keep-alive connections are still served (each "
-        "answer says Connection: close); idle connections are closed only after this grace (capped by "
-        "--exit-timeout-secs), because a client may have just written a request on one and must get an answer, "
-        "not a reset",
+        help="on SIGTERM the listeners close (see --drain-quiet-secs), but requests on open keep-alive connections "
+        "are still served (each answer says Connection: close); idle connections are closed only after this grace "
+        "(capped by --exit-timeout-secs), because a client may have just written a request on one and must get an "
+        "answer, not a reset",
+    )
+    s.add_argument(
+        "--drain-quiet-secs",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, keep listening while new connections still arrive, and close the listeners once none has "
+        "arrived for this long (at most half of --exit-timeout-secs): behind a Kubernetes Service, kube-proxy sends "
+        "new connections to a terminating pod until the endpoint's removal reaches it, which can outlast the "
+        "preStop delay on a busy node. 0 (the default): close the listeners at once",
     )
     s.add_argument(
         "--disable-auto-complete-config",
@@ -467,6 +476,8 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         if args.drain_idle_connections_secs < 0:
             raise ValueError("--drain-idle-connections-secs must not be negative")
+        if args.drain_quiet_secs < 0:
+            raise ValueError("--drain-quiet-secs must not be negative")
         options = _options(args, auto_complete)
         memory.configure(
             args.pinned_memory_pool_byte_size,

@@ -114,6 +114,7 @@ def test_container_image_command_and_explicit_model_control():
         "--http-port=8000",
         "--grpc-port=8001",
         "--metrics-port=8002",
+        "--drain-quiet-secs=2",  # listens on after the preStop sleep while connections still arrive
         "--frontend-workers=3",  # from the pod's CPU request, less the engine's
         "--log-verbose=1",
         "--exit-timeout-secs=5",

@@ -149,7 +149,8 @@ async def run(path: str, args) -> int:
 
     # within the engine's wait for this worker (--exit-timeout-secs), which keeps serving it meanwhile
     budget = max(0.0, args.exit_timeout_secs - 1.0)
-    await drain(runners, grpc_frontend, args.drain_idle_connections_secs, budget)
+    quiet = args.drain_quiet_secs if listen else 0.0  # balanced: the engine's acceptor listened on (app.py)
+    await drain(runners, grpc_frontend, args.drain_idle_connections_secs, budget, quiet)
     if grpc_frontend is not None:
         await grpc_frontend.stop(1.0)
     for runner in runners:

@@ -7,6 +7,8 @@ import ssl as ssl_module
 
 from aiohttp import web
 
+from .drain import count_connections
+
 
 async def start_tcp_site(
     runner: web.AppRunner, host: str, port: int, ssl: ssl_module.SSLContext | None, reuse_port: bool
@@ -22,4 +24,5 @@ async def start_tcp_site(
         ssl_context=ssl,
     )
     await site.start()
+    count_connections(runner)  # an app that drains (drain.install) keeps listening while connections arrive
     return site

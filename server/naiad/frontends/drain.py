@@ -1,13 +1,15 @@
-"""Graceful drain on SIGTERM (as Go's http.Server.Shutdown, Envoy's drain and grpc-go's GracefulStop do it): stop
-listening, serve what still arrives on open connections (HTTP/1.1 answers with `Connection: close`, gRPC after a
-two-step GOAWAY), close idle connections after a grace, and return once every connection is closed or at the
-deadline."""
+"""Graceful drain on SIGTERM (as Go's http.Server.Shutdown, Envoy's drain and grpc-go's GracefulStop do it): keep
+listening while new connections still arrive (`--drain-quiet-secs`: behind a Kubernetes Service they do until the
+endpoint's removal reaches kube-proxy), then stop listening, serve what still arrives on open connections (HTTP/1.1
+answers with `Connection: close`, gRPC after a two-step GOAWAY), close idle connections after a grace, and return
+once every connection is closed or at the deadline."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -16,12 +18,14 @@ log = logging.getLogger("naiad")
 
 
 class DrainState:
-    """Whether an aiohttp app is draining: its responses then carry `Connection: close`."""
+    """Whether an aiohttp app is draining (its responses then carry `Connection: close`), and how many connections
+    its listening sites have accepted (count_connections)."""
 
-    __slots__ = ("draining",)
+    __slots__ = ("accepted", "draining")
 
     def __init__(self) -> None:
         self.draining = False
+        self.accepted = 0
 
 
 DRAIN_STATE = web.AppKey("naiad_drain_state", DrainState)
@@ -37,6 +41,23 @@ def install(app: web.Application) -> None:
             response.headers[hdrs.CONNECTION] = "close"
 
     app.on_response_prepare.append(close_when_draining)
+
+
+def count_connections(runner: web.AppRunner) -> None:
+    """Once `runner` is set up and listens: count the connections its aiohttp server accepts, in the app's
+    DrainState (aiohttp's RequestHandler reports each one to its server's `connection_made`)."""
+    if DRAIN_STATE not in runner.app:
+        return
+    state = runner.app[DRAIN_STATE]
+    server = runner.server
+    assert server is not None
+    made = server.connection_made
+
+    def connection_made(handler: Any, transport: Any) -> None:
+        state.accepted += 1
+        made(handler, transport)
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
 
 
 class HttpDrain:
@@ -81,17 +102,57 @@ class HttpDrain:
                 else:
                     handler.close()  # busy: closes after its response
 
+    def accepted(self) -> int:
+        """Connections accepted so far (the fast path hands aiohttp the ones it does not serve: counted once)."""
+        fast = self.fast.accepted if self.fast is not None else 0
+        return fast + self.aiohttp_runner.app[DRAIN_STATE].accepted
+
     def open_connections(self) -> int:
         n = len(self.fast.connections) if self.fast is not None else 0
         server = self.aiohttp_runner.server
         return n + (len(server.connections) if server is not None else 0)
 
 
-async def drain(runners: list, grpc: Any, idle_grace: float, timeout: float) -> float:
+async def listen_while_arriving(accepted: Callable[[], int], quiet: float, limit: float) -> None:
+    """Return once `accepted()` (connections accepted so far) has not grown for `quiet` seconds, or after `limit`.
+
+    A pod behind a Service is still sent new connections after SIGTERM until the EndpointSlice change reaches
+    every node's kube-proxy; the pod's preStop delay usually covers that, but on a busy node it can take longer,
+    and a closed listener then answers those connections with a reset ("connection refused")."""
+    if quiet <= 0 or limit <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    start = last = loop.time()
+    first = seen = accepted()
+    step = min(0.05, quiet / 4)
+    while True:
+        await asyncio.sleep(step)
+        now = loop.time()
+        count = accepted()
+        if count != seen:
+            seen, last = count, now
+        if now - last >= quiet or now - start >= limit:
+            break
+    how = f"none for {quiet:g}s" if now - last >= quiet else f"still arriving; {limit:g}s at most"
+    log.info(
+        "listened %.1fs after SIGTERM: %d new connection(s) (%s); closing the listeners",
+        now - start,
+        seen - first,
+        how,
+    )
+
+
+async def drain(runners: list, grpc: Any, idle_grace: float, timeout: float, quiet: float = 0.0) -> float:
     """Drain the HTTP listeners in `runners` and the gRPC frontend `grpc` (or None): returns the seconds left of
-    `timeout` once every connection is closed (or none, at the deadline)."""
+    `timeout` once every connection is closed (or none, at the deadline). `quiet` > 0: first keep listening until
+    no connection has arrived for that long (at most half the timeout)."""
     deadline = time.monotonic() + timeout
     https = [HttpDrain(r) for r in runners if HttpDrain.drains(r)]
+
+    def accepted() -> int:
+        return sum(h.accepted() for h in https) + (grpc.accepted() if grpc is not None else 0)
+
+    await listen_while_arriving(accepted, quiet, timeout / 2)
     for h in https:
         h.start()
     grpc_task = None

@@ -195,6 +195,10 @@ class GrpcFrontend:
         await self._grpc.start()
         await self._set_health("SERVING")
 
+    def accepted(self) -> int:
+        """Connections accepted so far (Naiad's HTTP/2 server; grpcio's does not tell, so 0)."""
+        return 0 if self._grpc is None or self.implementation == "grpcio" else self._grpc.accepted
+
     async def drain(self, timeout: float) -> None:
         """SIGTERM: no new connections; calls on open ones finish (up to `timeout`). Naiad's HTTP/2 server sends a
         two-step GOAWAY; grpcio's server.stop(grace) sends GOAWAY too and waits for the calls in flight."""

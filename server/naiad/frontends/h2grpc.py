@@ -395,6 +395,7 @@ class H2GrpcServer:
         self.authorize = authorize  # (method, metadata) -> denial message or None
         self.settings = settings or H2Settings()
         self.connections: set[_Connection] = set()
+        self.accepted = 0  # connections made so far (drain.py listens on while they still arrive)
         self.starter = eager.Starter(busy_poll)  # unary calls start in the frame handler (eager.py)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -414,6 +415,7 @@ class H2GrpcServer:
 
     def protocol_factory(self) -> _Connection:
         """A connection's protocol, for sockets accepted here or elsewhere (`loop.connect_accepted_socket`)."""
+        self.accepted += 1
         return _Connection(self)
 
     async def start(

@@ -163,6 +163,7 @@ class FastHttpServer:
         self.restricted_body = orjson.dumps({"error": restricted_message(rule[0])}) if rule else None
         self.routes: dict[bytes, tuple[str, str] | None] = {}
         self.connections: set[FastHttpProtocol] = set()
+        self.accepted = 0  # connections made so far (drain.py listens on while they still arrive)
         self.starter = eager.Starter(busy_poll)  # requests start in data_received (eager.py)
         self.closing = False
         self.draining = False  # drain.py: answers carry Connection: close, then their connection closes
@@ -175,6 +176,7 @@ class FastHttpServer:
         )
 
     def __call__(self) -> FastHttpProtocol:
+        self.accepted += 1
         return FastHttpProtocol(self)
 
     def route(self, url: bytes) -> tuple[str, str] | None:

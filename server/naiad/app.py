@@ -280,9 +280,8 @@ class App:
         self.server.draining = True  # no longer ready, while the open connections are still served
         if self.workers is not None:
             acceptor = self.workers.acceptor
-            if (
-                acceptor is not None
-            ):  # --frontend-accept balanced: this process listens, and goes on while needed
+            # --frontend-accept balanced: this process listens, and goes on listening while connections arrive
+            if acceptor is not None:
                 from .frontends.drain import listen_while_arriving
 
                 started = time.monotonic()

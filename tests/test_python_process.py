@@ -6,6 +6,7 @@ worker process), so every check compares the two modes on the same server.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -596,8 +597,8 @@ def test_two_process_instances_use_two_cores(client):
     """count 2 in process mode: 2 concurrent requests take clearly less than twice one request.
 
     Other work may load this 2-core machine in bursts, so single and concurrent runs are interleaved and
-    the quickest of each is compared (the least disturbed). Two plain processes running the same loop are
-    measured alongside: when even they never ran in parallel, the machine was too busy to tell."""
+    the quickest of each is compared (the least disturbed), for up to a minute. Two plain processes running the
+    same loop are measured alongside: when even they never ran in parallel, the machine was too busy to tell."""
     iterations = 600_000
     burn = [_int("ITERATIONS", iterations, "INT64")]
 
@@ -616,18 +617,22 @@ def test_two_process_instances_use_two_cores(client):
     singles, pairs, plain_singles, plain_pairs = [], [], [], []
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         pool.map(_spin, [10, 10])
-        for attempt in range(20):
+        # until the quickest pair shows the two instances in parallel, for up to a minute: a burst of other work
+        # (a CI run once kept the second core busy for the whole 20 attempts this loop used to make) passes
+        deadline = time.monotonic() + 60
+        for attempt in itertools.count():
             singles.append(served(1))
             pairs.append(served(2))
             plain_singles.append(plain(pool, 1))
             plain_pairs.append(plain(pool, 2))
-            if attempt >= 2 and min(pairs) / min(singles) < 1.6:
+            if (attempt >= 2 and min(pairs) / min(singles) < 1.6) or time.monotonic() > deadline:
                 break
     ratio = min(pairs) / min(singles)
     machine = min(plain_pairs) / min(plain_singles)
-    detail = (
-        f"single: {[round(t, 3) for t in singles]}, pairs: {[round(t, 3) for t in pairs]}; plain "
-        f"processes: {[round(t, 3) for t in plain_singles]}, {[round(t, 3) for t in plain_pairs]}"
+    detail = (  # the last 20 attempts of len(singles)
+        f"{len(singles)} attempts; the last: single: {[round(t, 3) for t in singles[-20:]]}, pairs: "
+        f"{[round(t, 3) for t in pairs[-20:]]}; plain processes: {[round(t, 3) for t in plain_singles[-20:]]}, "
+        f"{[round(t, 3) for t in plain_pairs[-20:]]}"
     )
     if ratio >= 1.6 and machine >= 1.5:
         pytest.skip(f"two plain processes took {machine:.2f}x one: the machine is too busy to tell; {detail}")

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import time
 
 from . import host_pinning
 from .frontends import receive_buffers
@@ -284,10 +283,8 @@ class App:
             if acceptor is not None:
                 from .frontends.drain import listen_while_arriving
 
-                started = time.monotonic()
                 quiet = float(getattr(self.args, "drain_quiet_secs", 0.0))
-                await listen_while_arriving(lambda: acceptor.handed, quiet, timeout / 2)
-                timeout -= time.monotonic() - started
+                timeout -= await listen_while_arriving(lambda: acceptor.handed, quiet, timeout / 2)
             # each worker drains its own connections; the engine serves them meanwhile
             await self.workers.stop(timeout)
         else:

@@ -113,14 +113,15 @@ class HttpDrain:
         return n + (len(server.connections) if server is not None else 0)
 
 
-async def listen_while_arriving(accepted: Callable[[], int], quiet: float, limit: float) -> None:
-    """Return once `accepted()` (connections accepted so far) has not grown for `quiet` seconds, or after `limit`.
+async def listen_while_arriving(accepted: Callable[[], int], quiet: float, limit: float) -> float:
+    """Return once `accepted()` (connections accepted so far) has not grown for `quiet` seconds, or after `limit`:
+    the seconds that took.
 
     A pod behind a Service is still sent new connections after SIGTERM until the EndpointSlice change reaches
     every node's kube-proxy; the pod's preStop delay usually covers that, but on a busy node it can take longer,
     and a closed listener then answers those connections with a reset ("connection refused")."""
     if quiet <= 0 or limit <= 0:
-        return
+        return 0.0
     loop = asyncio.get_running_loop()
     start = last = loop.time()
     first = seen = accepted()
@@ -140,6 +141,7 @@ async def listen_while_arriving(accepted: Callable[[], int], quiet: float, limit
         seen - first,
         how,
     )
+    return now - start
 
 
 async def drain(runners: list, grpc: Any, idle_grace: float, timeout: float, quiet: float = 0.0) -> float:

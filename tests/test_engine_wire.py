@@ -225,14 +225,19 @@ def test_every_field_a_request_and_a_response_carry_crosses_as_it_was():
             correlation_id="seq-a",
             flags=3,
             traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            arrival_ns=123_456_789,  # the worker's clock reading: statistics and queue timeouts count from it
         )
         desc = wire.decoder.decode(wire.encoder.encode(wire.Infer(1, wire.encode_request(req, pool))))
         got = wire.decode_request(desc.request, SlabMaps(), lambda _: None)
         for field in ("model_name", "datatypes", "model_version", "id", "outputs", "parameters", "priority",
-                      "timeout_us", "correlation_id", "flags", "traceparent"):  # fmt: skip
+                      "timeout_us", "correlation_id", "flags", "traceparent", "arrival_ns"):  # fmt: skip
             assert getattr(got, field) == getattr(req, field), field
         np.testing.assert_array_equal(got.inputs["X"], x)
-        assert got.device_inputs is False
+        # what the engine sets itself starts at its default (decode_request passes every field by position)
+        assert (got.response_callback, got.cancelled, got.trace, got.device_inputs, got.device_consumer) == (
+            None, False, None, False, False,
+        )  # fmt: skip
+        assert got.load_wait_ns == 0
         resp = InferenceResponse("m", "3", [OutputTensor("Y", "INT64", x)], id="req-9", parameters={"q": 1.5})
         resp.final = False
         back = wire.decode_response(wire.encode_response(resp, pool), SlabMaps(), lambda _: None)

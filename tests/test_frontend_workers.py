@@ -434,3 +434,25 @@ def test_dynamic_batching_batches_across_workers(server):
         batches.append(outputs["BATCH"][0])
         conn.close()
     assert max(batches) > 4, batches  # one execution held requests from both workers
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_is_not_executed(server):
+    """A gRPC deadline that passes while the request waits in the engine's queue (the `batched` model holds a
+    request 300 ms for a batch) cancels it there, as in one process: the model never executes it."""
+
+    def counts():
+        stats = fresh_http(server).get_inference_statistics("batched")["model_stats"][0]
+        return stats["inference_count"], stats["execution_count"]
+
+    before = counts()
+    client = grpcclient.InferenceServerClient(server.grpc)
+    inp = grpcclient.InferInput("INPUT0", [1, 1], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 1), np.float32))
+    with pytest.raises(InferenceServerException, match="Deadline"):
+        client.infer("batched", [inp], client_timeout=0.1)
+    time.sleep(0.6)  # past the queue delay: an execution of it would have happened by now
+    assert counts() == before
+    answer = client.infer("batched", [inp])  # the model goes on serving
+    assert answer.as_numpy("BATCH")[0, 0] == 1
+    client.close()
+    assert counts() == (before[0] + 1, before[1] + 1)

@@ -236,6 +236,7 @@ class EngineClient:
             queue = self._streams.get(msg.id)
             fut = self._pending.pop(msg.id, None) if queue is None else None
             if queue is None and (fut is None or fut.done()):
+                self._discard(msg.response, None)  # its caller gave up (a deadline, a client gone)
                 return
             own = None
             for t in msg.response.outputs:
@@ -260,6 +261,14 @@ class EngineClient:
             fut = self._pending.pop(msg.id, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+
+    def _discard(self, response: wire.Response, own: tuple | None) -> None:
+        """A response nobody will read: the engine's slab of its outputs goes back to the engine now (a Free, as
+        the last view of them would send), and `own`, this worker's request slab held for it, to this pool."""
+        if response.slab and self.channel is not None and not self.channel.closed:
+            self.channel.send(wire.Free([response.slab]))
+        if own is not None:
+            self.pool.free(own[0])
 
     def _release(self, slab: str) -> None:
         """A response's output views are all gone: the engine may reuse its slab (any thread)."""
@@ -297,6 +306,12 @@ class EngineClient:
             self._send(wire.Infer(rid, desc))
             del desc
             msg = await fut
+        except asyncio.CancelledError:
+            # the client went away or its deadline passed: the engine drops the request too, so one still in a
+            # queue is never executed (as in one process)
+            if self.channel is not None and not self.channel.closed:
+                self.channel.send(wire.Cancel(rid))
+            raise
         finally:
             self._pending.pop(rid, None)
             self._request_slabs.pop(rid, None)
@@ -336,10 +351,10 @@ class EngineClient:
         finally:
             self._streams.pop(rid, None)
             self._request_slabs.pop(rid, None)
-            while not queue.empty():  # responses nobody will read: give back the slab they hold
+            while not queue.empty():  # responses nobody will read: give back the slabs they hold
                 left = queue.get_nowait()
-                if type(left) is tuple and left[1] is not None:
-                    self.pool.free(left[1][0])
+                if type(left) is tuple:
+                    self._discard(*left)
             if not done and self.channel is not None and not self.channel.closed:
                 self.channel.send(wire.Cancel(rid))
 

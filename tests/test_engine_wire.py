@@ -10,6 +10,7 @@ import numpy as np
 
 from naiad.engine import slabs, wire
 from naiad.engine.slabs import SHM_DIR, SlabMaps, SlabPool
+from naiad.errors import TooManyRequests
 from naiad.frontends.receive_buffers import ReceivePool
 from naiad.inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
 
@@ -105,6 +106,16 @@ def test_response_error_and_outputs():
         assert type(err).__name__ == "InvalidArgument" and "bad input" in str(err)
     finally:
         pool.close()
+
+
+def test_an_error_crosses_with_when_to_come_back():
+    """A refusal that says when to retry (429 / UNAVAILABLE with Retry-After) says it after the hop too."""
+    sent = wire.Error(5, *wire.error_of(TooManyRequests("model 'm' is loading", retry_after=7.0)))
+    got = wire.decoder.decode(wire.encoder.encode(sent))
+    err = wire.raise_error(got.kind, got.message, got.retry_after)
+    assert type(err) is TooManyRequests and err.retry_after == 7.0 and err.message == "model 'm' is loading"
+    plain = wire.decoder.decode(wire.encoder.encode(wire.Error(6, *wire.error_of(ValueError("x")))))
+    assert wire.raise_error(plain.kind, plain.message, plain.retry_after).retry_after is None
 
 
 def test_an_output_that_is_the_input_stays_in_the_request_slab():

@@ -54,7 +54,7 @@ class ControlChannel:
             except TimeoutError:
                 raise Unavailable(f"the engine did not answer '{method}' in {CONTROL_TIMEOUT_S:g}s") from None
         if isinstance(msg, wire.Error):
-            raise wire.raise_error(msg.kind, msg.message)
+            raise wire.raise_error(msg.kind, msg.message, msg.retry_after)
         return msg.value
 
     def _read_frame(self) -> bytes:
@@ -289,7 +289,7 @@ class EngineClient:
         self._send(wire.Call(rid, method, list(args)))
         msg = await fut
         if isinstance(msg, wire.Error):
-            raise wire.raise_error(msg.kind, msg.message)
+            raise wire.raise_error(msg.kind, msg.message, msg.retry_after)
         return msg.value
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
@@ -316,7 +316,9 @@ class EngineClient:
             self._pending.pop(rid, None)
             self._request_slabs.pop(rid, None)
         if isinstance(msg, wire.Error):
-            raise wire.raise_error(msg.kind, msg.message)
+            raise wire.raise_error(msg.kind, msg.message, msg.retry_after)
+        if msg[0].load_wait_ns:  # the engine loaded the model on demand first: the frontend reports the wait
+            request.load_wait_ns = msg[0].load_wait_ns
         return wire.decode_response(msg[0], self.maps, self._release, msg[1])
 
     async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
@@ -336,11 +338,13 @@ class EngineClient:
                     raise msg
                 if isinstance(msg, wire.Error):
                     done = True
-                    raise wire.raise_error(msg.kind, msg.message)
+                    raise wire.raise_error(msg.kind, msg.message, msg.retry_after)
                 if isinstance(msg, wire.Value):
                     done = True
                     return
                 resp = wire.decode_response(msg[0], self.maps, self._release, msg[1])
+                # the next one is here already: a writer may send both at once (as Server.infer_stream says)
+                resp.more_ready = not queue.empty()
                 if resp.final:
                     done = True
                 if request.response_callback is not None:

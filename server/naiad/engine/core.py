@@ -232,7 +232,7 @@ class WorkerConnection:
         if self.prefix:
             self.engine.maps.forget(self.prefix)
 
-    def _reply(self, rid: int, resp, peer, cuda_outputs: dict[str, dict]) -> None:
+    def _reply(self, rid: int, resp, peer, cuda_outputs: dict[str, dict], load_wait_ns: int = 0) -> None:
         e = self.engine
         if cuda_outputs:  # written here, where the regions are mapped; the worker gets their spans
             outputs = []
@@ -245,6 +245,8 @@ class WorkerConnection:
                 outputs.append(out)
             resp.outputs = outputs
         reply = wire.encode_response(resp, e.pool, peer)
+        if load_wait_ns:
+            reply.load_wait_ns = load_wait_ns
         self.channel.send(wire.Reply(rid, reply, e.server.tracer.active, e.shm_generation))
 
     async def _infer(self, rid: int, msg: wire.Request) -> None:
@@ -254,8 +256,9 @@ class WorkerConnection:
             del msg
             cuda_outputs = self.engine.cuda_outputs(req)
             resp = await self.engine.server.infer(req)
+            waited = req.load_wait_ns
             del req
-            self._reply(rid, resp, peer, cuda_outputs)
+            self._reply(rid, resp, peer, cuda_outputs, waited)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -63,6 +63,9 @@ class Response(msgspec.Struct, array_like=True):
     final: bool
     error: tuple[str, str] | None = None
     slab: str = ""
+    load_wait_ns: int = (
+        0  # the request waited this long for its model to load on demand (the engine loaded it)
+    )
 
 
 class CudaSpan:
@@ -127,6 +130,7 @@ class Error(msgspec.Struct, tag="e", array_like=True):
     id: int
     kind: str  # a naiad.errors class name
     message: str
+    retry_after: float | None = None  # when the client may come back (HTTP Retry-After, gRPC retry-after)
 
 
 Message = Hello | Infer | Stream | Cancel | Call | Free | Reply | Value | Error
@@ -147,16 +151,21 @@ def frame(msg: Message) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def error_of(exc: BaseException) -> tuple[str, str]:
+def error_of(exc: BaseException) -> tuple[str, str, float | None]:
+    """An `Error` message's kind, message and retry_after for an exception."""
     err = errors.as_naiad_error(exc)
-    return type(err).__name__, err.message
+    return type(err).__name__, err.message, err.retry_after
 
 
-def raise_error(kind: str, message: str) -> errors.NaiadError:
+def raise_error(kind: str, message: str, retry_after: float | None = None) -> errors.NaiadError:
+    """The error an `Error` message (or a response's error) describes, to raise as the engine raised it."""
     cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, errors.NaiadError)):
         cls = errors.Internal
-    return cls(message)
+    err = cls(message)
+    if retry_after is not None:
+        err.retry_after = retry_after
+    return err
 
 
 # ---- tensors ----

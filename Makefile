@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools server-tools cluster-tools venv serve test test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm e2e-llm-image-tests
+.PHONY: tools server-tools cluster-tools venv serve test worker-tests test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm e2e-llm-image-tests
 
 venv: $(VENV)/.installed
 
@@ -46,11 +46,22 @@ test: venv test-deps lint
 	@rm -rf .test-results; status=0; \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) || status=$$?; \
+	$(MAKE) -s worker-tests || status=$$?; \
 	$(MAKE) -s cluster-tools || { status=$$?; tail -n 30 build/cluster-tools.log; }; \
 	$(MAKE) -s e2e-tests || status=$$?; \
 	$(MAKE) -s e2e-image-tests || status=$$?; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
 	exit $$status
+
+# The protocol tests again with every server started with `--frontend-workers 2` (two worker processes in front of
+# one engine process), the Triton comparison included: the multi-process server must answer as one process does
+# (a difference found this way: Retry-After and the on-demand load wait lost between the processes). ~2 min.
+WORKER_TESTS := tests/test_triton_compare.py tests/test_http.py tests/test_grpc.py tests/test_sequence.py \
+  tests/test_decoupled.py tests/test_on_demand.py tests/test_generate_extension.py tests/test_openai.py \
+  tests/test_client_parity.py tests/test_stats.py tests/test_large_tensors.py
+worker-tests:
+	@NAIAD_TEST_RUN=server-workers NAIAD_TEST_EXTRA_ARGS="--frontend-workers 2" \
+	  $(PY) -m pytest -q -rs $(PYTEST_ARGS) $(WORKER_TESTS)
 
 # The cluster tiers run in a pytest process of their own: the e2e pod network moves that process into a
 # private network namespace, which must happen before any test starts a thread.

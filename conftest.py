@@ -34,6 +34,9 @@ def tier_of(nodeid: str) -> str:
     tier = next((name for prefix, name in TIERS if path.startswith(prefix)), "other")
     if os.environ.get("NAIAD_E2E_IMAGES") == "1" and tier in ("e2e cluster", "operator on a cluster"):
         tier += " (images)"  # the same scenarios with every pod started from the built images
+    extra = os.environ.get("NAIAD_TEST_EXTRA_ARGS", "").strip()
+    if extra:
+        tier += f" ({extra})"  # the same tests with every server started with these arguments (tests/helpers.py)
     return tier
 
 

@@ -86,6 +86,9 @@ class NaiadProcess:
             # idle keep-alive connections (the test's own clients, still open when it stops the server) close at
             # once on SIGTERM instead of after the production grace; tests of the drain give their own value
             "--drain-idle-connections-secs=0",
+            # every server of a run started another way (`make worker-tests`: --frontend-workers 2); the test's
+            # own arguments come after, so a test that sets one of these keeps its value
+            *os.environ.get("NAIAD_TEST_EXTRA_ARGS", "").split(),
             *self.args,
         ]
         env = dict(os.environ)

@@ -35,8 +35,8 @@ def tier_of(nodeid: str) -> str:
     if os.environ.get("NAIAD_E2E_IMAGES") == "1" and tier in ("e2e cluster", "operator on a cluster"):
         tier += " (images)"  # the same scenarios with every pod started from the built images
     extra = os.environ.get("NAIAD_TEST_EXTRA_ARGS", "").strip()
-    if extra:
-        tier += f" ({extra})"  # the same tests with every server started with these arguments (tests/helpers.py)
+    if extra:  # the same tests with every server started with these arguments (tests/helpers.py)
+        tier += f" ({extra})"
     return tier
 
 

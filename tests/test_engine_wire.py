@@ -258,3 +258,61 @@ def test_every_field_a_request_and_a_response_carry_crosses_as_it_was():
         np.testing.assert_array_equal(back.outputs[0].data, x)
     finally:
         pool.close()
+
+
+def test_the_slab_pool_keeps_at_most_its_limit_and_says_what_it_unlinks():
+    mib = 1 << 20
+    pool = SlabPool(f"naiad-test{os.getpid()}l", limit=4 * mib)
+    dropped: list[str] = []
+    pool.on_drop = dropped.append
+    try:
+        exists = lambda name: os.path.exists(os.path.join(SHM_DIR, name))  # noqa: E731
+        a, b = pool.alloc(mib), pool.alloc(mib)
+        pool.free(a.name)
+        pool.free(b.name)
+        assert {pool.alloc(mib).name, pool.alloc(mib).name} == {a.name, b.name} and not dropped  # reused
+        pool.free(a.name)
+        pool.free(b.name)
+        huge = pool.alloc(3 * mib)  # a 4 MiB slab, more than half the limit: never kept
+        pool.free(huge.name)
+        assert dropped == [huge.name] and not exists(huge.name) and pool.bytes == 2 * mib
+        big = pool.alloc(2 * mib)  # fits beside the two idle 1 MiB slabs: 4 MiB in all
+        c = pool.alloc(mib)  # reuses an idle one
+        assert c.name in (a.name, b.name)
+        assert pool.alloc(mib).name in (a.name, b.name)  # reuses the other
+        e = pool.alloc(mib)  # no idle slab left to evict, past the limit: unlinked once freed
+        assert len(dropped) == 1 and pool.bytes == 5 * mib
+        pool.free(e.name)
+        assert dropped[1:] == [e.name] and not exists(e.name) and pool.bytes == 4 * mib
+        pool.free(big.name)  # idle now: the next new slab that does not fit evicts it
+        f = pool.alloc(2 * mib)  # a 2 MiB slab: the idle one is reused, nothing evicted
+        assert f.name == big.name and len(dropped) == 2
+        pool.free(f.name)
+        pool.free(c.name)
+        g = pool.alloc(256 * 1024)  # a new size class: the idle 2 MiB slab goes first (largest first)
+        assert dropped[2:] == [big.name] and not exists(big.name) and exists(g.name)
+        assert pool.bytes == 2 * mib + 256 * 1024 and len({a.name, b.name, huge.name, e.name, g.name}) == 5
+    finally:
+        pool.close()
+
+
+def test_a_peer_unmaps_a_segment_its_owner_unlinked():
+    pool = SlabPool(f"naiad-test{os.getpid()}u")
+    maps = SlabMaps()
+    try:
+        slab = pool.alloc(1 << 20)
+        slab.array[:4] = [1, 2, 3, 4]
+        view = maps.view(slab.name)[:4].copy()
+        assert view.tolist() == [1, 2, 3, 4]
+        kept = maps.view(slab.name)[:4]  # a view in use keeps its mapping after the unmap
+        os.unlink(os.path.join(SHM_DIR, slab.name))
+        maps.unmap([slab.name])
+        assert kept.tolist() == [1, 2, 3, 4]
+        try:
+            maps.view(slab.name)  # the mapping is gone: the name is looked up afresh, and is no more
+        except FileNotFoundError:
+            pass
+        else:
+            raise AssertionError("the unlinked segment's mapping was kept")
+    finally:
+        pool.close()

@@ -191,6 +191,7 @@ class EngineClient:
         self.path = path
         self.control = ControlChannel(path)
         self.pool = SlabPool(f"naiad-w{os.getpid()}")
+        self.pool.on_drop = self._unlinked
         self.maps = SlabMaps()
         self.channel: Channel | None = None
         self._ids = itertools.count(1)
@@ -253,6 +254,8 @@ class EngineClient:
         elif isinstance(msg, wire.Free):
             for name in msg.slabs:
                 self.pool.free(name)
+        elif isinstance(msg, wire.Unmap):
+            self.maps.unmap(msg.slabs)
         elif isinstance(msg, (wire.Value, wire.Error)):
             queue = self._streams.get(msg.id)
             if queue is not None:
@@ -269,6 +272,14 @@ class EngineClient:
             self.channel.send(wire.Free([response.slab]))
         if own is not None:
             self.pool.free(own[0])
+
+    def _unlinked(self, slab: str) -> None:
+        """This worker's pool unlinked a slab or receive segment: the engine unmaps it too (any thread)."""
+        if self.channel is not None:
+            try:
+                self.channel.send_threadsafe(wire.Unmap([slab]))
+            except RuntimeError:
+                pass
 
     def _release(self, slab: str) -> None:
         """A response's output views are all gone: the engine may reuse its slab (any thread)."""

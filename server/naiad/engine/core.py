@@ -32,11 +32,20 @@ class EngineService:
         self.shm = shm
         self.shm_generation = 0  # bumped on every (un)registration, so workers drop stale mappings
         self.pool = SlabPool(f"naiad-e{os.getpid()}")
+        self.pool.on_drop = self._unlinked
         self.maps = SlabMaps(pinning)  # the workers' segments, page-locked on a GPU server
         self._dir = tempfile.mkdtemp(prefix="naiad-engine-")
         self.path = os.path.join(self._dir, "engine.sock")
         self._listener: asyncio.AbstractServer | None = None
         self.connections: set[WorkerConnection] = set()
+
+    def _unlinked(self, slab: str) -> None:
+        """The engine's pool unlinked a slab of outputs: every worker unmaps it (any thread)."""
+        for conn in list(self.connections):
+            try:
+                conn.channel.send_threadsafe(wire.Unmap([slab]))
+            except RuntimeError:  # the loop is closed: the process is exiting
+                pass
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -201,6 +210,8 @@ class WorkerConnection:
         elif isinstance(msg, wire.Free):
             for name in msg.slabs:
                 self.engine.pool.free(name)
+        elif isinstance(msg, wire.Unmap):
+            self.engine.maps.unmap(msg.slabs)
         elif isinstance(msg, wire.Call):
             if msg.method in _ASYNC_CALLS:
                 self.tasks[msg.id] = loop.create_task(self._call_async(msg.id, msg.method, msg.args))

@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,9 @@ if TYPE_CHECKING:
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 MIN_SLAB = 256 * 1024  # the smallest size class; tensors below the inline limit never use a slab
+# slabs a pool keeps for reuse, in use or idle (as the receive pool's buffers); past this a slab is unlinked once its
+# users are done, and so are idle ones that stand in the way of a new one, and the peer is told to unmap it
+POOL_BYTES = int(os.environ.get("NAIAD_SLAB_POOL_BYTES", str(256 << 20)))
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _UNVIEWED_REFS = 3  # a mapping's array no view refers to: its container's, a local name's, getrefcount's own
 # A page-locked mapping unused this long with no view left gives its bytes to a new mapping when the budget for
@@ -90,17 +94,24 @@ def _exporter(arr: np.ndarray) -> object:
 
 
 class SlabPool:
-    """Segments named `<prefix>-<n>` in size classes of powers of two; `free` returns one for reuse. Bounded by
-    the largest number of bytes ever in flight at once (connections x the largest request)."""
+    """Segments named `<prefix>-<n>` in size classes of powers of two; `free` returns one for reuse. The pool keeps
+    at most `limit` bytes of slabs: a new slab first evicts idle ones (largest first), and one that still does not
+    fit, or is larger than half the limit, is unlinked when freed. Whatever is unlinked is reported to `on_drop(name)` (any thread), so that the peer
+    unmaps it too: an unlinked segment's memory returns only once every process has unmapped it."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, limit: int = POOL_BYTES):
         self.prefix = prefix
+        self.limit = limit
+        self.bytes = 0  # what the pool's own slabs take, in use or idle
+        self.on_drop: Callable[[str], None] | None = None
         self._free: dict[int, list[Slab]] = {}
         self._all: dict[str, Slab | _Lent] = {}
         self._refs: dict[str, int] = {}  # users of an allocated slab: the peer, and views of it here
+        self._transient: set[str] = set()  # slabs past the limit: unlinked when freed
         self._lock = threading.Lock()  # `free` may run in a finalizer on any thread
         self._segments: dict[int, str] = {}  # id() of a live shared receive buffer -> its segment's name
         self._made = 0  # segments made for receive buffers (their names' numbers)
+        self._named = 0  # slabs made (their names' numbers: a name is never reused once unlinked)
 
     def alloc(self, nbytes: int) -> Slab:
         size = _size_class(nbytes)
@@ -110,12 +121,47 @@ class SlabPool:
                 slab = free.pop()
                 self._refs[slab.name] = 1
                 return slab
-            name = f"{self.prefix}-{len(self._all)}"
-        slab = Slab(name, size)
+            # a slab of more than half the limit is never kept: such tensors are one-offs (as malloc's mmap
+            # threshold serves huge blocks with fresh memory that goes back), the pool is for the sizes that recur
+            transient = size > self.limit // 2
+            dropped = self._evict(size) if not transient and self.bytes + size > self.limit else []
+            transient = transient or self.bytes + size > self.limit
+            name = f"{self.prefix}-{self._named}"
+            self._named += 1
+            self.bytes += size
+        self._dropped(dropped)
+        try:
+            slab = Slab(name, size)
+        except BaseException:
+            with self._lock:
+                self.bytes -= size
+            raise
         with self._lock:
             self._all[name] = slab
             self._refs[name] = 1
+            if transient:
+                self._transient.add(name)
         return slab
+
+    def _evict(self, need: int) -> list[str]:
+        """Idle slabs, largest first, taken out until `need` more bytes fit under the limit (lock held); their
+        names, to unlink."""
+        names = []
+        for size in sorted(self._free, reverse=True):
+            idle = self._free[size]
+            while idle and self.bytes + need > self.limit:
+                slab = idle.pop()
+                del self._all[slab.name]
+                self.bytes -= slab.size
+                names.append(slab.name)
+        return names
+
+    def _dropped(self, names: list[str]) -> None:
+        """Unlink slabs the pool let go and tell the peer (outside the lock: `on_drop` may send a message)."""
+        for name in names:
+            _unlink(name)
+            if self.on_drop is not None:
+                self.on_drop(name)
 
     def receive_segment(self, size: int) -> mmap.mmap | None:
         """A new segment for a receive buffer the frontends manage (frontends.receive_buffers.ReceivePool.share): the
@@ -142,7 +188,7 @@ class SlabPool:
         """A receive buffer from `receive_segment` is being let go (its memory returns once the peer unmaps it)."""
         name = self._segments.pop(id(buf), None)
         if name is not None:
-            _unlink(name)
+            self._dropped([name])
 
     def lend(self, arrays: list[np.ndarray]) -> tuple[str, int] | None:
         """When every array lies in one shared receive buffer: that buffer's name and address, lent to the peer
@@ -183,11 +229,18 @@ class SlabPool:
                 return
             if refs:
                 self._refs[name] = refs
-            elif isinstance(slab, _Lent):  # the receive pool's again
-                del self._refs[name], self._all[name]
-            else:
-                del self._refs[name]
+                return
+            del self._refs[name]
+            if isinstance(slab, _Lent):  # the receive pool's again
+                del self._all[name]
+                return
+            if name not in self._transient:
                 self._free.setdefault(slab.size, []).append(slab)
+                return
+            self._transient.discard(name)
+            del self._all[name]
+            self.bytes -= slab.size
+        self._dropped([name])
 
     def close(self) -> None:
         """Unlink every segment (the mappings stay valid until the process exits)."""
@@ -279,6 +332,15 @@ class SlabMaps:
         if self._retired:
             self._unpin_retired()
         self._sweep_at = max(64, 2 * len(self._maps))
+
+    def unmap(self, names: list[str]) -> None:
+        """The peer unlinked these segments: drop their mappings now (views still in use keep theirs until they
+        go), so that their memory returns."""
+        for name in names:
+            if name in self._maps:
+                self._drop(name)
+        if self._retired:
+            self._unpin_retired()
 
     def forget(self, prefix: str) -> None:
         """Drop the mappings of a peer that is gone, and unlink what it left behind."""

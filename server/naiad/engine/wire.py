@@ -114,6 +114,12 @@ class Free(msgspec.Struct, tag="f", array_like=True):
     slabs: list[str]
 
 
+class Unmap(msgspec.Struct, tag="u", array_like=True):
+    slabs: list[
+        str
+    ]  # segments the sender unlinked: the peer drops its mappings of them, so their memory returns
+
+
 class Reply(msgspec.Struct, tag="r", array_like=True):
     id: int
     response: Response
@@ -133,7 +139,7 @@ class Error(msgspec.Struct, tag="e", array_like=True):
     retry_after: float | None = None  # when the client may come back (HTTP Retry-After, gRPC retry-after)
 
 
-Message = Hello | Infer | Stream | Cancel | Call | Free | Reply | Value | Error
+Message = Hello | Infer | Stream | Cancel | Call | Free | Unmap | Reply | Value | Error
 
 
 def _enc_hook(obj: Any) -> Any:

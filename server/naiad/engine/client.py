@@ -408,7 +408,12 @@ class EngineClient:
         async def tokenize(text: str) -> list[int]:
             return await self.call("tokenize", name, version, text)
 
-        mv = RemoteModel(name, version, config, load, remote_context(name, version, described, tokenize))
+        # the engine's check of a structured-output spec (the OpenAI frontend runs it on a thread: a blocking call)
+        def check_structured_outputs(spec: Any) -> None:
+            self.control.call("check_structured_outputs", name, version, spec)
+
+        ctx = remote_context(name, version, described, tokenize, check_structured_outputs)
+        mv = RemoteModel(name, version, config, load, ctx)
         self._models[(name, version)] = mv
         return mv
 

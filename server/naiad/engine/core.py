@@ -172,6 +172,8 @@ class EngineService:
             return [*_model_info(mv), waited]
         if method == "tokenize":  # name, version, text
             return await model_context.tokenize(s.model(args[0], args[1]), args[2])
+        if method == "check_structured_outputs":  # name, version, spec
+            return await model_context.check_structured_outputs(s.model(args[0], args[1]), args[2])
         return self.call(method, args)
 
 
@@ -180,7 +182,9 @@ def _model_info(mv) -> list:
     return [mv.name, mv.version, mv.config.SerializeToString(), model_context.load_stamp(mv)]
 
 
-_ASYNC_CALLS = frozenset({"index", "load_model", "unload_model", "ready_model", "tokenize"})
+_ASYNC_CALLS = frozenset(
+    {"index", "load_model", "unload_model", "ready_model", "tokenize", "check_structured_outputs"}
+)
 
 
 class WorkerConnection:

@@ -1,9 +1,11 @@
 """A model version's context as a frontend worker sees it: its folders and the `LLMInfo` its backend published in
-the engine (chat template, special tokens, context length), with the tokenizer asked of the engine; and the load
-stamp that tells a worker when the engine's model is another load than the one it knows."""
+the engine (chat template, special tokens, context length), with the tokenizer and the structured-output check
+asked of the engine; and the load stamp that tells a worker when the engine's model is another load than the one
+it knows."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,8 +40,17 @@ def describe(mv: Any) -> dict:
             "context_length": published.context_length,
             "extra": dict(published.extra),
             "tokenize": published.tokenize is not None,
+            "check_structured_outputs": published.check_structured_outputs is not None,
         }
     return out
+
+
+async def check_structured_outputs(mv: Any, spec: Any) -> None:
+    """(engine) The model's engine's check of a structured-output spec (InvalidArgument when it cannot follow it),
+    off the event loop: it may build a grammar."""
+    published = llm_info.of(mv.ctx)
+    if published is not None and published.check_structured_outputs is not None:
+        await asyncio.to_thread(published.check_structured_outputs, spec)
 
 
 async def tokenize(mv: Any, text: str) -> list[int]:
@@ -64,9 +75,14 @@ class RemoteContext:
 
 
 def remote_context(
-    name: str, version: int, described: dict, tokenize: Callable[[str], Awaitable[list[int]]]
+    name: str,
+    version: int,
+    described: dict,
+    tokenize: Callable[[str], Awaitable[list[int]]],
+    check: Callable[[Any], None],
 ) -> RemoteContext:
-    """(worker) The context `describe` sent, its LLMInfo's tokenizer being `tokenize` (a call to the engine)."""
+    """(worker) The context `describe` sent, its LLMInfo's tokenizer being `tokenize` and its structured-output
+    check `check` (calls to the engine)."""
     ctx = RemoteContext(name, version, Path(described["model_dir"]), Path(described["version_dir"]))
     llm = described.get("llm")
     if llm is not None:
@@ -78,6 +94,7 @@ def remote_context(
                 eos_token=llm["eos_token"],
                 context_length=llm["context_length"],
                 tokenize=tokenize if llm["tokenize"] else None,
+                check_structured_outputs=check if llm.get("check_structured_outputs") else None,
                 extra=llm["extra"],
             ),
         )

@@ -1,5 +1,6 @@
 """engine/client.EngineClient against a real engine connection: a request its caller gives up on is cancelled in the
-engine too, and a response nobody reads (its call given up, its stream closed) gives its shared-memory slab back."""
+engine too, a response nobody reads (its call given up, its stream closed) gives its shared-memory slab back, and
+a slab the engine unlinks is unmapped by the worker."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ class _Server:
         return {"name": "naiad", "version": "test", "extensions": []}
 
     async def infer(self, req):
+        if req.model_name == "at_once":
+            return InferenceResponse(
+                req.model_name, "1", [OutputTensor("OUT", "FP32", np.ones(BIG, np.float32))]
+            )
         self.started += 1
         try:
             await asyncio.get_running_loop().create_future()  # never done
@@ -141,5 +146,38 @@ async def test_responses_a_stream_left_unread_give_their_slabs_back():
             await stream.aclose()  # the caller stops reading: the two responses queued are never decoded
             del first
             await _until(lambda: not engine.pool._refs, "the worker to free the unread responses' slabs")
+        finally:
+            client.close()
+
+
+def _mapped(prefix: str) -> set[str]:
+    """The inodes of this process's mappings of segments named `<prefix>-...` (the engine runs in a thread of it
+    here; earlier tests' engines used the same names, so a test compares inodes)."""
+    with open("/proc/self/maps") as f:
+        return {line.split()[4] for line in f if f"/{prefix}-" in line}
+
+
+async def test_an_output_slab_the_engine_lets_go_is_unmapped_by_its_worker():
+    server = _Server()
+    with _engine(server) as engine:
+        engine.pool.limit = (
+            256 * 1024
+        )  # each output's slab is more than half of it: unlinked once the worker is done
+        client = EngineClient(engine.path)
+        await client.connect()
+        try:
+            before = _mapped(engine.pool.prefix)
+            resp = await client.infer(
+                InferenceRequest("at_once", {"X": np.ones(4, np.float32)}, {"X": "FP32"})
+            )
+            assert resp.outputs[0].data.sum() == BIG
+            assert (
+                _mapped(engine.pool.prefix) - before
+            )  # the worker reads the output where the engine wrote it
+            del resp
+            await _until(
+                lambda: not _mapped(engine.pool.prefix) - before, "the worker to unmap the engine's slab"
+            )
+            assert not [f for f in os.listdir(SHM_DIR) if f.startswith(engine.pool.prefix + "-")]
         finally:
             client.close()

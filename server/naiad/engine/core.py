@@ -37,18 +37,20 @@ class EngineService:
         self._dir = tempfile.mkdtemp(prefix="naiad-engine-")
         self.path = os.path.join(self._dir, "engine.sock")
         self._listener: asyncio.AbstractServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.connections: set[WorkerConnection] = set()
 
     def _unlinked(self, slab: str) -> None:
-        """The engine's pool unlinked a slab of outputs: every worker unmaps it (any thread)."""
-        for conn in list(self.connections):
-            try:
-                conn.channel.send_threadsafe(wire.Unmap([slab]))
-            except RuntimeError:  # the loop is closed: the process is exiting
-                pass
+        """The engine's pool unlinked a slab of outputs (any thread): every worker unmaps it."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._unmap_everywhere, slab)
+
+    def _unmap_everywhere(self, slab: str) -> None:
+        for conn in self.connections:
+            conn.channel.send(wire.Unmap([slab]))
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._listener = await loop.create_unix_server(lambda: WorkerConnection(self).channel, self.path)
 
     async def stop(self) -> None:

@@ -96,8 +96,9 @@ def _exporter(arr: np.ndarray) -> object:
 class SlabPool:
     """Segments named `<prefix>-<n>` in size classes of powers of two; `free` returns one for reuse. The pool keeps
     at most `limit` bytes of slabs: a new slab first evicts idle ones (largest first), and one that still does not
-    fit, or is larger than half the limit, is unlinked when freed. Whatever is unlinked is reported to `on_drop(name)` (any thread), so that the peer
-    unmaps it too: an unlinked segment's memory returns only once every process has unmapped it."""
+    fit, or is larger than half the limit, is unlinked when freed. Whatever is unlinked is reported to
+    `on_drop(name)` (any thread), so that the peer unmaps it too: an unlinked segment's memory returns only once
+    every process has unmapped it."""
 
     def __init__(self, prefix: str, limit: int = POOL_BYTES):
         self.prefix = prefix

@@ -9,7 +9,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -84,6 +84,18 @@ def _engine(server: _Server) -> Iterator[EngineService]:
         loop.close()
 
 
+@contextlib.asynccontextmanager
+async def _connected(server: _Server) -> AsyncIterator[tuple[EngineService, EngineClient]]:
+    """An engine serving `server`, and a worker's client connected to it."""
+    with _engine(server) as engine:
+        client = EngineClient(engine.path)
+        await client.connect()
+        try:
+            yield engine, client
+        finally:
+            client.close()
+
+
 async def _until(predicate: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + 10
     while not predicate():
@@ -105,49 +117,34 @@ async def _give_up_on_one(client: EngineClient, server: _Server) -> None:
 
 async def test_a_request_its_caller_gives_up_on_is_cancelled_in_the_engine():
     server = _Server()
-    with _engine(server) as engine:
-        client = EngineClient(engine.path)
-        await client.connect()
-        try:
-            await _give_up_on_one(client, server)
-            await _until(lambda: server.cancelled == 1, "the engine to cancel the request")
-            assert server.answered == 0
-        finally:
-            client.close()
+    async with _connected(server) as (_, client):
+        await _give_up_on_one(client, server)
+        await _until(lambda: server.cancelled == 1, "the engine to cancel the request")
+        assert server.answered == 0
 
 
 async def test_a_reply_nobody_waits_for_gives_its_slab_back():
     server = _Server(answer_anyway=True)
-    with _engine(server) as engine:
-        client = EngineClient(engine.path)
-        await client.connect()
-        try:
-            for n in range(1, 4):
-                await _give_up_on_one(client, server)
-                await _until(lambda: server.answered == n, "the engine to answer")  # noqa: B023
-                await _until(lambda: not engine.pool._refs, "the worker to free the reply's slab")
-            segments = [f for f in os.listdir(SHM_DIR) if f.startswith(engine.pool.prefix + "-")]
-            assert len(segments) == 1, segments  # three replies, one slab reused (not one leaked per reply)
-        finally:
-            client.close()
+    async with _connected(server) as (engine, client):
+        for n in range(1, 4):
+            await _give_up_on_one(client, server)
+            await _until(lambda: server.answered == n, "the engine to answer")  # noqa: B023
+            await _until(lambda: not engine.pool._refs, "the worker to free the reply's slab")
+        segments = [f for f in os.listdir(SHM_DIR) if f.startswith(engine.pool.prefix + "-")]
+        assert len(segments) == 1, segments  # three replies, one slab reused (not one leaked per reply)
 
 
 async def test_responses_a_stream_left_unread_give_their_slabs_back():
     server = _Server()
-    with _engine(server) as engine:
-        client = EngineClient(engine.path)
-        await client.connect()
-        try:
-            stream = client.infer_stream(InferenceRequest("m", {"X": np.ones(4, np.float32)}, {"X": "FP32"}))
-            first = await stream.__anext__()
-            assert first.outputs[0].data[0] == 0
-            await _until(lambda: server.streamed == 3, "the engine to send every response")
-            await asyncio.sleep(0.1)  # (for them to reach the worker's queue)
-            await stream.aclose()  # the caller stops reading: the two responses queued are never decoded
-            del first
-            await _until(lambda: not engine.pool._refs, "the worker to free the unread responses' slabs")
-        finally:
-            client.close()
+    async with _connected(server) as (engine, client):
+        stream = client.infer_stream(InferenceRequest("m", {"X": np.ones(4, np.float32)}, {"X": "FP32"}))
+        first = await stream.__anext__()
+        assert first.outputs[0].data[0] == 0
+        await _until(lambda: server.streamed == 3, "the engine to send every response")
+        await asyncio.sleep(0.1)  # (for them to reach the worker's queue)
+        await stream.aclose()  # the caller stops reading: the two responses queued are never decoded
+        del first
+        await _until(lambda: not engine.pool._refs, "the worker to free the unread responses' slabs")
 
 
 def _mapped(prefix: str) -> set[str]:
@@ -159,25 +156,15 @@ def _mapped(prefix: str) -> set[str]:
 
 async def test_an_output_slab_the_engine_lets_go_is_unmapped_by_its_worker():
     server = _Server()
-    with _engine(server) as engine:
-        engine.pool.limit = (
-            256 * 1024
-        )  # each output's slab is more than half of it: unlinked once the worker is done
-        client = EngineClient(engine.path)
-        await client.connect()
-        try:
-            before = _mapped(engine.pool.prefix)
-            resp = await client.infer(
-                InferenceRequest("at_once", {"X": np.ones(4, np.float32)}, {"X": "FP32"})
-            )
-            assert resp.outputs[0].data.sum() == BIG
-            assert (
-                _mapped(engine.pool.prefix) - before
-            )  # the worker reads the output where the engine wrote it
-            del resp
-            await _until(
-                lambda: not _mapped(engine.pool.prefix) - before, "the worker to unmap the engine's slab"
-            )
-            assert not [f for f in os.listdir(SHM_DIR) if f.startswith(engine.pool.prefix + "-")]
-        finally:
-            client.close()
+    async with _connected(server) as (engine, client):
+        # an output's slab is more than half of the limit: unlinked once the worker is done with it
+        engine.pool.limit = 256 * 1024
+        before = _mapped(engine.pool.prefix)
+        resp = await client.infer(InferenceRequest("at_once", {"X": np.ones(4, np.float32)}, {"X": "FP32"}))
+        assert resp.outputs[0].data.sum() == BIG
+        assert _mapped(engine.pool.prefix) - before  # the worker reads the output where the engine wrote it
+        del resp
+        await _until(
+            lambda: not _mapped(engine.pool.prefix) - before, "the worker to unmap the engine's slab"
+        )
+        assert not [f for f in os.listdir(SHM_DIR) if f.startswith(engine.pool.prefix + "-")]

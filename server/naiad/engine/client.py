@@ -275,18 +275,17 @@ class EngineClient:
 
     def _unlinked(self, slab: str) -> None:
         """This worker's pool unlinked a slab or receive segment: the engine unmaps it too (any thread)."""
-        if self.channel is not None:
-            try:
-                self.channel.send_threadsafe(wire.Unmap([slab]))
-            except RuntimeError:
-                pass
+        self._send_threadsafe(wire.Unmap([slab]))
 
     def _release(self, slab: str) -> None:
         """A response's output views are all gone: the engine may reuse its slab (any thread)."""
+        self._send_threadsafe(wire.Free([slab]))
+
+    def _send_threadsafe(self, msg: wire.Message) -> None:
         if self.channel is not None:
             try:
-                self.channel.send_threadsafe(wire.Free([slab]))
-            except RuntimeError:
+                self.channel.send_threadsafe(msg)
+            except RuntimeError:  # the loop is closed: the process is exiting
                 pass
 
     def _send(self, msg: wire.Message) -> None:

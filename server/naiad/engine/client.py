@@ -407,9 +407,17 @@ class EngineClient:
         async def tokenize(text: str) -> list[int]:
             return await self.call("tokenize", name, version, text)
 
-        # the engine's check of a structured-output spec (the OpenAI frontend runs it on a thread: a blocking call)
+        # the engine's check of a structured-output spec, which the OpenAI frontend runs on a thread (it may build a
+        # grammar): asked over the data channel, so this worker's event loop goes on serving meanwhile
         def check_structured_outputs(spec: Any) -> None:
-            self.control.call("check_structured_outputs", name, version, spec)
+            channel = self.channel
+            if (
+                channel is None or asyncio._get_running_loop() is channel.loop
+            ):  # on the loop: no thread to block
+                self.control.call("check_structured_outputs", name, version, spec)
+            else:
+                call = self.call("check_structured_outputs", name, version, spec)
+                asyncio.run_coroutine_threadsafe(call, channel.loop).result()
 
         ctx = remote_context(name, version, described, tokenize, check_structured_outputs)
         mv = RemoteModel(name, version, config, load, ctx)

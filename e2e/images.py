@@ -244,9 +244,11 @@ def _mkdir_in_root(rootfs: Path, target: str) -> str:
             parts = [p for p in link.split("/") if p and p != "."] + parts
             here = rootfs if link.startswith("/") else here
             continue
-        if not nxt.exists():
+        try:
             nxt.mkdir(mode=0o755)
-        elif not nxt.is_dir():
+        except FileExistsError:  # there already, or made this moment by a container of the same image
+            pass
+        if not nxt.is_dir():
             raise ImageError(f"mount point {target} is not a directory in {rootfs}")
         here = nxt
     return "/" + str(here.relative_to(rootfs)).lstrip(".")

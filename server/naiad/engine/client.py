@@ -54,7 +54,7 @@ class ControlChannel:
             except TimeoutError:
                 raise Unavailable(f"the engine did not answer '{method}' in {CONTROL_TIMEOUT_S:g}s") from None
         if isinstance(msg, wire.Error):
-            raise wire.raise_error(msg.kind, msg.message, msg.retry_after)
+            raise wire.exception(msg)
         return msg.value
 
     def _read_frame(self) -> bytes:
@@ -299,7 +299,7 @@ class EngineClient:
         self._send(wire.Call(rid, method, list(args)))
         msg = await fut
         if isinstance(msg, wire.Error):
-            raise wire.raise_error(msg.kind, msg.message, msg.retry_after)
+            raise wire.exception(msg)
         return msg.value
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
@@ -326,7 +326,7 @@ class EngineClient:
             self._pending.pop(rid, None)
             self._request_slabs.pop(rid, None)
         if isinstance(msg, wire.Error):
-            raise wire.raise_error(msg.kind, msg.message, msg.retry_after)
+            raise wire.exception(msg)
         if msg[0].load_wait_ns:  # the engine loaded the model on demand first: the frontend reports the wait
             request.load_wait_ns = msg[0].load_wait_ns
         return wire.decode_response(msg[0], self.maps, self._release, msg[1])
@@ -348,7 +348,7 @@ class EngineClient:
                     raise msg
                 if isinstance(msg, wire.Error):
                     done = True
-                    raise wire.raise_error(msg.kind, msg.message, msg.retry_after)
+                    raise wire.exception(msg)
                 if isinstance(msg, wire.Value):
                     done = True
                     return

@@ -63,9 +63,8 @@ class Response(msgspec.Struct, array_like=True):
     final: bool
     error: tuple[str, str] | None = None
     slab: str = ""
-    load_wait_ns: int = (
-        0  # the request waited this long for its model to load on demand (the engine loaded it)
-    )
+    # the request waited this long for its model to load on demand (the engine loaded it)
+    load_wait_ns: int = 0
 
 
 class CudaSpan:
@@ -115,9 +114,8 @@ class Free(msgspec.Struct, tag="f", array_like=True):
 
 
 class Unmap(msgspec.Struct, tag="u", array_like=True):
-    slabs: list[
-        str
-    ]  # segments the sender unlinked: the peer drops its mappings of them, so their memory returns
+    # segments the sender unlinked: the peer drops its mappings of them, so their memory returns
+    slabs: list[str]
 
 
 class Reply(msgspec.Struct, tag="r", array_like=True):
@@ -172,6 +170,11 @@ def raise_error(kind: str, message: str, retry_after: float | None = None) -> er
     if retry_after is not None:
         err.retry_after = retry_after
     return err
+
+
+def exception(msg: Error) -> errors.NaiadError:
+    """The error an `Error` message carries."""
+    return raise_error(msg.kind, msg.message, msg.retry_after)
 
 
 # ---- tensors ----

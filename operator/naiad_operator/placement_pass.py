@@ -252,8 +252,11 @@ class _Pass:
             intent = model.intent
             idle_for = None
             if not scaled_before[intent.name] and meter is not None:
-                requests = model_requests(counters, holders[intent.name], intent.model_name)
-                idle_for = clock.idle_for(self.namespace, intent.name, requests)
+                if holders[intent.name]:
+                    requests = model_requests(counters, holders[intent.name], intent.model_name)
+                    idle_for = clock.idle_for(self.namespace, intent.name, requests)
+                else:  # no copy is ready (being placed or loaded): its idle time counts from the first ready copy
+                    clock.forget(self.namespace, intent.name)
             decision = decide(
                 scaled_before=scaled_before[intent.name],
                 holders=len(holders[intent.name]),

@@ -167,6 +167,28 @@ def labelled(kube):
     return [p for p in ("gpu-0", "gpu-1", "gpu-2") if labels_of(kube, p).get(LABEL) == "loaded"]
 
 
+async def placed(ctx) -> None:
+    """The pass that places a model, and the next one, which finds its copy ready: its idle clock starts there."""
+    await reconcile_pool(ctx, NS, "gpu")
+    await reconcile_pool(ctx, NS, "gpu")
+
+
+@on_session_loop
+async def test_the_time_a_copy_takes_to_load_is_not_idle_time():
+    """A model is idle when the pods holding it see no request; until a copy is ready nothing can call it (a large
+    model may load for longer than idleSeconds): its clock starts at the first pass that finds a ready copy."""
+    kube, servers, _, ctx, now = make_world()
+    kube.add(model("chat", dict(SPEC)))
+    await reconcile_pool(ctx, NS, "gpu")  # places it (the pass's snapshot was taken before the load)
+    now[0] += 61  # the next pass, as long after as the load might take
+    await reconcile_pool(ctx, NS, "gpu")
+    assert status_of(kube, "InferenceModel", "chat")["phase"] == "Available"
+    assert sum("chat" in models for models in servers.loaded.values()) == 1
+    now[0] += 61  # idle since its copy was found ready
+    await reconcile_pool(ctx, NS, "gpu")
+    assert status_of(kube, "InferenceModel", "chat")["phase"] == "ScaledToZero"
+
+
 @on_session_loop
 async def test_idle_model_gives_up_its_copies_then_a_load_on_demand_brings_it_back():
     kube, servers, meter, ctx, now = make_world()
@@ -230,7 +252,7 @@ async def test_idle_model_gives_up_its_copies_then_a_load_on_demand_brings_it_ba
 async def test_a_burst_on_several_pods_keeps_the_replicas_asked_for():
     kube, servers, _, ctx, now = make_world()
     kube.add(model("chat", dict(SPEC)))
-    await reconcile_pool(ctx, NS, "gpu")
+    await placed(ctx)
     now[0] += 61
     await reconcile_pool(ctx, NS, "gpu")
     assert status_of(kube, "InferenceModel", "chat")["phase"] == "ScaledToZero"
@@ -257,7 +279,7 @@ async def test_pods_without_load_on_demand_keep_the_copies():
 async def test_an_operator_that_restarts_keeps_a_scaled_model_at_zero():
     kube, servers, _, ctx, now = make_world()
     kube.add(model("chat", dict(SPEC)))
-    await reconcile_pool(ctx, NS, "gpu")
+    await placed(ctx)
     now[0] += 61
     await reconcile_pool(ctx, NS, "gpu")
     ctx.idle = IdleClock(clock=lambda: now[0])  # what a new operator process starts with
@@ -280,7 +302,7 @@ async def test_going_to_zero_unloads_at_once_where_the_pods_stay_routed():
     kube, servers, _, ctx, now = make_world()
     ctx.drain = DrainBook(5.0, clock=lambda: now[0])
     kube.add(model("chat", dict(SPEC)))
-    await reconcile_pool(ctx, NS, "gpu")
+    await placed(ctx)
     now[0] += 61
     report = await reconcile_pool(ctx, NS, "gpu")
     assert all("chat" not in models for models in servers.loaded.values())

@@ -156,11 +156,17 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set(lws_cluster, rep
         assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
         assert not h.exists("inferenceserver", "big-server")  # no pool: the group is the model's servers
 
-        # the LWS controller made the group: leader big-server-0, worker big-server-0-1
+        # the LWS controller made the group: leader big-server-0, worker big-server-0-1, both scheduled (a pod the
+        # scheduler has not bound yet has no nodeName: CI listed the worker in that instant once)
         pods = wait(
-            lambda: (p := h.get("pods", selector=f"{LWS_NAME}=big-server")["items"]) and len(p) == 2 and p,
+            lambda: (
+                (p := h.get("pods", selector=f"{LWS_NAME}=big-server")["items"])
+                and len(p) == 2
+                and all(q["spec"].get("nodeName") for q in p)
+                and p
+            ),
             90,
-            what="the group's two pods",
+            what="the group's two pods, scheduled",
         )
         by_name = {p["metadata"]["name"]: p for p in pods}
         assert set(by_name) == {"big-server-0", "big-server-0-1"}

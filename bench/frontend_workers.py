@@ -4,6 +4,10 @@ HTTP binary identity requests (16 values at c8 and c64, 4 MiB at c8) and gRPC on
 
     .venv/bin/python bench/frontend_workers.py --workers 1,2 --rounds 3 --duration 8
     .venv/bin/python bench/frontend_workers.py --workers "2 --frontend-accept reuseport,2 --frontend-accept balanced"
+    .venv/bin/python bench/frontend_workers.py --workers "echo 1,echo 2,1,2" --scenarios large_c8
+
+A setting "echo N" runs bench/echo_server.py instead, N processes that answer each request with its own body:
+the requests/s the machine allows this load and the CPU floor under a server's (HTTP scenarios only).
 
 The server is not pinned (N workers need N cores); wrk runs beside it. The machine may be shared: the server
 and wrk run at nice -20 in scheduling groups of nice -20 (as bench/run.py does), each round runs every setting
@@ -31,6 +35,7 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = ROOT / "bench" / "lua" / "infer_binary.lua"
+ECHO = ROOT / "bench" / "echo_server.py"  # the machine's ceiling: `--workers "echo 1,echo 2,..."`
 MODEL_PY = ROOT / "bench" / "models" / "repo" / "identity_16" / "1" / "model.py"
 NICE = ["nice", "-n", "-20"] if os.geteuid() == 0 else []
 SCENARIOS = {"small_c64": (16, 64), "large_c8": (1024 * 1024, 8)}  # FP32 values, connections
@@ -115,7 +120,29 @@ class Server:
         workers, *extra = setting.split()
         self.port = free_port()
         self.grpc_port = free_port()
-        cmd = [
+        cmd = [*NICE, sys.executable, str(ECHO), "--port", str(self.port), "--processes", *(extra or ["1"])]
+        if workers != "echo":
+            cmd = self._naiad(repo, workers, extra)
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])
+        )
+        self.proc = subprocess.Popen(
+            cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        boost(self.proc.pid)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=1).ok:
+                    return
+            except requests.RequestException:
+                time.sleep(0.2)
+        raise RuntimeError(f"server did not start; see {log}")
+
+    def _naiad(self, repo: Path, workers: str, extra: list[str]) -> list[str]:
+        return [
             *NICE,
             sys.executable,
             "-m",
@@ -135,23 +162,6 @@ class Server:
             workers,
             *extra,
         ]
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])
-        )
-        self.proc = subprocess.Popen(
-            cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        boost(self.proc.pid)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"http://127.0.0.1:{self.port}/v2/health/ready", timeout=1).ok:
-                    return
-            except requests.RequestException:
-                time.sleep(0.2)
-        raise RuntimeError(f"server did not start; see {log}")
 
     def cpu_seconds(self) -> tuple[float, float]:
         """CPU-seconds of the server's processes: all of them, and the first (the engine, with frontend workers)."""
@@ -240,7 +250,7 @@ def main() -> int:
         "--workers",
         default="1,2",
         help="settings to compare: --frontend-workers values, each optionally followed by more flags "
-        "('1,2,2 --busy-poll-us 0')",
+        "('1,2,2 --busy-poll-us 0'); 'echo N': bench/echo_server.py with N processes, the ceiling",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=8.0)

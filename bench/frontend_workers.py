@@ -120,8 +120,17 @@ class Server:
         workers, *extra = setting.split()
         self.port = free_port()
         self.grpc_port = free_port()
-        cmd = [*NICE, sys.executable, str(ECHO), "--port", str(self.port), "--processes", *(extra or ["1"])]
-        if workers != "echo":
+        if workers == "echo":
+            cmd = [
+                *NICE,
+                sys.executable,
+                str(ECHO),
+                "--port",
+                str(self.port),
+                "--processes",
+                *(extra or ["1"]),
+            ]
+        else:
             cmd = self._naiad(repo, workers, extra)
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])

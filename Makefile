@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools server-tools cluster-tools venv serve test worker-tests test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm e2e-llm-image-tests
+.PHONY: tools server-tools cluster-tools cluster-tools-background venv serve test worker-tests test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm e2e-llm-image-tests
 
 venv: $(VENV)/.installed
 
@@ -33,14 +33,14 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 
 # Every tier this machine can run: server, Triton side by side, Prometheus, operator, the e2e cluster, and the e2e
 # cluster again with every pod and the operator started from the built images (~4 min warm).
-# What the server tier needs is built first, side by side (`server-tools`, `images`, llama-cpp-python: cold ~15 min
-# on 2 cores, warm instant). The cluster tiers' builds (`cluster-tools`: Kubernetes and etcd alone take ~20 min of
-# both cores cold) start at once in the background at the lowest CPU priority (nice 19), so they take the CPU the
-# first builds and then the server tier leave idle; the cluster tiers wait for them (each build holds a lock, so
-# the second `make cluster-tools` waits for the first and reports its errors). Then a per-tier summary.
+# The cluster tiers' builds (`cluster-tools`: Kubernetes and etcd alone take ~20 min of both cores cold) start
+# first, before the virtualenv (they need none), in the background at the lowest CPU priority (nice 19), so they take
+# the CPU that pip's downloads, mypy (one core), the first builds and then the server tier leave idle; the cluster
+# tiers wait for them (each build holds a lock, so the second `make cluster-tools` waits for the first and reports
+# its errors). What the server tier needs is built side by side (`server-tools`, `images`, llama-cpp-python: cold
+# ~15 min on 2 cores, warm instant). Then a per-tier summary.
 # Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
-test: venv test-deps lint
-	@mkdir -p build; (nice -n 19 $(MAKE) -s cluster-tools >build/cluster-tools.log 2>&1 &)
+test: cluster-tools-background venv test-deps lint
 	@# the builds are CPU-bound, the image builds mostly download: run them side by side
 	@$(MAKE) -s -j4 server-tools images images-llm examples llm-deps
 	@rm -rf .test-results; status=0; \
@@ -127,16 +127,22 @@ server-tools:
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; \
 	for t in $(SERVER_GO_TOOLS); do bash tools/go/build.sh $$t >/dev/null || exit $$?; done
 
-# The cluster tiers' builds: Kubernetes, etcd, kwok, helm, prometheus-adapter (e2e-build), every other tools/go
-# server (the endpoint picker, LeaderWorkerSet, the real node's helpers) and the CRDs they apply.
+# The cluster tiers' builds: Kubernetes, etcd, kwok, helm, prometheus-adapter (e2e-build, itself two streams), and
+# beside it, one after another, every other tools/go server (KEDA, LeaderWorkerSet, the endpoint picker, the real
+# node's helpers: ~25 min of CPU cold, which used to wait for Kubernetes to finish), then the CRDs they apply.
 cluster-tools:
-	@$(MAKE) -s e2e-build >/dev/null
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; \
+	$(MAKE) -s e2e-build >/dev/null & e2e=$$!; status=0; \
 	for t in tools/go/*/; do t=$$(basename $$t); [ -f "tools/go/$$t/go.mod" ] || continue; \
-	  case " $(SERVER_GO_TOOLS) " in *" $$t "*) continue;; esac; bash tools/go/build.sh $$t >/dev/null || exit $$?; done
+	  case " $(SERVER_GO_TOOLS) " in *" $$t "*) continue;; esac; bash tools/go/build.sh $$t >/dev/null || status=$$?; done; \
+	wait $$e2e || status=$$?; exit $$status
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/gie/crds.sh >/dev/null
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/lws/crds.sh >/dev/null
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/keda/crds.sh >/dev/null
+
+# `make test`'s first step: the cluster tools' builds in the background (their output in build/cluster-tools.log).
+cluster-tools-background:
+	@mkdir -p build; (nice -n 19 $(MAKE) -s cluster-tools >build/cluster-tools.log 2>&1 &)
 
 # llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's rpc-server from the same
 # source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).

@@ -5,6 +5,11 @@ HTTP binary identity requests (16 values at c8 and c64, 4 MiB at c8) and gRPC on
     .venv/bin/python bench/frontend_workers.py --workers 1,2 --rounds 3 --duration 8
     .venv/bin/python bench/frontend_workers.py --workers "2 --frontend-accept reuseport,2 --frontend-accept balanced"
     .venv/bin/python bench/frontend_workers.py --workers "echo 1,echo 2,1,2" --scenarios large_c8
+    .venv/bin/python bench/frontend_workers.py --workers 1 --trees .,/tmp/base --cpu-limit 0.5   # a pod's limit
+
+`--trees` runs the server's code of each tree (a git worktree of the previous main, say) under the same load,
+alternated with the settings; `--cpu-limit` runs the server in a cgroup with that CFS quota (bench/cpu_limit.py),
+as a pod's CPU limit does, and reports the periods in which the quota ran out.
 
 A setting "echo N" runs bench/echo_server.py instead, N processes that answer each request with its own body:
 the requests/s the machine allows this load and the CPU floor under a server's (HTTP scenarios only).
@@ -32,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import requests
+from cpu_limit import CpuLimit
 
 ROOT = Path(__file__).resolve().parent.parent
 LUA = ROOT / "bench" / "lua" / "infer_binary.lua"
@@ -116,7 +122,7 @@ def boost(pid: int) -> None:
 
 
 class Server:
-    def __init__(self, repo: Path, setting: str, log: Path):
+    def __init__(self, repo: Path, setting: str, log: Path, tree: Path = ROOT, limit: CpuLimit | None = None):
         workers, *extra = setting.split()
         self.port = free_port()
         self.grpc_port = free_port()
@@ -133,8 +139,10 @@ class Server:
         else:
             cmd = self._naiad(repo, workers, extra)
         env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])
+            os.environ, PYTHONPATH=os.pathsep.join([str(tree / "server"), os.environ.get("PYTHONPATH", "")])
         )
+        if limit is not None:
+            cmd = limit.wrap(cmd)
         self.proc = subprocess.Popen(
             cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
@@ -276,13 +284,27 @@ def main() -> int:
         "--instances", type=int, default=1, help="the model's instances (python processes behind the engine)"
     )
     p.add_argument(
+        "--trees",
+        default=".",
+        help="the server's code from each of these trees, alternated (a worktree: an A/B)",
+    )
+    p.add_argument("--cpu-limit", type=float, help="the server's CPU limit in CPUs (a cgroup's CFS quota)")
+    p.add_argument(
         "--backend",
         choices=["python", "onnxruntime"],
         default="python",
         help="the identity model's backend: python (stub processes) or onnxruntime (inside the engine)",
     )
     args = p.parse_args()
-    settings = [w.strip() for w in args.workers.split(",")]
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    # a setting of each tree: "1", or "1 [base]" for the second of `--trees .,/tmp/base`
+    runs = {
+        (f"{w.strip()} [{t.name}]" if len(trees) > 1 else w.strip()): (w.strip(), t)
+        for t in trees
+        for w in args.workers.split(",")
+    }
+    settings = list(runs)
+    limit = CpuLimit(args.cpu_limit) if args.cpu_limit else None
     tmp = Path(tempfile.mkdtemp(prefix="naiad-fw-bench-"))
     repo = make_repo(tmp / "repo", args.instances, args.backend)
     log = tmp / "server.log"
@@ -291,13 +313,15 @@ def main() -> int:
         for rnd in range(args.rounds):
             order = settings if rnd % 2 == 0 else settings[::-1]
             for n in order:
-                server = Server(repo, n, log)
+                server = Server(repo, runs[n][0], log, runs[n][1], limit)
                 try:
                     for name in args.scenarios.split(","):
                         run_scenario(server, name, tmp, args.warmup, args.client_threads)
                         cpu0, engine0 = server.cpu_seconds()
+                        periods0, throttled0 = limit.throttled() if limit else (0, 0)
                         r = run_scenario(server, name, tmp, args.duration, args.client_threads)
                         cpu1, engine1 = server.cpu_seconds()
+                        periods1, throttled1 = limit.throttled() if limit else (0, 0)
                         errors = sum(v for k, v in r.items() if k.startswith("err_"))
                         rps = r["requests"] / (r["duration_us"] / 1e6)
                         cpu_us = (cpu1 - cpu0) / max(1, r["requests"]) * 1e6
@@ -308,13 +332,20 @@ def main() -> int:
                             f"round {rnd + 1} workers={n} {name}: {rps:9.1f} req/s, "
                             f"{cpu_us:8.1f} us CPU/request (first process {engine_us:.1f} us, busy "
                             f"{(engine1 - engine0) / (r['duration_us'] / 1e6):.2f}), errors {errors}, "
-                            f"load {os.getloadavg()[0]:.1f}",
+                            f"load {os.getloadavg()[0]:.1f}"
+                            + (
+                                f", throttled {throttled1 - throttled0}/{periods1 - periods0} periods"
+                                if limit
+                                else ""
+                            ),
                             flush=True,
                         )
                 finally:
                     server.stop()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if limit is not None:
+            limit.remove()
     print("\nmedians over rounds:")
     for name in args.scenarios.split(","):
         base = None

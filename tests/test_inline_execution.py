@@ -52,5 +52,35 @@ def test_the_policy_sends_an_instance_back_to_its_thread_when_its_executions_gro
     for _ in range(InlinePolicy.QUALIFY):  # small again: it qualifies again
         policy.observe(20_000)
     assert policy.inline
-    policy.observe(InlinePolicy.EVICT_NS + 1)  # one execution past the eviction limit is enough
+    policy.observe(InlinePolicy.EVICT_NS + 1)  # two executions in a row past the eviction limit are enough
+    assert policy.inline
+    policy.observe(InlinePolicy.EVICT_NS + 1)
     assert not policy.inline
+
+
+def test_a_lone_slow_execution_is_the_cpu_not_the_model():
+    """Wall time counts the time the thread did not run: a preemption (a few ms) or a CPU limit's throttling (the
+    rest of a CFS period, tens of ms) makes one execution of a 20 µs model look slow. Alone, or a few in a row
+    under the eviction limit, they neither send it to its thread nor count fully in its average."""
+    from naiad.backends.base import InlinePolicy
+
+    policy = InlinePolicy(True)
+    for _ in range(InlinePolicy.QUALIFY):
+        policy.observe(20_000)
+    assert policy.inline
+    for _ in range(50):  # throttled once a period, fast in between
+        policy.observe(40_000_000)
+        for _ in range(5):
+            policy.observe(20_000)
+        assert policy.inline
+    for _ in range(2):  # preempted two executions in a row, each for 1.9 ms
+        policy.observe(1_900_000)
+    assert policy.inline
+    slow = 0
+    while policy.inline:  # a model that turned slow goes, whatever came before
+        policy.observe(1_900_000)
+        slow += 1
+    assert slow <= 2
+    for _ in range(InlinePolicy.QUALIFY):  # fast again; one throttled execution on its thread does not hold it back
+        policy.observe(40_000_000 if _ == 10 else 20_000)
+    assert policy.inline

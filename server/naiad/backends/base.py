@@ -57,40 +57,61 @@ class InlinePolicy:
 
     Why: a thread hop costs two GIL hand-offs per execution; with the server on one core that ping-pong was
     62% of the time of a 16-value python identity request (py-spy, bench/README.md). A model qualifies after
-    `QUALIFY` executions whose moving average stays under `LIMIT_NS`, and goes back to its thread as soon as
-    one inline execution takes longer than `EVICT_NS`, so a slow model can never stall the event loop for
-    more than one execution, or when the average of its inline executions passes twice `LIMIT_NS` (a batched
-    model that qualified on small batches and now executes large ones).
+    `QUALIFY` executions whose moving average stays under `LIMIT_NS`, and goes back to its thread when two
+    executions in a row take longer than `EVICT_NS`, so a model that turns slow stalls the event loop for at
+    most two executions, or when the average of its inline executions passes twice `LIMIT_NS` (a batched model
+    that qualified on small batches and now executes large ones).
+
+    Wall time counts the time the thread was not running too. One slow execution alone is what a preemption
+    looks like (another process on the core) or a CPU limit's throttling (a pod's CFS quota spent: the whole
+    process waits for the next period, tens of milliseconds): not the model. So a lone one neither evicts nor
+    enters the average, and no execution adds more than `CLIP_NS` to it (a few preemptions of a millisecond
+    or two in a row do not make a 10 µs model look slow). Evicting on them sent the instance to its thread
+    after nearly every throttled period, which under a CPU limit cost a small model a large part of its
+    requests/s (bench/README.md, "Inline executions under a CPU limit").
     """
 
     QUALIFY = 32
     LIMIT_NS = 150_000
     EVICT_NS = 2_000_000
+    CLIP_NS = 4 * LIMIT_NS
 
-    __slots__ = ("_avg", "_count", "allowed", "inline")
+    __slots__ = ("_avg", "_count", "_slow", "allowed", "inline")
 
     def __init__(self, allowed: bool):
         self.allowed = allowed
         self.inline = False
         self._avg = 0.0
         self._count = 0
+        self._slow = False  # the last inline execution took longer than EVICT_NS
 
     def observe(self, ns: int) -> None:
         if not self.allowed:
             return
+        if ns > self.CLIP_NS:
+            if ns > self.EVICT_NS and self.inline:
+                if not self._slow:
+                    self._slow = True  # alone it is not the model's: see the class's docstring
+                    return
+                self._evict()
+                return
+            ns = self.CLIP_NS
         if self.inline:
-            # back to its thread after one slow execution, or when the executions have grown (a dynamic batcher
-            # composing larger batches than the ones the model qualified with)
+            self._slow = False
+            # back to its thread when the executions have grown (a dynamic batcher composing larger batches
+            # than the ones the model qualified with)
             self._avg = 0.8 * self._avg + 0.2 * ns
-            if ns > self.EVICT_NS or self._avg > 2 * self.LIMIT_NS:
-                self.inline = False
-                self._count = 0
-                self._avg = float(ns)
+            if self._avg > 2 * self.LIMIT_NS:
+                self._evict()
             return
         self._avg = ns if self._count == 0 else 0.8 * self._avg + 0.2 * ns
         self._count += 1
         if self._count >= self.QUALIFY and self._avg < self.LIMIT_NS:
             self.inline = True
+
+    def _evict(self) -> None:
+        self.inline = self._slow = False
+        self._count = 0  # (the next execution, on its thread, starts the average again)
 
     def forbid(self) -> None:
         self.allowed = False

@@ -300,3 +300,36 @@ def test_pings_while_a_reply_waits_for_window_are_not_strikes(naiad):
             rounds += 1
         assert ended and received >= 4 * n, (received, rounds)
         assert rounds >= 6
+
+
+def test_a_large_reply_goes_out_in_full_frames_of_the_size_the_client_allows(naiad):
+    """A client that keeps the default 16 KiB SETTINGS_MAX_FRAME_SIZE (h2load, grpc-go, grpc-java) and opens
+    wide windows: a 4 MiB reply goes out in full 16 KiB DATA frames (the tensor's share one header), the last
+    one short, and the message read back from them is the tensor byte for byte."""
+    from h2frames import DATA, END_STREAM, HEADERS, SETTINGS, WINDOW_UPDATE, RawH2, frame, grpc_message
+
+    n = 1 << 20  # 4 MiB of FP32
+    data = np.random.default_rng(7).random(n, dtype=np.float32)
+    req = pb.ModelInferRequest(model_name="identity_fp32")
+    tensor = req.inputs.add(name="INPUT0", datatype="FP32")
+    tensor.shape.extend([1, n])
+    req.raw_input_contents.append(data.tobytes())
+    body = grpc_message(req.SerializeToString())
+    # SETTINGS_INITIAL_WINDOW_SIZE: every stream's window at its largest
+    window = struct.pack(">HI", 4, (1 << 31) - 1)
+    with RawH2(naiad.grpc, settings=window) as conn:
+        conn.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", (1 << 31) - 1 - 65535)))
+        conn.send(conn.request_headers("/inference.GRPCInferenceService/ModelInfer"))
+        for pos in range(0, len(body), 16384):
+            last = END_STREAM if pos + 16384 >= len(body) else 0
+            conn.send(frame(DATA, last, 1, body[pos : pos + 16384]))
+        frames = conn.frames(timeout=30, until=lambda f: f[0] == HEADERS and f[1] & END_STREAM)
+    assert not conn.closed
+    sizes = [len(f[3]) for f in frames if f[0] == DATA and f[2] == 1]
+    assert max(sizes) == 16384 and all(s == 16384 for s in sizes[:-1]), sizes[:8]
+    assert [f for f in frames if f[0] == SETTINGS or f[2] == 1][-1][0] == HEADERS  # the trailers come last
+    message = b"".join(f[3] for f in frames if f[0] == DATA and f[2] == 1)
+    assert int.from_bytes(message[1:5], "big") == len(message) - 5
+    reply = pb.ModelInferResponse.FromString(message[5:])
+    assert reply.outputs[0].name == "OUTPUT0" and list(reply.outputs[0].shape) == [1, n]
+    assert reply.raw_output_contents[0] == data.tobytes()

@@ -81,6 +81,7 @@ def test_a_lone_slow_execution_is_the_cpu_not_the_model():
         policy.observe(1_900_000)
         slow += 1
     assert slow <= 2
-    for _ in range(InlinePolicy.QUALIFY):  # fast again; one throttled execution on its thread does not hold it back
-        policy.observe(40_000_000 if _ == 10 else 20_000)
+    # fast again; one throttled execution on its thread does not hold it back
+    for i in range(InlinePolicy.QUALIFY):
+        policy.observe(40_000_000 if i == 10 else 20_000)
     assert policy.inline

@@ -85,3 +85,44 @@ def test_a_lone_slow_execution_is_the_cpu_not_the_model():
     for i in range(InlinePolicy.QUALIFY):
         policy.observe(40_000_000 if i == 10 else 20_000)
     assert policy.inline
+
+
+async def test_a_queue_in_front_of_an_inline_instance_empties_in_one_turn(model_repo):
+    """Requests that queued while the instance was busy (on its thread before it qualified, say) are executed
+    back to back by the dispatcher once it is free, not one a turn: a closed-loop load that refills the queue as
+    fast as it empties would otherwise keep every later request on the queued path for as long as it lasts."""
+    import asyncio
+
+    from naiad.inference import InferenceRequest
+
+    server = Server(ServerOptions(model_repositories=[str(model_repo)], strict_readiness=False))
+    await server.start()
+    try:
+        mv = server.repository.get("mlp_onnx")
+        x = np.random.default_rng(4).random((2, 16), dtype=np.float32)
+
+        def request() -> InferenceRequest:
+            return InferenceRequest(model_name="mlp_onnx", inputs={"input": x}, datatypes={"input": "FP32"})
+
+        (instance,) = mv.pool.instances
+        for _ in range(instance.inline.QUALIFY + 8):
+            await server.infer(request())
+        assert instance.inline.inline
+        held = mv.pool.try_acquire()  # busy: the first requests of each client queue
+        queued_at_submit = []
+
+        async def client() -> None:
+            for _ in range(20):  # each sends its next request as soon as it has its answer
+                queued_at_submit.append(mv.scheduler.queued > 0)
+                await server.infer(request())
+
+        clients = [asyncio.ensure_future(client()) for _ in range(32)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert mv.scheduler.queued == 32
+        mv.pool.release(held)
+        await asyncio.gather(*clients)
+        later = queued_at_submit[32:]
+        assert sum(later) <= len(later) // 10, f"{sum(later)} of {len(later)} later requests met a queue"
+    finally:
+        await server.stop(1)

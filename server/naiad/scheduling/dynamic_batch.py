@@ -18,6 +18,8 @@ from ..errors import InvalidArgument, Unavailable
 from ..inference import InferenceRequest, InferenceResponse
 from .pool import InstancePool
 
+DRAIN_TURN = 256  # queued batches the dispatcher runs on the loop back to back before it lets the loop turn
+
 
 @dataclass
 class QueuePolicy:
@@ -189,8 +191,10 @@ class DynamicBatchScheduler:
 
     async def _dispatch_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        inline_run = 0  # batches run here since the loop last turned
         while not self._closed:
             while not self.queued:
+                inline_run = 0
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 if self._closed:
@@ -207,10 +211,15 @@ class DynamicBatchScheduler:
                 # queue empties in one turn. One execution (and one Task) a turn let a closed-loop load refill
                 # the queue as fast as it emptied: every request then met `queued` and took this path, 1.6x
                 # the CPU of the direct one, for as long as the load lasted (bench/README.md, "Inline
-                # executions under a CPU limit").
+                # executions under a CPU limit"). Other connections get a turn every DRAIN_TURN batches.
                 await self._run(inst, batch)
                 del batch, inst
+                inline_run += 1
+                if inline_run >= DRAIN_TURN:
+                    inline_run = 0
+                    await asyncio.sleep(0)
                 continue
+            inline_run = 0
             task = loop.create_task(self._run(inst, batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)

@@ -29,7 +29,6 @@ class CpuLimit:
             self.path.mkdir(exist_ok=True)
             (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (self.path / "cpu.cfs_quota_us").write_text(str(quota))
-        self.cpus = cpus
 
     def wrap(self, cmd: list[str]) -> list[str]:
         """cmd, joining the cgroup first (so nothing it starts runs outside the limit)."""

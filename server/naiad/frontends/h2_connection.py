@@ -99,6 +99,7 @@ class Stream:
         "held",
         "http_status",
         "inbuf",
+        "interleaved",
         "last_data",
         "metadata",
         "method",
@@ -124,6 +125,7 @@ class Stream:
         self.body: list = []  # unary request: DATA payloads until END_STREAM
         self.msg: memoryview | None = None  # or a large unary request's message, in a pooled buffer
         self.msg_fill = 0
+        self.interleaved = False  # its message's frames came between other frames (h2_message_reader.py)
         self.received = 0
         self.unacked = 0
         self.held = 0  # received bytes whose window is granted only once the call takes its queued messages
@@ -173,6 +175,9 @@ class H2Connection(asyncio.Protocol):
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
+        self.filling: Stream | None = (
+            None  # the last DATA frame of this read went into this call's pooled message
+        )
         self.preface = False
         self.decoder = hpack.Decoder()
         self.decoder.max_header_list_size = MAX_HEADER_LIST

@@ -52,6 +52,7 @@ from .h2_framing import (
     WINDOW_UPDATE,
     frame,
 )
+from .h2_message_reader import MessageReader
 from .h2grpc_messages import Abort, RequestHead, split_messages
 from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
@@ -120,6 +121,11 @@ class H2Reader(H2Connection, abc.ABC):
                 pos = end
                 if self.closed:
                     return
+            st = self.filling
+            if st is not None:
+                self.filling = None
+                if MessageReader.start(self, st, view[pos:]):
+                    return  # the rest of the message is read into its buffer (h2_message_reader.py)
             if pos < n:
                 self.buf += view[pos:]
                 if len(self.buf) >= 9:
@@ -460,6 +466,7 @@ class H2Reader(H2Connection, abc.ABC):
                 else:
                     if not in_place:
                         st.msg[fill : fill + len(payload)] = payload
+                        self.filling = st
                     st.msg_fill = fill + len(payload)
             elif (
                 not st.body
@@ -482,6 +489,7 @@ class H2Reader(H2Connection, abc.ABC):
         st.msg = memoryview(POOL.take(size))[:size]
         st.msg[: len(payload)] = payload
         st.msg_fill = len(payload)
+        self.filling = st
         return True
 
     # ---- supplied by the call layer (h2grpc._Connection) ----

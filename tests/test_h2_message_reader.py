@@ -1,0 +1,279 @@
+"""Large gRPC messages sent in small DATA frames (h2_message_reader.py), against the HTTP/2 server in this process:
+the message comes out byte for byte however the frames are cut into reads, with a PING, a small call or another
+large call's frames between its frames, padded frames, more or less than the message announced, past the stream's
+window (the server opens it), and a client gone in the middle; every pooled buffer is free afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import struct
+import threading
+import time
+
+import pytest
+import uvloop
+from h2frames import DATA, END_STREAM, HEADERS, PING, RST_STREAM, WINDOW_UPDATE, RawH2, frame, grpc_message
+
+from naiad.frontends.h2_message_reader import MessageReader
+from naiad.frontends.h2grpc import H2GrpcServer
+from naiad.frontends.h2grpc_messages import Method
+from naiad.frontends.receive_buffers import POOL
+
+PATH = "/test.Echo/Digest"
+FRAME = 16384  # what h2load, grpc-go and grpc-java send
+PADDED = 0x8
+
+
+class Digest:
+    """A request message parsed as its length and SHA-256, which is also the reply."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    @classmethod
+    def FromString(cls, view) -> Digest:
+        return cls(len(view).to_bytes(8, "big") + hashlib.sha256(view).digest())
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+async def digest(request: Digest, context) -> Digest:
+    return request
+
+
+def expected(message: bytes) -> bytes:
+    return len(message).to_bytes(8, "big") + hashlib.sha256(message).digest()
+
+
+@pytest.fixture
+def server(monkeypatch):
+    """(address, the stream ids whose messages the reader took over) of a server on its own uvloop thread."""
+    taken: list[int] = []
+    start = MessageReader.start.__func__  # type: ignore[attr-defined]
+
+    def counted(cls, conn, st, rest) -> bool:
+        if start(cls, conn, st, rest):
+            taken.append(st.sid)
+            return True
+        return False
+
+    monkeypatch.setattr(MessageReader, "start", classmethod(counted))
+    srv = H2GrpcServer({PATH.encode(): Method(Digest, digest)})
+    loop = uvloop.new_event_loop()
+    up = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(srv.start("127.0.0.1", 0))
+        up.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert up.wait(10)
+    port = srv._server.sockets[0].getsockname()[1]
+    yield f"127.0.0.1:{port}", taken
+    asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+    assert_buffers_free()
+
+
+def assert_buffers_free() -> None:
+    deadline = time.monotonic() + 5
+    while POOL.idle_bytes() != POOL.bytes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert POOL.idle_bytes() == POOL.bytes, "a pooled receive buffer is still referred to"
+
+
+def data_frames(body: bytes, sid: int, size: int = FRAME, end: bool = True) -> list[bytes]:
+    out = []
+    for pos in range(0, len(body), size):
+        last = end and pos + size >= len(body)
+        out.append(frame(DATA, END_STREAM if last else 0, sid, body[pos : pos + size]))
+    return out
+
+
+def send_in_pieces(conn: RawH2, frames: list[bytes], seed: int) -> None:
+    """`frames` in writes that now and then stop, for a moment, inside a frame's header, just after it or inside
+    its payload, so that the server's reads end there; else in writes of 300 KiB."""
+    rng = random.Random(seed)
+    out = bytearray()
+    for f in frames:
+        if rng.random() < 0.15:
+            cut = rng.choice((rng.randint(1, 8), 9, rng.randint(10, len(f) - 1) if len(f) > 10 else 9))
+            conn.send(bytes(out) + f[:cut])
+            time.sleep(0.002)
+            out[:] = f[cut:]
+        else:
+            out += f
+        if len(out) >= 300_000:
+            conn.send(bytes(out))
+            out.clear()
+    conn.send(bytes(out))
+
+
+class Calls:
+    """Reads the server's frames into each call's reply and trailers."""
+
+    def __init__(self, conn: RawH2):
+        self.conn = conn
+        self.payload: dict[int, bytes] = {}
+        self.trailers: dict[int, dict] = {}
+        self.other: list[tuple[int, int, int, bytes]] = []
+
+    def wait(self, sids: set[int], timeout: float = 30) -> None:
+        def done(f) -> bool:
+            ftype, flags, sid, data = f
+            if ftype == DATA and sid in sids:
+                self.payload[sid] = self.payload.get(sid, b"") + data
+            elif ftype == HEADERS and sid in sids:
+                headers = self.conn.decode(data)
+                if flags & END_STREAM:
+                    self.trailers[sid] = headers
+            else:
+                self.other.append(f)
+            return sids <= set(self.trailers)
+
+        self.conn.frames(timeout=timeout, until=done)
+        assert sids <= set(self.trailers), f"no answer for {sids - set(self.trailers)}"
+
+    def ok(self, sid: int, message: bytes) -> None:
+        assert self.trailers[sid].get("grpc-status") == "0", self.trailers[sid]
+        assert self.payload[sid][5:] == expected(message)
+
+
+def message(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def test_a_message_in_small_frames_comes_out_whole_however_the_reads_fall(server):
+    address, taken = server
+    for seed, n in enumerate((4 << 20, (1 << 20) + 3, 300_001)):
+        msg = message(n, seed)
+        with RawH2(address) as conn:
+            length = ("content-length", str(len(msg) + 5))  # (h2load sends one)
+            conn.send(conn.request_headers(PATH, *([length] if seed != 1 else [])))
+            send_in_pieces(conn, data_frames(grpc_message(msg), 1), seed)
+            calls = Calls(conn)
+            calls.wait({1})
+            calls.ok(1, msg)
+    assert taken, "the reader never took a message over"
+    assert_buffers_free()
+
+
+def test_frames_of_anything_else_between_a_message_s_frames(server):
+    """A PING, a small call and a padded frame in the middle of a large message: all answered, the message whole."""
+    address, _ = server
+    msg, small = message(3 << 20, 1), b"small"
+    frames = data_frames(grpc_message(msg), 1)
+    padded = frames[100]  # frame 100 again, padded: 1 byte of pad length, the payload, 7 bytes of padding
+    body = padded[9:]
+    frames[100] = frame(DATA, PADDED, 1, bytes([7]) + body + bytes(7))
+    with RawH2(address) as conn:
+        conn.send(conn.request_headers(PATH))
+        conn.send(b"".join(frames[:60]) + frame(PING, 0, 0, b"12345678"))
+        conn.send(conn.request_headers(PATH, sid=3) + frame(DATA, END_STREAM, 3, grpc_message(small)))
+        send_in_pieces(conn, frames[60:], 5)
+        calls = Calls(conn)
+        calls.wait({1, 3})
+        calls.ok(1, msg)
+        calls.ok(3, small)
+        assert any(f[0] == PING and f[3] == b"12345678" for f in calls.other)
+
+
+def test_two_large_messages_whose_frames_alternate(server):
+    address, _ = server
+    a, b = message(2 << 20, 2), message((2 << 20) + 77, 3)
+    fa, fb = data_frames(grpc_message(a), 1), data_frames(grpc_message(b), 3)
+    mixed = [f for pair in zip(fa, fb, strict=False) for f in pair] + fa[len(fb) :] + fb[len(fa) :]
+    with RawH2(address) as conn:
+        conn.send(conn.request_headers(PATH) + conn.request_headers(PATH, sid=3))
+        send_in_pieces(conn, mixed, 7)
+        calls = Calls(conn)
+        calls.wait({1, 3})
+        calls.ok(1, a)
+        calls.ok(3, b)
+
+
+def test_more_or_less_than_the_message_announced(server):
+    address, _ = server
+    msg = message(1 << 20, 4)
+    for claimed in (len(msg) - 100_000, len(msg) + 100_000):
+        body = struct.pack(">BI", 0, claimed) + msg
+        with RawH2(address) as conn:
+            conn.send(conn.request_headers(PATH))
+            send_in_pieces(conn, data_frames(body, 1), claimed)
+            calls = Calls(conn)
+            calls.wait({1})
+            assert calls.trailers[1].get("grpc-status") == "13", calls.trailers[1]
+            assert "expected one request message of" in calls.trailers[1].get("grpc-message", "")
+
+
+def test_a_message_larger_than_the_stream_window_gets_more_window(server):
+    """20 MiB against the 16 MiB a stream may send unacknowledged: the client sends what its window allows,
+    and the server, reading frames in place, grants the rest."""
+    address, taken = server
+    msg = message(20 << 20, 6)
+    frames = data_frames(grpc_message(msg), 1)
+    window = 1 << 24  # the server's SETTINGS_INITIAL_WINDOW_SIZE
+    first = window // FRAME
+    with RawH2(address) as conn:
+        conn.send(conn.request_headers(PATH))
+        conn.send(b"".join(frames[:first]))
+        granted = 0
+        need = len(grpc_message(msg)) - first * FRAME
+
+        def more(f) -> bool:
+            nonlocal granted
+            if f[0] == WINDOW_UPDATE and f[2] == 1:
+                granted += struct.unpack(">I", f[3])[0]
+            return granted >= need
+
+        conn.frames(timeout=30, until=more)
+        assert granted >= need, f"the stream's window opened by {granted} bytes, {need} needed"
+        conn.send(b"".join(frames[first:]))
+        calls = Calls(conn)
+        calls.wait({1})
+        calls.ok(1, msg)
+    assert 1 in taken
+
+
+def test_a_client_gone_in_the_middle_of_a_message(server):
+    address, _ = server
+    msg = message(4 << 20, 8)
+    frames = data_frames(grpc_message(msg), 1)
+    with RawH2(address) as conn:
+        conn.send(conn.request_headers(PATH))
+        conn.send(b"".join(frames[: len(frames) // 2]) + frames[len(frames) // 2][:5000])
+        time.sleep(0.2)
+    assert_buffers_free()
+    with RawH2(address) as conn:  # the server goes on
+        conn.send(conn.request_headers(PATH))
+        conn.send(b"".join(frames))
+        calls = Calls(conn)
+        calls.wait({1})
+        calls.ok(1, msg)
+
+
+def test_a_content_length_the_frames_overrun_resets_the_stream(server):
+    """HTTP/2's own check (RFC 9113 section 8.1.1) holds while the reader takes the frames: more DATA than the
+    request's content-length resets the stream with PROTOCOL_ERROR, and the connection goes on."""
+    address, _ = server
+    msg = message(2 << 20, 9)
+    body = grpc_message(msg)
+    with RawH2(address) as conn:
+        conn.send(conn.request_headers(PATH, ("content-length", str(len(body) - 50_000))))
+        send_in_pieces(conn, data_frames(body, 1), 9)
+        reset = conn.frames(timeout=30, until=lambda f: f[0] == RST_STREAM and f[2] == 1)
+        assert (
+            reset and reset[-1][0] == RST_STREAM and struct.unpack(">I", reset[-1][3])[0] == 1
+        )  # PROTOCOL_ERROR
+        conn.send(conn.request_headers(PATH, sid=3) + frame(DATA, END_STREAM, 3, grpc_message(b"after")))
+        calls = Calls(conn)
+        calls.wait({3})
+        calls.ok(3, b"after")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 
@@ -26,9 +27,11 @@ def grpc_message(payload: bytes, compressed: bool = False) -> bytes:
 class RawH2:
     """One connection: `send` frames, `frames()` reads what the server sent."""
 
-    def __init__(self, address: str, settings: bytes = b""):
+    def __init__(self, address: str, settings: bytes = b"", tls: ssl.SSLContext | None = None):
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)))
+        if tls is not None:  # (ALPN h2 set by the caller)
+            self.sock = tls.wrap_socket(self.sock, server_hostname=host)
         self.enc = hpack.Encoder()
         self.dec = hpack.Decoder()
         self.buf = b""

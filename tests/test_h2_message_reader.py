@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import ssl
 import struct
 import threading
 import time
@@ -51,6 +52,10 @@ def expected(message: bytes) -> bytes:
 @pytest.fixture
 def server(monkeypatch):
     """(address, the stream ids whose messages the reader took over) of a server on its own uvloop thread."""
+    yield from serve(monkeypatch)
+
+
+def serve(monkeypatch, tls: ssl.SSLContext | None = None):
     taken: list[int] = []
     start = MessageReader.start.__func__  # type: ignore[attr-defined]
 
@@ -67,7 +72,7 @@ def server(monkeypatch):
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(srv.start("127.0.0.1", 0))
+        loop.run_until_complete(srv.start("127.0.0.1", 0, ssl=tls))
         up.set()
         loop.run_forever()
 
@@ -277,3 +282,29 @@ def test_a_content_length_the_frames_overrun_resets_the_stream(server):
         calls = Calls(conn)
         calls.wait({3})
         calls.ok(3, b"after")
+
+
+def test_a_message_in_small_frames_over_tls(monkeypatch, tmp_path):
+    """Behind TLS the reader gets the decrypted bytes (uvloop's SSL transport fills a BufferedProtocol too)."""
+    from pki import Pki
+
+    pki = Pki(tmp_path, "naiad-test-ca")
+    cert, key = pki.issue("server")
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    server_ctx.set_alpn_protocols(["h2"])
+    client_ctx = ssl.create_default_context(cafile=pki.ca)
+    client_ctx.set_alpn_protocols(["h2"])
+    served = serve(monkeypatch, server_ctx)
+    address, taken = next(served)
+    try:
+        msg = message(4 << 20, 10)
+        with RawH2(address, tls=client_ctx) as conn:
+            conn.send(conn.request_headers(PATH, ("content-length", str(len(msg) + 5))))
+            send_in_pieces(conn, data_frames(grpc_message(msg), 1), 10)
+            calls = Calls(conn)
+            calls.wait({1})
+            calls.ok(1, msg)
+        assert taken == [1]
+    finally:
+        next(served, None)  # (the server's teardown)

@@ -175,9 +175,8 @@ class H2Connection(asyncio.Protocol):
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        self.filling: Stream | None = (
-            None  # the last DATA frame of this read went into this call's pooled message
-        )
+        # a call whose pooled message this read's DATA went into (h2_message_reader.py may read the rest)
+        self.filling: Stream | None = None
         self.preface = False
         self.decoder = hpack.Decoder()
         self.decoder.max_header_list_size = MAX_HEADER_LIST

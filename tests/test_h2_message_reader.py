@@ -1,7 +1,8 @@
 """Large gRPC messages sent in small DATA frames (h2_message_reader.py), against the HTTP/2 server in this process:
 the message comes out byte for byte however the frames are cut into reads, with a PING, a small call or another
 large call's frames between its frames, padded frames, more or less than the message announced, past the stream's
-window (the server opens it), and a client gone in the middle; every pooled buffer is free afterwards."""
+window (the server opens it), a content-length the frames overrun, a client gone in the middle, and behind TLS;
+every pooled buffer is free afterwards."""
 
 from __future__ import annotations
 

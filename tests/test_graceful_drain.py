@@ -335,6 +335,34 @@ def test_sigterm_exits_at_once_without_connections(slow_repo):
         proc.stop()
 
 
+def test_sigterm_does_not_wait_for_a_tls_clients_close_notify(slow_repo, tmp_path):
+    """An idle TLS keep-alive connection is closed after the grace, and that is the end of it: the drain does not
+    wait for the client's close_notify (which a client that is not reading never sends) until the exit timeout."""
+    import ssl
+
+    from pki import Pki
+
+    pki = Pki(tmp_path / "pki", "drain-ca")
+    cert, key = pki.issue("server")
+    tls = ("--http-use-ssl=true", "--http-server-cert", cert, "--http-server-key", key)
+    proc = NaiadProcess(slow_repo, *tls, "--drain-idle-connections-secs", "1", "--exit-timeout-secs", "30")
+    proc.start()
+    try:
+        context = ssl.create_default_context(cafile=pki.ca)
+        raw = socket.create_connection(("127.0.0.1", proc.http_port), timeout=5)
+        client = context.wrap_socket(raw, server_hostname="localhost")
+        client.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert client.recv(4096).startswith(b"HTTP/1.1 200")
+        gc.collect()  # the readiness probe's socket
+        started = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)  # the client holds its connection and reads nothing from now on
+        assert proc.proc.wait(25) == 0
+        assert time.monotonic() - started < 10
+        client.close()
+    finally:
+        proc.stop()
+
+
 def test_frontend_workers_drain(slow_repo):
     proc = NaiadProcess(
         slow_repo,

@@ -108,9 +108,15 @@ class HttpDrain:
         return fast + self.aiohttp_runner.app[DRAIN_STATE].accepted
 
     def open_connections(self) -> int:
+        """Connections not yet closed by either side. A connection aiohttp has closed (force_close drops its
+        transport) stays in its server's list until the transport reports the loss, which over TLS waits for the
+        client's close_notify, up to the SSL shutdown timeout (30 s): a client that simply closed its socket, as
+        Python's and most others do, never sends one, so such a connection would hold the drain to its deadline."""
         n = len(self.fast.connections) if self.fast is not None else 0
         server = self.aiohttp_runner.server
-        return n + (len(server.connections) if server is not None else 0)
+        if server is not None:
+            n += sum(1 for handler in server.connections if handler.transport is not None)
+        return n
 
 
 async def listen_while_arriving(accepted: Callable[[], int], quiet: float, limit: float) -> float:

@@ -6,7 +6,7 @@ REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
 
-.PHONY: tools server-tools cluster-tools cluster-tools-background venv serve test worker-tests test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm e2e-llm-image-tests
+.PHONY: tools server-tools server-deps-background image-tests cluster-tools cluster-tools-background venv serve test worker-tests test-deps test-gpu e2e-build e2e-tests e2e-bench e2e-density e2e-images e2e-image-tests e2e-node-tests examples bench e2e lint clean crds dashboards helm-lint images images-cuda images-llm e2e-llm-image-tests
 
 venv: $(VENV)/.installed
 
@@ -31,27 +31,47 @@ CLUSTER_TESTS := tests/operator/test_operator_cluster.py tests/operator/test_ope
   tests/operator/test_operator_lws_cluster.py tests/operator/test_helm_chart.py
 SCALE_BENCH := tests/operator/test_operator_scale.py
 
-# Every tier this machine can run: server, Triton side by side, Prometheus, operator, the e2e cluster, and the e2e
-# cluster again with every pod and the operator started from the built images (~4 min warm).
-# The cluster tiers' builds (`cluster-tools`: Kubernetes and etcd alone take ~20 min of both cores cold) start
-# first, before the virtualenv (they need none), in the background at the lowest CPU priority (nice 19), so they take
-# the CPU that pip's downloads, mypy (one core), the first builds and then the server tier leave idle; the cluster
-# tiers wait for them (each build holds a lock, so the second `make cluster-tools` waits for the first and reports
-# its errors). What the server tier needs is built side by side (`server-tools`, `images`, llama-cpp-python: cold
-# ~15 min on 2 cores, warm instant). Then a per-tier summary.
+# Every tier this machine can run: server, Triton side by side, Prometheus, operator, the e2e cluster, the images,
+# and the e2e cluster again with every pod and the operator started from the built images.
+# A cold run is CPU-bound until the cluster tools are built and mostly idle after, so the order is:
+# - at once, before the virtualenv (they need none): the cluster tiers' builds (`cluster-tools`: Kubernetes and etcd
+#   alone take ~20 min of both cores cold) in the background at the lowest CPU priority (nice 19), taking what
+#   everything else leaves idle; and what the server tier needs that needs no virtualenv (`server-deps-background`:
+#   MinIO, the OpenTelemetry Collector, h2spec, llama-cpp-python and rpc-server) at normal priority;
+# - the virtualenv, lint, the examples; `server-tools llm-deps` then only wait for the background's builds (each
+#   build holds a lock: a second build of the same thing waits for the first and finds it done, or reports its
+#   error);
+# - the images (~10 min of CPU cold) as SCHED_IDLE, so they only take CPU nothing else wants: they are needed last;
+# - the server tier; then side by side the workers pass, the cluster tier (once the cluster tools are built) and the
+#   image tiers (once the images and the cluster tools are: the built images run, then the cluster scenarios with
+#   every pod started from them). Each cluster tier's pytest process has a network namespace, a cluster and a pod
+#   network of its own. The side tiers' output follows the cluster tier's, then a per-tier summary.
 # Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
-test: cluster-tools-background venv test-deps lint
-	@# the builds are CPU-bound, the image builds mostly download: run them side by side
-	@$(MAKE) -s -j4 server-tools images images-llm examples llm-deps
+test: cluster-tools-background server-deps-background venv test-deps lint
+	@$(MAKE) -s -j3 server-tools examples llm-deps
+	@mkdir -p build; rm -f build/images.rc; (exec 7>build/images.lock; flock 7; \
+	  chrt --idle 0 $(MAKE) -s images images-llm >build/images.log 2>&1; echo $$? >build/images.rc) &
 	@rm -rf .test-results; status=0; \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
-	  --ignore=$(SCALE_BENCH) || status=$$?; \
-	$(MAKE) -s worker-tests || status=$$?; \
+	  --ignore=$(SCALE_BENCH) $(IMAGE_TESTS:%=--ignore=%) || status=$$?; \
+	$(MAKE) -s worker-tests >build/worker-tests.log 2>&1 & workers=$$!; \
 	$(MAKE) -s cluster-tools || { status=$$?; tail -n 30 build/cluster-tools.log; }; \
+	{ flock build/images.lock true; \
+	  if [ "$$(cat build/images.rc 2>/dev/null)" != 0 ]; then tail -n 40 build/images.log; exit 1; fi; \
+	  $(MAKE) -s image-tests; } >build/image-tests.log 2>&1 & images=$$!; \
 	$(MAKE) -s e2e-tests || status=$$?; \
-	$(MAKE) -s e2e-image-tests || status=$$?; \
+	wait $$workers || status=$$?; echo "== the workers pass (--frontend-workers 2)"; cat build/worker-tests.log; \
+	wait $$images || status=$$?; echo "== the images and the image tier"; cat build/image-tests.log; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
 	exit $$status
+
+# What the server tier needs that needs no virtualenv, started with the cluster tools' builds (`make test`):
+# llama-cpp-python's wheel and rpc-server built with the interpreter the virtualenv is made from (the wheel only
+# depends on its version; `llm-deps` installs it), and the Go servers the server tier starts. Output in
+# build/server-deps.log; a failure here is retried, and reported, by `llm-deps` and `server-tools`.
+server-deps-background:
+	@mkdir -p build; ( { PYTHON=$(PYTHON) bash tools/llama_cpp/build.sh rpc & \
+	  $(MAKE) -s server-tools; wait; } >build/server-deps.log 2>&1 & )
 
 # The protocol tests again with every server started with `--frontend-workers 2` (two worker processes in front of
 # one engine process), the Triton comparison included: the multi-process server must answer as one process does
@@ -86,6 +106,13 @@ e2e-image-tests:
 	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
 	  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_lws_cluster.py --ignore=e2e/test_real_node.py \
 	  $(NOT_RAY_GROUPS)
+
+# The built images themselves (tests/test_images.py: each started from its archive as a container runtime would),
+# then the cluster scenarios with every pod started from them (`e2e-image-tests`). Needs `make images images-llm`.
+IMAGE_TESTS := tests/test_images.py
+image-tests:
+	@status=0; NAIAD_TEST_RUN=images $(PY) -m pytest -q -rs $(PYTEST_ARGS) $(IMAGE_TESTS) || status=$$?; \
+	$(MAKE) -s e2e-image-tests || status=$$?; exit $$status
 
 # The LLM cluster scenarios in image mode (needs `make images images-llm`): the LeaderWorkerSet's leader and
 # rpc-server worker, and the llama.cpp model's pods (InferencePool, HPA, endpoint picker), started from the LLM

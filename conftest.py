@@ -25,6 +25,7 @@ TIERS = [
     ("tests/test_triton_compare.py", "triton side by side"),
     ("tests/test_prometheus.py", "prometheus"),
     ("tests/test_gpu.py", "gpu"),
+    ("tests/test_images.py", "images"),
     ("tests/", "server"),
 ]
 

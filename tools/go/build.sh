@@ -46,7 +46,8 @@ mkdir -p "$bin"
 while read -r pkg out; do
   [[ -z "$pkg" || "$pkg" == \#* ]] && continue
   echo "[tools/go] building $name: $pkg" >&2
-  (cd "$src" && "$GO" build -trimpath -ldflags="-s -w" -o "$bin/${out:-$(basename "$pkg")}" "$pkg")
+  # (no DWARF generated for binaries that are stripped of it: e2e/cluster/build.sh)
+  (cd "$src" && "$GO" build -trimpath -gcflags=all=-dwarf=false -ldflags="-s -w" -o "$bin/${out:-$(basename "$pkg")}" "$pkg")
 done < "$src/packages.txt"
 touch "$dest/.complete"
 echo "[tools/go] $name built in $(( $(date +%s) - start ))s: $bin" >&2

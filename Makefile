@@ -41,24 +41,25 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 # - the virtualenv, lint, the examples; `server-tools llm-deps` then only wait for the background's builds (each
 #   build holds a lock: a second build of the same thing waits for the first and finds it done, or reports its
 #   error);
-# - the images (~10 min of CPU cold) as SCHED_IDLE, so they only take CPU nothing else wants: they are needed last;
-# - the server tier; then side by side the workers pass, the cluster tier (once the cluster tools are built) and the
-#   image tiers (once the images and the cluster tools are: the built images run, then the cluster scenarios with
-#   every pod started from them). Each cluster tier's pytest process has a network namespace, a cluster and a pod
-#   network of its own. The side tiers' output follows the cluster tier's, then a per-tier summary.
+# - the images (~10 min of CPU cold) in the background at nice 19 too, sharing with the cluster tools what the
+#   tests leave: the cluster tier needs them as well (e2e's real node and pod runner start the server image);
+# - the server tier, then the workers pass beside what follows; once the cluster tools and the images are built,
+#   side by side the cluster tier and the image tiers (the built images run, then the cluster scenarios with every
+#   pod started from them). Each cluster tier's pytest process has a network namespace, a cluster and a pod network
+#   of its own. The side tiers' output follows the cluster tier's, then a per-tier summary.
 # Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
 test: cluster-tools-background server-deps-background venv test-deps lint
 	@$(MAKE) -s -j3 server-tools examples llm-deps
 	@mkdir -p build; rm -f build/images.rc; (exec 7>build/images.lock; flock 7; \
-	  chrt --idle 0 $(MAKE) -s images images-llm >build/images.log 2>&1; echo $$? >build/images.rc) &
+	  nice -n 19 $(MAKE) -s images images-llm >build/images.log 2>&1; echo $$? >build/images.rc) &
 	@rm -rf .test-results; status=0; \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) $(IMAGE_TESTS:%=--ignore=%) || status=$$?; \
 	$(MAKE) -s worker-tests >build/worker-tests.log 2>&1 & workers=$$!; \
 	$(MAKE) -s cluster-tools || { status=$$?; tail -n 30 build/cluster-tools.log; }; \
-	{ flock build/images.lock true; \
-	  if [ "$$(cat build/images.rc 2>/dev/null)" != 0 ]; then tail -n 40 build/images.log; exit 1; fi; \
-	  $(MAKE) -s image-tests; } >build/image-tests.log 2>&1 & images=$$!; \
+	flock build/images.lock true; [ "$$(cat build/images.rc 2>/dev/null)" = 0 ] || \
+	  { status=1; echo "the images did not build:"; tail -n 40 build/images.log; }; \
+	$(MAKE) -s image-tests >build/image-tests.log 2>&1 & images=$$!; \
 	$(MAKE) -s e2e-tests || status=$$?; \
 	wait $$workers || status=$$?; echo "== the workers pass (--frontend-workers 2)"; cat build/worker-tests.log; \
 	wait $$images || status=$$?; echo "== the images and the image tier"; cat build/image-tests.log; \
@@ -86,12 +87,13 @@ worker-tests:
 	  $(PY) -m pytest -q -rs $(PYTEST_ARGS) $(WORKER_TESTS)
 
 # The cluster tiers run in a pytest process of their own: the e2e pod network moves that process into a
-# private network namespace, which must happen before any test starts a thread.
+# private network namespace, which must happen before any test starts a thread. The operator's scenarios come first
+# and e2e/ (the real node last) after them: in `make test` the image tiers run beside this one and are done by then.
 e2e-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); \
 	if [ -n "$$bin" ] && [ -x "$$bin/kube-apiserver" ]; then export NAIAD_E2E_BIN="$$bin"; \
 	else echo "Kubernetes binaries unavailable: cluster tiers will skip"; fi; \
-	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e $(CLUSTER_TESTS)
+	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) $(CLUSTER_TESTS) e2e
 
 # The e2e scenarios and the operator's cluster scenarios again with every pod (and the operator) started from the
 # built images (`make images`), as a node would run them: each container in a PID namespace of its own under

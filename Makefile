@@ -47,12 +47,15 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 #   side by side the cluster tier and the image tiers (the built images run, then the cluster scenarios with every
 #   pod started from them). Each cluster tier's pytest process has a network namespace, a cluster and a pod network
 #   of its own. The side tiers' output follows the cluster tier's, then a per-tier summary.
-# Under CI=true a skipped test fails the run unless it is a GPU test skipped for lack of a device (conftest.py).
+# Free disk is sampled every 10 s from the server tier on (build/disk-free.log) and the least printed at the end:
+# CI's run of one tree failed on a full disk. Under CI=true a skipped test fails the run unless it is a GPU test
+# skipped for lack of a device (conftest.py).
 test: cluster-tools-background server-deps-background venv test-deps lint
 	@$(MAKE) -s -j3 server-tools examples llm-deps
 	@mkdir -p build; rm -f build/images.rc; (exec 7>build/images.lock; flock 7; \
 	  nice -n 19 $(MAKE) -s images images-llm >build/images.log 2>&1; echo $$? >build/images.rc) &
 	@rm -rf .test-results; status=0; \
+	( while kill -0 $$$$ 2>/dev/null; do df -Pm . | awk 'NR == 2 { print $$4 }'; sleep 10; done >build/disk-free.log ) & \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) $(IMAGE_TESTS:%=--ignore=%) || status=$$?; \
 	$(MAKE) -s worker-tests >build/worker-tests.log 2>&1 & workers=$$!; \
@@ -64,6 +67,7 @@ test: cluster-tools-background server-deps-background venv test-deps lint
 	wait $$workers || status=$$?; echo "== the workers pass (--frontend-workers 2)"; cat build/worker-tests.log; \
 	wait $$images || status=$$?; echo "== the images and the image tier"; cat build/image-tests.log; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
+	echo "least free disk during the tests: $$(sort -n build/disk-free.log | head -n 1) MiB"; \
 	exit $$status
 
 # What the server tier needs that needs no virtualenv, started with the cluster tools' builds (`make test`):

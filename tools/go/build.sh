@@ -41,6 +41,12 @@ flock 9
 if [[ "${NAIAD_TOOLS_FORCE:-0}" != 1 ]] && complete; then echo "$bin"; exit 0; fi
 
 export GOFLAGS="${GOFLAGS:--mod=readonly}" CGO_ENABLED="${CGO_ENABLED:-0}" GOTOOLCHAIN=local
+# shellcheck source=caches.sh
+source "$here/caches.sh"
+caches="$root/.$name-$hash.go-caches"
+rm -rf "$caches"
+trap 'rm -rf "$caches"' EXIT
+go_private_caches "$caches"
 start=$(date +%s)
 mkdir -p "$bin"
 while read -r pkg out; do

@@ -12,9 +12,10 @@
 # and llama.cpp's rpc-server that tools/llama_cpp/build.sh compiled once and cached. Only the
 # naiad-server-llm archive is written (`make images` writes the others).
 #
-# Storage: vfs for the CPU images (works in any container; a full copy of the root per layer, ~3.5 GiB here), the
-# kernel's overlay for the CUDA image where it can be mounted (vfs would copy its ~9 GiB of CUDA libraries per
-# layer: ~30 GB at the peak); NAIAD_IMAGES_DRIVER=vfs|overlay chooses.
+# Storage: the kernel's overlay where this process can mount it (root on a machine or VM), else vfs (works in any
+# container, but keeps a full copy of the root file system per layer and per working container: the CPU images
+# held ~4 GiB after the build and more during it, the CUDA image would need ~30 GB at the peak);
+# NAIAD_IMAGES_DRIVER=vfs|overlay chooses.
 #
 # Where the Dockerfiles' FROM image can be pulled it is used unchanged. Where no registry can be reached (this
 # workplace), the base is built from Debian packages (mmdebstrap -> umoci -> OCI archive, bookworm's Python 3.11,
@@ -94,9 +95,8 @@ overlay_works() {  # can this process mount the kernel's overlay file system (ro
 driver="${NAIAD_IMAGES_DRIVER:-}"
 if [[ -z "$driver" ]]; then
   driver=vfs
-  if [[ $variant == cuda ]]; then
-    if overlay_works; then driver=overlay; else log "overlay cannot be mounted here: vfs (needs ~30 GB free for CUDA)"; fi
-  fi
+  if overlay_works; then driver=overlay
+  else log "overlay cannot be mounted here: vfs (a full copy of the root per layer; ~30 GB free needed for CUDA)"; fi
 fi
 # buildah's layer cache does not see a changed ARG default or --build-arg value (seen: EXTRAS=onnx,s3 reused the
 # layers of an EXTRAS=onnx build), so each set of Dockerfiles and arguments gets a storage of its own, and the

@@ -29,9 +29,14 @@ mkdir -p "$dest/crds"
 exec 9>"$dest/.lock"
 flock 9
 if [[ -f "$dest/.complete" ]]; then echo "$dest/crds"; exit 0; fi
+# the module's files are read from a module cache of this script's own, removed when it ends (tools/go/caches.sh)
+# shellcheck source=../go/caches.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../go/caches.sh"
+trap 'rm -rf "$dest/.go-caches"' EXIT
+go_private_caches "$dest/.go-caches"
 
 module_dir() {
-  (cd /tmp && GOFLAGS=-mod=mod "$GO" mod download -json "$1" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  (cd /tmp && GOFLAGS="${GOFLAGS:+$GOFLAGS }-mod=mod" "$GO" mod download -json "$1" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
 }
 keda_dir="$(module_dir "$KEDA")"
 add_on_dir="$(module_dir "$ADD_ON")"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -25,6 +28,20 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+_LOG_DIR: str | None = None
+
+
+def server_log_dir() -> str:
+    """A directory for this test process's server logs, removed when it exits (NAIAD_TEST_KEEP_LOGS=1 keeps it):
+    a test reads a server's log after stopping it, and a `make test` used to leave ~600 of them in /tmp."""
+    global _LOG_DIR
+    if _LOG_DIR is None:
+        _LOG_DIR = tempfile.mkdtemp(prefix="naiad-test-logs-")
+        if os.environ.get("NAIAD_TEST_KEEP_LOGS") != "1":
+            atexit.register(shutil.rmtree, _LOG_DIR, True)
+    return _LOG_DIR
 
 
 class NaiadProcess:
@@ -99,9 +116,9 @@ class NaiadProcess:
                 env.pop(key, None)
             else:
                 env[key] = value
-        import tempfile
-
-        self.log = tempfile.NamedTemporaryFile(prefix="naiad-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(
+            prefix="naiad-", suffix=".log", dir=server_log_dir(), delete=False
+        )
         self.log_path = self.log.name
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=self.new_session
@@ -143,6 +160,7 @@ class NaiadProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()  # (the file stays until this process exits: output() reads it after a stop)
         return self.proc.returncode
 
     def __enter__(self):

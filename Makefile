@@ -67,7 +67,7 @@ test: cluster-tools-background server-deps-background venv test-deps lint
 	wait $$workers || status=$$?; echo "== the workers pass (--frontend-workers 2)"; cat build/worker-tests.log; \
 	wait $$images || status=$$?; echo "== the images and the image tier"; cat build/image-tests.log; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
-	echo "least free disk during the tests: $$(sort -n build/disk-free.log | head -n 1) MiB"; \
+	echo "least free disk during the tests: $$(sort -n build/disk-free.log | head -n 1) MiB (README, Tests: disk)"; \
 	exit $$status
 
 # What the server tier needs that needs no virtualenv, started with the cluster tools' builds (`make test`):

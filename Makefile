@@ -55,7 +55,7 @@ test: cluster-tools-background server-deps-background venv test-deps lint
 	@mkdir -p build; rm -f build/images.rc; (exec 7>build/images.lock; flock 7; \
 	  nice -n 19 $(MAKE) -s images images-llm >build/images.log 2>&1; echo $$? >build/images.rc) &
 	@rm -rf .test-results; status=0; \
-	( while kill -0 $$$$ 2>/dev/null; do df -Pm . | awk 'NR == 2 { print $$4 }'; sleep 10; done >build/disk-free.log ) & \
+	( while kill -0 $$$$ 2>/dev/null; do df -Pm . | awk 'NR == 2 { print $$4 }'; sleep 10; done >build/disk-free.log 2>/dev/null ) & \
 	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) $(IMAGE_TESTS:%=--ignore=%) || status=$$?; \
 	$(MAKE) -s worker-tests >build/worker-tests.log 2>&1 & workers=$$!; \

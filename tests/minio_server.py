@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import requests
-from helpers import free_ports, go_tool
+from helpers import free_ports, go_tool, server_log_dir
 
 
 class MinioServer:
@@ -27,7 +27,7 @@ class MinioServer:
         self.secret_key = secrets.token_hex(16)
         self.data = Path(tempfile.mkdtemp(prefix="naiad-minio-"))
         self.proc: subprocess.Popen | None = None
-        self.log_path = self.data.parent / (self.data.name + ".log")
+        self.log_path = Path(server_log_dir()) / (self.data.name + ".log")  # (kept for this test process)
 
     @property
     def endpoint(self) -> str:

@@ -75,7 +75,6 @@ P="${NAIAD_E2E_GO_P:-$(nproc)}"
 # shellcheck source=../../tools/go/caches.sh
 source "$here/../../tools/go/caches.sh"
 caches="$cache_root/.$hash.go-caches"
-rm -rf "$caches"
 trap 'rm -rf "$caches"' EXIT
 go_private_caches "$caches"
 
@@ -167,8 +166,6 @@ EOF
 rm -rf "$bin"
 mv "$tmp" "$bin"
 mv "$dest/versions.env.tmp" "$dest/versions.env"
-trap - EXIT
-rm -rf "$caches"
 touch "$dest/.complete"
 log "all binaries built in $((SECONDS - t0))s: $bin"
 echo "$bin"

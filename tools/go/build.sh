@@ -44,7 +44,6 @@ export GOFLAGS="${GOFLAGS:--mod=readonly}" CGO_ENABLED="${CGO_ENABLED:-0}" GOTOO
 # shellcheck source=caches.sh
 source "$here/caches.sh"
 caches="$root/.$name-$hash.go-caches"
-rm -rf "$caches"
 trap 'rm -rf "$caches"' EXIT
 go_private_caches "$caches"
 start=$(date +%s)

@@ -29,17 +29,14 @@ mkdir -p "$dest/crds"
 exec 9>"$dest/.lock"
 flock 9
 if [[ -f "$dest/.complete" ]]; then echo "$dest/crds"; exit 0; fi
-# the module's files are read from a module cache of this script's own, removed when it ends (tools/go/caches.sh)
+# the module's files come from a module cache of this script's own, removed when it ends (tools/go/caches.sh)
 # shellcheck source=../go/caches.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../go/caches.sh"
 trap 'rm -rf "$dest/.go-caches"' EXIT
 go_private_caches "$dest/.go-caches"
 
-module_dir() {
-  (cd /tmp && GOFLAGS="${GOFLAGS:+$GOFLAGS }-mod=mod" "$GO" mod download -json "$1" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
-}
-keda_dir="$(module_dir "$KEDA")"
-add_on_dir="$(module_dir "$ADD_ON")"
+keda_dir="$(go_module_dir "$KEDA")"
+add_on_dir="$(go_module_dir "$ADD_ON")"
 [[ -d "$keda_dir" && -d "$add_on_dir" ]] || { echo "crds.sh: $KEDA or $ADD_ON did not download" >&2; exit 4; }
 install -m 0644 "$keda_dir"/config/crd/bases/*.yaml "$dest/crds/"
 install -m 0644 "$add_on_dir"/config/crd/bases/http.keda.sh_httpscaledobjects.yaml "$dest/crds/"

@@ -28,13 +28,13 @@ mkdir -p "$dest/crds" "$dest/webhook"
 exec 9>"$dest/.lock"
 flock 9
 if [[ -f "$dest/.complete" ]]; then echo "$dest"; exit 0; fi
-# the module's files are read from a module cache of this script's own, removed when it ends (tools/go/caches.sh)
+# the module's files come from a module cache of this script's own, removed when it ends (tools/go/caches.sh)
 # shellcheck source=../go/caches.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../go/caches.sh"
 trap 'rm -rf "$dest/.go-caches"' EXIT
 go_private_caches "$dest/.go-caches"
 
-dir="$(cd /tmp && GOFLAGS="${GOFLAGS:+$GOFLAGS }-mod=mod" "$GO" mod download -json "$MODULE@$VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+dir="$(go_module_dir "$MODULE@$VERSION")"
 [[ -d "$dir" ]] || { echo "crds.sh: $MODULE@$VERSION did not download" >&2; exit 4; }
 install -m 0644 "$dir/config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml" "$dest/crds/"
 install -m 0644 "$dir/config/webhook/manifests.yaml" "$dest/webhook/manifests.yaml"

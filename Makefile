@@ -56,7 +56,7 @@ test: cluster-tools-background server-deps-background venv test-deps lint
 	  nice -n 19 $(MAKE) -s images images-llm >build/images.log 2>&1; echo $$? >build/images.rc) &
 	@rm -rf .test-results; status=0; \
 	( while kill -0 $$$$ 2>/dev/null; do df -Pm . | awk 'NR == 2 { print $$4 }'; sleep 10; done >build/disk-free.log 2>/dev/null ) & \
-	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
+	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) $(IMAGE_TESTS:%=--ignore=%) || status=$$?; \
 	$(MAKE) -s worker-tests >build/worker-tests.log 2>&1 & workers=$$!; \
 	$(MAKE) -s cluster-tools || { status=$$?; tail -n 30 build/cluster-tools.log; }; \
@@ -88,7 +88,7 @@ WORKER_TESTS := tests/test_triton_compare.py tests/test_http.py tests/test_grpc.
   tests/test_openai_structured_output.py
 worker-tests:
 	@NAIAD_TEST_RUN=server-workers NAIAD_TEST_EXTRA_ARGS="--frontend-workers 2" \
-	  $(PY) -m pytest -q -rs $(PYTEST_ARGS) $(WORKER_TESTS)
+	  $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) $(WORKER_TESTS)
 
 # The cluster tiers run in a pytest process of their own: the e2e pod network moves that process into a
 # private network namespace, which must happen before any test starts a thread. The operator's scenarios come first
@@ -97,7 +97,7 @@ e2e-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); \
 	if [ -n "$$bin" ] && [ -x "$$bin/kube-apiserver" ]; then export NAIAD_E2E_BIN="$$bin"; \
 	else echo "Kubernetes binaries unavailable: cluster tiers will skip"; fi; \
-	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rs $(PYTEST_ARGS) $(CLUSTER_TESTS) e2e
+	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) $(CLUSTER_TESTS) e2e
 
 # The e2e scenarios and the operator's cluster scenarios again with every pod (and the operator) started from the
 # built images (`make images`), as a node would run them: each container in a PID namespace of its own under
@@ -109,7 +109,7 @@ NOT_RAY_GROUPS := --deselect tests/operator/test_operator_lws_cluster.py::test_a
   --deselect tests/operator/test_operator_lws_cluster.py::test_a_triton_llm_repository_larger_than_a_node_joins_its_group_with_ray
 e2e-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
-	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
+	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
 	  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_lws_cluster.py --ignore=e2e/test_real_node.py \
 	  $(NOT_RAY_GROUPS)
 
@@ -117,7 +117,7 @@ e2e-image-tests:
 # then the cluster scenarios with every pod started from them (`e2e-image-tests`). Needs `make images images-llm`.
 IMAGE_TESTS := tests/test_images.py
 image-tests:
-	@status=0; NAIAD_TEST_RUN=images $(PY) -m pytest -q -rs $(PYTEST_ARGS) $(IMAGE_TESTS) || status=$$?; \
+	@status=0; NAIAD_TEST_RUN=images $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) $(IMAGE_TESTS) || status=$$?; \
 	$(MAKE) -s e2e-image-tests || status=$$?; exit $$status
 
 # The LLM cluster scenarios in image mode (needs `make images images-llm`): the LeaderWorkerSet's leader and
@@ -125,7 +125,7 @@ image-tests:
 # server image. The LLM scenario (~1 min 45 s here) is not part of `make test`'s image tier; the LWS one is.
 e2e-llm-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
-	NAIAD_TEST_RUN=cluster-llm-images $(PY) -m pytest -q -rs $(PYTEST_ARGS) tests/operator/test_operator_lws_cluster.py \
+	NAIAD_TEST_RUN=cluster-llm-images $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) tests/operator/test_operator_lws_cluster.py \
 	  tests/operator/test_operator_llm_cluster.py $(NOT_RAY_GROUPS)
 
 # The real node alone (e2e/node: containerd, runc, CNI, kubelet, kube-proxy; the server image imported into
@@ -133,7 +133,7 @@ e2e-llm-image-tests:
 e2e-node-tests:
 	@command -v go >/dev/null || export PATH="$$PATH:/usr/local/go/bin"; bash tools/go/build.sh e2e-node >/dev/null
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin"; \
-	NAIAD_TEST_RUN=cluster-node $(PY) -m pytest -q -rs $(PYTEST_ARGS) e2e/test_real_node.py
+	NAIAD_TEST_RUN=cluster-node $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) e2e/test_real_node.py
 
 # The operator's scale benchmark (300 InferenceModels on 3 pools; about 13 minutes with the small latency scenario):
 # API requests per minute from the API server's own metrics, apply -> Available p50/p95 and where it goes.

@@ -1,5 +1,5 @@
-"""Run-wide test policy: per-tier counts for `make test`'s summary, and under CI=true a skip is a failure
-unless the test is marked `gpu` (skipped for lack of a device)."""
+"""Run-wide test policy: per-tier counts and failures for `make test`'s summary, and under CI=true a skip is a
+failure unless the test is marked `gpu` (skipped for lack of a device)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class TierCounter:
     def __init__(self) -> None:
         self.counts: dict[str, Counter] = {}
         self.bad_skips: list[str] = []
+        self.failures: list[str] = []  # "<nodeid> (<phase>): <the error's line>", repeated at the run's end
         self.gpu_ids: set[str] = set()
 
     @pytest.hookimpl(trylast=True)
@@ -63,10 +64,20 @@ class TierCounter:
                     self.bad_skips.append(f"{report.nodeid}: {reason}")
             elif report.failed:
                 tier["failed"] += 1
+                self._failed(report)
             else:
                 tier["passed"] += 1
         elif report.when == "teardown" and report.failed:
             tier["failed"] += 1
+            self._failed(report)
+
+    def _failed(self, report) -> None:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = (
+            crash.message if crash is not None else (str(report.longrepr).strip().splitlines() or [""])[-1]
+        )
+        line = " ".join(message.split())
+        self.failures.append(f"{report.nodeid} ({report.when}): {line[:400]}")
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes") and self.bad_skips:
@@ -74,7 +85,11 @@ class TierCounter:
         name = os.environ.get("NAIAD_TEST_RUN")
         if name:
             RESULTS.mkdir(parents=True, exist_ok=True)
-            data = {"tiers": {k: dict(v) for k, v in self.counts.items()}, "bad_skips": self.bad_skips}
+            data = {
+                "tiers": {k: dict(v) for k, v in self.counts.items()},
+                "bad_skips": self.bad_skips,
+                "failures": self.failures,
+            }
             (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:

@@ -17,9 +17,9 @@ from ..host_pinning import HostPinning
 from ..inference import OutputTensor
 from ..server import Server
 from ..shared_memory.system import SharedMemoryManager
-from . import model_context, wire
+from . import leftovers, model_context, wire
 from .channel import Channel
-from .slabs import SlabMaps, SlabPool
+from .slabs import SHM_DIR, SlabMaps, SlabPool
 
 log = logging.getLogger("naiad.engine")
 
@@ -31,14 +31,35 @@ class EngineService:
         self.server = server
         self.shm = shm
         self.shm_generation = 0  # bumped on every (un)registration, so workers drop stale mappings
+        self._sweep()
         self.pool = SlabPool(f"naiad-e{os.getpid()}")
         self.pool.on_drop = self._unlinked
         self.maps = SlabMaps(pinning)  # the workers' segments, page-locked on a GPU server
-        self._dir = tempfile.mkdtemp(prefix="naiad-engine-")
+        self._dir = tempfile.mkdtemp(prefix=leftovers.SOCKET_DIR_PREFIX)
+        self._dir_lock = leftovers.hold(
+            self._dir, directory=True
+        )  # kept from other engines' sweeps while alive
         self.path = os.path.join(self._dir, "engine.sock")
         self._listener: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.connections: set[WorkerConnection] = set()
+
+    @staticmethod
+    def _sweep() -> None:
+        """Remove what engines and workers killed before they could clean up left (leftovers.py)."""
+        try:
+            segments = leftovers.sweep_segments(SHM_DIR)
+            dirs = leftovers.sweep_socket_dirs(tempfile.gettempdir())
+        except OSError as exc:
+            log.warning("could not look for what earlier engines left: %s", exc)
+            return
+        if segments or dirs:
+            log.info(
+                "removed what engines and workers that are gone left: %d shared-memory segment(s), %d socket "
+                "directory(ies)",
+                len(segments),
+                len(dirs),
+            )
 
     def _unlinked(self, slab: str) -> None:
         """The engine's pool unlinked a slab of outputs (any thread): every worker unmaps it."""
@@ -60,6 +81,9 @@ class EngineService:
             conn.channel.close()
         self.pool.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir_lock >= 0:
+            os.close(self._dir_lock)
+            self._dir_lock = -1
 
     # ---- control calls: name -> (server, args) -> a msgpack-able value ----
     def call(self, method: str, args: list[Any]) -> Any:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import leftovers
+
 if TYPE_CHECKING:
     from ..host_pinning import HostPinning
 
@@ -113,6 +115,9 @@ class SlabPool:
         self._segments: dict[int, str] = {}  # id() of a live shared receive buffer -> its segment's name
         self._made = 0  # segments made for receive buffers (their names' numbers)
         self._named = 0  # slabs made (their names' numbers: a name is never reused once unlinked)
+        self._owner: int | None = (
+            None  # the lock on `<prefix>.lock`, taken with the first segment (leftovers.py)
+        )
 
     def alloc(self, nbytes: int) -> Slab:
         size = _size_class(nbytes)
@@ -127,6 +132,7 @@ class SlabPool:
             transient = size > self.limit // 2
             dropped = self._evict(size) if not transient and self.bytes + size > self.limit else []
             transient = transient or self.bytes + size > self.limit
+            self._hold()
             name = f"{self.prefix}-{self._named}"
             self._named += 1
             self.bytes += size
@@ -176,6 +182,7 @@ class SlabPool:
         if (fs.f_bavail - fs.f_blocks // 4) * fs.f_frsize < size:
             return None  # a quarter of /dev/shm stays for slabs (the copies) and clients' regions
         with self._lock:
+            self._hold()
             name = f"{self.prefix}-r{self._made}"
             self._made += 1
         try:
@@ -243,10 +250,20 @@ class SlabPool:
             self.bytes -= slab.size
         self._dropped([name])
 
+    def _hold(self) -> None:
+        """Own this pool's segments before making the first (under `_lock`): while this process lives its lock on
+        `<prefix>.lock` keeps them from the sweep an engine makes when it starts (leftovers.sweep_segments)."""
+        if self._owner is None:
+            self._owner = leftovers.hold(os.path.join(SHM_DIR, self.prefix + ".lock"))
+
     def close(self) -> None:
-        """Unlink every segment (the mappings stay valid until the process exits)."""
+        """Unlink every segment (the mappings stay valid until the process exits), then the owner lock."""
         for name in [*self._all, *self._segments.values()]:
             _unlink(name)
+        if self._owner is not None:
+            _unlink(self.prefix + ".lock")
+            os.close(self._owner)
+            self._owner = None
 
 
 class SlabMaps:
@@ -350,5 +367,5 @@ class SlabMaps:
         if self._retired:
             self._unpin_retired()
         for entry in os.listdir(SHM_DIR):
-            if entry.startswith(prefix + "-"):
+            if entry.startswith(prefix + "-") or entry == prefix + ".lock":
                 _unlink(entry)

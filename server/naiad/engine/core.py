@@ -36,9 +36,8 @@ class EngineService:
         self.pool.on_drop = self._unlinked
         self.maps = SlabMaps(pinning)  # the workers' segments, page-locked on a GPU server
         self._dir = tempfile.mkdtemp(prefix=leftovers.SOCKET_DIR_PREFIX)
-        self._dir_lock = leftovers.hold(
-            self._dir, directory=True
-        )  # kept from other engines' sweeps while alive
+        # held while this engine lives: other engines' sweeps leave the directory
+        self._dir_lock = leftovers.hold(self._dir, directory=True)
         self.path = os.path.join(self._dir, "engine.sock")
         self._listener: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -115,9 +115,7 @@ class SlabPool:
         self._segments: dict[int, str] = {}  # id() of a live shared receive buffer -> its segment's name
         self._made = 0  # segments made for receive buffers (their names' numbers)
         self._named = 0  # slabs made (their names' numbers: a name is never reused once unlinked)
-        self._owner: int | None = (
-            None  # the lock on `<prefix>.lock`, taken with the first segment (leftovers.py)
-        )
+        self._owner: int | None = None  # the lock on `<prefix>.lock`, taken with the first segment
 
     def alloc(self, nbytes: int) -> Slab:
         size = _size_class(nbytes)

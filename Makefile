@@ -93,11 +93,13 @@ worker-tests:
 # The cluster tiers run in a pytest process of their own: the e2e pod network moves that process into a
 # private network namespace, which must happen before any test starts a thread. The operator's scenarios come first
 # and e2e/ (the real node last) after them: in `make test` the image tiers run beside this one and are done by then.
+# Their failed tests run once more (tools/pytest_retry.sh): one that passes then is listed in the summary as flaky,
+# one that fails twice fails the run.
 e2e-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); \
 	if [ -n "$$bin" ] && [ -x "$$bin/kube-apiserver" ]; then export NAIAD_E2E_BIN="$$bin"; \
 	else echo "Kubernetes binaries unavailable: cluster tiers will skip"; fi; \
-	NAIAD_TEST_RUN=cluster $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) $(CLUSTER_TESTS) e2e
+	PY=$(PY) bash tools/pytest_retry.sh cluster -q -rfEs $(PYTEST_ARGS) $(CLUSTER_TESTS) e2e
 
 # The e2e scenarios and the operator's cluster scenarios again with every pod (and the operator) started from the
 # built images (`make images`), as a node would run them: each container in a PID namespace of its own under
@@ -109,7 +111,7 @@ NOT_RAY_GROUPS := --deselect tests/operator/test_operator_lws_cluster.py::test_a
   --deselect tests/operator/test_operator_lws_cluster.py::test_a_triton_llm_repository_larger_than_a_node_joins_its_group_with_ray
 e2e-image-tests:
 	@bin=$$($(MAKE) -s e2e-build 2>/dev/null | tail -n 1); export NAIAD_E2E_BIN="$$bin" NAIAD_E2E_IMAGES=1; \
-	NAIAD_TEST_RUN=cluster-images $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
+	PY=$(PY) bash tools/pytest_retry.sh cluster-images -q -rfEs $(PYTEST_ARGS) e2e tests/operator/test_operator_cluster.py \
 	  tests/operator/test_operator_s3_cluster.py tests/operator/test_operator_lws_cluster.py --ignore=e2e/test_real_node.py \
 	  $(NOT_RAY_GROUPS)
 

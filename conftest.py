@@ -45,7 +45,9 @@ class TierCounter:
     def __init__(self) -> None:
         self.counts: dict[str, Counter] = {}
         self.bad_skips: list[str] = []
-        self.failures: list[str] = []  # "<nodeid> (<phase>): <the error's line>", repeated at the run's end
+        # each failed phase: {"id": nodeid, "when": phase, "tier": tier, "line": the error's line}, listed again at
+        # the end of `make test` (tools/test_summary.py) and what a second run retries (tools/pytest_retry.sh)
+        self.failures: list[dict[str, str]] = []
         self.gpu_ids: set[str] = set()
 
     @pytest.hookimpl(trylast=True)
@@ -76,8 +78,9 @@ class TierCounter:
         message = (
             crash.message if crash is not None else (str(report.longrepr).strip().splitlines() or [""])[-1]
         )
-        line = " ".join(message.split())
-        self.failures.append(f"{report.nodeid} ({report.when}): {line[:400]}")
+        line = " ".join(message.split())[:400]
+        tier = tier_of(report.nodeid)
+        self.failures.append({"id": report.nodeid, "when": report.when, "tier": tier, "line": line})
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes") and self.bad_skips:

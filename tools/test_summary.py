@@ -1,5 +1,10 @@
 """Print `make test`'s per-tier summary and every failed test from the runs' result files (CI shows the end of
-a run's output: the failures must be there); exit 1 on a failure, or under CI=true on a non-GPU skip."""
+a run's output: the failures must be there); exit 1 on a failure, or under CI=true on a non-GPU skip.
+
+A run `<name>` that failed may have been followed by `<name>-retry`, its failed tests once more
+(tools/pytest_retry.sh): a test that passed there counts as passed, and is listed as flaky with its first error.
+`--failed FILE` prints the node ids of the tests that failed in one result file, a line each (what the retry runs).
+"""
 
 from __future__ import annotations
 
@@ -9,18 +14,46 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+RETRY = "-retry"
 
-def main() -> int:
-    results = Path(sys.argv[1] if len(sys.argv) > 1 else ".test-results")
+
+def failed_ids(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    failures = json.loads(path.read_text()).get("failures", [])
+    return list(dict.fromkeys(f["id"] for f in failures))
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--failed"]:
+        for nodeid in failed_ids(Path(argv[1])):
+            print(nodeid)
+        return 0
+    results = Path(argv[0] if argv else ".test-results")
+    runs = {path.stem: json.loads(path.read_text()) for path in sorted(results.glob("*.json"))}
     tiers: dict[str, Counter] = {}
     bad: list[str] = []
     failures: list[str] = []
-    for path in sorted(results.glob("*.json")):
-        data = json.loads(path.read_text())
-        for tier, counts in data["tiers"].items():
-            tiers.setdefault(tier, Counter()).update(counts)
+    flaky: list[str] = []
+    for name, data in runs.items():
         bad += data.get("bad_skips", [])
-        failures += [f"[{path.stem}] {line}" for line in data.get("failures", [])]
+        if name.endswith(RETRY) and name[: -len(RETRY)] in runs:
+            continue  # counted with the run it retried
+        retry = runs.get(name + RETRY)
+        failed_again = {f["id"] for f in retry["failures"]} if retry is not None else None
+        counts = {tier: Counter(c) for tier, c in data["tiers"].items()}
+        for f in data.get("failures", []):
+            if failed_again is not None and f["id"] not in failed_again:
+                counts[f["tier"]]["failed"] -= 1
+                if f["when"] != "teardown":  # (a failed teardown's test was counted as passed already)
+                    counts[f["tier"]]["passed"] += 1
+                flaky.append(f"[{name}] {f['id']} ({f['when']}): {f['line']}")
+            else:
+                failures.append(f"[{name}] {f['id']} ({f['when']}): {f['line']}")
+        if retry is not None:  # the second run's own errors, for the tests that failed twice
+            failures += [f"[{name}{RETRY}] {f['id']} ({f['when']}): {f['line']}" for f in retry["failures"]]
+        for tier, c in counts.items():
+            tiers.setdefault(tier, Counter()).update(c)
     if not tiers:
         print("make test: no test results found", file=sys.stderr)
         return 1
@@ -31,8 +64,14 @@ def main() -> int:
         total.update(c)
         print(f"{tier:<{width}}  {c['passed']:>6}  {c['failed']:>6}  {c['skipped']:>7}")
     print(f"{'all':<{width}}  {total['passed']:>6}  {total['failed']:>6}  {total['skipped']:>7}")
+    if flaky:
+        print(f"\n{len(flaky)} failed once and passed when run again (flaky: each is a bug to find):")
+        for line in flaky:
+            print(f"  {line}")
     if failures:
-        print(f"\n{len(failures)} failed (each run's output above has the whole report):")
+        print(
+            f"\n{len(failures)} failure(s), a second run's too (each run's output above has the whole report):"
+        )
         for line in failures:
             print(f"  {line}")
     ci = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -44,4 +83,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -78,9 +78,12 @@ def test_hold_makes_again_what_a_sweep_removed_before_it_was_locked(tmp_path, mo
 def test_a_pool_owns_its_segments_from_the_first_and_lets_go_at_close():
     pool = SlabPool(f"naiad-w{os.getpid()}9")  # (a prefix no server of this process uses)
     lock = os.path.join(SHM_DIR, pool.prefix + ".lock")
+    predecessor = os.path.join(SHM_DIR, pool.prefix + "-0")  # a gone process's with the same pid
+    _touch(predecessor)
     assert not os.path.exists(lock)  # a pool that never makes a segment leaves nothing
-    slab = pool.alloc(1 << 20)
-    assert os.path.exists(lock) and os.path.exists(os.path.join(SHM_DIR, slab.name))
+    slab = pool.alloc(1 << 20)  # its first name is the predecessor's: made anew, not refused
+    assert slab.name == pool.prefix + "-0" and os.path.getsize(predecessor) == 1 << 20
+    assert os.path.exists(lock)
     assert slab.name not in leftovers.sweep_segments(SHM_DIR)
     pool.close()
     assert not os.path.exists(lock) and not os.path.exists(os.path.join(SHM_DIR, slab.name))

@@ -250,9 +250,14 @@ class SlabPool:
 
     def _hold(self) -> None:
         """Own this pool's segments before making the first (under `_lock`): while this process lives its lock on
-        `<prefix>.lock` keeps them from the sweep an engine makes when it starts (leftovers.sweep_segments)."""
+        `<prefix>.lock` keeps them from the sweep an engine makes when it starts (leftovers.sweep_segments).
+        Segments already under this prefix are a gone predecessor's with the same pid (a restarted container's
+        processes often have their old pids): unlinked, or this pool's names would collide with them."""
         if self._owner is None:
             self._owner = leftovers.hold(os.path.join(SHM_DIR, self.prefix + ".lock"))
+            for entry in os.listdir(SHM_DIR):
+                if entry.startswith(self.prefix + "-"):
+                    _unlink(entry)
 
     def close(self) -> None:
         """Unlink every segment (the mappings stay valid until the process exits), then the owner lock."""

@@ -75,6 +75,16 @@ def test_hold_makes_again_what_a_sweep_removed_before_it_was_locked(tmp_path, mo
         os.close(fd)
 
 
+def test_hold_makes_again_a_directory_swept_before_it_was_opened(tmp_path):
+    path = tmp_path / (leftovers.SOCKET_DIR_PREFIX + "gone")  # made by mkdtemp, removed by a sweep at once
+    fd = leftovers.hold(str(path), directory=True)
+    try:
+        assert path.is_dir() and oct(path.stat().st_mode & 0o777) == "0o700"
+        assert leftovers.sweep_socket_dirs(str(tmp_path)) == []
+    finally:
+        os.close(fd)
+
+
 def test_a_pool_owns_its_segments_from_the_first_and_lets_go_at_close():
     pool = SlabPool(f"naiad-w{os.getpid()}9")  # (a prefix no server of this process uses)
     lock = os.path.join(SHM_DIR, pool.prefix + ".lock")

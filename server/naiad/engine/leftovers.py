@@ -18,15 +18,19 @@ def hold(path: str, directory: bool = False) -> int:
     """Take a shared lock on `path` (a file made if missing, or a directory) for as long as the returned
     descriptor stays open: while it is held, `sweep_*` leaves what it guards. A sweep that found the path
     unlocked an instant before it was locked here removes it; this notices (no link left) and makes it again."""
+    flags = (os.O_RDONLY | os.O_DIRECTORY) if directory else (os.O_RDWR | os.O_CREAT)
     while True:
-        flags = (os.O_RDONLY | os.O_DIRECTORY) if directory else (os.O_RDWR | os.O_CREAT)
-        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            if not directory:
+                raise
+            os.mkdir(path, 0o700)  # swept before it was opened
+            continue
         fcntl.flock(fd, fcntl.LOCK_SH)
         if os.fstat(fd).st_nlink > 0:
             return fd
-        os.close(fd)  # swept between the open and the lock
-        if directory:
-            os.mkdir(path, 0o700)
+        os.close(fd)  # swept between the open and the lock: made again by the next turn
 
 
 def _gone(path: str, directory: bool = False) -> int | None:

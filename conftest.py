@@ -55,7 +55,8 @@ class TierCounter:
         self.gpu_ids = {item.nodeid for item in items if item.get_closest_marker("gpu") is not None}
 
     def pytest_runtest_logreport(self, report) -> None:
-        tier = self.counts.setdefault(tier_of(report.nodeid), Counter())
+        name = tier_of(report.nodeid)
+        tier = self.counts.setdefault(name, Counter())
         if report.when == "call" or (report.when == "setup" and not report.passed):
             if report.skipped:
                 tier["skipped"] += 1
@@ -66,20 +67,19 @@ class TierCounter:
                     self.bad_skips.append(f"{report.nodeid}: {reason}")
             elif report.failed:
                 tier["failed"] += 1
-                self._failed(report)
+                self._failed(report, name)
             else:
                 tier["passed"] += 1
         elif report.when == "teardown" and report.failed:
             tier["failed"] += 1
-            self._failed(report)
+            self._failed(report, name)
 
-    def _failed(self, report) -> None:
+    def _failed(self, report, tier: str) -> None:
         crash = getattr(report.longrepr, "reprcrash", None)
         message = (
             crash.message if crash is not None else (str(report.longrepr).strip().splitlines() or [""])[-1]
         )
         line = " ".join(message.split())[:400]
-        tier = tier_of(report.nodeid)
         self.failures.append({"id": report.nodeid, "when": report.when, "tier": tier, "line": line})
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:

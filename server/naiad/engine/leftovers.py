@@ -62,15 +62,19 @@ def sweep_segments(shm_dir: str) -> list[str]:
         if fd is None:
             continue
         try:
-            prefix = match.group(1) + "-"
-            for name in os.listdir(shm_dir):
-                if name.startswith(prefix):
-                    _remove(os.path.join(shm_dir, name))
-                    gone.append(name)
+            gone += unlink_segments(shm_dir, match.group(1))
             _remove(lock)  # last, still locked: a pool starting under this name makes a new one
         finally:
             os.close(fd)
     return gone
+
+
+def unlink_segments(shm_dir: str, prefix: str) -> list[str]:
+    """Unlink a pool's segments (`<prefix>-…`, not its lock) and return their names."""
+    names = [name for name in os.listdir(shm_dir) if name.startswith(prefix + "-")]
+    for name in names:
+        _remove(os.path.join(shm_dir, name))
+    return names
 
 
 def sweep_socket_dirs(tmp_dir: str) -> list[str]:

@@ -255,9 +255,7 @@ class SlabPool:
         processes often have their old pids): unlinked, or this pool's names would collide with them."""
         if self._owner is None:
             self._owner = leftovers.hold(os.path.join(SHM_DIR, self.prefix + ".lock"))
-            for entry in os.listdir(SHM_DIR):
-                if entry.startswith(self.prefix + "-"):
-                    _unlink(entry)
+            leftovers.unlink_segments(SHM_DIR, self.prefix)
 
     def close(self) -> None:
         """Unlink every segment (the mappings stay valid until the process exits), then the owner lock."""
@@ -369,6 +367,5 @@ class SlabMaps:
             self._drop(name)
         if self._retired:
             self._unpin_retired()
-        for entry in os.listdir(SHM_DIR):
-            if entry.startswith(prefix + "-") or entry == prefix + ".lock":
-                _unlink(entry)
+        leftovers.unlink_segments(SHM_DIR, prefix)
+        _unlink(prefix + ".lock")

@@ -2,13 +2,15 @@
 the message comes out byte for byte however the frames are cut into reads, with a PING, a small call or another
 large call's frames between its frames, padded frames, more or less than the message announced, past the stream's
 window (the server opens it), a content-length the frames overrun, a client gone in the middle, and behind TLS;
-every pooled buffer is free afterwards."""
+every pooled buffer is free afterwards. The socket's low mark: raised while a message is read, 1 after, and dropped
+for a client that stops in the middle of its message."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import random
+import socket
 import ssl
 import struct
 import threading
@@ -18,7 +20,7 @@ import pytest
 import uvloop
 from h2frames import DATA, END_STREAM, HEADERS, PING, RST_STREAM, WINDOW_UPDATE, RawH2, frame, grpc_message
 
-from naiad.frontends.h2_message_reader import MessageReader
+from naiad.frontends.h2_message_reader import READ_LOWAT, STALL_S, MessageReader
 from naiad.frontends.h2grpc import H2GrpcServer
 from naiad.frontends.h2grpc_messages import Method
 from naiad.frontends.receive_buffers import POOL
@@ -309,3 +311,80 @@ def test_a_message_in_small_frames_over_tls(monkeypatch, tmp_path):
         assert taken == [1]
     finally:
         next(served, None)  # (the server's teardown)
+
+
+def lowat_seen(monkeypatch) -> tuple[list[int], list]:
+    """(the socket's SO_RCVLOWAT at each read the reader takes, the server-side sockets it raised it on)."""
+    seen: list[int] = []
+    sockets: list = []
+    updated, raise_lowat = MessageReader.buffer_updated, MessageReader._raise_lowat
+
+    def recorded(self, nbytes: int) -> None:
+        sock = self.conn.transport.get_extra_info("socket")
+        seen.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+        updated(self, nbytes)
+
+    def raised(self) -> None:
+        raise_lowat(self)
+        if self.sock is not None:
+            sockets.append(self.sock)
+
+    monkeypatch.setattr(MessageReader, "buffer_updated", recorded)
+    monkeypatch.setattr(MessageReader, "_raise_lowat", raised)
+    return seen, sockets
+
+
+def test_the_socket_wakes_for_many_frames_while_a_message_is_read_and_for_any_byte_after(server, monkeypatch):
+    """SO_RCVLOWAT is raised while the reader has the transport (a client's 16 KiB frames wake the server a
+    read per READ_LOWAT bytes, not per few frames) and is 1 again once the message is in: a small call after it
+    on the same connection is answered."""
+    address, taken = server
+    seen, sockets = lowat_seen(monkeypatch)
+    msgs = [message(4 << 20, 20 + i) for i in range(3)]
+    with RawH2(address) as conn:
+        for i, msg in enumerate(msgs):
+            sid = 1 + 2 * i
+            conn.send(conn.request_headers(PATH, sid=sid))
+            conn.send(b"".join(data_frames(grpc_message(msg), sid)))
+            calls = Calls(conn)
+            calls.wait({sid})
+            calls.ok(sid, msg)
+            assert sockets, "the low mark was never raised"
+            assert sockets[-1].getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        conn.send(conn.request_headers(PATH, sid=7) + frame(DATA, END_STREAM, 7, grpc_message(b"tiny")))
+        calls = Calls(conn)
+        calls.wait({7}, timeout=5)
+        calls.ok(7, b"tiny")
+    assert taken == [1, 3, 5]
+    raised = [v for v in seen if v > 1]
+    assert raised and max(raised) <= READ_LOWAT, seen
+    # the receive buffer grows on a fast connection: by the last message the mark is the full READ_LOWAT
+    assert READ_LOWAT in seen, seen
+
+
+@pytest.mark.parametrize("then", ["end", "ping"])
+def test_a_client_that_stops_in_the_middle_of_a_message_is_answered(server, monkeypatch, then):
+    """A client that sends part of its message, then ends the stream (or pings) with fewer bytes queued than the
+    low mark, waits for the server: the stall check drops the mark and what it sent is read (an error for the
+    short message, the PING's ack) within a few STALL_S, not never."""
+    address, taken = server
+    _, sockets = lowat_seen(monkeypatch)
+    msg = message(4 << 20, 30)
+    frames = data_frames(grpc_message(msg), 1)
+    with RawH2(address) as conn:
+        conn.send(conn.request_headers(PATH))
+        conn.send(b"".join(frames[:64]))  # 1 MiB of the 4
+        time.sleep(0.2)  # (read and squeezed: the stop below is after it)
+        last = frame(DATA, END_STREAM, 1, b"") if then == "end" else frame(PING, 0, 0, b"stopped!")
+        conn.send(last)
+        began = time.monotonic()
+        if then == "end":
+            calls = Calls(conn)
+            calls.wait({1}, timeout=5)
+            assert calls.trailers[1].get("grpc-status") == "13", calls.trailers[1]
+        else:
+            acks = conn.frames(timeout=5, until=lambda f: f[0] == PING and f[3] == b"stopped!")
+            assert acks and acks[-1][0] == PING, "the PING was never answered"
+        waited = time.monotonic() - began
+    assert taken == [1] and sockets, "the reader did not raise the low mark"
+    assert waited < 10 * STALL_S, f"answered after {waited:.3f} s"

@@ -20,9 +20,10 @@ import pytest
 import uvloop
 from h2frames import DATA, END_STREAM, HEADERS, PING, RST_STREAM, WINDOW_UPDATE, RawH2, frame, grpc_message
 
-from naiad.frontends.h2_message_reader import READ_LOWAT, STALL_S, MessageReader
+from naiad.frontends.h2_message_reader import MessageReader
 from naiad.frontends.h2grpc import H2GrpcServer
 from naiad.frontends.h2grpc_messages import Method
+from naiad.frontends.low_mark import READ_LOWAT, STALL_S, LowMark
 from naiad.frontends.receive_buffers import POOL
 
 PATH = "/test.Echo/Digest"
@@ -314,23 +315,24 @@ def test_a_message_in_small_frames_over_tls(monkeypatch, tmp_path):
 
 
 def lowat_seen(monkeypatch) -> tuple[list[int], list]:
-    """(the socket's SO_RCVLOWAT at each read the reader takes, the server-side sockets it raised it on)."""
+    """(the socket's SO_RCVLOWAT at each read the message reader takes, the server-side sockets a mark was raised
+    on)."""
     seen: list[int] = []
     sockets: list = []
-    updated, raise_lowat = MessageReader.buffer_updated, MessageReader._raise_lowat
+    updated, expect = MessageReader.buffer_updated, LowMark.expect
 
     def recorded(self, nbytes: int) -> None:
         sock = self.conn.transport.get_extra_info("socket")
         seen.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
         updated(self, nbytes)
 
-    def raised(self) -> None:
-        raise_lowat(self)
-        if self.sock is not None:
+    def raised(self, owed: int) -> None:
+        expect(self, owed)
+        if self.mark > 1:
             sockets.append(self.sock)
 
     monkeypatch.setattr(MessageReader, "buffer_updated", recorded)
-    monkeypatch.setattr(MessageReader, "_raise_lowat", raised)
+    monkeypatch.setattr(LowMark, "expect", raised)
     return seen, sockets
 
 

@@ -8,33 +8,23 @@ it while the read is still in the cache, and flow control is counted once a read
 frame of the same call (a PING, another stream's frame, the call's last frame, a padded one) hands what is left of
 the read back to the connection's frame loop, which goes on as if it had read it itself.
 
-While the reader has the transport, the socket's SO_RCVLOWAT asks the kernel to wake the loop only once READ_LOWAT
-bytes are queued: a client writing 16 KiB frames on another core otherwise wakes an idle server for a few frames at
-a time (~25 wakes for 4 MiB), each a sleep, an epoll return and a read. It is safe because at least that much of the
-message is still to come and the client may send it (the stream's window keeps more than half of its 16 MiB open;
-the kernel also wakes when its receive window runs low), and the low mark stays below a quarter of the socket's
-receive buffer, which would otherwise clamp the TCP window to it for the rest of the connection. A client that stops
-sending in the middle of its message would hold the connection's other frames; a check every STALL_S drops the low
-mark for the rest of a message that made no progress. Plain TCP only: behind TLS the reads are the SSL
-transport's, not measured.
+While the reader has the transport the socket wakes the loop once READ_LOWAT bytes are queued (low_mark.py): at least
+that much of the message is still to come, and the client may send it (the stream's window keeps more than half of
+its 16 MiB open).
 """
 
 from __future__ import annotations
 
-import socket
 import struct
 
 from .h2_connection import RECV_STREAM_WINDOW, H2Connection, Stream
 from .h2_framing import DATA, END_STREAM, FRAME_HEAD, PADDED, WINDOW_UPDATE, frame
+from .low_mark import LowMark
 from .receive_buffers import POOLED_MIN, ConnectionReader
 
 _FRAME = FRAME_HEAD
 READ_MAX = 1 << 20  # at most this much a read: the squeeze stays in the cache
 MESSAGE_READER_MIN = 256 * 1024  # a message with less than this still to come is read frame by frame
-# the socket's low mark while a message is read (128 KiB: measured against 64 KiB and 512 KiB, bench/README.md)
-READ_LOWAT = 128 * 1024
-STALL_S = 0.05  # a message that made no progress for this long is read as its bytes come again
-_TCP = (socket.AF_INET, socket.AF_INET6)
 _NOT_OURS = PADDED | END_STREAM
 
 
@@ -48,12 +38,10 @@ class MessageReader(ConnectionReader):
         "end",
         "fill",
         "left",
+        "low",
         "size",
-        "sock",
-        "stall",
         "stream",
         "taken",
-        "taken_seen",
     )
 
     def __init__(self, conn: H2Connection, st: Stream):
@@ -66,9 +54,7 @@ class MessageReader(ConnectionReader):
         self.fill = self.end = st.msg_fill
         self.left = 0
         self.taken = 0  # payload bytes read since the reader took over
-        self.sock = None  # the socket whose low mark is raised, while it is
-        self.stall = None  # the check for a message that stopped coming
-        self.taken_seen = 0
+        self.low = LowMark(conn.transport, conn.loop)
 
     @classmethod
     def start(cls, conn: H2Connection, st: Stream, rest: memoryview) -> bool:
@@ -95,47 +81,9 @@ class MessageReader(ConnectionReader):
         reader = cls(conn, st)
         reader.buf[reader.end : reader.end + len(rest)] = rest
         conn.transport.set_protocol(reader)
-        reader._raise_lowat()
+        reader.low.expect(len(msg) - st.msg_fill - MESSAGE_READER_MIN)
         reader.buffer_updated(len(rest))
         return True
-
-    def _raise_lowat(self) -> None:
-        """Wake for READ_LOWAT bytes at a time (module docstring), at most a quarter of the socket's receive
-        buffer (which grows on a fast connection); plain TCP only."""
-        transport = self.conn.transport
-        sock = transport.get_extra_info("socket")
-        if sock is None or sock.family not in _TCP or transport.get_extra_info("sslcontext") is not None:
-            return
-        try:
-            lowat = min(READ_LOWAT, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
-            if lowat <= 1:
-                return
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-        except OSError:
-            return
-        self.sock = sock
-        self.stall = self.conn.loop.call_later(STALL_S, self._check_progress)
-
-    def _check_progress(self) -> None:
-        self.stall = None
-        if self.stream is None or self.sock is None or self.conn.closed:
-            return
-        if self.taken == self.taken_seen:
-            self._drop_lowat()  # stopped coming: the rest of the message as its bytes come
-            return
-        self.taken_seen = self.taken
-        self.stall = self.conn.loop.call_later(STALL_S, self._check_progress)
-
-    def _drop_lowat(self) -> None:
-        sock, self.sock = self.sock, None
-        if self.stall is not None:
-            self.stall.cancel()
-            self.stall = None
-        if sock is not None and not self.conn.closed:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-            except OSError:
-                pass
 
     @staticmethod
     def _ours(lt: int, flags: int, sid: int, our_sid: int, room: int) -> bool:
@@ -159,6 +107,7 @@ class MessageReader(ConnectionReader):
         if conn.closed or self.stream is None:
             return
         buf, size, sid = self.buf, self.size, self.stream.sid
+        self.low.got(nbytes, size - self.fill - MESSAGE_READER_MIN)
         fill, end, left = self.fill, self.end + nbytes, self.left
         pos = fill  # the first byte not yet looked at; [fill, pos) is what the squeeze removed
         if left:  # the current frame's payload, already where it belongs
@@ -221,7 +170,7 @@ class MessageReader(ConnectionReader):
         """The connection's frame loop reads again, from `rest` (a frame this reader does not take, and what
         followed it in the read). A reader let go of its buffer first (see DataReader.buffer_updated)."""
         conn, st = self.conn, self.stream
-        self._drop_lowat()
+        self.low.clear()
         self.buf = self.stream = None  # type: ignore[assignment]
         conn.transport.set_protocol(conn)
         if self.taken < MESSAGE_READER_MIN:

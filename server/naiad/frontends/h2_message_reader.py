@@ -107,7 +107,7 @@ class MessageReader(ConnectionReader):
         if conn.closed or self.stream is None:
             return
         buf, size, sid = self.buf, self.size, self.stream.sid
-        self.low.got(nbytes, size - self.fill - MESSAGE_READER_MIN)
+        self.low.got(nbytes)
         fill, end, left = self.fill, self.end + nbytes, self.left
         pos = fill  # the first byte not yet looked at; [fill, pos) is what the squeeze removed
         if left:  # the current frame's payload, already where it belongs

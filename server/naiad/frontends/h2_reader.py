@@ -54,7 +54,6 @@ from .h2_framing import (
 )
 from .h2_message_reader import MessageReader
 from .h2grpc_messages import Abort, RequestHead, split_messages
-from .low_mark import LowMark
 from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
 # Bound here, not imported: CPython 3.11 compiles `imported_name.method(...)` without LOAD_METHOD, which
@@ -509,10 +508,9 @@ class H2Reader(H2Connection, abc.ABC):
 
 class DataReader(ConnectionReader):
     """The transport's protocol while the rest of a large DATA frame arrives: the kernel writes it into the
-    call's message buffer, then the connection reads frames again. Nothing else can come before the frame ends,
-    so the socket wakes for many of its bytes at a time (low_mark.py)."""
+    call's message buffer, then the connection reads frames again."""
 
-    __slots__ = ("fill", "flags", "low", "size", "start", "stream", "view")
+    __slots__ = ("fill", "flags", "size", "start", "stream", "view")
 
     def __init__(self, conn: H2Reader, flags: int, st: Stream, length: int, have: int):
         self.conn = conn
@@ -522,8 +520,6 @@ class DataReader(ConnectionReader):
         self.size = length
         self.fill = have
         self.view = st.msg[self.start : self.start + length]
-        self.low = LowMark(conn.transport, conn.loop)
-        self.low.expect(length - have)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.fill :]  # never past this frame: what follows is the next frame's
@@ -533,9 +529,7 @@ class DataReader(ConnectionReader):
         conn = self.conn
         conn.last_recv = conn.loop.time()
         if self.fill < self.size:
-            self.low.got(nbytes, self.size - self.fill)
             return
-        self.low.clear()
         # The frame is in: this reader lets go of the message before handing back. uvloop keeps the bound
         # get_buffer/buffer_updated of a transport's last BufferedProtocol until the next one is set or the
         # connection closes, so a reader still holding its view kept the connection's last large message

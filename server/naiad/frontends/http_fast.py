@@ -33,7 +33,6 @@ from ..errors import NaiadError
 from . import eager
 from .busy_poll import BusyPoll
 from .http_codec import compress_response, error_headers, error_payload, response_coding, restricted_message
-from .low_mark import LowMark
 from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
 log = logging.getLogger("naiad.http")
@@ -481,7 +480,6 @@ class FastHttpProtocol(asyncio.Protocol):
             reader.fill = reader.seeded = have
         self.raw = b""  # (the head is parsed; a handoff can no longer happen for this request)
         self.transport.set_protocol(reader)
-        reader.low.expect(reader.size - reader.fill)
 
     def body_received(self, reader: BodyReader) -> None:
         """The whole body is in the buffer: the parser skips over it (it keeps no body bytes) and completes
@@ -600,10 +598,9 @@ def _path(model: str, version: str) -> str:
 
 class BodyReader(ConnectionReader):
     """The transport's protocol while a large request body arrives: the kernel writes it into a pooled
-    buffer (receive_buffers.py), then the connection's FastHttpProtocol takes over again. Nothing else can come
-    before the body ends, so the socket wakes for many of its bytes at a time (low_mark.py)."""
+    buffer (receive_buffers.py), then the connection's FastHttpProtocol takes over again."""
 
-    __slots__ = ("body", "fill", "low", "seeded", "size", "view")
+    __slots__ = ("body", "fill", "seeded", "size", "view")
 
     def __init__(self, conn: FastHttpProtocol, buf, size: int):
         self.conn = conn
@@ -612,7 +609,6 @@ class BodyReader(ConnectionReader):
         self.body = self.view[:size].toreadonly()  # what the request decodes: its arrays are read-only views
         self.fill = 0
         self.seeded = 0  # bytes that came with the head (the parser has seen those already)
-        self.low = LowMark(conn.transport, conn.loop)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.fill : self.size]  # never past this body: what follows is the parser's
@@ -621,7 +617,4 @@ class BodyReader(ConnectionReader):
         self.fill += nbytes
         self.conn.last_active = self.conn.loop.time()
         if self.fill >= self.size:
-            self.low.clear()
             self.conn.body_received(self)
-        else:
-            self.low.got(nbytes, self.size - self.fill)

@@ -1,19 +1,19 @@
-"""A connection socket's receive low mark (SO_RCVLOWAT) while a large body, frame or message is still to come.
+"""A connection socket's receive low mark (SO_RCVLOWAT) while a large gRPC message in small frames is still to come.
 
-An idle server whose client writes a large request in pieces (grpc core's writes, 16 KiB HTTP/2 frames from grpc-go,
-grpc-java or h2load) wakes for each piece that lands: a sleep, an epoll return and a read for every few tens of KiB,
-~25 times for 4 MiB. With the low mark raised the kernel wakes the loop once READ_LOWAT bytes are queued. That is
-safe only while at least that many bytes are sure to come before anything the server must answer: the rest of an
-HTTP/1.1 body or of an HTTP/2 frame (nothing else can arrive before it ends), or the rest of a gRPC message whose
-frames the client may send (the callers bound the mark by what is owed; the kernel also wakes when its receive
-window runs low). The mark stays at most a quarter of the socket's receive buffer (which grows on a fast
-connection): Linux clamps the TCP window to a low mark the buffer cannot hold twice, for the rest of the connection.
+An idle server whose client writes a large message in 16 KiB HTTP/2 frames (grpc-go, grpc-java, h2load) wakes for
+each few frames that land: a sleep, an epoll return and a read for every few tens of KiB, ~25 times for 4 MiB. With
+the low mark raised the kernel wakes the loop once READ_LOWAT bytes are queued. That is safe only while at least
+that many bytes are sure to come: the caller bounds the mark by what is owed, and the client may send it (the
+stream's window keeps more than half of its 16 MiB open; the kernel also wakes when its receive window runs low).
+The mark stays at most a quarter of the socket's receive buffer (which grows on a fast connection): Linux clamps
+the TCP window to a low mark the buffer cannot hold twice, for the rest of the connection.
 
-A client slower than READ_LOWAT per STALL_S, or one that stops (in the middle of a gRPC message it may have other
-frames to send, a PING, the end of its stream), would hold what it did send: a check every STALL_S drops the mark for
-good once no byte came since the last one, so such a client is read as its bytes come, as without the mark, and the
-servers' slow-body and stall timeouts see its progress. Plain TCP only: behind TLS the reads are the SSL
-transport's, not measured.
+A client slower than READ_LOWAT per STALL_S, or one that stops in the middle of its message (to send a PING, or the
+end of its stream), would hold what it did send: a check every STALL_S drops the mark for good once no byte came
+since the last one, so such a client is read as its bytes come, as without the mark, and the stall timeouts see its
+progress. Plain TCP only: behind TLS the reads are the SSL transport's, not measured. Not used for large frames
+(grpc core, perf_analyzer) or HTTP/1.1 bodies: their clients write in large pieces, the reads were few already,
+and the mark's system calls (raise, lower, clear) outnumbered the wakes they saved (bench/README.md).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ _TCP = (socket.AF_INET, socket.AF_INET6)
 
 
 class LowMark:
-    """The low mark of one transport's socket for one large read: `expect(n)` while n bytes are owed, `got(n)` as
-    they come, `clear()` at the end (or when the connection goes on without it)."""
+    """The low mark of one transport's socket for one large read: `expect(n)` while at least n bytes are owed,
+    `got(n)` as they come, `clear()` at the end (or when the connection goes on without it)."""
 
     __slots__ = ("cap", "loop", "mark", "received", "seen", "sock", "timer", "transport")
 
@@ -55,7 +55,6 @@ class LowMark:
                 self.cap = min(READ_LOWAT, sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
             mark = min(owed, self.cap)
             if mark <= 1:
-                self.clear()
                 return
             if mark != self.mark:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
@@ -66,11 +65,9 @@ class LowMark:
         if self.timer is None:
             self.timer = self.loop.call_later(STALL_S, self._check)
 
-    def got(self, nbytes: int, owed: int) -> None:
-        """`nbytes` came and `owed` are still to come: a mark above what is owed comes down to it."""
+    def got(self, nbytes: int) -> None:
+        """`nbytes` came (the stall check's progress)."""
         self.received += nbytes
-        if owed < self.mark:
-            self.expect(owed)
 
     def clear(self) -> None:
         """Wake for any byte again."""

@@ -247,7 +247,7 @@ class _Connection(H2Reader):
             total = 5
             for chunk in msg:
                 total += len(chunk)
-            if total <= self.peer_max_frame:
+            if total < 16384:  # (a large one stays in its buffers: joining it copied it into fresh pages)
                 msg = b"".join(msg)
         else:
             total = len(msg) + 5
@@ -285,7 +285,7 @@ class _Connection(H2Reader):
             RESPONSE_HEADERS,
             _FRAME.pack(total << 8 | DATA, 0, sid),
             _MSG_PREFIX.pack(0, total - 5),
-            msg,
+            *(msg if type(msg) is list else (msg,)),
             _FRAME.pack(len(OK_TRAILERS) << 8 | HEADERS, END_STREAM | END_HEADERS, sid),
             OK_TRAILERS,
         ]

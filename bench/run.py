@@ -114,7 +114,8 @@ IDENTITY_MODELS = {"identity_16": (16,), "identity_64k": (65536,)}
 # The same identity model behind dynamic_batching (max_batch_size 64): one [1, 65536] row per request, gRPC.
 BATCHED_IDENTITY_MODELS = {"identity_64k_batched": (1, 65536)}
 MLP_MODELS = {"mlp": (1, 64), "mlp_batched": (1, 64)}
-# Large tensors (issue 32): 4 MiB and 16 MiB of FP32, binary protocols only, at concurrency 1 and 8.
+# Large tensors (issue 32): 4 MiB and 16 MiB of FP32, binary protocols only, at concurrency 1 and 8; over gRPC
+# from h2load (16 KiB frames, as grpc-go and grpc-java send) and from perf_analyzer (grpc core: large frames).
 LARGE_IDENTITY_MODELS = {"identity_4m": (1048576,), "identity_16m": (4194304,)}
 
 
@@ -125,7 +126,7 @@ def all_scenarios() -> list[Scenario]:
             for conc in (1, 8, 64):
                 out.append(Scenario(model, proto, conc, shape, "identity"))
     for model, shape in LARGE_IDENTITY_MODELS.items():
-        for proto in ("http_binary", "grpc"):
+        for proto in ("http_binary", "grpc", "pa_grpc"):
             for conc in (1, 8):
                 out.append(Scenario(model, proto, conc, shape, "identity"))
     for model, shape in BATCHED_IDENTITY_MODELS.items():

@@ -303,21 +303,20 @@ class _Connection(H2Reader):
         if not st.headers_sent:
             st.headers_sent = True
             out.append(frame(HEADERS, END_HEADERS, st.sid, RESPONSE_HEADERS))
+        chunks = None
         if type(msg) is list:
             if n is None:
                 n = sum(len(c) for c in msg)
-            if not st.pending and n + 5 <= self.peer_max_frame:
+            if n < 16384:  # (a large one stays in its buffers, as in _reply)
                 msg = b"".join(msg)
             else:
                 chunks = msg
-                msg = None
         else:
             n = len(msg)
         prefix = _MSG_PREFIX.pack(0, n)
         total = n + 5
         if (
-            msg is not None
-            and not st.pending
+            not st.pending
             and total <= self.peer_max_frame
             and total <= st.send_window
             and total <= self.send_window
@@ -326,7 +325,10 @@ class _Connection(H2Reader):
             self.send_window -= total
             out.append(_FRAME.pack(total << 8 | DATA, 0, st.sid))
             out.append(prefix)
-            out.append(msg)
+            if chunks is None:
+                out.append(msg)
+            else:
+                out.extend(chunks)
             self.transport.writelines(out)
             if self.ping_strikes or self.pings_without_data:
                 self._sent_data()
@@ -337,7 +339,7 @@ class _Connection(H2Reader):
         if st.pending is None:
             st.pending = collections.deque()
         st.pending.append(memoryview(prefix))
-        if msg is not None:
+        if chunks is None:
             st.pending.append(memoryview(msg))
         else:
             st.pending.extend(memoryview(c) for c in chunks if len(c))

@@ -7,21 +7,18 @@ for a client that stops in the middle of its message."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import random
 import socket
 import ssl
 import struct
-import threading
 import time
 
 import pytest
-import uvloop
 from h2frames import DATA, END_STREAM, HEADERS, PING, RST_STREAM, WINDOW_UPDATE, RawH2, frame, grpc_message
+from h2server import running
 
 from naiad.frontends.h2_message_reader import MessageReader
-from naiad.frontends.h2grpc import H2GrpcServer
 from naiad.frontends.h2grpc_messages import Method
 from naiad.frontends.low_mark import READ_LOWAT, STALL_S, LowMark
 from naiad.frontends.receive_buffers import POOL
@@ -70,25 +67,8 @@ def serve(monkeypatch, tls: ssl.SSLContext | None = None):
         return False
 
     monkeypatch.setattr(MessageReader, "start", classmethod(counted))
-    srv = H2GrpcServer({PATH.encode(): Method(Digest, digest)})
-    loop = uvloop.new_event_loop()
-    up = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(srv.start("127.0.0.1", 0, ssl=tls))
-        up.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert up.wait(10)
-    port = srv._server.sockets[0].getsockname()[1]
-    yield f"127.0.0.1:{port}", taken
-    asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with running({PATH.encode(): Method(Digest, digest)}, tls) as address:
+        yield address, taken
     assert_buffers_free()
 
 

@@ -5,17 +5,14 @@ and tritonclient allow 16 MiB frames) or not; a small one goes as one write. The
 
 from __future__ import annotations
 
-import asyncio
 import os
 import struct
-import threading
 
 import pytest
-import uvloop
 from h2frames import DATA, END_STREAM, HEADERS, WINDOW_UPDATE, RawH2, frame, grpc_message
+from h2server import running
 
 from naiad.frontends import h2grpc
-from naiad.frontends.h2grpc import H2GrpcServer
 from naiad.frontends.h2grpc_messages import Method, WireMessage
 
 PATH = "/test.Blob/Get"
@@ -80,25 +77,8 @@ def server(monkeypatch):
         made(self, Recorder(transport, written))
 
     monkeypatch.setattr(h2grpc._Connection, "connection_made", recorded)
-    srv = H2GrpcServer({PATH.encode(): Method(Ask, get)})
-    loop = uvloop.new_event_loop()
-    up = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(srv.start("127.0.0.1", 0))
-        up.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert up.wait(10)
-    port = srv._server.sockets[0].getsockname()[1]
-    yield f"127.0.0.1:{port}", bodies, written
-    asyncio.run_coroutine_threadsafe(srv.stop(1), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    with running({PATH.encode(): Method(Ask, get)}) as address:
+        yield address, bodies, written
 
 
 def call(address: str, n: int, max_frame: int) -> tuple[bytes, int]:

@@ -13,7 +13,8 @@ end of its stream), would hold what it did send: a check every STALL_S drops the
 since the last one, so such a client is read as its bytes come, as without the mark, and the stall timeouts see its
 progress. Plain TCP only: behind TLS the reads are the SSL transport's, not measured. Not used for large frames
 (grpc core, perf_analyzer) or HTTP/1.1 bodies: their clients write in large pieces, the reads were few already,
-and the mark's system calls (raise, lower, clear) outnumbered the wakes they saved (bench/README.md).
+and a mark per frame or body (raised, brought down to its last bytes, cleared) made more system calls than the
+wakes it saved (bench/README.md).
 """
 
 from __future__ import annotations

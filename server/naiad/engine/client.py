@@ -49,12 +49,13 @@ class ControlChannel:
                 self.sock.sendall(wire.frame(wire.Call(rid, method, list(args))))
                 while True:
                     msg = wire.decoder.decode(self._read_frame())
-                    if msg.id == rid:
+                    if isinstance(msg, wire.Value | wire.Error) and msg.id == rid:
                         break
             except TimeoutError:
                 raise Unavailable(f"the engine did not answer '{method}' in {CONTROL_TIMEOUT_S:g}s") from None
         if isinstance(msg, wire.Error):
             raise wire.exception(msg)
+        assert isinstance(msg, wire.Value)
         return msg.value
 
     def _read_frame(self) -> bytes:

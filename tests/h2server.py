@@ -1,5 +1,5 @@
 """Naiad's HTTP/2 gRPC server (H2GrpcServer) on its own uvloop thread in the test's process, for tests that talk to
-it with raw frames and look inside it (monkeypatched methods)."""
+it with raw frames and look inside it (monkeypatched methods, a transport that records its writes)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,23 @@ def running(methods: dict, tls: ssl.SSLContext | None = None) -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+class Recorder:
+    """The connection's transport, recording what it is asked to write."""
+
+    def __init__(self, transport, written: list):
+        self._transport = transport
+        self._written = written
+
+    def write(self, data) -> None:
+        self._written.append([data])
+        self._transport.write(data)
+
+    def writelines(self, items) -> None:
+        items = list(items)
+        self._written.append(items)
+        self._transport.writelines(items)
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)

@@ -63,6 +63,40 @@ def test_grpc_stream_error_response(naiad):
     assert any(r is not None and r.get_response().id == "good" for r, _ in got)
 
 
+def test_grpc_stream_large_tensors_byte_for_byte(naiad):
+    """4 MiB tensors on one stream: a decoupled model sends one back three times (the final flag with the last),
+    a non-decoupled identity once, between small requests; every response byte for byte (Naiad's HTTP/2 server
+    receives the large messages into pooled buffers and sends the outputs from their own memory)."""
+    rng = np.random.default_rng(3)
+    big = [rng.random(1 << 20, dtype=np.float32) for _ in range(2)]
+    client = grpcclient.InferenceServerClient(naiad.grpc)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        ins = [grpcclient.InferInput("IN", [1 << 20], "FP32"), grpcclient.InferInput("COUNT", [1], "INT32")]
+        ins[0].set_data_from_numpy(big[0])
+        ins[1].set_data_from_numpy(np.array([3], np.int32))
+        client.async_stream_infer("echo_stream", ins, request_id="decoupled")
+        for rid, data in (("small", np.arange(4, dtype=np.float32)[None]), ("identity", big[1][None])):
+            inp = grpcclient.InferInput("INPUT0", list(data.shape), "FP32")
+            inp.set_data_from_numpy(data)
+            client.async_stream_infer("identity_fp32", [inp], request_id=rid)
+    finally:
+        client.stop_stream()
+    got: dict = {}
+    while not results.empty():
+        result, error = results.get()
+        assert error is None, error
+        got.setdefault(result.get_response().id, []).append(result)
+    assert len(got["decoupled"]) == 3
+    for result in got["decoupled"]:
+        np.testing.assert_array_equal(result.as_numpy("OUT"), big[0])
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in got["decoupled"]]
+    assert finals == [False, False, True]
+    np.testing.assert_array_equal(got["small"][0].as_numpy("OUTPUT0"), np.arange(4, dtype=np.float32)[None])
+    np.testing.assert_array_equal(got["identity"][0].as_numpy("OUTPUT0"), big[1][None])
+
+
 def test_infer_on_decoupled_model_is_refused(naiad, http_client, grpc_client):
     ins = [httpclient.InferInput("IN", [1], "INT32"), httpclient.InferInput("COUNT", [1], "INT32")]
     for i in ins:

@@ -64,14 +64,29 @@ def test_chunked_response_serializes_as_protobuf():
     assert pb.ModelInferResponse.FromString(wire) == expected
 
 
-@pytest.mark.parametrize("request_type", [grpc_wire.SplitInferRequest, grpc_wire.CheckedInferRequest])
-def test_a_request_of_very_many_fields_is_refused_before_protobuf_parses_it(request_type):
+def test_chunked_stream_response_serializes_as_protobuf():
+    """ModelStreamInfer's message around a chunked response: the same bytes protobuf writes for it."""
+    out = pb.ModelInferResponse(model_name="m", model_version="1", id="x")
+    out.parameters["triton_final_response"].bool_param = True
+    out.outputs.add(name="OUT0", datatype="FP32", shape=[70000])
+    arr = np.linspace(0, 1, 70000, dtype=np.float32)
+    chunked = grpc_wire.stream_response(grpc_wire.ChunkedResponse(out, [memoryview(arr).cast("B")]))
+    assert isinstance(chunked, grpc_wire.ChunkedStreamResponse)
+    assert any(isinstance(c, memoryview) and c.obj is arr for c in chunked.wire_chunks())  # not a copy
+    expected = pb.ModelInferResponse()
+    expected.CopyFrom(out)
+    expected.raw_output_contents.append(arr.tobytes())
+    wire = chunked.SerializeToString()
+    assert wire == pb.ModelStreamInferResponse(infer_response=expected).SerializeToString()
+    assert grpc_wire.stream_response(out) == pb.ModelStreamInferResponse(infer_response=out)
+
+
+def test_a_request_of_very_many_fields_is_refused_before_protobuf_parses_it():
     """Protobuf's parse of many small fields holds the GIL for seconds and takes 20x the message in memory: past
     MAX_SPLIT_FIELDS top-level fields the request is refused after that many steps of the walk."""
     head = pb.ModelInferRequest(model_name="m").SerializeToString()
     at_limit = head + b"\x2a\x00" * (grpc_wire.MAX_SPLIT_FIELDS - 1)  # model_name + empty `inputs`
-    parsed = request_type.FromString(at_limit)
-    message = parsed.message if request_type is grpc_wire.SplitInferRequest else parsed
-    assert len(message.inputs) == grpc_wire.MAX_SPLIT_FIELDS - 1
+    parsed = grpc_wire.SplitInferRequest.FromString(at_limit)
+    assert len(parsed.message.inputs) == grpc_wire.MAX_SPLIT_FIELDS - 1
     with pytest.raises(DecodeError, match="more than 65536 top-level fields"):
-        request_type.FromString(at_limit + b"\x2a\x00" * (4 << 20))  # 8 MiB more of them
+        grpc_wire.SplitInferRequest.FromString(at_limit + b"\x2a\x00" * (4 << 20))  # 8 MiB more of them

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 from h2frames import DATA, END_STREAM, HEADERS, WINDOW_UPDATE, RawH2, frame, grpc_message
-from h2server import running
+from h2server import Recorder, running
 
 from naiad.frontends import h2grpc
 from naiad.frontends.h2grpc_messages import Method, WireMessage
@@ -38,26 +38,6 @@ class Blob(WireMessage):
 
     def wire_chunks(self) -> list:
         return [HEAD, self.body]
-
-
-class Recorder:
-    """The connection's transport, recording what it is asked to write."""
-
-    def __init__(self, transport, written: list):
-        self._transport = transport
-        self._written = written
-
-    def write(self, data) -> None:
-        self._written.append([data])
-        self._transport.write(data)
-
-    def writelines(self, items) -> None:
-        items = list(items)
-        self._written.append(items)
-        self._transport.writelines(items)
-
-    def __getattr__(self, name):
-        return getattr(self._transport, name)
 
 
 @pytest.fixture

@@ -128,7 +128,7 @@ class GrpcFrontend:
             api_group,
             request_types={
                 "ModelInfer": grpc_wire.SplitInferRequest,
-                "ModelStreamInfer": grpc_wire.CheckedInferRequest,
+                "ModelStreamInfer": grpc_wire.SplitInferRequest,
             },
         )
         try:

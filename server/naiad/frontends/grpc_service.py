@@ -144,10 +144,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
 
-        async def handle(msg: pb.ModelInferRequest) -> None:
+        async def handle(msg: pb.ModelInferRequest | grpc_wire.SplitInferRequest) -> None:
             req = None
+            # Naiad's own HTTP/2 server: raw contents stay views of the message, outputs are sent from their memory
+            chunked = type(msg) is grpc_wire.SplitInferRequest
+            head = msg.message if chunked else msg
             try:
-                req = decode_request(msg, self.shm)
+                req = decode_request(head, self.shm, msg.raw if chunked else None)
                 req.traceparent = _traceparent(context) if self.server.tracer.active else None
                 empty_final = bool(req.parameters.get("triton_enable_empty_final_response", False))
                 mv, req.load_wait_ns = await self.server.ready_model(req.model_name, req.model_version)
@@ -155,9 +158,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     resp = await self.server.infer(req)
                     if req.load_wait_ns:
                         resp.parameters[LOAD_WAIT_PARAMETER] = round(req.load_wait_ns / 1e6, 1)
-                    queue.put_nowait(
-                        pb.ModelStreamInferResponse(infer_response=encode_response(resp, req, self.shm))
-                    )
+                    queue.put_nowait(grpc_wire.stream_response(encode_response(resp, req, self.shm, chunked)))
                     return
                 async for resp in self.server.infer_stream(req):
                     if resp.error is not None:
@@ -167,9 +168,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         continue
                     if not resp.outputs and resp.final and not empty_final:
                         break
-                    out = encode_response(resp, req, self.shm)
-                    out.parameters["triton_final_response"].bool_param = resp.final
-                    queue.put_nowait(pb.ModelStreamInferResponse(infer_response=out))
+                    out = encode_response(resp, req, self.shm, chunked)
+                    message = out.message if type(out) is grpc_wire.ChunkedResponse else out
+                    message.parameters["triton_final_response"].bool_param = resp.final
+                    queue.put_nowait(grpc_wire.stream_response(out))
             except Exception as exc:
                 err = as_naiad_error(exc)
                 message = err.message
@@ -179,7 +181,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     pb.ModelStreamInferResponse(
                         error_message=message,
                         infer_response=pb.ModelInferResponse(
-                            model_name=msg.model_name, model_version=msg.model_version, id=msg.id
+                            model_name=head.model_name, model_version=head.model_version, id=head.id
                         ),
                     )
                 )

@@ -16,6 +16,7 @@ SPLIT_MIN = 16384
 MAX_SPLIT_FIELDS = 65536
 _RAW_INPUT_KEY = 7 << 3 | 2  # ModelInferRequest.raw_input_contents, length-delimited
 _RAW_OUTPUT_KEY = bytes([6 << 3 | 2])  # ModelInferResponse.raw_output_contents, length-delimited
+_INFER_RESPONSE_KEY = bytes([2 << 3 | 2])  # ModelStreamInferResponse.infer_response, length-delimited
 
 
 def _varint(view, pos: int, end: int) -> tuple[int, int]:
@@ -107,20 +108,6 @@ class SplitInferRequest:
         return cls(pb.ModelInferRequest.FromString(data), None)
 
 
-class CheckedInferRequest:
-    """ModelStreamInfer's requests: protobuf's own ModelInferRequest, once the message is known to have at most
-    MAX_SPLIT_FIELDS top-level fields (the walk stops there; DecodeError past it, as for ModelInfer)."""
-
-    @staticmethod
-    def FromString(data) -> pb.ModelInferRequest:  # protobuf's name: h2grpc calls request_type.FromString
-        if len(data) >= SPLIT_MIN:
-            try:
-                _split(memoryview(data))
-            except ValueError:
-                pass  # protobuf itself says what is wrong with it
-        return pb.ModelInferRequest.FromString(data)
-
-
 class ChunkedResponse(WireMessage):
     """A ModelInferResponse serialized as buffers to send in order: the message without its
     raw_output_contents, then each raw entry's field key and length followed by the tensor's own memory."""
@@ -134,16 +121,44 @@ class ChunkedResponse(WireMessage):
     def wire_chunks(self) -> list:
         out = [self.message.SerializeToString()]
         for buf in self.raw:
-            n = len(buf)
-            head = bytearray(_RAW_OUTPUT_KEY)
-            while n >= 0x80:
-                head.append(n & 0x7F | 0x80)
-                n >>= 7
-            head.append(n)
-            out.append(bytes(head))
+            out.append(_field_head(_RAW_OUTPUT_KEY, len(buf)))
             if len(buf):
                 out.append(buf)
         return out
 
     def SerializeToString(self) -> bytes:  # protobuf's name
         return b"".join(self.wire_chunks())
+
+
+class ChunkedStreamResponse(WireMessage):
+    """A ModelStreamInferResponse whose infer_response is a ChunkedResponse: the field's key and length, then
+    the response's buffers (the output tensors' own memory)."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response: ChunkedResponse):
+        self.response = response
+
+    def wire_chunks(self) -> list:
+        inner = self.response.wire_chunks()
+        return [_field_head(_INFER_RESPONSE_KEY, sum(len(c) for c in inner)), *inner]
+
+    def SerializeToString(self) -> bytes:  # protobuf's name
+        return b"".join(self.wire_chunks())
+
+
+def stream_response(response) -> pb.ModelStreamInferResponse | ChunkedStreamResponse:
+    """ModelStreamInfer's message for an encoded response (a ModelInferResponse or a ChunkedResponse)."""
+    if type(response) is ChunkedResponse:
+        return ChunkedStreamResponse(response)
+    return pb.ModelStreamInferResponse(infer_response=response)
+
+
+def _field_head(key: bytes, n: int) -> bytes:
+    """A length-delimited field's key and the varint of its length `n`."""
+    head = bytearray(key)
+    while n >= 0x80:
+        head.append(n & 0x7F | 0x80)
+        n >>= 7
+    head.append(n)
+    return bytes(head)

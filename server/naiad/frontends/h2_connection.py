@@ -123,7 +123,7 @@ class Stream:
         self.metadata: tuple = ()
         self.encoding = b""
         self.body: list = []  # unary request: DATA payloads until END_STREAM
-        self.msg: memoryview | None = None  # or a large unary request's message, in a pooled buffer
+        self.msg: memoryview | None = None  # a large message being received, in a pooled buffer
         self.msg_fill = 0
         self.interleaved = False  # its message's frames came between other frames (h2_message_reader.py)
         self.received = 0
@@ -410,6 +410,7 @@ class H2Connection(asyncio.Protocol):
         stream in a reference cycle; after a large request, give the freed memory back to the system."""
         st.body = []
         st.inbuf = None
+        st.msg = None
         queue = st.queue
         if queue is not None:
             while not queue.empty():
@@ -523,5 +524,9 @@ class H2Connection(asyncio.Protocol):
             for st in list(self.streams.values()):
                 if st.pending and now - st.blocked_since > stall:
                     self._reset_stream(st.sid, CANCEL)  # the client stopped reading this response
-                elif not st.remote_closed and (st.queue is None or st.inbuf) and now - st.last_data > stall:
+                elif (
+                    not st.remote_closed
+                    and (st.queue is None or st.inbuf or st.msg is not None)
+                    and now - st.last_data > stall
+                ):
                     self._reset_stream(st.sid, CANCEL)  # the request stopped coming

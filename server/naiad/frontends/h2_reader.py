@@ -53,7 +53,7 @@ from .h2_framing import (
     frame,
 )
 from .h2_message_reader import MessageReader
-from .h2grpc_messages import Abort, RequestHead, split_messages
+from .h2grpc_messages import Abort, RequestHead, message_length
 from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
 # Bound here, not imported: CPython 3.11 compiles `imported_name.method(...)` without LOAD_METHOD, which
@@ -383,7 +383,7 @@ class H2Reader(H2Connection, abc.ABC):
         return head
 
     def _read_data(self, flags: int, sid: int, length: int, part: memoryview) -> bool:
-        """A large DATA frame of a unary call whose message has a pooled buffer, of which `part` has come:
+        """A large DATA frame of a call whose message has a pooled buffer, of which `part` has come:
         the transport reads the rest of it into the buffer, in place, and hands it to `_data` then."""
         st = self.streams.get(sid)
         if (
@@ -391,7 +391,7 @@ class H2Reader(H2Connection, abc.ABC):
             and st.msg is None
             and not st.body
             and st.method is not None
-            and st.queue is None
+            and (st.queue is None or not st.inbuf)  # a unary call's, or a streaming call's next message
             and not st.remote_closed
             and len(part) >= 5
             and not flags & PADDED
@@ -446,10 +446,8 @@ class H2Reader(H2Connection, abc.ABC):
             return
         if st.method is not None:
             if st.queue is not None:
-                st.inbuf += payload
                 try:
-                    for item in split_messages(st.inbuf, self.max_message):
-                        st.queue.put_nowait(item)
+                    self._stream_messages(st, payload, in_place)
                 except Abort as exc:
                     self._finish_error(st, exc.code, exc.details)
             elif st.received > self.max_message + 5:
@@ -479,6 +477,63 @@ class H2Reader(H2Connection, abc.ABC):
                 st.body.append(payload)  # a view: the frame's bytes stay alive, uncopied, until parsed
         if flags & END_STREAM:
             self._remote_end(st)
+
+    def _stream_messages(self, st: Stream, payload: memoryview, in_place: bool) -> None:
+        """A streaming call's DATA: each complete message is queued as (compressed, payload). A large one is
+        assembled in a pooled buffer, as a unary call's is, and queued as a view of it (its tensors are not
+        copied again, nor written into fresh pages); a small one as bytes. `st.inbuf` holds the start of a small
+        message (or of a prefix) that a frame cut short."""
+        queue, inbuf, limit = st.queue, st.inbuf, self.max_message
+        assert queue is not None and inbuf is not None
+        while True:
+            msg = st.msg
+            if msg is not None:  # a large message being filled (`in_place`: DataReader read it in already)
+                fill = st.msg_fill
+                k = min(len(payload), len(msg) - fill)
+                if not in_place:
+                    msg[fill : fill + k] = payload[:k]
+                in_place = False
+                st.msg_fill = fill = fill + k
+                if fill < len(msg):
+                    return
+                st.msg = None
+                queue.put_nowait((msg[0], msg[5:].toreadonly()))
+                payload = payload[k:]
+            if inbuf:
+                if len(inbuf) < 5:  # a prefix cut short
+                    k = 5 - len(inbuf)
+                    inbuf += payload[:k]
+                    payload = payload[k:]
+                    if len(inbuf) < 5:
+                        return
+                size = 5 + message_length(inbuf, 0, limit)
+                if size >= POOLED_MIN:
+                    st.msg = memoryview(POOL.take(size))[:size]
+                    st.msg[: len(inbuf)] = inbuf
+                    st.msg_fill = len(inbuf)
+                    inbuf.clear()
+                    continue
+                k = size - len(inbuf)
+                inbuf += payload[:k]
+                payload = payload[k:]
+                if len(inbuf) < size:
+                    return
+                queue.put_nowait((inbuf[0], bytes(inbuf[5:])))
+                inbuf.clear()
+                continue
+            if len(payload) < 5:
+                inbuf += payload
+                return
+            size = 5 + message_length(payload, 0, limit)
+            if size >= POOLED_MIN:
+                st.msg = memoryview(POOL.take(size))[:size]
+                st.msg_fill = 0
+            elif size <= len(payload):
+                queue.put_nowait((payload[0], bytes(payload[5:size])))
+                payload = payload[size:]
+            else:
+                inbuf += payload
+                return
 
     def _pool_message(self, st: Stream, payload: memoryview) -> bool:
         """The first DATA of a unary call announces a large message: it is assembled in a pooled buffer

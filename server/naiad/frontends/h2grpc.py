@@ -104,7 +104,8 @@ class _Connection(H2Reader):
             self._respond_http(st)
             return
         if st.queue is not None:
-            if st.inbuf:
+            if st.inbuf or st.msg is not None:
+                st.msg = None
                 self._finish_error(
                     st, grpc.StatusCode.INTERNAL, "incomplete message at the end of the stream"
                 )
@@ -212,7 +213,10 @@ class _Connection(H2Reader):
         try:
             if method.server_streaming:
                 async for response in method.call(request, st):  # a reset stream cancels this task
-                    self._send_message(st, response.SerializeToString())
+                    if isinstance(response, WireMessage):  # its buffers, not joined (as in _reply)
+                        self._send_message(st, response.wire_chunks())
+                    else:
+                        self._send_message(st, response.SerializeToString())
                 self._finish(st, OK_TRAILERS)
             else:
                 response = await method.call(request, st)

@@ -160,21 +160,12 @@ class RequestHead:
             self.error = "an invalid content-length"
 
 
-def split_messages(buf: bytearray, limit: int) -> list:
-    """Complete length-prefixed messages at the front of `buf` (removed from it), as (compressed, payload)."""
-    out = []
-    pos = 0
-    while len(buf) - pos >= 5:
-        compressed, length = MSG_PREFIX.unpack_from(buf, pos)
-        if length > limit:
-            raise Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"Received message larger than max ({length} vs. {limit})",
-            )
-        if len(buf) - pos - 5 < length:
-            break
-        out.append((compressed, bytes(buf[pos + 5 : pos + 5 + length])))
-        pos += 5 + length
-    if pos:
-        del buf[:pos]
-    return out
+def message_length(buf, pos: int, limit: int) -> int:
+    """The length a message prefix at `buf[pos:]` announces; RESOURCE_EXHAUSTED past `limit`."""
+    length = int.from_bytes(buf[pos + 1 : pos + 5], "big")
+    if length > limit:
+        raise Abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Received message larger than max ({length} vs. {limit})",
+        )
+    return length

@@ -82,7 +82,9 @@ PROTO_TITLES = {
     "http_binary": "HTTP binary",
     "grpc": "gRPC",
     "pa_grpc": "perf_analyzer gRPC",
+    "pa_grpc_stream": "perf_analyzer gRPC stream",
 }
+PERF_ANALYZER_PROTOCOLS = ("pa_grpc", "pa_grpc_stream")
 PERF_ANALYZER_SETUP = REPO / "tools" / "perf_analyzer" / "setup.sh"
 
 # --------------------------------------------------------------------------------------------
@@ -93,7 +95,9 @@ PERF_ANALYZER_SETUP = REPO / "tools" / "perf_analyzer" / "setup.sh"
 @dataclass(frozen=True)
 class Scenario:
     model: str  # model name in the repository
-    proto: str  # http_json | http_binary | grpc | pa_grpc (Triton's perf_analyzer over gRPC)
+    # http_json | http_binary | grpc | pa_grpc (Triton's perf_analyzer over gRPC) | pa_grpc_stream (its --streaming:
+    # ModelStreamInfer)
+    proto: str
     conc: int  # concurrent connections
     shape: tuple  # request tensor shape
     kind: str  # identity | mlp
@@ -115,7 +119,8 @@ IDENTITY_MODELS = {"identity_16": (16,), "identity_64k": (65536,)}
 BATCHED_IDENTITY_MODELS = {"identity_64k_batched": (1, 65536)}
 MLP_MODELS = {"mlp": (1, 64), "mlp_batched": (1, 64)}
 # Large tensors (issue 32): 4 MiB and 16 MiB of FP32, binary protocols only, at concurrency 1 and 8; over gRPC
-# from h2load (16 KiB frames, as grpc-go and grpc-java send) and from perf_analyzer (grpc core: large frames).
+# from h2load (16 KiB frames, as grpc-go and grpc-java send) and from perf_analyzer (grpc core: large frames), unary
+# and over a stream (ModelStreamInfer, as tritonclient's start_stream sends).
 LARGE_IDENTITY_MODELS = {"identity_4m": (1048576,), "identity_16m": (4194304,)}
 
 
@@ -126,7 +131,7 @@ def all_scenarios() -> list[Scenario]:
             for conc in (1, 8, 64):
                 out.append(Scenario(model, proto, conc, shape, "identity"))
     for model, shape in LARGE_IDENTITY_MODELS.items():
-        for proto in ("http_binary", "grpc", "pa_grpc"):
+        for proto in ("http_binary", "grpc", *PERF_ANALYZER_PROTOCOLS):
             for conc in (1, 8):
                 out.append(Scenario(model, proto, conc, shape, "identity"))
     for model, shape in BATCHED_IDENTITY_MODELS.items():
@@ -136,7 +141,8 @@ def all_scenarios() -> list[Scenario]:
         for model, shape in MLP_MODELS.items():
             out.append(Scenario(model, proto, 64, shape, "mlp"))
     # Triton's own load generator, as its users measure servers (one small scenario).
-    out.append(Scenario("identity_16", "pa_grpc", 8, IDENTITY_MODELS["identity_16"], "identity"))
+    for proto in PERF_ANALYZER_PROTOCOLS:
+        out.append(Scenario("identity_16", proto, 8, IDENTITY_MODELS["identity_16"], "identity"))
     return out
 
 
@@ -160,7 +166,7 @@ def supports(server: str, sc: Scenario) -> str | None:
         return "the nvidia-pytriton wheel ships only the python backend (no onnxruntime backend)"
     if server == "mlserver" and sc.proto == "http_binary":
         return "MLServer's REST API has no binary tensor extension"
-    if server == "mlserver" and sc.proto == "pa_grpc":
+    if server == "mlserver" and sc.proto in PERF_ANALYZER_PROTOCOLS:
         return "perf_analyzer reads Triton's statistics extension, which MLServer does not serve"
     return None
 
@@ -744,7 +750,7 @@ def run_perf_analyzer(sc: Scenario, duration: float) -> dict:
         f"127.0.0.1:{GRPC_PORT}",
         "-i",
         "grpc",
-        "--async",
+        "--streaming" if sc.proto == "pa_grpc_stream" else "--async",
         "--concurrency-range",
         str(sc.conc),
         "--measurement-interval",
@@ -781,7 +787,7 @@ def run_perf_analyzer(sc: Scenario, duration: float) -> dict:
 
 
 def run_load(sc: Scenario, body: Body, duration: float) -> dict:
-    if sc.proto == "pa_grpc":
+    if sc.proto in PERF_ANALYZER_PROTOCOLS:
         return run_perf_analyzer(sc, duration)
     return run_h2load(sc, body, duration) if sc.proto == "grpc" else run_wrk(sc, body, duration)
 

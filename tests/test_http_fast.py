@@ -235,6 +235,86 @@ def test_chunked_request_body(naiad, conn):
     assert status == 200 and outputs(body) == [4, 3, 2, 1]
 
 
+def binary_request(data: bytes, headers: dict | None = None, chunked: bool = False) -> tuple[bytes, bytes]:
+    """(head, body) of a binary-tensor infer request of FP32 `data` (binary output asked for)."""
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "shape": [1, len(data) // 4],
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": len(data)},
+                }
+            ],
+            "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    body = header + data
+    head = [
+        b"POST %s HTTP/1.1" % ROUTE.encode(),
+        b"Host: t",
+        b"Inference-Header-Content-Length: %d" % len(header),
+    ]
+    head.append(b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(body))
+    head += [f"{k}: {v}".encode() for k, v in (headers or {}).items()]
+    return b"\r\n".join(head) + b"\r\n\r\n", body
+
+
+def binary_output(headers: dict, body: bytes) -> bytes:
+    return body[int(headers["inference-header-content-length"]) :]
+
+
+def final_response(conn: Conn) -> tuple[int, dict, bytes]:
+    """The next response that is not an interim 1xx one."""
+    while True:
+        status, headers, body = conn.response()
+        if status >= 200:
+            return status, headers, body
+
+
+def test_expect_100_continue_is_answered_on_the_fast_path(naiad, conn):
+    """curl sends `Expect: 100-continue` with a body over 1 MiB and waits for the 100 before it sends it."""
+    data = bytes(range(256)) * 8192  # 2 MiB
+    head, body = binary_request(data, {"Expect": "100-continue"})
+    for _ in range(2):  # the connection stays on the fast path
+        conn.send(head)
+        status, headers, _ = conn.response()
+        assert status == 100 and "server" not in headers  # before the body: the client waits for it
+        conn.send(body)
+        status, headers, out = conn.response()
+        assert status == 200 and "server" not in headers and binary_output(headers, out) == data
+
+
+def test_expect_behind_an_unanswered_request_and_other_expectations_go_to_aiohttp(naiad, conn):
+    head, body = binary_request(b"\0" * 64, {"Expect": "100-continue"})
+    conn.send(infer_request((1, 2)) + head + body)  # (a client may send the body without waiting)
+    status, headers, out = final_response(conn)
+    assert status == 200 and "server" not in headers and outputs(out) == [1, 2]
+    status, headers, out = final_response(conn)
+    assert status == 200 and "server" in headers and binary_output(headers, out) == b"\0" * 64
+    other = Conn(naiad)
+    try:
+        head, body = binary_request(b"\0" * 64, {"Expect": "a-pony"})
+        other.send(head + body)
+        assert final_response(other)[0] == 417
+    finally:
+        other.close()
+
+
+def test_large_chunked_request_body_byte_for_byte(naiad, conn):
+    """A chunked body goes to aiohttp, which reads a large one into a pooled buffer and writes a large response from
+    the output's memory."""
+    data = bytes(range(256)) * 4096 + b"\1\2\3\4"  # 1 MiB + 4 bytes
+    head, body = binary_request(data, chunked=True)
+    chunks = b"".join(
+        b"%x\r\n%s\r\n" % (len(body[i : i + 70000]), body[i : i + 70000]) for i in range(0, len(body), 70000)
+    )
+    conn.send(head + chunks + b"0\r\n\r\n")
+    status, headers, out = conn.response()
+    assert status == 200 and "server" in headers and binary_output(headers, out) == data
+
+
 def test_request_split_byte_by_byte(naiad, conn):
     # leading empty lines are allowed before a request line, and must not confuse the framing
     data = infer_request((1, 2, 3, 4)) + b"\r\n\r\n" + infer_request((5, 6, 7, 8))

@@ -30,10 +30,12 @@ from .http_codec import (
     load_wait_header,
     model_version,
     read_body,
+    read_tensor_body,
     response_coding,
     restricted_message,
 )
 from .http_fast import FastHttpServer
+from .receive_buffers import POOLED_MIN
 from .sse_response import EventResponse
 
 log = logging.getLogger("naiad.http")
@@ -344,7 +346,7 @@ class HttpFrontend:
 
     async def infer(self, request: web.Request):
         m = request.match_info
-        body = await read_body(request, self.max_input_size)
+        body = await read_tensor_body(request, self.max_input_size)
         trace = request.headers.get("traceparent") if self.server.tracer.active else None
         chunks, headers = await self.run_infer(
             m["model"], m.get("version", ""), body, request.headers.get(HEADER_LENGTH), trace
@@ -352,7 +354,17 @@ class HttpFrontend:
         coding = response_coding(request.headers.get("Accept-Encoding", ""))
         if coding is not None:
             chunks, headers = await compress_response(asyncio.get_running_loop(), chunks, headers, coding)
-        return web.Response(body=chunks[0] if len(chunks) == 1 else b"".join(chunks), headers=headers)
+        size = sum(len(c) for c in chunks)
+        if len(chunks) == 1 or size < POOLED_MIN:
+            return web.Response(body=chunks[0] if len(chunks) == 1 else b"".join(chunks), headers=headers)
+        # a large response is written from its buffers (the output tensors' memory), not joined into a copy
+        response = web.StreamResponse(headers=headers)
+        response.content_length = size
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(chunk)
+        await response.write_eof()
+        return response
 
     # generate extension
     async def _generate_request(self, request):

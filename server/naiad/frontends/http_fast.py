@@ -1,8 +1,8 @@
 """A minimal HTTP/1.1 protocol for the one hot route, `POST /v2/models/{model}[/versions/{version}]/infer`.
 
-Everything else a connection sends (other routes and methods, HTTP/1.0, `Expect`, chunked or encoded
-request bodies, Upgrade, oversized bodies, odd URLs) is handed to the
-aiohttp app for the rest of that connection's life: the aiohttp `Server` makes a `RequestHandler`
+Everything else a connection sends (other routes and methods, HTTP/1.0, an `Expect` other than 100-continue or
+behind a request not yet answered, chunked or encoded request bodies, Upgrade, oversized bodies, odd URLs) is
+handed to the aiohttp app for the rest of that connection's life: the aiohttp `Server` makes a `RequestHandler`
 protocol, the transport is switched over to it and it is fed every raw byte from the start of the
 request that triggered the handoff. Both paths answer an infer request through the same function,
 `HttpFrontend.run_infer`, so results and errors are identical.
@@ -49,7 +49,9 @@ MAX_HEADERS = 128  # aiohttp's max_headers (header lines)
 _CONTENT_LENGTH = b"content-length"
 _HEADER_LENGTH = b"inference-header-content-length"
 _ACCEPT_ENCODING = b"accept-encoding"
-_HANDOFF_HEADERS = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade"))
+_EXPECT = b"expect"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_HANDOFF_HEADERS = frozenset((b"transfer-encoding", b"content-encoding", b"upgrade"))
 
 # what happens once the queue of fast requests is empty
 _HANDOFF = 1  # switch the connection to aiohttp, feeding it the buffered raw bytes
@@ -252,6 +254,7 @@ class FastHttpProtocol(asyncio.Protocol):
         "content_length",
         "eof",
         "error",
+        "expect",
         "final",
         "handoff",
         "head_end",
@@ -300,6 +303,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.content_length = 0
         self.header_length = None
         self.coding = None
+        self.expect = False
         self.handoff = False
         self.restricted_value = None
         self.head_end = -1
@@ -404,6 +408,13 @@ class FastHttpProtocol(asyncio.Protocol):
                 self.header_length = value.decode("utf-8", "surrogateescape")
         elif name == _ACCEPT_ENCODING:
             self.coding = response_coding(value.decode("latin-1"))
+        elif (
+            name == _EXPECT
+        ):  # curl sends it with a body over 1 MiB; another expectation aiohttp refuses (417)
+            if value.lower() == b"100-continue" and not self.expect:
+                self.expect = True
+            else:
+                self.handoff = True
         elif name in _HANDOFF_HEADERS or (name == b"traceparent" and self.srv.frontend.server.tracer.active):
             self.handoff = True  # (aiohttp's route reads the traceparent)
         elif name == self.srv.restrict_key and self.restricted_value is None:
@@ -421,9 +432,11 @@ class FastHttpProtocol(asyncio.Protocol):
             and len(self.url) <= MAX_FIELD
         ):
             route = self.srv.route(self.url)
-        if route is None:
-            self.final = _HANDOFF
+        if route is None or (self.expect and (self.task is not None or self.queue)):
+            self.final = _HANDOFF  # (a 100 Continue may not go out before the responses to earlier requests)
             raise _Stop
+        if self.expect:
+            self.transport.write(_CONTINUE)  # the client waits for it before it sends the body
         self.route = route
         raw = self.raw
         if raw[0] in (10, 13):  # empty lines before a request line are allowed and skipped (RFC 9112 2.2)

@@ -1,12 +1,13 @@
 """A streaming call's messages on Naiad's HTTP/2 server (h2_reader.py `_stream_messages`, h2grpc.py `_run`), in
 this process: a large request message is assembled in a pooled receive buffer and reaches the call as a view of it,
 a small one as bytes, byte for byte and in order however the DATA frames cut them (16 KiB frames, cuts through the
-5-byte prefixes, 1 MiB frames the transport reads in place, one frame a message); a stream that ends inside a large
-message is answered INTERNAL; every pooled buffer is free afterwards. A streamed response made of buffers (a
+5-byte prefixes, 1 MiB frames the transport reads in place, one frame a message), compressed ones inflated; a stream
+that ends inside a large message is answered INTERNAL; every pooled buffer is free afterwards. A streamed response made of buffers (a
 WireMessage) reaches the transport as those buffers, not joined into a copy."""
 
 from __future__ import annotations
 
+import gzip
 import mmap
 import os
 import random
@@ -104,12 +105,14 @@ def odd_sizes():
         yield rng.randint(1000, 40000)
 
 
-def exchange(address: str, payloads: list[bytes]) -> tuple[list[bytes], dict[str, str]]:
+def exchange(
+    address: str, payloads: list[bytes], *headers: tuple[str, str]
+) -> tuple[list[bytes], dict[str, str]]:
     """Send `payloads` as DATA frames of one call (the last ends it); (the response messages, the trailers)."""
     settings = struct.pack(">HIHI", 4, (1 << 31) - 1, 5, (1 << 24) - 1)  # INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE
     with RawH2(address, settings=settings) as conn:
         conn.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", (1 << 31) - 1 - 65535)))
-        conn.send(conn.request_headers(PATH))
+        conn.send(conn.request_headers(PATH, *headers))
         for i, payload in enumerate(payloads):
             conn.send(frame(DATA, END_STREAM if i == len(payloads) - 1 else 0, 1, payload))
         frames = conn.frames(timeout=30, until=lambda f: f[0] == HEADERS and f[2] == 1 and f[1] & END_STREAM)
@@ -157,3 +160,14 @@ def test_a_stream_that_ends_inside_a_large_message_is_answered_internal(server):
     assert replies == [HEAD + b"first"]
     assert trailers.get("grpc-status") == "13", trailers
     assert "incomplete message" in trailers.get("grpc-message", "")
+
+
+def test_compressed_messages_of_a_stream_are_inflated(server):
+    address, seen, written, _ = server
+    messages = [os.urandom(200_000), b"small" * 10]  # the first compressed is still past POOLED_MIN
+    wire = b"".join(grpc_message(gzip.compress(m), compressed=True) for m in messages)
+    replies, trailers = exchange(address, cut(wire, iter(lambda: 16384, None)), ("grpc-encoding", "gzip"))
+    written.clear()
+    assert trailers.get("grpc-status") == "0", trailers
+    assert [data for _, data in seen] == messages
+    assert replies == [HEAD + m for m in messages]

@@ -2,8 +2,8 @@
 this process: a large request message is assembled in a pooled receive buffer and reaches the call as a view of it,
 a small one as bytes, byte for byte and in order however the DATA frames cut them (16 KiB frames, cuts through the
 5-byte prefixes, 1 MiB frames the transport reads in place, one frame a message), compressed ones inflated; a stream
-that ends inside a large message is answered INTERNAL; every pooled buffer is free afterwards. A streamed response made of buffers (a
-WireMessage) reaches the transport as those buffers, not joined into a copy."""
+that ends inside a large message is answered INTERNAL; every pooled buffer is free afterwards. A streamed response
+made of buffers (a WireMessage) reaches the transport as those buffers, not joined into a copy."""
 
 from __future__ import annotations
 

@@ -271,15 +271,7 @@ async def read_tensor_body(request, limit: int) -> bytes | memoryview:
     expected = request.content_length
     if coding not in ("identity", "") or (expected is not None and expected < POOLED_MIN):
         return await read_body(request, limit)
-    chunks, size = [], 0
-    while True:
-        chunk = await request.content.readany()  # (the parser's own chunk: no join)
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        chunks.append(chunk)
+    chunks, size = await _body_chunks(request, limit)
     if size < POOLED_MIN:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     view = memoryview(POOL.take(size))[:size]
@@ -297,15 +289,7 @@ async def read_body(request, limit: int) -> bytes:
     coding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if coding not in ("identity", "") and coding not in _REQUEST_WBITS:
         raise web.HTTPUnsupportedMediaType(reason=f"unsupported Content-Encoding '{coding[:32]}'")
-    chunks, size = [], 0
-    while True:
-        chunk = await request.content.read(1 << 20)
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        chunks.append(chunk)
+    chunks, _ = await _body_chunks(request, limit)
     data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     if coding in ("identity", ""):
         return data
@@ -313,6 +297,19 @@ async def read_body(request, limit: int) -> bytes:
         return inflate_body(data, coding, limit)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_inflater(), inflate_body, data, coding, limit)
+
+
+async def _body_chunks(request, limit: int) -> tuple[list[bytes], int]:
+    """The body as aiohttp's parser cut it (no join), and its size; 413 past `limit` bytes."""
+    chunks, size = [], 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            return chunks, size
+        size += len(chunk)
+        if size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        chunks.append(chunk)
 
 
 _INFLATER = None

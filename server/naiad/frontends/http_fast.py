@@ -45,13 +45,14 @@ KEEPALIVE_TIMEOUT = 75.0  # aiohttp's default: idle keep-alive connections are c
 MAX_FIELD = 8190  # aiohttp's max_line_size / max_field_size
 MAX_HEADERS = 128  # aiohttp's max_headers (header lines)
 
-# header names (lowercase) the fast path looks at; anything in _HANDOFF_HEADERS sends the request to aiohttp
+# header names (lowercase) the fast path looks at; anything in _HANDOFF_HEADERS sends the request to aiohttp (but
+# `Expect: 100-continue`, which the fast path answers)
 _CONTENT_LENGTH = b"content-length"
 _HEADER_LENGTH = b"inference-header-content-length"
 _ACCEPT_ENCODING = b"accept-encoding"
 _EXPECT = b"expect"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_HANDOFF_HEADERS = frozenset((b"transfer-encoding", b"content-encoding", b"upgrade"))
+_HANDOFF_HEADERS = frozenset((b"transfer-encoding", b"content-encoding", b"upgrade", _EXPECT))
 
 # what happens once the queue of fast requests is empty
 _HANDOFF = 1  # switch the connection to aiohttp, feeding it the buffered raw bytes
@@ -408,14 +409,14 @@ class FastHttpProtocol(asyncio.Protocol):
                 self.header_length = value.decode("utf-8", "surrogateescape")
         elif name == _ACCEPT_ENCODING:
             self.coding = response_coding(value.decode("latin-1"))
-        elif (
-            name == _EXPECT
-        ):  # curl sends it with a body over 1 MiB; another expectation aiohttp refuses (417)
-            if value.lower() == b"100-continue" and not self.expect:
+        elif name in _HANDOFF_HEADERS:
+            # but `Expect: 100-continue` (curl's with a body over 1 MiB), which the fast path answers; another
+            # expectation aiohttp refuses (417)
+            if name == _EXPECT and not self.expect and value.lower() == b"100-continue":
                 self.expect = True
             else:
                 self.handoff = True
-        elif name in _HANDOFF_HEADERS or (name == b"traceparent" and self.srv.frontend.server.tracer.active):
+        elif name == b"traceparent" and self.srv.frontend.server.tracer.active:
             self.handoff = True  # (aiohttp's route reads the traceparent)
         elif name == self.srv.restrict_key and self.restricted_value is None:
             self.restricted_value = value.decode("utf-8", "surrogateescape")
@@ -432,11 +433,14 @@ class FastHttpProtocol(asyncio.Protocol):
             and len(self.url) <= MAX_FIELD
         ):
             route = self.srv.route(self.url)
-        if route is None or (self.expect and (self.task is not None or self.queue)):
-            self.final = _HANDOFF  # (a 100 Continue may not go out before the responses to earlier requests)
+        if self.expect and route is not None:
+            if self.task is not None or self.queue:
+                route = None  # (a 100 Continue may not go out before the responses to earlier requests)
+            else:
+                self.transport.write(_CONTINUE)  # the client waits for it before it sends the body
+        if route is None:
+            self.final = _HANDOFF
             raise _Stop
-        if self.expect:
-            self.transport.write(_CONTINUE)  # the client waits for it before it sends the body
         self.route = route
         raw = self.raw
         if raw[0] in (10, 13):  # empty lines before a request line are allowed and skipped (RFC 9112 2.2)

@@ -398,7 +398,7 @@ class H2Reader(H2Connection, abc.ABC):
         ):  # the call's first frame: its message's buffer is made now
             size = 5 + int.from_bytes(part[1:5], "big")
             if POOLED_MIN <= size <= self.max_message + 5 and length <= size:
-                st.msg = memoryview(POOL.take(size))[:size]
+                st.msg = POOL.view(size)
                 st.msg_fill = 0
         if (
             st is None
@@ -508,7 +508,7 @@ class H2Reader(H2Connection, abc.ABC):
                         return
                 size = 5 + message_length(inbuf, 0, limit)
                 if size >= POOLED_MIN:
-                    st.msg = memoryview(POOL.take(size))[:size]
+                    st.msg = POOL.view(size)
                     st.msg[: len(inbuf)] = inbuf
                     st.msg_fill = len(inbuf)
                     inbuf.clear()
@@ -526,7 +526,7 @@ class H2Reader(H2Connection, abc.ABC):
                 return
             size = 5 + message_length(payload, 0, limit)
             if size >= POOLED_MIN:
-                st.msg = memoryview(POOL.take(size))[:size]
+                st.msg = POOL.view(size)
                 st.msg_fill = 0
             elif size <= len(payload):
                 queue.put_nowait((payload[0], bytes(payload[5:size])))
@@ -541,7 +541,7 @@ class H2Reader(H2Connection, abc.ABC):
         size = 5 + int.from_bytes(payload[1:5], "big")
         if size < POOLED_MIN or size > self.max_message + 5 or len(payload) > size:
             return False
-        st.msg = memoryview(POOL.take(size))[:size]
+        st.msg = POOL.view(size)
         st.msg[: len(payload)] = payload
         st.msg_fill = len(payload)
         self.filling = st

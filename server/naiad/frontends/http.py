@@ -354,9 +354,11 @@ class HttpFrontend:
         coding = response_coding(request.headers.get("Accept-Encoding", ""))
         if coding is not None:
             chunks, headers = await compress_response(asyncio.get_running_loop(), chunks, headers, coding)
+        if len(chunks) == 1:
+            return web.Response(body=chunks[0], headers=headers)
         size = sum(len(c) for c in chunks)
-        if len(chunks) == 1 or size < POOLED_MIN:
-            return web.Response(body=chunks[0] if len(chunks) == 1 else b"".join(chunks), headers=headers)
+        if size < POOLED_MIN:
+            return web.Response(body=b"".join(chunks), headers=headers)
         # a large response is written from its buffers (the output tensors' memory), not joined into a copy
         response = web.StreamResponse(headers=headers)
         response.content_length = size

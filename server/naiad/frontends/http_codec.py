@@ -274,7 +274,7 @@ async def read_tensor_body(request, limit: int) -> bytes | memoryview:
     chunks, size = await _body_chunks(request, limit)
     if size < POOLED_MIN:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    view = memoryview(POOL.take(size))[:size]
+    view = POOL.view(size)
     pos = 0
     for chunk in chunks:
         view[pos : pos + len(chunk)] = chunk

@@ -89,6 +89,10 @@ class ReceivePool:
         self.bytes += cap
         return buf
 
+    def view(self, n: int) -> memoryview:
+        """`take(n)` as a writable view of exactly `n` bytes (a message or body being assembled)."""
+        return memoryview(self.take(n))[:n]
+
     def _evict(self, need: int) -> None:
         """Drop idle buffers (largest classes first) until `need` more bytes fit under the limit."""
         for cap in sorted(self.classes, reverse=True):

@@ -302,17 +302,88 @@ def test_expect_behind_an_unanswered_request_and_other_expectations_go_to_aiohtt
         other.close()
 
 
-def test_large_chunked_request_body_byte_for_byte(naiad, conn):
-    """A chunked body goes to aiohttp, which reads a large one into a pooled buffer and writes a large response from
-    the output's memory."""
+def chunks_of(body: bytes, size: int, extension: bytes = b"") -> bytes:
+    """`body` in chunked transfer coding, `size` bytes a chunk, with its last chunk (no trailer)."""
+    return (
+        b"".join(
+            b"%x%s\r\n%s\r\n" % (len(body[i : i + size]), extension, body[i : i + size])
+            for i in range(0, len(body), size)
+        )
+        + b"0\r\n"
+    )
+
+
+@pytest.mark.parametrize("chunk", [70000, 16384, 4096])
+def test_large_chunked_request_body_byte_for_byte(naiad, conn, chunk):
+    """A chunked body is decoded on the fast path into a pooled buffer (http_chunked.py); the connection stays there
+    for the next requests."""
     data = bytes(range(256)) * 4096 + b"\1\2\3\4"  # 1 MiB + 4 bytes
     head, body = binary_request(data, chunked=True)
-    chunks = b"".join(
-        b"%x\r\n%s\r\n" % (len(body[i : i + 70000]), body[i : i + 70000]) for i in range(0, len(body), 70000)
-    )
-    conn.send(head + chunks + b"0\r\n\r\n")
+    for _ in range(2):  # the second starts in a buffer of the first one's size
+        conn.send(head + chunks_of(body, chunk) + b"\r\n")
+        status, headers, out = conn.response()
+        assert status == 200 and "server" not in headers and binary_output(headers, out) == data
+    conn.send(infer_request((1, 2)))
     status, headers, out = conn.response()
-    assert status == 200 and "server" in headers and binary_output(headers, out) == data
+    assert status == 200 and "server" not in headers and outputs(out) == [1, 2]
+
+
+def test_chunked_body_split_anywhere_with_extensions_and_trailer(naiad, conn):
+    """Size lines, extensions, data and the trailer cut across reads at every byte; `Expect` answered first."""
+    data = bytes(range(256)) * 300
+    head, body = binary_request(data, {"Expect": "100-continue"}, chunked=True)
+    wire = chunks_of(body, 1000, b";name=value ; x") + b"X-Checksum: 1\r\nX-Other: 2\r\n\r\n"
+    conn.send(head)
+    assert conn.response()[0] == 100
+    for i in range(0, len(wire), 7):
+        conn.send(wire[i : i + 7])
+    status, headers, out = conn.response()
+    assert status == 200 and "server" not in headers and binary_output(headers, out) == data
+
+
+def test_chunked_requests_pipelined_with_others(naiad, conn):
+    """Chunked and Content-Length requests in one write are answered in order; thousands of small chunked requests
+    in one write are each answered."""
+    small = b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" % ROUTE.encode()
+    conn.send(
+        infer_request((1,))
+        + small
+        + chunks_of(body_for((2, 3)), 5)
+        + b"\r\n"
+        + infer_request((4,))
+        + small
+        + chunks_of(body_for((5,)), 100)
+        + b"\r\n"
+    )
+    for expected in ([1], [2, 3], [4], [5]):
+        status, headers, out = conn.response()
+        assert status == 200 and "server" not in headers and outputs(out) == expected
+    many = 1500  # (a request a call deeper would pass Python's recursion limit)
+    conn.send((small + chunks_of(body_for((7,)), 1000) + b"\r\n") * many)
+    for _ in range(many):
+        status, _, out = conn.response()
+        assert status == 200 and outputs(out) == [7]
+
+
+@pytest.mark.parametrize(
+    "wire,message",
+    [
+        (b"zz\r\nabc\r\n0\r\n\r\n", "invalid chunk size"),
+        (b"2\r\nabc\r\n0\r\n\r\n", "chunk data longer than its size"),
+        (b"1" * 5000, "chunk size line too long"),
+        (b"0\r\nno colon here\r\n\r\n", "invalid trailer"),
+    ],
+    ids=["size", "overrun", "long-line", "trailer"],
+)
+def test_bad_chunked_framing_gets_400_after_earlier_answers(naiad, conn, wire, message):
+    head = b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" % ROUTE.encode()
+    conn.send(infer_request((1, 2)) + head + wire)
+    status, _, out = conn.response()
+    assert status == 200 and outputs(out) == [1, 2]
+    status, headers, out = conn.response()
+    assert status == 400 and "server" not in headers
+    assert json.loads(out) == {"error": f"Bad Request: {message}"}
+    assert headers.get("connection") == "close" and conn.closed_by_server()
 
 
 def test_request_split_byte_by_byte(naiad, conn):
@@ -419,6 +490,21 @@ def limited(model_repo):
         "inference:X-Key=secret",
     ) as proc:
         yield proc
+
+
+def test_chunked_body_over_limit_gets_413(limited):
+    c = Conn(limited)
+    try:
+        head = (
+            b"POST %s HTTP/1.1\r\nHost: t\r\nX-Key: secret\r\nTransfer-Encoding: chunked\r\n\r\n"
+            % ROUTE.encode()
+        )
+        c.send(head + b"400\r\n" + b"x" * 1024 + b"\r\n" + b"400\r\n")  # 1 KiB, then 1 KiB more: over 2000
+        status, headers, body = c.response()
+        assert status == 413 and "server" not in headers
+        assert json.loads(body)["error"].endswith(": request body larger than 2000 bytes")
+    finally:
+        c.close()
 
 
 def test_content_length_over_limit_gets_413(limited):

@@ -1,10 +1,10 @@
 """A minimal HTTP/1.1 protocol for the one hot route, `POST /v2/models/{model}[/versions/{version}]/infer`.
 
 Everything else a connection sends (other routes and methods, HTTP/1.0, an `Expect` other than 100-continue or
-behind a request not yet answered, chunked or encoded request bodies, Upgrade, oversized bodies, odd URLs) is
-handed to the aiohttp app for the rest of that connection's life: the aiohttp `Server` makes a `RequestHandler`
-protocol, the transport is switched over to it and it is fed every raw byte from the start of the
-request that triggered the handoff. Both paths answer an infer request through the same function,
+behind a request not yet answered, encoded request bodies or transfer codings other than chunked, Upgrade,
+oversized bodies, odd URLs) is handed to the aiohttp app for the rest of that connection's life: the aiohttp
+`Server` makes a `RequestHandler` protocol, the transport is switched over to it and it is fed every raw byte from
+the start of the request that triggered the handoff. A chunked body is decoded here (http_chunked.py). Both paths answer an infer request through the same function,
 `HttpFrontend.run_infer`, so results and errors are identical.
 
 Slow clients: a request head must arrive within NAIAD_HTTP_HEAD_TIMEOUT seconds (default 30) of its first
@@ -32,6 +32,7 @@ import orjson
 from ..errors import NaiadError
 from . import eager
 from .busy_poll import BusyPoll
+from .http_chunked import ChunkedBodyReader, ChunkError
 from .http_codec import compress_response, error_headers, error_payload, response_coding, restricted_message
 from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
@@ -46,13 +47,14 @@ MAX_FIELD = 8190  # aiohttp's max_line_size / max_field_size
 MAX_HEADERS = 128  # aiohttp's max_headers (header lines)
 
 # header names (lowercase) the fast path looks at; anything in _HANDOFF_HEADERS sends the request to aiohttp (but
-# `Expect: 100-continue`, which the fast path answers)
+# `Expect: 100-continue`, which the fast path answers, and `Transfer-Encoding: chunked`, which it decodes)
 _CONTENT_LENGTH = b"content-length"
 _HEADER_LENGTH = b"inference-header-content-length"
 _ACCEPT_ENCODING = b"accept-encoding"
 _EXPECT = b"expect"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_HANDOFF_HEADERS = frozenset((b"transfer-encoding", b"content-encoding", b"upgrade", _EXPECT))
+_TRANSFER_ENCODING = b"transfer-encoding"
+_HANDOFF_HEADERS = frozenset((_TRANSFER_ENCODING, b"content-encoding", b"upgrade", _EXPECT))
 
 # what happens once the queue of fast requests is empty
 _HANDOFF = 1  # switch the connection to aiohttp, feeding it the buffered raw bytes
@@ -165,6 +167,7 @@ class FastHttpServer:
         self.error_payload = error_payload
         self.restricted_body = orjson.dumps({"error": restricted_message(rule[0])}) if rule else None
         self.routes: dict[bytes, tuple[str, str] | None] = {}
+        self.chunked_sizes: dict[tuple[str, str], int] = {}  # the last chunked body's size by route
         self.connections: set[FastHttpProtocol] = set()
         self.accepted = 0  # connections made so far (drain.py listens on while they still arrive)
         self.starter = eager.Starter(busy_poll)  # requests start in data_received (eager.py)
@@ -251,20 +254,25 @@ class _Stop(Exception):
 
 class FastHttpProtocol(asyncio.Protocol):
     __slots__ = (
+        "bad_status",
+        "chunked",
         "coding",
         "content_length",
         "eof",
         "error",
         "expect",
+        "feeding",
         "final",
         "handoff",
         "head_end",
         "header_count",
         "header_length",
         "in_head",
+        "keep_alive",
         "last_active",
         "loop",
         "lost",
+        "more",
         "parser",
         "queue",
         "raw",
@@ -295,8 +303,11 @@ class FastHttpProtocol(asyncio.Protocol):
         self.writing_paused = False
         self.in_head = False
         self.started = 0.0  # when the request being received began (its head), then its body
-        self.error = "malformed HTTP request"  # the 400 message once final is _BAD_REQUEST
-        self.reader: BodyReader | None = None  # a large body being read into a pooled buffer
+        self.error = "malformed HTTP request"  # the message once final is _BAD_REQUEST
+        self.bad_status = 400  # (413: a chunked body over the size limit)
+        self.reader: BodyReader | ChunkedBodyReader | None = None  # a body being read into a pooled buffer
+        self.feeding = False  # data_received is parsing the requests that followed a chunked body
+        self.more = b""  # such bytes, handed up to that loop
         self._reset()
 
     def _reset(self) -> None:
@@ -305,6 +316,8 @@ class FastHttpProtocol(asyncio.Protocol):
         self.header_length = None
         self.coding = None
         self.expect = False
+        self.chunked = False
+        self.keep_alive = True
         self.handoff = False
         self.restricted_value = None
         self.head_end = -1
@@ -364,7 +377,7 @@ class FastHttpProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            if self.final is None:  # not one of ours: a bug in a callback
+            if self.final is None and not self.chunked:  # not one of ours: a bug in a callback
                 log.error("HTTP fast path: parser callback failed: %r", exc.__context__ or exc)
                 self.final = _BAD_REQUEST
         except httptools.HttpParserUpgrade:
@@ -376,8 +389,33 @@ class FastHttpProtocol(asyncio.Protocol):
                 self.error = str(exc) or type(exc).__name__
         if self.final is None and self.in_head and len(self.raw) > MAX_HEAD:
             self.final = _HANDOFF  # aiohttp applies its own header size limits and answers them
-        if self.final is None and self.head_end >= 0 and self.content_length >= POOLED_MIN:
-            self._read_body()
+        if self.final is None and self.head_end >= 0:
+            if self.chunked:
+                more = self._read_chunked()  # the bytes after a chunked body that came whole, if any
+                if more:
+                    if self.feeding:
+                        self.more = more  # for the loop below, a call up: never one call deeper a request
+                    else:
+                        self.feeding = True
+                        try:
+                            while more:
+                                self.data_received(more)
+                                more, self.more = self.more, b""
+                        finally:
+                            self.feeding = False
+                return
+            if self.content_length >= POOLED_MIN:
+                self._read_body()
+        if self.task is None:  # (_answer, inline: this runs once a read)
+            if self.queue:
+                self.task = self.srv.starter.start(self.loop, self._run())
+            elif self.final is not None:
+                self._finish()
+        elif len(self.queue) >= MAX_QUEUE:
+            self._pause_reading()
+
+    def _answer(self) -> None:
+        """Start answering queued requests, or finish once parsing has stopped and none are left."""
         if self.task is None:
             if self.queue:
                 self.task = self.srv.starter.start(self.loop, self._run())
@@ -410,10 +448,12 @@ class FastHttpProtocol(asyncio.Protocol):
         elif name == _ACCEPT_ENCODING:
             self.coding = response_coding(value.decode("latin-1"))
         elif name in _HANDOFF_HEADERS:
-            # but `Expect: 100-continue` (curl's with a body over 1 MiB), which the fast path answers; another
-            # expectation aiohttp refuses (417)
+            # but `Expect: 100-continue` (curl's with a body over 1 MiB), which the fast path answers (another
+            # expectation aiohttp refuses: 417), and a chunked body, which it decodes (other codings: aiohttp's)
             if name == _EXPECT and not self.expect and value.lower() == b"100-continue":
                 self.expect = True
+            elif name == _TRANSFER_ENCODING and not self.chunked and value.strip().lower() == b"chunked":
+                self.chunked = True
             else:
                 self.handoff = True
         elif name == b"traceparent" and self.srv.frontend.server.tracer.active:
@@ -447,6 +487,9 @@ class FastHttpProtocol(asyncio.Protocol):
             raw = self.raw = raw.lstrip(b"\r\n")
         self.head_end = raw.find(b"\r\n\r\n") + 4  # llhttp (strict by default) requires CRLF line ends
         self.started = self.loop.time()
+        if self.chunked:  # the body is decoded by a ChunkedBodyReader (data_received), not by this parser
+            self.keep_alive = parser.should_keep_alive()
+            raise _Stop
 
     def on_message_complete(self) -> None:
         raw = self.raw
@@ -480,9 +523,19 @@ class FastHttpProtocol(asyncio.Protocol):
         denied = srv.restrict_key is not None and self.restricted_value != srv.restrict_value
         self.queue.append((self.route, body, self.header_length, keep_alive, denied, self.coding))
         self._reset()
-        if not keep_alive:
+        if not keep_alive:  # (_queue_request, inline: this runs once a request)
             self.final = _CLOSE
             raise _Stop
+
+    def _queue_request(self, body, keep_alive: bool) -> bool:
+        """A whole request is in: queue it to be answered; False when the connection closes after it."""
+        srv = self.srv
+        denied = srv.restrict_key is not None and self.restricted_value != srv.restrict_value
+        self.queue.append((self.route, body, self.header_length, keep_alive, denied, self.coding))
+        self._reset()
+        if not keep_alive:
+            self.final = _CLOSE
+        return keep_alive
 
     # ---- large bodies ----
     def _read_body(self) -> None:
@@ -509,6 +562,62 @@ class FastHttpProtocol(asyncio.Protocol):
             # uvloop keeps the bound methods of a transport's last BufferedProtocol until the next one is set
             # or the connection closes: the reader must not keep the body's buffer alive after its request
             reader.view = reader.body = None
+
+    def _read_chunked(self) -> bytes:
+        """The head of a chunked request is parsed (its parser stopped there): the bytes already here and the rest
+        of the body are decoded into a pooled buffer (http_chunked.py); a new parser takes the next request.
+        Returns the bytes that followed the body when it came whole with its head (for data_received to parse)."""
+        srv = self.srv
+        reader = ChunkedBodyReader(self, srv.chunked_sizes.get(self.route, 0), srv.max_input_size)
+        raw, self.raw = self.raw, b""
+        self.parser = httptools.HttpRequestParser(self)
+        try:
+            with memoryview(raw) as view:
+                done = reader.feed(view[self.head_end :])
+        except ChunkError as exc:
+            self.chunked_failed(reader, exc)
+            return b""
+        if done:
+            more = self._chunked_done(reader)
+            if more:
+                return more
+        else:
+            self.reader = reader
+            self.transport.set_protocol(reader)
+        self._answer()
+        return b""
+
+    def chunked_received(self, reader: ChunkedBodyReader) -> None:
+        """The reader has the last chunk and the trailer: queue the request, then parse what followed it."""
+        more = self._chunked_done(reader)
+        if more:
+            self.data_received(more)
+        else:
+            self._answer()
+
+    def _chunked_done(self, reader: ChunkedBodyReader) -> bytes:
+        """Queue the request whose chunked body `reader` holds; the bytes read past it (none if the connection
+        closes after it)."""
+        if self.reader is reader:
+            self.reader = None
+            self.transport.set_protocol(self)
+        body, rest = reader.body(), reader.rest()
+        reader.release()
+        sizes = self.srv.chunked_sizes
+        if len(sizes) >= ROUTE_CACHE_SIZE:
+            sizes.clear()
+        sizes[self.route] = len(body)  # the next chunked body to this route starts in a buffer of this size
+        return rest if self._queue_request(body, self.keep_alive) else b""
+
+    def chunked_failed(self, reader: ChunkedBodyReader, exc: ChunkError) -> None:
+        """Bad chunked framing (400) or a body over the limit (413): answer it after the earlier requests, and close."""
+        if self.reader is reader:
+            self.reader = None
+            self.transport.set_protocol(self)
+        reader.release()
+        self.final = _BAD_REQUEST
+        self.error, self.bad_status = str(exc), exc.status
+        self._answer()
 
     # ---- answering ----
     async def _run(self) -> None:
@@ -566,9 +675,10 @@ class FastHttpProtocol(asyncio.Protocol):
         if final == _HANDOFF and not self.srv.closing:
             self._handoff()
         elif final == _BAD_REQUEST:
-            body = orjson.dumps({"error": f"Bad Request: {self.error}"})
+            status = self.bad_status
+            body = orjson.dumps({"error": f"{HTTPStatus(status).phrase}: {self.error}"})
             if not self.transport.is_closing():
-                self.transport.write(response_bytes(400, [body], None, False))
+                self.transport.write(response_bytes(status, [body], None, False))
             self.close()
         else:
             self.close()

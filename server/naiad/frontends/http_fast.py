@@ -406,13 +406,7 @@ class FastHttpProtocol(asyncio.Protocol):
                 return
             if self.content_length >= POOLED_MIN:
                 self._read_body()
-        if self.task is None:  # (_answer, inline: this runs once a read)
-            if self.queue:
-                self.task = self.srv.starter.start(self.loop, self._run())
-            elif self.final is not None:
-                self._finish()
-        elif len(self.queue) >= MAX_QUEUE:
-            self._pause_reading()
+        self._answer()
 
     def _answer(self) -> None:
         """Start answering queued requests, or finish once parsing has stopped and none are left."""

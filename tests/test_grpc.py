@@ -76,6 +76,34 @@ def test_typed_contents_without_raw(naiad):
         ]
 
 
+def test_large_typed_contents_byte_for_byte(naiad):
+    """Large typed contents (read from their packed wire form, grpc_codec._typed_array) come back exactly, next to a
+    small one and an integer one (protobuf's list); a FP32 input with int_contents set too reads fp32_contents, as
+    before."""
+    rng = np.random.default_rng(7)
+    data = {
+        "FP32": (rng.random(300_000, dtype=np.float32), "fp32_contents"),
+        "FP64": (rng.random(70_000), "fp64_contents"),
+        "BOOL": (rng.random(100_000) > 0.5, "bool_contents"),
+        "INT32": (rng.integers(-(2**31), 2**31, 5_000, dtype=np.int32), "int_contents"),
+        "UINT8": (np.arange(10, dtype=np.uint8), "uint_contents"),
+    }
+    with grpc.insecure_channel(naiad.grpc, options=[("grpc.max_receive_message_length", 1 << 26)]) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        req = service_pb2.ModelInferRequest(model_name="identity_all")
+        for datatype, (values, field) in data.items():
+            t = req.inputs.add(name=f"IN_{datatype}", datatype=datatype, shape=[len(values)])
+            getattr(t.contents, field).extend(values.tolist())
+            if datatype == "FP32":
+                t.contents.int_contents.extend([1, 2, 3])
+            req.outputs.add(name=f"OUT_{datatype}")
+        resp = stub.ModelInfer(req)
+        by_name = {o.name: i for i, o in enumerate(resp.outputs)}
+        for datatype, (values, _) in data.items():
+            got = np.frombuffer(resp.raw_output_contents[by_name[f"OUT_{datatype}"]], values.dtype)
+            np.testing.assert_array_equal(got, values)
+
+
 def test_infer_onnx_torch_ensemble(grpc_client):
     x = np.random.default_rng(3).random((4, 16), dtype=np.float32)
     inp = grpcclient.InferInput("FEATURES", [4, 16], "FP32")

@@ -90,3 +90,100 @@ def test_a_request_of_very_many_fields_is_refused_before_protobuf_parses_it():
     assert len(parsed.message.inputs) == grpc_wire.MAX_SPLIT_FIELDS - 1
     with pytest.raises(DecodeError, match="more than 65536 top-level fields"):
         grpc_wire.SplitInferRequest.FromString(at_limit + b"\x2a\x00" * (4 << 20))  # 8 MiB more of them
+
+
+def test_packed_field_is_the_values_end_to_end_or_none():
+    contents = pb.InferTensorContents()
+    contents.fp32_contents.extend([1.5, -2.0, 3.25])
+    contents.int_contents.extend([7, 300])
+    data = contents.SerializeToString()
+    fp32 = pb.InferTensorContents.DESCRIPTOR.fields_by_name["fp32_contents"].number
+    assert np.frombuffer(grpc_wire.packed_field(data, fp32), "<f4").tolist() == [1.5, -2.0, 3.25]
+    assert grpc_wire.packed_field(data, 7) is None  # absent (fp64_contents)
+    assert grpc_wire.packed_field(data + data, fp32) is None  # twice: protobuf would concatenate them
+    unpacked = bytes([fp32 << 3 | 5]) + np.float32(1).tobytes()
+    assert grpc_wire.packed_field(unpacked, fp32) is None
+    assert grpc_wire.packed_field(data[:-1], fp32) is None  # truncated
+    assert grpc_wire.packed_field(b"\xff" * 12, fp32) is None  # not a message
+
+
+def test_large_typed_contents_are_read_from_their_packed_form():
+    from naiad.frontends import grpc_codec
+
+    values = np.arange(grpc_codec.PACKED_MIN, dtype=np.float64) / 3
+    req = pb.ModelInferRequest(model_name="m")
+    req.inputs.add(name="X", datatype="FP64", shape=[len(values)]).contents.fp64_contents.extend(
+        values.tolist()
+    )
+    req.inputs.add(name="Y", datatype="FP64", shape=[2]).contents.fp64_contents.extend([1.0, 2.0])
+    got = grpc_codec.decode_request(pb.ModelInferRequest.FromString(req.SerializeToString())).inputs
+    np.testing.assert_array_equal(got["X"], values)
+    assert not got["X"].flags.writeable  # a view of the serialized field, not protobuf's list converted
+    assert got["Y"].tolist() == [1.0, 2.0] and got["Y"].flags.writeable  # small: through the list
+
+
+def _typed_request(datatype="FP32", extra_int=False, twice=False):
+    """A ModelInferRequest with a small and a large input in typed contents (FP32 values), serialized."""
+    values = np.arange(5000, dtype=np.float32) / 7
+    req = pb.ModelInferRequest(model_name="m", id="t")
+    req.inputs.add(name="SMALL", datatype="FP32", shape=[2]).contents.fp32_contents.extend([1.0, 2.0])
+    req.outputs.add(name="OUT")
+    big = pb.ModelInferRequest.InferInputTensor(name="BIG", datatype=datatype, shape=[len(values)])
+    big.parameters["k"].string_param = "v"
+    big.contents.fp32_contents.extend(values.tolist())
+    if extra_int:
+        big.contents.int_contents.append(3)
+    tensor = big.SerializeToString()
+    if twice:  # its contents field once more: protobuf merges (concatenates) the two
+        more = pb.InferTensorContents(fp32_contents=[9.0]).SerializeToString()
+        tensor += grpc_wire._field_head(bytes([5 << 3 | 2]), len(more)) + more
+    return req.SerializeToString() + grpc_wire._field_head(bytes([5 << 3 | 2]), len(tensor)) + tensor, values
+
+
+def test_large_typed_contents_are_cut_out_as_views_of_the_message():
+    from naiad.frontends import grpc_codec
+
+    wire, values = _typed_request()
+    got = grpc_wire.SplitInferRequest.FromString(wire)
+    assert got.raw == [] and list(got.packed) == [1] and got.packed[1].obj is wire  # a view, not a copy
+    assert not got.message.inputs[1].HasField("contents")
+    full = pb.ModelInferRequest.FromString(wire)
+    full.inputs[1].ClearField("contents")
+    assert got.message == full  # everything else as protobuf parses it
+    req = grpc_codec.decode_request(got.message, None, got.raw, got.packed)
+    np.testing.assert_array_equal(req.inputs["BIG"], values)
+    assert req.inputs["BIG"].base is not None and req.inputs["SMALL"].tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"extra_int": True}, {"datatype": "INT32"}, {"twice": True}],
+    ids=["another-field", "other-datatype", "contents-twice"],
+)
+def test_typed_contents_protobuf_must_judge_are_left_in(kwargs):
+    """Contents with a second field, under another datatype, or given twice stay in the message: decoding it gives
+    what it gave before the split existed (the values, or the same error)."""
+    from naiad.frontends import grpc_codec
+
+    wire, values = _typed_request(**kwargs)
+    got = grpc_wire.SplitInferRequest.FromString(wire)
+    assert got.packed is None and got.message == pb.ModelInferRequest.FromString(wire)
+    if kwargs.get("datatype") == "INT32":
+        with pytest.raises(Exception, match="unexpected number of elements 0"):
+            grpc_codec.decode_request(got.message, None, got.raw, got.packed)
+    elif kwargs.get("twice"):
+        with pytest.raises(Exception, match="unexpected number of elements 5001"):
+            grpc_codec.decode_request(got.message, None, got.raw, got.packed)
+    else:
+        np.testing.assert_array_equal(grpc_codec.decode_request(got.message).inputs["BIG"], values)
+
+
+def test_cut_contents_with_raw_input_contents_are_refused_as_before():
+    from naiad.frontends import grpc_codec
+
+    wire, _ = _typed_request()
+    wire += bytes([7 << 3 | 2, 4]) + b"\0\0\0\0"  # a raw_input_contents entry too
+    got = grpc_wire.SplitInferRequest.FromString(wire)
+    assert got.packed is not None and len(got.raw) == 1
+    with pytest.raises(Exception, match="contents field must not be specified when using raw_input_contents"):
+        grpc_codec.decode_request(got.message, None, got.raw, got.packed)

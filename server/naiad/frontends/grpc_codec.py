@@ -30,14 +30,23 @@ _CONTENTS = {
 }
 
 
+# Fixed-width typed contents whose packed wire form is the array itself (little-endian): a large one is read from
+# the serialized field (one copy in C) instead of element by element through protobuf's list (a million FP32 values:
+# 0.75 against 64 ms). The varint-encoded integer fields have no such form.
+_PACKED = {"fp32_contents": np.dtype("<f4"), "fp64_contents": np.dtype("<f8"), "bool_contents": np.dtype("?")}
+_FIELD_NUMBER = {f.name: f.number for f in pb.InferTensorContents.DESCRIPTOR.fields}
+PACKED_MIN = 256  # elements; fewer go through the list, which then costs less than serializing
+
+
 def param_value(p):
     kind = p.WhichOneof("parameter_choice")
     return getattr(p, kind) if kind else None
 
 
-def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRequest:
+def decode_request(req: pb.ModelInferRequest, shm=None, raw=None, packed=None) -> InferenceRequest:
     """ModelInferRequest -> InferenceRequest; raw contents become numpy views without copies (`raw`: the
-    raw_input_contents when they were kept out of the parse, see grpc_wire.SplitInferRequest)."""
+    raw_input_contents when they were kept out of the parse, `packed`: large typed contents kept out of it, by
+    input position; see grpc_wire.SplitInferRequest)."""
     if raw is None:
         raw = req.raw_input_contents
     n_raw = len(raw)
@@ -45,8 +54,9 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRe
     device = False
     inputs: dict[str, np.ndarray] = {}
     datatypes: dict[str, str] = {}
-    for t in req.inputs:
+    for i, t in enumerate(req.inputs):
         name, datatype, shape = t.name, t.datatype, list(t.shape)
+        split = packed.get(i) if packed else None  # the values of its contents, cut out of the message
         if datatype not in tensors.DATATYPES:
             raise InvalidArgument(f"input '{name}' has invalid datatype '{datatype}'")
         if any(d < 0 for d in shape):
@@ -55,7 +65,7 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRe
             raise InvalidArgument(f"input '{name}' is given more than once")
         tparams = {k: param_value(v) for k, v in t.parameters.items()} if t.parameters else {}
         if "shared_memory_region" in tparams:
-            if t.HasField("contents"):
+            if split is not None or t.HasField("contents"):
                 raise InvalidArgument(
                     f"unexpected 'content' provided when using shared memory for input tensor '{name}' for "
                     f"model '{req.model_name}'"
@@ -65,7 +75,7 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRe
             inputs[name] = shm.read_input(name, datatype, shape, tparams)
             device = device or not isinstance(inputs[name], np.ndarray)  # a CUDA shared-memory span
         elif n_raw:
-            if t.HasField("contents"):
+            if split is not None or t.HasField("contents"):
                 raise InvalidArgument(
                     f"contents field must not be specified when using raw_input_contents for '{name}' for "
                     f"model '{req.model_name}'"
@@ -77,28 +87,7 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRe
             inputs[name] = tensors.from_buffer(datatype, raw[used_raw], shape)
             used_raw += 1
         else:
-            field = _CONTENTS.get(datatype)
-            if field is None:
-                raise InvalidArgument(
-                    f"input '{name}': datatype {datatype} must be sent in raw_input_contents"
-                )
-            values = getattr(t.contents, field)
-            count = tensors.element_count(shape)
-            if count and not t.HasField("contents"):
-                raise InvalidArgument(
-                    f"unable to find data for input tensor '{name}' for model '{req.model_name}' in request."
-                )
-            if len(values) != count:
-                raise InvalidArgument(
-                    f"unexpected number of elements {len(values)} in the contents of input '{name}', "
-                    f"expecting {count} for shape {shape}"
-                )
-            if datatype == "BYTES":
-                arr = np.empty(count, dtype=np.object_)
-                arr[:] = list(values)
-            else:
-                arr = np.asarray(values, dtype=tensors.numpy_dtype(datatype))
-            inputs[name] = arr.reshape(shape)
+            inputs[name] = _contents_array(req, t, datatype, shape, split)
         datatypes[name] = datatype
     if used_raw != n_raw:
         raise InvalidArgument(
@@ -126,6 +115,50 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None) -> InferenceRe
     )
     request_options(request, params)
     return request
+
+
+def _contents_array(req, t, datatype: str, shape: list, split) -> np.ndarray:
+    """An input's typed contents (InferTensorContents) as an array of `shape`: from `split`, the datatype's packed
+    field that the wire split cut out of the message (a view of the received bytes); else from the parsed message."""
+    name = t.name
+    field = _CONTENTS.get(datatype)
+    if field is None:
+        raise InvalidArgument(f"input '{name}': datatype {datatype} must be sent in raw_input_contents")
+    count = tensors.element_count(shape)
+    if split is not None:
+        dtype = _PACKED[field]
+        if len(split) != count * dtype.itemsize:
+            raise InvalidArgument(
+                f"unexpected number of elements {len(split) // dtype.itemsize} in the contents of input '{name}', "
+                f"expecting {count} for shape {shape}"
+            )
+        return np.frombuffer(split, dtype).reshape(shape)
+    values = getattr(t.contents, field)
+    if count and not t.HasField("contents"):
+        raise InvalidArgument(
+            f"unable to find data for input tensor '{name}' for model '{req.model_name}' in request."
+        )
+    if len(values) != count:
+        raise InvalidArgument(
+            f"unexpected number of elements {len(values)} in the contents of input '{name}', "
+            f"expecting {count} for shape {shape}"
+        )
+    if datatype == "BYTES":
+        arr = np.empty(count, dtype=np.object_)
+        arr[:] = list(values)
+    else:
+        arr = _typed_array(t.contents, field, values, datatype, count)
+    return arr.reshape(shape)
+
+
+def _typed_array(contents, field: str, values, datatype: str, count: int) -> np.ndarray:
+    """Typed contents as an array (read-only when read from the packed field)."""
+    dtype = _PACKED.get(field)
+    if dtype is not None and count >= PACKED_MIN:
+        view = grpc_wire.packed_field(contents.SerializeToString(), _FIELD_NUMBER[field])
+        if view is not None and len(view) == count * dtype.itemsize:
+            return np.frombuffer(view, dtype)
+    return np.asarray(values, dtype=tensors.numpy_dtype(datatype))
 
 
 def _set_param(p, value) -> None:

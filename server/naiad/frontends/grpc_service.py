@@ -122,7 +122,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         try:
             if type(request) is grpc_wire.SplitInferRequest:  # Naiad's own HTTP/2 server
-                req = decode_request(request.message, self.shm, request.raw)
+                req = decode_request(request.message, self.shm, request.raw, request.packed)
                 chunked = True
             else:
                 req = decode_request(request, self.shm)
@@ -150,7 +150,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             chunked = type(msg) is grpc_wire.SplitInferRequest
             head = msg.message if chunked else msg
             try:
-                req = decode_request(head, self.shm, msg.raw if chunked else None)
+                req = decode_request(
+                    head, self.shm, msg.raw if chunked else None, msg.packed if chunked else None
+                )
                 req.traceparent = _traceparent(context) if self.server.tracer.active else None
                 empty_final = bool(req.parameters.get("triton_enable_empty_final_response", False))
                 mv, req.load_wait_ns = await self.server.ready_model(req.model_name, req.model_version)

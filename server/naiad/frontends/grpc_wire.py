@@ -15,6 +15,19 @@ SPLIT_MIN = 16384
 # thread would not help) and took 45x the message's size in memory (+730 MiB; at 2 GiB, ~90 GB).
 MAX_SPLIT_FIELDS = 65536
 _RAW_INPUT_KEY = 7 << 3 | 2  # ModelInferRequest.raw_input_contents, length-delimited
+_INPUT_KEY = 5 << 3 | 2  # ModelInferRequest.inputs
+_INPUT_HEAD = bytes([_INPUT_KEY])
+_TENSOR_DATATYPE = 2  # InferInputTensor.datatype
+_TENSOR_CONTENTS = 5  # InferInputTensor.contents
+# InferTensorContents' fixed-width fields, whose packed form is the array itself (little-endian), by the datatype
+# they carry: a large one is cut out of the message as raw contents are (field numbers from the protos)
+_CONTENTS_FIELDS = {f.name: f.number for f in pb.InferTensorContents.DESCRIPTOR.fields}
+PACKED_CONTENTS = {
+    b"BOOL": _CONTENTS_FIELDS["bool_contents"],
+    b"FP32": _CONTENTS_FIELDS["fp32_contents"],
+    b"FP64": _CONTENTS_FIELDS["fp64_contents"],
+}
+PACKED_SPLIT_MIN = 4096  # bytes of an input (its contents with it) before its contents are cut out
 _RAW_OUTPUT_KEY = bytes([6 << 3 | 2])  # ModelInferResponse.raw_output_contents, length-delimited
 _INFER_RESPONSE_KEY = bytes([2 << 3 | 2])  # ModelStreamInferResponse.infer_response, length-delimited
 
@@ -33,16 +46,18 @@ def _varint(view, pos: int, end: int) -> tuple[int, int]:
     raise ValueError("bad varint")
 
 
-def _split(view) -> tuple[list, list]:
+def _split(view) -> tuple[list, list, dict]:
     """The top-level fields of a serialized ModelInferRequest: (spans of the other fields, raw_input_contents
-    payloads), all memoryviews of `view`. ValueError where the wire format is not one it can walk: protobuf
+    payloads, large packed typed contents by input position), all memoryviews of `view` but the new heads of the
+    inputs whose contents were cut out. ValueError where the wire format is not one it can walk: protobuf
     then parses or refuses it in C. A field number 0 is protobuf's DecodeError at once: 512 MiB of zeros are
     268 million two-byte "fields", minutes of the event loop had this loop walked them. More than
     MAX_SPLIT_FIELDS fields is a DecodeError too, after at most that many steps."""
     n = len(view)
     pos = start = 0
     keep, raw = [], []
-    fields = 0
+    packed: dict[int, memoryview] = {}
+    fields = inputs = 0
     while pos < n:
         field_start = pos
         key, pos = _varint(view, pos, n)
@@ -67,6 +82,20 @@ def _split(view) -> tuple[list, list]:
                     keep.append(view[start:field_start])
                 raw.append(view[pos:end])
                 start = end
+            elif key == _INPUT_KEY:
+                cut = _packed_contents(view, pos, end) if length >= PACKED_SPLIT_MIN else None
+                if cut is not None:  # the input goes on without its contents field
+                    cstart, cend, values = cut
+                    if start < field_start:
+                        keep.append(view[start:field_start])
+                    keep += [
+                        _field_head(_INPUT_HEAD, length - (cend - cstart)),
+                        view[pos:cstart],
+                        view[cend:end],
+                    ]
+                    packed[inputs] = values
+                    start = end
+                inputs += 1
             pos = end
         elif wire == 0:
             _, pos = _varint(view, pos, n)
@@ -80,31 +109,103 @@ def _split(view) -> tuple[list, list]:
         raise ValueError("truncated field")
     if start < n:
         keep.append(view[start:n])
-    return keep, raw
+    return keep, raw, packed
+
+
+def _packed_contents(view, pos: int, end: int) -> tuple[int, int, memoryview] | None:
+    """In the InferInputTensor at view[pos:end]: where its `contents` field starts and ends and the values of its one
+    field, when that is the packed fixed-width field of the input's datatype (PACKED_CONTENTS) and `contents`
+    occurs once; None for anything else (protobuf parses it)."""
+    datatype = contents = None
+    while pos < end:
+        field_start = pos
+        key, pos = _varint(view, pos, end)
+        wire = key & 7
+        if wire == 2:
+            length, pos = _varint(view, pos, end)
+            field_end = pos + length
+            if field_end > end:
+                raise ValueError("truncated field")
+            if key >> 3 == _TENSOR_DATATYPE:
+                datatype = bytes(view[pos:field_end])  # (the last one counts, as in protobuf)
+            elif key >> 3 == _TENSOR_CONTENTS:
+                if contents is not None:
+                    return None  # protobuf merges the two
+                contents = (field_start, field_end, pos)
+            pos = field_end
+        elif wire == 0:
+            _, pos = _varint(view, pos, end)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            return None
+    number = PACKED_CONTENTS.get(datatype)  # type: ignore[arg-type]
+    if pos != end or contents is None or number is None:
+        return None
+    field_start, field_end, pos = contents
+    key, pos = _varint(view, pos, field_end)
+    if key != number << 3 | 2:
+        return None
+    length, pos = _varint(view, pos, field_end)
+    if pos + length != field_end:
+        return None  # another field of the contents, or a truncated one
+    return field_start, field_end, view[pos:field_end]
+
+
+def packed_field(data: bytes, number: int) -> memoryview | None:
+    """The payload of field `number` of a serialized message when it occurs once and length-delimited (a packed
+    repeated scalar: its values end to end, little-endian); None otherwise, or where `data` cannot be walked."""
+    view = memoryview(data)
+    n = len(view)
+    pos = 0
+    found = None
+    try:
+        while pos < n:
+            key, pos = _varint(view, pos, n)
+            wire = key & 7
+            if wire == 2:
+                length, pos = _varint(view, pos, n)
+                if key >> 3 == number:
+                    if found is not None:
+                        return None
+                    found = view[pos : pos + length]
+                pos += length
+            elif key >> 3 == number:
+                return None  # (an unpacked encoding)
+            elif wire == 0:
+                _, pos = _varint(view, pos, n)
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:
+                return None
+    except ValueError:
+        return None
+    return found if pos == n else None
 
 
 class SplitInferRequest:
     """A ModelInferRequest whose raw_input_contents are memoryviews of the received message (no copies):
     numpy arrays made from them are views of the bytes that came off the socket."""
 
-    __slots__ = ("message", "raw")
+    __slots__ = ("message", "packed", "raw")
 
-    def __init__(self, message, raw):
+    def __init__(self, message, raw, packed=None):
         self.message = message
         self.raw = raw  # None: the message's own raw_input_contents
+        self.packed = packed  # {input position: its contents' values} cut out of the message
 
     @classmethod
     def FromString(cls, data):  # protobuf's name: h2grpc calls request_type.FromString
         if len(data) >= SPLIT_MIN:
             view = memoryview(data)
             try:
-                keep, raw = _split(view)
+                keep, raw, packed = _split(view)
             except ValueError:
                 pass  # protobuf itself says what is wrong with it (or parses it)
             else:
-                if raw:
+                if raw or packed:
                     rest = keep[0] if len(keep) == 1 else b"".join(keep)
-                    return cls(pb.ModelInferRequest.FromString(rest), raw)
+                    return cls(pb.ModelInferRequest.FromString(rest), raw, packed or None)
         return cls(pb.ModelInferRequest.FromString(data), None)
 
 

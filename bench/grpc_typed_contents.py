@@ -4,6 +4,10 @@ perf_analyzer), one grpcio channel, requests back to back, the trees alternated 
 
     .venv/bin/python bench/grpc_typed_contents.py                                  # this tree, 3 rounds
     .venv/bin/python bench/grpc_typed_contents.py --trees .,/tmp/base --rounds 3   # an A/B against a checkout
+    .venv/bin/python bench/grpc_typed_contents.py --trees .,triton                  # against the real Triton
+
+`triton` in `--trees` runs the real Triton 2.51 (tools/triton/, `make test` installs it) on the same repository:
+the python identity model, which its python backend runs in a stub process.
 
 A figure is the median over rounds of the server's CPU-seconds per request (all its processes) and of the wall
 time per request; the ratio is against the first tree.
@@ -12,6 +16,7 @@ time per request; the ratio is against the first tree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -20,8 +25,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from frontend_workers import Server, make_repo
+import psutil
+from frontend_workers import ROOT, Server, free_port, make_repo
 from tritonclient.grpc import service_pb2
+
+sys.path.insert(0, str(ROOT))
 
 MODES = ("raw", "fp32_contents")
 
@@ -36,7 +44,33 @@ def request(mode: str, values: np.ndarray) -> bytes:
     return req.SerializeToString()
 
 
-def measure(server: Server, wire: bytes, seconds: float) -> tuple[float, float]:
+class Triton:
+    """The real Triton on `repo`, with what `measure` asks of a Server."""
+
+    def __init__(self, repo: Path, log: Path):
+        from tests.triton_reference import tritonserver
+
+        self.stack = contextlib.ExitStack()
+        self.grpc_port = free_port()
+        args = ["--exit-on-error=false", "--strict-readiness=false"]
+        self.triton = self.stack.enter_context(
+            tritonserver(repo, free_port(), self.grpc_port, free_port(), args, timeout=120, log_path=log)
+        )
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        root = psutil.Process(self.triton.process.pid)
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:  # (the python backend's stub processes)
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total, total
+
+    def stop(self) -> None:
+        self.stack.close()
+
+
+def measure(server: Server | Triton, wire: bytes, seconds: float) -> tuple[float, float]:
     """(server CPU µs, wall µs) per request for about `seconds`."""
     options = [("grpc.max_receive_message_length", 1 << 28), ("grpc.max_send_message_length", 1 << 28)]
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=options) as channel:
@@ -63,7 +97,7 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per mode and round")
     ap.add_argument("--values", type=int, default=1 << 20, help="FP32 values a request (default 4 MiB)")
     args = ap.parse_args()
-    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    trees = [Path(t) if t == "triton" else Path(t).resolve() for t in args.trees.split(",")]
     values = np.random.default_rng(1).random(args.values, dtype=np.float32)
     wires = {mode: request(mode, values) for mode in MODES}
     results: dict[tuple[Path, str], list[tuple[float, float]]] = {}
@@ -72,7 +106,10 @@ def main() -> int:
         repo = make_repo(tmp / "repo")
         for r in range(args.rounds):
             for tree in trees if r % 2 == 0 else trees[::-1]:
-                server = Server(repo, "1", tmp / "server.log", tree)
+                if str(tree) == "triton":
+                    server: Server | Triton = Triton(repo, tmp / "triton.log")
+                else:
+                    server = Server(repo, "1", tmp / "server.log", tree)
                 try:
                     for mode in MODES:
                         cpu, wall = measure(server, wires[mode], args.duration)

@@ -76,9 +76,8 @@ class ChunkedBodyReader(ConnectionReader):
         self.fill = 0  # bytes read from the socket for this body (the server's slow-client sweep reads it)
         self.state = _SIZE
         self.remaining = 0
-        self.large = (
-            True  # the last chunk was LARGE_CHUNK or more (before the first: read its size line alone)
-        )
+        # the last chunk was LARGE_CHUNK or more: read the next size line alone (and the first one)
+        self.large = True
         self.trailer = 0  # trailer bytes so far
 
     # ---- asyncio.BufferedProtocol ----

@@ -10,12 +10,10 @@ read and dropped (the request's meaning is in its head); anything else is a 400 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+from typing import Protocol
 
 from .receive_buffers import POOL, POOLED_MIN, ConnectionReader, size_class
-
-if TYPE_CHECKING:
-    from .http_fast import FastHttpProtocol
 
 MAX_LINE = 4096  # a chunk-size line (with extensions) or a trailer field
 MAX_TRAILER = 64 * 1024  # all trailer fields together
@@ -49,6 +47,21 @@ class ChunkError(Exception):
         self.status = status
 
 
+class ChunkedConnection(Protocol):
+    """What the reader needs of the connection it reads for (http_fast.FastHttpProtocol)."""
+
+    loop: asyncio.AbstractEventLoop
+    last_active: float
+
+    def chunked_received(self, reader: ChunkedBodyReader) -> None:
+        """The last chunk and the trailer are in."""
+
+    def chunked_failed(self, reader: ChunkedBodyReader, exc: ChunkError) -> None:
+        """The framing is bad, or the body is over the limit."""
+
+    def connection_lost(self, exc) -> None: ...
+
+
 class ChunkedBodyReader(ConnectionReader):
     """The transport's protocol while a chunked body arrives. The decoded body is `buf[:out]`; the bytes
     `buf[pos:end]` were read but not yet decoded (a partial size line, or what follows the body)."""
@@ -67,7 +80,7 @@ class ChunkedBodyReader(ConnectionReader):
         "view",
     )
 
-    def __init__(self, conn: FastHttpProtocol, size_hint: int, limit: int):
+    def __init__(self, conn: ChunkedConnection, size_hint: int, limit: int):
         self.conn = conn
         self.limit = limit  # the most decoded bytes a body may have
         self.buf = POOL.take(min(max(size_hint + MIN_HEAD_READ, POOLED_MIN), limit + MAX_LINE))

@@ -256,6 +256,7 @@ lint: venv
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m mypy operator/naiad_operator
+	$(PY) tools/import_cycles.py server operator
 
 clean:
 	rm -rf $(VENV) $(REPO) .pytest_cache

@@ -46,6 +46,25 @@ def _varint(view, pos: int, end: int) -> tuple[int, int]:
     raise ValueError("bad varint")
 
 
+def _payload(view, pos: int, end: int) -> tuple[int, int]:
+    """Where a length-delimited field's payload starts and ends, its length's varint starting at `pos`."""
+    length, pos = _varint(view, pos, end)
+    if pos + length > end:
+        raise ValueError("truncated field")
+    return pos, pos + length
+
+
+def _skip(view, pos: int, end: int, wire: int) -> int:
+    """Past a field's value of wire type 0 (varint), 1 (fixed64) or 5 (fixed32); ValueError for any other."""
+    if wire == 0:
+        return _varint(view, pos, end)[1]
+    if wire == 1:
+        return pos + 8
+    if wire == 5:
+        return pos + 4
+    raise ValueError("group or unknown wire type")
+
+
 def _split(view) -> tuple[list, list, dict]:
     """The top-level fields of a serialized ModelInferRequest: (spans of the other fields, raw_input_contents
     payloads, large packed typed contents by input position), all memoryviews of `view` but the new heads of the
@@ -73,23 +92,20 @@ def _split(view) -> tuple[list, list, dict]:
             )
         wire = key & 7
         if wire == 2:
-            length, pos = _varint(view, pos, n)
-            end = pos + length
-            if end > n:
-                raise ValueError("truncated field")
+            pos, end = _payload(view, pos, n)
             if key == _RAW_INPUT_KEY:
                 if start < field_start:
                     keep.append(view[start:field_start])
                 raw.append(view[pos:end])
                 start = end
             elif key == _INPUT_KEY:
-                cut = _packed_contents(view, pos, end) if length >= PACKED_SPLIT_MIN else None
+                cut = _packed_contents(view, pos, end) if end - pos >= PACKED_SPLIT_MIN else None
                 if cut is not None:  # the input goes on without its contents field
                     cstart, cend, values = cut
                     if start < field_start:
                         keep.append(view[start:field_start])
                     keep += [
-                        _field_head(_INPUT_HEAD, length - (cend - cstart)),
+                        _field_head(_INPUT_HEAD, end - pos - (cend - cstart)),
                         view[pos:cstart],
                         view[cend:end],
                     ]
@@ -97,14 +113,8 @@ def _split(view) -> tuple[list, list, dict]:
                     start = end
                 inputs += 1
             pos = end
-        elif wire == 0:
-            _, pos = _varint(view, pos, n)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
         else:
-            raise ValueError("group or unknown wire type")
+            pos = _skip(view, pos, n, wire)
     if pos != n:
         raise ValueError("truncated field")
     if start < n:
@@ -115,17 +125,15 @@ def _split(view) -> tuple[list, list, dict]:
 def _packed_contents(view, pos: int, end: int) -> tuple[int, int, memoryview] | None:
     """In the InferInputTensor at view[pos:end]: where its `contents` field starts and ends and the values of its one
     field, when that is the packed fixed-width field of the input's datatype (PACKED_CONTENTS) and `contents`
-    occurs once; None for anything else (protobuf parses it)."""
+    occurs once; None for anything else (protobuf parses it); ValueError where the input cannot be walked (protobuf
+    judges the whole message)."""
     datatype = contents = None
     while pos < end:
         field_start = pos
         key, pos = _varint(view, pos, end)
         wire = key & 7
         if wire == 2:
-            length, pos = _varint(view, pos, end)
-            field_end = pos + length
-            if field_end > end:
-                raise ValueError("truncated field")
+            pos, field_end = _payload(view, pos, end)
             if key >> 3 == _TENSOR_DATATYPE:
                 datatype = bytes(view[pos:field_end])  # (the last one counts, as in protobuf)
             elif key >> 3 == _TENSOR_CONTENTS:
@@ -133,12 +141,8 @@ def _packed_contents(view, pos: int, end: int) -> tuple[int, int, memoryview] | 
                     return None  # protobuf merges the two
                 contents = (field_start, field_end, pos)
             pos = field_end
-        elif wire == 0:
-            _, pos = _varint(view, pos, end)
-        elif wire in (1, 5):
-            pos += 8 if wire == 1 else 4
         else:
-            return None
+            pos = _skip(view, pos, end, wire)
     number = PACKED_CONTENTS.get(datatype)  # type: ignore[arg-type]
     if pos != end or contents is None or number is None:
         return None
@@ -172,12 +176,8 @@ def packed_field(data: bytes, number: int) -> memoryview | None:
                 pos += length
             elif key >> 3 == number:
                 return None  # (an unpacked encoding)
-            elif wire == 0:
-                _, pos = _varint(view, pos, n)
-            elif wire in (1, 5):
-                pos += 8 if wire == 1 else 4
             else:
-                return None
+                pos = _skip(view, pos, n, wire)
     except ValueError:
         return None
     return found if pos == n else None

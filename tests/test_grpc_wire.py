@@ -187,3 +187,22 @@ def test_cut_contents_with_raw_input_contents_are_refused_as_before():
     assert got.packed is not None and len(got.raw) == 1
     with pytest.raises(Exception, match="contents field must not be specified when using raw_input_contents"):
         grpc_codec.decode_request(got.message, None, got.raw, got.packed)
+
+
+def test_bools_are_read_as_protobuf_reads_them():
+    """A bool is a varint: a client may write 2 for true, or 1 in two bytes. Such contents stay in the message (no
+    cut) and come out as protobuf reads them."""
+    from naiad.frontends import grpc_codec
+
+    values = bytes([0, 1, 2]) * 3000 + b"\x81\x00"  # 9,000 one-byte bools, then a true in two bytes
+    contents = grpc_wire._field_head(bytes([1 << 3 | 2]), len(values)) + values
+    tensor = pb.ModelInferRequest.InferInputTensor(
+        name="B", datatype="BOOL", shape=[9001]
+    ).SerializeToString()
+    tensor += grpc_wire._field_head(bytes([5 << 3 | 2]), len(contents)) + contents
+    wire = pb.ModelInferRequest(model_name="m").SerializeToString()
+    wire += grpc_wire._field_head(bytes([5 << 3 | 2]), len(tensor)) + tensor
+    got = grpc_wire.SplitInferRequest.FromString(wire)
+    assert got.packed is None
+    arr = grpc_codec.decode_request(got.message, None, got.raw, got.packed).inputs["B"]
+    assert arr.dtype == np.bool_ and arr.tolist() == [False, True, True] * 3000 + [True]

@@ -35,7 +35,6 @@ _CONTENTS = {
 # as protobuf writes them, a byte of 0 or 1 each) instead of element by element through protobuf's list (a million
 # FP32 values: 0.75 against 64 ms). The varint-encoded integer fields have no such form.
 _PACKED = {"fp32_contents": np.dtype("<f4"), "fp64_contents": np.dtype("<f8"), "bool_contents": np.dtype("?")}
-_FIELD_NUMBER = {f.name: f.number for f in pb.InferTensorContents.DESCRIPTOR.fields}
 PACKED_MIN = 256  # elements; fewer go through the list, which then costs less than serializing
 
 
@@ -156,7 +155,7 @@ def _typed_array(contents, field: str, values, datatype: str, count: int) -> np.
     """Typed contents as an array (read-only when read from the packed field)."""
     dtype = _PACKED.get(field)
     if dtype is not None and count >= PACKED_MIN:
-        view = grpc_wire.packed_field(contents.SerializeToString(), _FIELD_NUMBER[field])
+        view = grpc_wire.packed_field(contents.SerializeToString(), grpc_wire.CONTENTS_FIELDS[field])
         if view is not None and len(view) == count * dtype.itemsize:
             return np.frombuffer(view, dtype)
     return np.asarray(values, dtype=tensors.numpy_dtype(datatype))

@@ -22,8 +22,8 @@ _TENSOR_CONTENTS = 5  # InferInputTensor.contents
 # InferTensorContents' fixed-width fields, whose packed form is the array itself (little-endian), by the datatype
 # they carry: a large one is cut out of the message as raw contents are (field numbers from the protos). Not BOOL:
 # a bool is a varint, which a client may write in more than one byte or as any non-zero value.
-_CONTENTS_FIELDS = {f.name: f.number for f in pb.InferTensorContents.DESCRIPTOR.fields}
-PACKED_CONTENTS = {b"FP32": _CONTENTS_FIELDS["fp32_contents"], b"FP64": _CONTENTS_FIELDS["fp64_contents"]}
+CONTENTS_FIELDS = {f.name: f.number for f in pb.InferTensorContents.DESCRIPTOR.fields}
+PACKED_CONTENTS = {b"FP32": CONTENTS_FIELDS["fp32_contents"], b"FP64": CONTENTS_FIELDS["fp64_contents"]}
 PACKED_SPLIT_MIN = 4096  # bytes of an input (its contents with it) before its contents are cut out
 _RAW_OUTPUT_KEY = bytes([6 << 3 | 2])  # ModelInferResponse.raw_output_contents, length-delimited
 _INFER_RESPONSE_KEY = bytes([2 << 3 | 2])  # ModelStreamInferResponse.infer_response, length-delimited

@@ -592,9 +592,7 @@ class FastHttpProtocol(asyncio.Protocol):
     def _chunked_done(self, reader: ChunkedBodyReader) -> bytes:
         """Queue the request whose chunked body `reader` holds; the bytes read past it (none if the connection
         closes after it)."""
-        if self.reader is reader:
-            self.reader = None
-            self.transport.set_protocol(self)
+        self._take_back(reader)
         body, rest = reader.body(), reader.rest()
         reader.release()
         sizes = self.srv.chunked_sizes
@@ -603,11 +601,15 @@ class FastHttpProtocol(asyncio.Protocol):
         sizes[self.route] = len(body)  # the next chunked body to this route starts in a buffer of this size
         return rest if self._queue_request(body, self.keep_alive) else b""
 
-    def chunked_failed(self, reader: ChunkedBodyReader, exc: ChunkError) -> None:
-        """Bad chunked framing (400) or a body over the limit (413): answer it after the earlier requests, and close."""
+    def _take_back(self, reader: ChunkedBodyReader) -> None:
+        """This protocol reads the connection again (where `reader` had it)."""
         if self.reader is reader:
             self.reader = None
             self.transport.set_protocol(self)
+
+    def chunked_failed(self, reader: ChunkedBodyReader, exc: ChunkError) -> None:
+        """Bad chunked framing (400) or a body over the limit (413): answer it after the earlier requests, and close."""
+        self._take_back(reader)
         reader.release()
         self.final = _BAD_REQUEST
         self.error, self.bad_status = str(exc), exc.status

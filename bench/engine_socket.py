@@ -168,7 +168,7 @@ def main() -> int:
         sys.stdout.buffer.write(b"".join(frames(args.frames)))
         return 0
     trees = [Path(t).resolve() for t in args.trees.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="naiad-engine-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix="naiad-bench-engine-"))
     repo = make_repo(tmp / "repo", backend=args.backend)
     cpus = sorted(os.sched_getaffinity(0))
     results: dict[Path, list[tuple[float, float, float]]] = {t: [] for t in trees}

@@ -43,6 +43,7 @@ def test_a_socket_directory_is_swept_once_its_engine_lets_go(tmp_path):
     for d in (live, dead):
         d.mkdir()
         _touch(d / "engine.sock")
+        _touch(d / "accept.sock")
     (tmp_path / "unrelated").mkdir()
     fd = leftovers.hold(str(live), directory=True)
     try:
@@ -51,6 +52,15 @@ def test_a_socket_directory_is_swept_once_its_engine_lets_go(tmp_path):
     finally:
         os.close(fd)
     assert leftovers.sweep_socket_dirs(str(tmp_path)) == [str(live)]
+
+
+def test_a_directory_under_the_prefix_that_holds_more_than_a_socket_is_left(tmp_path):
+    # e.g. a tool's own `tempfile.mkdtemp(prefix="naiad-engine-bench-")` with its model repository in it
+    other = tmp_path / (leftovers.SOCKET_DIR_PREFIX + "bench-x")
+    (other / "repo").mkdir(parents=True)
+    _touch(other / "server.log")
+    assert leftovers.sweep_socket_dirs(str(tmp_path)) == []
+    assert sorted(os.listdir(other)) == ["repo", "server.log"]
 
 
 def test_hold_makes_again_what_a_sweep_removed_before_it_was_locked(tmp_path, monkeypatch):

@@ -10,6 +10,8 @@ import os
 import socket
 import struct
 
+from . import leftovers
+
 log = logging.getLogger("naiad.engine")
 
 # listener kinds: the first byte of the message that carries an accepted socket
@@ -76,7 +78,7 @@ class Acceptor:
     """Accepts on the frontend ports and spreads the connections over the registered workers by load."""
 
     def __init__(self, directory: str):
-        self.path = os.path.join(directory, "accept.sock")
+        self.path = os.path.join(directory, leftovers.ACCEPT_NAME)
         self.listeners: list[tuple[bytes, socket.socket]] = []
         self.workers: list[WorkerSlot] = []
         self.handed = 0  # sockets handed out in all, for tests and logs

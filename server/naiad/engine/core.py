@@ -38,7 +38,7 @@ class EngineService:
         self._dir = tempfile.mkdtemp(prefix=leftovers.SOCKET_DIR_PREFIX)
         # held while this engine lives: other engines' sweeps leave the directory
         self._dir_lock = leftovers.hold(self._dir, directory=True)
-        self.path = os.path.join(self._dir, "engine.sock")
+        self.path = os.path.join(self._dir, leftovers.SOCKET_NAME)
         self._listener: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.connections: set[WorkerConnection] = set()

@@ -12,6 +12,8 @@ import shutil
 # a pool's owner lock, `<prefix>.lock` beside its segments `<prefix>-…` (slabs.SlabPool: naiad-e<pid>, naiad-w<pid>)
 _POOL_LOCK = re.compile(r"(naiad-[ew]\d+)\.lock")
 SOCKET_DIR_PREFIX = "naiad-engine-"
+SOCKET_NAME = "engine.sock"  # the workers' connections to the engine
+ACCEPT_NAME = "accept.sock"  # the acceptor's (acceptor.py), beside it: all an engine puts in its directory
 
 
 def hold(path: str, directory: bool = False) -> int:
@@ -78,7 +80,8 @@ def unlink_segments(shm_dir: str, prefix: str) -> list[str]:
 
 
 def sweep_socket_dirs(tmp_dir: str) -> list[str]:
-    """Remove the socket directories of engines that are gone (their lock is free), and return their paths."""
+    """Remove the socket directories of engines that are gone (their lock is free), and return their paths. A
+    directory under the same prefix that holds anything but the socket is somebody else's and stays."""
     gone: list[str] = []
     for entry in os.listdir(tmp_dir):
         if not entry.startswith(SOCKET_DIR_PREFIX):
@@ -88,6 +91,8 @@ def sweep_socket_dirs(tmp_dir: str) -> list[str]:
         if fd is None:
             continue
         try:
+            if not set(os.listdir(path)) <= {SOCKET_NAME, ACCEPT_NAME}:
+                continue
             shutil.rmtree(path, ignore_errors=True)
             gone.append(path)
         finally:

@@ -10,6 +10,10 @@ flight on each, and the instructions executed in the server process (Python, uvl
 kernel-call wrappers; not the kernel) are divided by that count. Under valgrind the server is ~50x slower, so
 timings mean nothing here: this measures work, not latency. Deterministic to about 0.1% run to run on the same
 tree (at c1; with more connections the split of work between loop turns varies a little more).
+
+`--frontend-workers N` serves with N worker processes (valgrind follows them: `--trace-children=yes`) and counts
+every process of the server, with the engine's and the workers' shares. The dumps (`callgrind.out.<pid>.<n>`) stay
+in the bench's work directory (`callgrind/<checkout's index>/`) for `callgrind_annotate --inclusive=yes`.
 """
 
 from __future__ import annotations
@@ -81,11 +85,12 @@ def send(sc, body, n: int) -> None:
 
 
 def instructions(pid: int, out: Path) -> int:
-    """Dump callgrind's counters (and zero them); the dump's total instructions."""
-    before = set(out.parent.glob(out.name + "*"))
+    """Dump callgrind's counters of process `pid` (and zero them); the dump's total instructions."""
+    pattern = f"{out.name}.{pid}*"
+    before = set(out.parent.glob(pattern))
     subprocess.run(["callgrind_control", "--dump", str(pid)], check=True, capture_output=True)
     for _ in range(600):
-        new = set(out.parent.glob(out.name + "*")) - before
+        new = set(out.parent.glob(pattern)) - before
         if new:
             text = max(new, key=lambda p: p.stat().st_mtime).read_text(errors="replace")
             m = re.search(r"^totals: (\d+)", text, re.M) or re.search(r"^summary: (\d+)", text, re.M)
@@ -95,7 +100,22 @@ def instructions(pid: int, out: Path) -> int:
     raise RuntimeError("callgrind wrote no dump")
 
 
-def measure(checkout: Path, scenarios, n: int, work: Path) -> dict[str, float]:
+def server_pids(root: int) -> list[int]:
+    """The server's processes under valgrind: the engine (or the one process) first, then its workers."""
+    p = subprocess.run(["pgrep", "-P", str(root)], capture_output=True, text=True)
+    return [root, *sorted(int(x) for x in p.stdout.split())]
+
+
+def instr(pids: list[int], on: bool) -> None:
+    for pid in pids:
+        subprocess.run(
+            ["callgrind_control", f"--instr={'on' if on else 'off'}", str(pid)],
+            check=True,
+            capture_output=True,
+        )
+
+
+def measure(checkout: Path, scenarios, n: int, work: Path, workers: int = 1) -> dict[str, float]:
     work.mkdir(parents=True, exist_ok=True)
     for f in work.glob("callgrind.out*"):
         f.unlink()
@@ -105,7 +125,8 @@ def measure(checkout: Path, scenarios, n: int, work: Path) -> dict[str, float]:
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
-        f"--callgrind-out-file={out}",
+        f"--callgrind-out-file={out}.%p",
+        *(["--trace-children=yes"] if workers > 1 else []),
         str(bench.NAIAD_VENV / "bin" / "python"),
         "-c",
         INLINE_UNDER_VALGRIND
@@ -122,6 +143,8 @@ def measure(checkout: Path, scenarios, n: int, work: Path) -> dict[str, float]:
     ]
     if "--busy-poll-us" in (checkout / "server" / "naiad" / "cli.py").read_text():
         cmd += ["--busy-poll-us", "0"]  # polls between requests are not work done for a request
+    if workers > 1:
+        cmd += ["--frontend-workers", str(workers)]
     env = dict(os.environ, PYTHONPATH=str(checkout / "server"), PYTHONMALLOC="malloc")
     log = open(work / "server.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -134,21 +157,27 @@ def measure(checkout: Path, scenarios, n: int, work: Path) -> dict[str, float]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start: {(work / 'server.log').read_text()[-2000:]}")
             time.sleep(1)
+        pids = server_pids(proc.pid)
+        if workers > 1 and len(pids) != workers + 1:
+            raise RuntimeError(f"expected the engine and {workers} workers, found processes {pids}")
         result = {}
         for sc in scenarios:
             body = bench.build_body(sc, bench.expected_output(sc))
             send(sc, body, 100)  # warm-up, not collected
-            subprocess.run(
-                ["callgrind_control", "--instr=on", str(proc.pid)], check=True, capture_output=True
-            )
-            instructions(proc.pid, out)  # zero the counters
+            instr(pids, True)
+            for pid in pids:
+                instructions(pid, out)  # zero the counters
             send(sc, body, n)
-            total = instructions(proc.pid, out)
-            subprocess.run(
-                ["callgrind_control", "--instr=off", str(proc.pid)], check=True, capture_output=True
+            counts = [instructions(pid, out) for pid in pids]
+            instr(pids, False)
+            result[sc.name] = sum(counts) / n
+            split = (
+                f"  (engine {counts[0] / n:,.0f}, workers {sum(counts[1:]) / n:,.0f})" if workers > 1 else ""
             )
-            result[sc.name] = total / n
-            print(f"  {checkout}  {sc.name:30s} {total / n:12,.0f} instructions/request", flush=True)
+            print(
+                f"  {checkout}  {sc.name:30s} {sum(counts) / n:12,.0f} instructions/request{split}",
+                flush=True,
+            )
         return result
     finally:
         os.killpg(proc.pid, 15)
@@ -161,12 +190,15 @@ def main() -> int:
     p.add_argument("scenarios", nargs="+", help="model/protocol/c1 names from `bench/run.py --list`")
     p.add_argument("--checkout", action="append", type=Path, required=True, help="a Naiad tree (repeatable)")
     p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--frontend-workers", type=int, default=1, help="serve with this many worker processes")
     args = p.parse_args()
     by_name = {s.name: s for s in bench.all_scenarios()}
     scs = [by_name[n] for n in args.scenarios]
     results = {}
     for i, co in enumerate(args.checkout):
-        results[co] = measure(co.resolve(), scs, args.requests, bench.WORK / "callgrind" / str(i))
+        results[co] = measure(
+            co.resolve(), scs, args.requests, bench.WORK / "callgrind" / str(i), args.frontend_workers
+        )
     print("\n| scenario | " + " | ".join(str(c) for c in args.checkout) + " | ratio (first/last) |")
     print("|---|" + "---|" * (len(args.checkout) + 1))
     for sc in scs:

@@ -87,6 +87,13 @@ def test_large_typed_contents_byte_for_byte(naiad):
         "BOOL": (rng.random(100_000) > 0.5, "bool_contents"),
         "INT32": (rng.integers(-(2**31), 2**31, 5_000, dtype=np.int32), "int_contents"),
         "UINT8": (np.arange(10, dtype=np.uint8), "uint_contents"),
+        # every integer datatype over its whole range (protobuf's list read as its C values, narrowed)
+        "INT8": (np.array([-128, -1, 0, 1, 127], dtype=np.int8), "int_contents"),
+        "INT16": (np.array([-(2**15), -1, 0, 2**15 - 1], dtype=np.int16), "int_contents"),
+        "UINT16": (np.array([0, 1, 2**16 - 1], dtype=np.uint16), "uint_contents"),
+        "UINT32": (np.array([0, 2**31, 2**32 - 1], dtype=np.uint32), "uint_contents"),
+        "INT64": (np.array([-(2**63), -1, 0, 2**63 - 1], dtype=np.int64), "int64_contents"),
+        "UINT64": (np.array([0, 2**63, 2**64 - 1], dtype=np.uint64), "uint64_contents"),
     }
     with grpc.insecure_channel(naiad.grpc, options=[("grpc.max_receive_message_length", 1 << 26)]) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -102,6 +109,34 @@ def test_large_typed_contents_byte_for_byte(naiad):
         for datatype, (values, _) in data.items():
             got = np.frombuffer(resp.raw_output_contents[by_name[f"OUT_{datatype}"]], values.dtype)
             np.testing.assert_array_equal(got, values)
+
+
+@pytest.mark.parametrize(
+    "datatype,field,values",
+    [
+        ("INT8", "int_contents", [1, 300]),
+        ("INT8", "int_contents", [-129]),
+        ("INT16", "int_contents", [2**15]),
+        ("UINT8", "uint_contents", [256]),
+        ("UINT16", "uint_contents", [2**16]),
+    ],
+)
+def test_typed_contents_outside_the_datatype_s_range_are_invalid(naiad, datatype, field, values):
+    """An INT8/INT16/UINT8/UINT16 input's int_contents/uint_contents value that its type cannot hold is the client's
+    error (Triton casts it silently: docs/triton-behaviour.md), as it is in HTTP JSON `data`; the server goes on."""
+    with grpc.insecure_channel(naiad.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        req = service_pb2.ModelInferRequest(model_name="identity_all")
+        t = req.inputs.add(name=f"IN_{datatype}", datatype=datatype, shape=[len(values)])
+        getattr(t.contents, field).extend(values)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ModelInfer(req)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (
+            err.value.details() == f"input 'IN_{datatype}': a value of {field} is out of range for {datatype}"
+        )
+        getattr(t.contents, field)[:] = [1] * len(values)
+        assert stub.ModelInfer(req).raw_output_contents[0] == np.ones(len(values), datatype.lower()).tobytes()
 
 
 def test_infer_onnx_torch_ensemble(grpc_client):

@@ -1616,6 +1616,31 @@ def test_explicit_int8_content_example(clients: Pair):
     assert "failed to get model version from specified version string 'wrong_specification'" in n.details
 
 
+def test_int8_values_outside_the_type_s_range(clients: Pair):
+    """INT8 values an int8 cannot hold, as gRPC int_contents and as HTTP JSON `data`: Triton casts them (300 is
+    44, 2**31-1 is -1) and answers; Naiad answers INVALID_ARGUMENT / 400 naming the range (docs/triton-behaviour.md)."""
+    values = [300, -200, 127, -128, 2**31 - 1, -(2**31)] + list(range(10))
+    cast = np.array(values, np.int64).astype(np.int8)
+    req = _explicit_int8_request("")
+    req.inputs[0].contents.int_contents[:] = values
+    t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+    assert t.code.name == "OK"
+    assert np.frombuffer(t.response.raw_output_contents[0], np.int8).tolist() == (cast + 1).tolist()
+    assert n.code.name == "INVALID_ARGUMENT"
+    assert n.details == "input 'INPUT0': a value of int_contents is out of range for INT8"
+    body = {
+        "inputs": [
+            {"name": "INPUT0", "datatype": "INT8", "shape": [1, 16], "data": values},
+            {"name": "INPUT1", "datatype": "INT8", "shape": [1, 16], "data": [1] * 16},
+        ]
+    }
+    t, n = (http(ep, "POST", "/v2/models/simple_int8/infer", body) for ep in clients.both())
+    assert t.status == 200
+    assert json.loads(t.body)["outputs"][0]["data"] == (cast + 1).tolist()
+    assert n.status == 400
+    assert json.loads(n.body) == {"error": "unable to parse 'data': value out of range for INT8"}
+
+
 @pytest.mark.parametrize("version", ["wrong_specification", "-1", "2abc", "99999999999999999999"])
 @pytest.mark.parametrize("rpc", ["ModelMetadata", "ModelConfig", "ModelReady", "ModelStatistics"])
 def test_version_string_on_per_model_rpcs(clients: Pair, rpc: str, version: str):

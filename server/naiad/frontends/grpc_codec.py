@@ -36,6 +36,16 @@ _CONTENTS = {
 # FP32 values: 0.75 against 64 ms). The varint-encoded integer fields have no such form.
 _PACKED = {"fp32_contents": np.dtype("<f4"), "fp64_contents": np.dtype("<f8"), "bool_contents": np.dtype("?")}
 PACKED_MIN = 256  # elements; fewer go through the list, which then costs less than serializing
+# The integer fields as protobuf's list holds them (its C values, at the field's width): read by `np.fromiter`
+# (a million INT64 values: 41 against 63 ms for `np.asarray`, which asks each value its type first), then narrowed
+# to the input's datatype. Triton casts a value outside an INT8/INT16/UINT8/UINT16 input's range silently (300 as
+# INT8 is 44; docs/triton-behaviour.md); here it is an InvalidArgument, as it is in HTTP JSON `data`.
+_LISTED = {
+    "int_contents": np.dtype("<i4"),
+    "int64_contents": np.dtype("<i8"),
+    "uint_contents": np.dtype("<u4"),
+    "uint64_contents": np.dtype("<u8"),
+}
 
 
 def param_value(p):
@@ -148,11 +158,24 @@ def _contents_array(req, t, datatype: str, shape: list, split) -> np.ndarray:
         arr[:] = list(values)
     else:
         arr = _typed_array(t.contents, field, values, datatype, count)
+        if arr is None:
+            raise InvalidArgument(f"input '{name}': a value of {field} is out of range for {datatype}")
     return arr.reshape(shape)
 
 
-def _typed_array(contents, field: str, values, datatype: str, count: int) -> np.ndarray:
-    """Typed contents as an array (read-only when read from the packed field)."""
+def _typed_array(contents, field: str, values, datatype: str, count: int) -> np.ndarray | None:
+    """Typed contents as an array (read-only when read from the packed field); None when an integer is outside
+    the datatype's range."""
+    listed = _LISTED.get(field)
+    if listed is not None:
+        arr = np.fromiter(values, listed, count)
+        dtype = tensors.numpy_dtype(datatype)
+        if dtype == listed:
+            return arr
+        info = np.iinfo(dtype)
+        if count and (arr.min() < info.min or arr.max() > info.max):
+            return None
+        return arr.astype(dtype)
     dtype = _PACKED.get(field)
     if dtype is not None and count >= PACKED_MIN:
         view = grpc_wire.packed_field(contents.SerializeToString(), grpc_wire.CONTENTS_FIELDS[field])

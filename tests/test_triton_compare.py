@@ -1602,6 +1602,74 @@ def _explicit_int8_request(version: str):
     return req
 
 
+def _set_param(params, key: str, kind: str, value) -> None:
+    setattr(params[key], kind, value)
+
+
+# (case, where: "request" or "output", key, gRPC kind, value): Triton's checks of the reserved parameters' kinds
+RESERVED_PARAMETERS = [
+    ("priority_negative", "request", "priority", "int64_param", -5),
+    ("priority_uint64", "request", "priority", "uint64_param", 3),
+    ("priority_as_text", "request", "priority", "string_param", "3"),
+    ("priority_as_double", "request", "priority", "double_param", 2.0),
+    ("timeout_negative", "request", "timeout", "int64_param", -5),
+    ("timeout_as_text", "request", "timeout", "string_param", "3"),
+    ("timeout_uint64", "request", "timeout", "uint64_param", 3),
+    ("classification_negative", "output", "classification", "int64_param", -3),
+    ("classification_zero", "output", "classification", "int64_param", 0),
+    ("classification_as_text", "output", "classification", "string_param", "a"),
+    ("classification_uint64", "output", "classification", "uint64_param", 2),
+    ("classification_as_bool", "output", "classification", "bool_param", True),
+]
+
+
+@pytest.mark.parametrize(
+    "case,where,key,kind,value", RESERVED_PARAMETERS, ids=[c[0] for c in RESERVED_PARAMETERS]
+)
+def test_reserved_parameters_of_the_wrong_kind_over_grpc(clients: Pair, case, where, key, kind, value):
+    """priority (int64 >= 0 or uint64), timeout (int64) and an output's classification (int64 > 0): the same
+    answer, word for word, as Triton's."""
+    req = _explicit_int8_request("")
+    _set_param(req.parameters if where == "request" else req.outputs[0].parameters, key, kind, value)
+    t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+    _same_grpc(case, t, n)
+    if t.response is not None:
+        assert list(n.response.raw_output_contents) == list(t.response.raw_output_contents)
+
+
+@pytest.mark.parametrize(
+    "where,key,value",
+    [
+        ("request", "priority", -5),
+        ("request", "priority", "3"),
+        ("request", "priority", 2.5),
+        ("request", "timeout", -5),
+        ("request", "timeout", "x"),
+        ("output", "classification", -3),
+        ("output", "classification", "2"),
+        ("output", "classification", 2.5),
+        ("output", "classification", True),
+    ],
+)
+def test_reserved_parameters_that_are_not_unsigned_integers_in_json(clients: Pair, where, key, value):
+    """Triton's JSON parser refuses them with 500; Naiad answers 400 (DELIBERATE_DIFFERENCES' `_PARSE` reason)
+    with Triton's words."""
+    body: dict = {
+        "inputs": [
+            {"name": name, "datatype": "INT8", "shape": [1, 16], "data": [1] * 16}
+            for name in ("INPUT0", "INPUT1")
+        ],
+    }
+    if where == "request":
+        body["parameters"] = {key: value}
+    else:
+        body["outputs"] = [{"name": "OUTPUT0", "parameters": {key: value}}]
+    t, n = (http(ep, "POST", "/v2/models/simple_int8/infer", body) for ep in clients.both())
+    assert t.status == 500, f"Triton changed: {t.describe()}"
+    assert n.status == 400, n.describe()
+    assert n.json() == t.json()
+
+
 def test_explicit_int8_content_example(clients: Pair):
     t, n = (grpc_call(ep, "ModelInfer", _explicit_int8_request("")) for ep in clients.both())
     _same_grpc("explicit_int8", t, n)

@@ -104,14 +104,13 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None, packed=None) -
             f"expected {used_raw} raw_input_contents entries (one per input not in shared memory), got {n_raw}"
         )
     # (protobuf containers cost ~2 us to iterate even when empty: look before iterating)
-    params = {k: param_value(v) for k, v in req.parameters.items()} if req.parameters else {}
+    params = _request_params(req.parameters) if req.parameters else {}
     outputs = []
     for o in req.outputs if len(req.outputs) else ():
         oparams = {k: param_value(v) for k, v in o.parameters.items()} if o.parameters else {}
+        classification = _classification(o.parameters["classification"]) if "classification" in oparams else 0
         outputs.append(
-            RequestedOutput(
-                o.name, binary=True, classification=int(oparams.get("classification", 0)), parameters=oparams
-            )
+            RequestedOutput(o.name, binary=True, classification=classification, parameters=oparams)
         )
     request = InferenceRequest(
         model_name=req.model_name,
@@ -125,6 +124,34 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None, packed=None) -
     )
     request_options(request, params)
     return request
+
+
+def _request_params(parameters) -> dict:
+    """A request's parameters as values, with Triton's checks of the kinds of `priority` (int64 >= 0 or uint64) and
+    `timeout` (int64; a negative one, which Triton reads as unsigned, is no timeout)."""
+    params = {k: param_value(v) for k, v in parameters.items()}
+    if "priority" in params:
+        kind = parameters["priority"].WhichOneof("parameter_choice")
+        if kind not in ("int64_param", "uint64_param"):
+            raise InvalidArgument(
+                "invalid value type for 'priority' parameter, expected int64_param or uint64_param."
+            )
+        if params["priority"] < 0:
+            raise InvalidArgument("invalid value for 'priority', expected value >= 0.")
+    if "timeout" in params:
+        if parameters["timeout"].WhichOneof("parameter_choice") != "int64_param":
+            raise InvalidArgument("invalid value type for 'timeout' parameter, expected int64_param.")
+        params["timeout"] = max(0, params["timeout"])
+    return params
+
+
+def _classification(p) -> int:
+    """An output's `classification` parameter as Triton checks it: an int64 above 0."""
+    if p.WhichOneof("parameter_choice") != "int64_param":
+        raise InvalidArgument("invalid value type for 'classification' parameter, expected int64_param")
+    if p.int64_param <= 0:
+        raise InvalidArgument("invalid value for 'classification' parameter, expected >= 0")
+    return p.int64_param
 
 
 def _contents_array(req, t, datatype: str, shape: list, split) -> np.ndarray:

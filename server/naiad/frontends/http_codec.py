@@ -15,7 +15,7 @@ from ..errors import InvalidArgument, NotFound, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..orchestration.on_demand import LOAD_WAIT_HEADER
 from ..version_string import parse_version
-from .common import request_options
+from .common import request_options, unsigned
 from .receive_buffers import POOL, POOLED_MIN
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -151,7 +151,7 @@ def decode_infer_request(
             RequestedOutput(
                 item["name"],
                 binary=None if binary_flag is None else bool(binary_flag),
-                classification=int(oparams.get("classification", 0) or 0),
+                classification=unsigned(oparams.get("classification", 0), "classification", "set"),
                 parameters=oparams,
             )
         )

@@ -300,6 +300,12 @@ def fp32(name, shape, data=None):
             400,
             "parse",
         ),
+        (
+            "/v2/models/identity_fp32/infer",
+            {"inputs": [fp32("INPUT0", [1, 1])], "outputs": [{"name": "OUTPUT0", "parameters": [1]}]},
+            400,
+            "output 'OUTPUT0': 'parameters' must be a JSON object",
+        ),
         ("/v2/models/broken_init/infer", {"inputs": [fp32("INPUT0", [1])]}, 404, "has no available versions"),
     ],
 )

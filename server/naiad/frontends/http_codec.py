@@ -146,6 +146,8 @@ def decode_infer_request(
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
         oparams = item.get("parameters") or {}
+        if not isinstance(oparams, dict):
+            raise InvalidArgument(f"output '{item['name']}': 'parameters' must be a JSON object")
         binary_flag = oparams.get("binary_data")
         outputs.append(
             RequestedOutput(

@@ -1620,6 +1620,14 @@ RESERVED_PARAMETERS = [
     ("classification_as_text", "output", "classification", "string_param", "a"),
     ("classification_uint64", "output", "classification", "uint64_param", 2),
     ("classification_as_bool", "output", "classification", "bool_param", True),
+    ("sequence_id_negative", "request", "sequence_id", "int64_param", -1),
+    ("sequence_id_uint64", "request", "sequence_id", "uint64_param", 5),
+    ("sequence_id_as_double", "request", "sequence_id", "double_param", 1.5),
+    ("sequence_id_as_bool", "request", "sequence_id", "bool_param", True),
+    ("sequence_id_empty_text", "request", "sequence_id", "string_param", ""),
+    ("sequence_start_as_text", "request", "sequence_start", "string_param", "yes"),
+    ("sequence_start_as_int", "request", "sequence_start", "int64_param", 1),
+    ("sequence_end_as_text", "request", "sequence_end", "string_param", "x"),
 ]
 
 
@@ -1649,11 +1657,24 @@ def test_reserved_parameters_of_the_wrong_kind_over_grpc(clients: Pair, case, wh
         ("output", "classification", "2"),
         ("output", "classification", 2.5),
         ("output", "classification", True),
+        ("request", "sequence_id", -1),
+        ("request", "sequence_id", 1.5),
+        ("request", "sequence_id", True),
+        ("request", "sequence_start", "yes"),
+        ("request", "sequence_start", 1),
+        ("request", "sequence_start", None),
+        ("request", "sequence_end", "x"),
+        ("request", "binary_data_output", "no"),
+        ("request", "binary_data_output", 1),
+        ("output", "binary_data", "yes"),
+        ("output", "binary_data", 1),
+        ("output", "binary_data", None),
     ],
 )
-def test_reserved_parameters_that_are_not_unsigned_integers_in_json(clients: Pair, where, key, value):
-    """Triton's JSON parser refuses them with 500; Naiad answers 400 (DELIBERATE_DIFFERENCES' `_PARSE` reason)
-    with Triton's words."""
+def test_reserved_parameters_of_the_wrong_type_in_json(clients: Pair, where, key, value):
+    """priority, timeout, classification (unsigned integers), sequence_id (one, or a string), sequence_start,
+    sequence_end, binary_data_output, binary_data (booleans): Triton's JSON parser refuses other types with 500;
+    Naiad answers 400 (DELIBERATE_DIFFERENCES' `_PARSE` reason) with Triton's words."""
     body: dict = {
         "inputs": [
             {"name": name, "datatype": "INT8", "shape": [1, 16], "data": [1] * 16}

@@ -126,9 +126,13 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None, packed=None) -
     return request
 
 
+_UINT64 = (1 << 64) - 1
+
+
 def _request_params(parameters) -> dict:
-    """A request's parameters as values, with Triton's checks of the kinds of `priority` (int64 >= 0 or uint64) and
-    `timeout` (int64; a negative one, which Triton reads as unsigned, is no timeout)."""
+    """A request's parameters as values, with Triton's checks of the kinds of `priority` (int64 >= 0 or uint64),
+    `timeout` (int64; a negative one, which Triton reads as unsigned, is no timeout), `sequence_id` (int64 or string)
+    and `sequence_start`/`sequence_end` (bool)."""
     params = {k: param_value(v) for k, v in parameters.items()}
     if "priority" in params:
         kind = parameters["priority"].WhichOneof("parameter_choice")
@@ -142,6 +146,16 @@ def _request_params(parameters) -> dict:
         if parameters["timeout"].WhichOneof("parameter_choice") != "int64_param":
             raise InvalidArgument("invalid value type for 'timeout' parameter, expected int64_param.")
         params["timeout"] = max(0, params["timeout"])
+    if "sequence_id" in params:
+        if parameters["sequence_id"].WhichOneof("parameter_choice") not in ("int64_param", "string_param"):
+            raise InvalidArgument(
+                "invalid value type for 'sequence_id' parameter, expected int64_param or string_param."
+            )
+        if not isinstance(params["sequence_id"], str):
+            params["sequence_id"] &= _UINT64  # (Triton's correlation id is unsigned: -1 is 2**64-1)
+    for key in ("sequence_start", "sequence_end"):
+        if key in params and parameters[key].WhichOneof("parameter_choice") != "bool_param":
+            raise InvalidArgument(f"invalid value type for '{key}' parameter, expected bool_param.")
     return params
 
 

@@ -15,7 +15,7 @@ from ..errors import InvalidArgument, NotFound, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..orchestration.on_demand import LOAD_WAIT_HEADER
 from ..version_string import parse_version
-from .common import request_options, unsigned
+from .common import boolean, request_options, unsigned
 from .receive_buffers import POOL, POOLED_MIN
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -137,7 +137,11 @@ def decode_infer_request(
         raise InvalidArgument(
             f"binary data is {len(binary)} bytes but the inputs' binary_data_size add up to {offset}"
         )
-    default_binary = bool(params.get("binary_data_output", False))
+    default_binary = (
+        boolean(params["binary_data_output"], "binary_data_output")
+        if "binary_data_output" in params
+        else False
+    )
     outputs = []
     raw_outputs = doc.get("outputs") or []
     if not isinstance(raw_outputs, list):
@@ -148,11 +152,10 @@ def decode_infer_request(
         oparams = item.get("parameters") or {}
         if not isinstance(oparams, dict):
             raise InvalidArgument(f"output '{item['name']}': 'parameters' must be a JSON object")
-        binary_flag = oparams.get("binary_data")
         outputs.append(
             RequestedOutput(
                 item["name"],
-                binary=None if binary_flag is None else bool(binary_flag),
+                binary=boolean(oparams["binary_data"], "binary_data") if "binary_data" in oparams else None,
                 classification=unsigned(oparams.get("classification", 0), "classification", "set"),
                 parameters=oparams,
             )

@@ -52,6 +52,23 @@ def test_explicit_load_unload_http(explicit):
     client.unload_model("never_heard_of_it")  # Triton answers 200 here too
 
 
+def test_load_and_unload_parameters_that_are_not_an_object_are_refused(explicit):
+    """400, and nothing loaded or unloaded (an unload with a list of parameters failed with 500 before, and an
+    empty list read as no parameters)."""
+    for action, params in (("load", []), ("load", "x"), ("unload", [1]), ("unload", 3)):
+        r = requests.post(
+            f"{explicit.url}/v2/repository/models/add_sub/{action}", json={"parameters": params}
+        )
+        assert r.status_code == 400, r.text
+        assert r.json() == {"error": "'parameters' must be a JSON object"}
+    assert ("add_sub", "READY") in index(explicit)
+    r = requests.post(f"{explicit.url}/v2/repository/index", json={"ready": "yes"})
+    assert r.status_code == 400
+    assert r.json() == {"error": "Unable to parse 'ready': attempt to access JSON non-boolean as boolean"}
+    r = requests.post(f"{explicit.url}/v2/repository/index", json={"ready": True})
+    assert {m["name"] for m in r.json()} == {"add_sub"}
+
+
 def test_explicit_load_unload_grpc(explicit):
     client = grpcclient.InferenceServerClient(explicit.grpc)
     client.load_model("mlp_onnx")

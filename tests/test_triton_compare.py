@@ -1691,6 +1691,30 @@ def test_reserved_parameters_of_the_wrong_type_in_json(clients: Pair, where, key
     assert n.json() == t.json()
 
 
+@pytest.mark.parametrize(
+    "path,body,triton_error,naiad_error",
+    [
+        ("/v2/repository/index", {"ready": "yes"}, "non-boolean as boolean", "non-boolean as boolean"),
+        ("/v2/repository/index", {"ready": 1}, "non-boolean as boolean", "non-boolean as boolean"),
+        (
+            "/v2/repository/models/simple_int8/load",
+            {"parameters": []},
+            "attempt to get members for non-object",
+            "'parameters' must be a JSON object",
+        ),
+    ],
+)
+def test_repository_bodies_of_the_wrong_type(clients: Pair, path, body, triton_error, naiad_error):
+    """Triton's JSON parser refuses them with 500 and loads nothing; Naiad answers 400 (it took `ready` by truth and
+    an empty list as no parameters before). (Unload parameters that are not an object: Triton unloads anyway, Naiad
+    answers 400, where it failed with 500 before: tests/test_repository_api.py.)"""
+    t, n = (http(ep, "POST", path, body) for ep in clients.both())
+    assert t.status == 500 and triton_error in t.json()["error"], f"Triton changed: {t.describe()}"
+    assert n.status == 400 and naiad_error in n.json()["error"], n.describe()
+    for ep in clients.both():  # nothing was unloaded
+        assert http(ep, "GET", "/v2/models/simple_int8/ready").status == 200
+
+
 def test_explicit_int8_content_example(clients: Pair):
     t, n = (grpc_call(ep, "ModelInfer", _explicit_int8_request("")) for ep in clients.both())
     _same_grpc("explicit_int8", t, n)

@@ -29,6 +29,16 @@ def boolean(value: object, key: str) -> bool:
     return value
 
 
+def parameters_of(doc: dict, what: str = "") -> dict:
+    """A JSON object's `parameters` (absent or null: none); anything but an object is the client's error."""
+    params = doc.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise InvalidArgument(f"{what}'parameters' must be a JSON object")
+    return params
+
+
 def request_options(request: InferenceRequest, params: dict) -> None:
     """Move Triton's reserved request parameters onto the request; the rest stay for the model."""
     if not params:

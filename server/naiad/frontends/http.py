@@ -20,6 +20,7 @@ from . import drain, generate
 from . import shm as shm_handlers
 from .aiohttp_site import start_tcp_site
 from .busy_poll import BusyPoll
+from .common import boolean, parameters_of
 from .http_codec import (
     HEADER_LENGTH,
     compress_response,
@@ -223,14 +224,13 @@ class HttpFrontend:
     async def index(self, request):
         doc = await self._body_json(request)
         await self.server.repository.refresh()
-        memory = bool(doc.get("memory", False)) or self.server.orchestrated
-        return _json(self.server.repository.index(bool(doc.get("ready", False)), memory))
+        ready = boolean(doc["ready"], "ready") if "ready" in doc else False
+        memory = (boolean(doc["memory"], "memory") if "memory" in doc else False) or self.server.orchestrated
+        return _json(self.server.repository.index(ready, memory))
 
     async def load(self, request):
         doc = await self._body_json(request)
-        params = doc.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise InvalidArgument("'parameters' must be a JSON object")
+        params = parameters_of(doc)
         config = params.get("config")
         if config is not None and not isinstance(config, (str, dict)):
             raise InvalidArgument("the 'config' parameter must be a JSON string")
@@ -240,7 +240,7 @@ class HttpFrontend:
 
     async def unload(self, request):
         doc = await self._body_json(request)
-        params = doc.get("parameters") or {}
+        params = parameters_of(doc)
         await self.server.unload_model(request.match_info["model"], bool(params.get("unload_dependents")))
         return web.Response(status=200)
 

@@ -15,7 +15,7 @@ from ..errors import InvalidArgument, NotFound, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..orchestration.on_demand import LOAD_WAIT_HEADER
 from ..version_string import parse_version
-from .common import boolean, request_options, unsigned
+from .common import boolean, parameters_of, request_options, unsigned
 from .receive_buffers import POOL, POOLED_MIN
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -74,9 +74,7 @@ def decode_infer_request(
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list):
         raise InvalidArgument("request JSON must contain an 'inputs' array")
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidArgument("'parameters' must be a JSON object")
+    params = parameters_of(doc)
     inputs: dict[str, np.ndarray] = {}
     device = False
     datatypes: dict[str, str] = {}
@@ -99,9 +97,7 @@ def decode_infer_request(
             raise InvalidArgument(f"input '{name}' must have a 'shape' of non-negative integers")
         if name in inputs:
             raise InvalidArgument(f"input '{name}' is given more than once")
-        iparams = item.get("parameters") or {}
-        if not isinstance(iparams, dict):
-            raise InvalidArgument(f"input '{name}': 'parameters' must be a JSON object")
+        iparams = parameters_of(item, f"input '{name}': ")
         if (
             iparams
             and ("data" in item) + ("binary_data_size" in iparams) + ("shared_memory_region" in iparams) > 1
@@ -149,9 +145,7 @@ def decode_infer_request(
     for item in raw_outputs:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
-        oparams = item.get("parameters") or {}
-        if not isinstance(oparams, dict):
-            raise InvalidArgument(f"output '{item['name']}': 'parameters' must be a JSON object")
+        oparams = parameters_of(item, f"output '{item['name']}': ")
         outputs.append(
             RequestedOutput(
                 item["name"],

@@ -1715,6 +1715,21 @@ def test_repository_bodies_of_the_wrong_type(clients: Pair, path, body, triton_e
         assert http(ep, "GET", "/v2/models/simple_int8/ready").status == 200
 
 
+@pytest.mark.parametrize(
+    "params",
+    [{"priority": "3"}, {"priority": -1}, {"timeout": "x"}, {"sequence_id": -1}, {"sequence_start": "yes"}],
+    ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()),
+)
+def test_generate_passes_reserved_parameters_of_another_type_on(clients: Pair, params):
+    """The generate extension's parameters go to the request whatever their types: Triton answers them, where its
+    infer route refuses them (test_reserved_parameters_of_the_wrong_type_in_json), and so does Naiad."""
+    body = {"INPUT0": [1] * 16, "INPUT1": [1] * 16, "parameters": params}
+    t, n = (http(ep, "POST", "/v2/models/simple_int8/generate", body) for ep in clients.both())
+    assert t.status == 200, f"Triton changed: {t.describe()}"
+    assert n.status == 200, n.describe()
+    assert n.json() == t.json()
+
+
 def test_explicit_int8_content_example(clients: Pair):
     t, n = (grpc_call(ep, "ModelInfer", _explicit_int8_request("")) for ep in clients.both())
     _same_grpc("explicit_int8", t, n)

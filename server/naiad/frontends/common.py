@@ -39,24 +39,38 @@ def parameters_of(doc: dict, what: str = "") -> dict:
     return params
 
 
-def request_options(request: InferenceRequest, params: dict) -> None:
-    """Move Triton's reserved request parameters onto the request; the rest stay for the model."""
+def _sequence_id(value: object) -> int | str:
+    if not isinstance(value, str) and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise InvalidArgument("Unable to parse 'sequence_id': attempt to access JSON non-string as string")
+    return value
+
+
+def request_options(request: InferenceRequest, params: dict, strict: bool = True) -> None:
+    """Move Triton's reserved request parameters onto the request; the rest stay for the model. With `strict`
+    False (the generate extension, whose parameters Triton passes on whatever their types) one of the wrong type is
+    an ordinary parameter, not an error."""
     if not params:
         return
-    if "priority" in params:
-        request.priority = unsigned(params["priority"], "priority")
-    if "timeout" in params:
-        request.timeout_us = unsigned(params["timeout"], "timeout")
-    if "sequence_id" in params:
-        seq = params["sequence_id"]
-        if not isinstance(seq, str) and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 0):
-            raise InvalidArgument(
-                "Unable to parse 'sequence_id': attempt to access JSON non-string as string"
-            )
-        request.correlation_id = seq
-    flags = 0
-    if "sequence_start" in params and boolean(params["sequence_start"], "sequence_start"):
-        flags |= SEQUENCE_START
-    if "sequence_end" in params and boolean(params["sequence_end"], "sequence_end"):
-        flags |= SEQUENCE_END
-    request.flags |= flags
+    for key in _RESERVED.keys() & params.keys():
+        try:
+            _RESERVED[key](request, params[key])
+        except InvalidArgument:
+            if strict:
+                raise
+
+
+def _set_flag(flag: int, key: str):
+    def apply(request: InferenceRequest, value: object) -> None:
+        if boolean(value, key):
+            request.flags |= flag
+
+    return apply
+
+
+_RESERVED = {
+    "priority": lambda r, v: setattr(r, "priority", unsigned(v, "priority")),
+    "timeout": lambda r, v: setattr(r, "timeout_us", unsigned(v, "timeout")),
+    "sequence_id": lambda r, v: setattr(r, "correlation_id", _sequence_id(v)),
+    "sequence_start": _set_flag(SEQUENCE_START, "sequence_start"),
+    "sequence_end": _set_flag(SEQUENCE_END, "sequence_end"),
+}

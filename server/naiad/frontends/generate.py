@@ -130,7 +130,7 @@ def decode(mv, body: _Pairs | dict, version: int) -> InferenceRequest:
         id=req_id,
         parameters=params,
     )
-    request_options(request, params)
+    request_options(request, params, strict=False)
     return request
 
 

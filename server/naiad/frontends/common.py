@@ -29,14 +29,18 @@ def boolean(value: object, key: str) -> bool:
     return value
 
 
-def parameters_of(doc: dict, what: str = "") -> dict:
-    """A JSON object's `parameters` (absent or null: none); anything but an object is the client's error."""
+def parameters_of(doc: dict, kind: str = "", name: str = "") -> dict:
+    """A JSON object's `parameters` (absent or null: none); anything but an object is the client's error (`kind` and
+    `name`: the input's or output's, for the message)."""
     params = doc.get("parameters")
+    if type(params) is dict:
+        return params
     if params is None:
         return {}
-    if not isinstance(params, dict):
-        raise InvalidArgument(f"{what}'parameters' must be a JSON object")
-    return params
+    raise InvalidArgument(f"{kind} '{name}': 'parameters' must be a JSON object" if kind else _NOT_AN_OBJECT)
+
+
+_NOT_AN_OBJECT = "'parameters' must be a JSON object"
 
 
 def _sequence_id(value: object) -> int | str:

@@ -97,7 +97,7 @@ def decode_infer_request(
             raise InvalidArgument(f"input '{name}' must have a 'shape' of non-negative integers")
         if name in inputs:
             raise InvalidArgument(f"input '{name}' is given more than once")
-        iparams = parameters_of(item, f"input '{name}': ")
+        iparams = parameters_of(item, "input", name)
         if (
             iparams
             and ("data" in item) + ("binary_data_size" in iparams) + ("shared_memory_region" in iparams) > 1
@@ -145,15 +145,14 @@ def decode_infer_request(
     for item in raw_outputs:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
-        oparams = parameters_of(item, f"output '{item['name']}': ")
-        outputs.append(
-            RequestedOutput(
-                item["name"],
-                binary=boolean(oparams["binary_data"], "binary_data") if "binary_data" in oparams else None,
-                classification=unsigned(oparams.get("classification", 0), "classification", "set"),
-                parameters=oparams,
-            )
-        )
+        oparams = parameters_of(item, "output", item["name"])
+        binary = oparams.get("binary_data")
+        if type(binary) is not bool and "binary_data" in oparams:
+            boolean(binary, "binary_data")  # (raises: only true and false are binary_data)
+        classification = oparams.get("classification", 0)
+        if type(classification) is not int or classification < 0:
+            unsigned(classification, "classification", "set")  # (raises: a count is an unsigned integer)
+        outputs.append(RequestedOutput(item["name"], binary, classification, oparams))
     req_id = doc.get("id", "")
     if not isinstance(req_id, str):
         raise InvalidArgument("Unable to parse 'id': attempt to access JSON non-string as string")

@@ -170,7 +170,11 @@ def from_json_data(datatype: str, data, shape) -> np.ndarray:
         return arr.reshape(shape)
     dt = numpy_dtype(datatype)
     try:
-        raw = np.asarray(data)
+        try:
+            raw = np.asarray(data)
+        except ValueError:
+            # ragged nesting ([[1, 2], [3]]): Triton reads the values in order, whatever the nesting
+            raw = np.asarray(_flatten(data, nested=True))
     except (ValueError, TypeError, OverflowError) as exc:
         raise InvalidArgument(f"unable to parse 'data' as {datatype}: {exc}") from None
     if raw.size != count:
@@ -235,10 +239,12 @@ def _count_mismatch(got: int, expected: int, shape) -> InvalidArgument:
     )
 
 
-def _flatten(data) -> list:
+def _flatten(data, nested: bool = False) -> list:
+    """The values of (nested) lists in order; a list whose first value is not a list is taken as flat unless
+    `nested` says it may hold lists further on."""
     if not isinstance(data, list):
         return [data]
-    if not data or not isinstance(data[0], list):
+    if not data or (not nested and not isinstance(data[0], list)):
         return data
     out: list = []
     stack = [iter(data)]

@@ -125,7 +125,10 @@ def decode_infer_request(
             inputs[name] = tensors.from_buffer(datatype, binary[offset : offset + size], shape)
             offset += size
         elif "data" in item:
-            inputs[name] = tensors.from_json_data(datatype, item["data"], shape)
+            data = item["data"]
+            if type(data) is not list:
+                raise InvalidArgument("Unable to parse 'data': attempt to access JSON non-array as array")
+            inputs[name] = tensors.from_json_data(datatype, data, shape)
         else:
             raise InvalidArgument(f"input '{name}' has neither 'data' nor binary data")
         datatypes[name] = datatype

@@ -78,8 +78,7 @@ def test_typed_contents_without_raw(naiad):
 
 def test_large_typed_contents_byte_for_byte(naiad):
     """Large typed contents (read from their packed wire form, grpc_codec._typed_array) come back exactly, next to a
-    small one and an integer one (protobuf's list); a FP32 input with int_contents set too reads fp32_contents, as
-    before."""
+    small one and integer ones (protobuf's list)."""
     rng = np.random.default_rng(7)
     data = {
         "FP32": (rng.random(300_000, dtype=np.float32), "fp32_contents"),
@@ -101,8 +100,6 @@ def test_large_typed_contents_byte_for_byte(naiad):
         for datatype, (values, field) in data.items():
             t = req.inputs.add(name=f"IN_{datatype}", datatype=datatype, shape=[len(values)])
             getattr(t.contents, field).extend(values.tolist())
-            if datatype == "FP32":
-                t.contents.int_contents.extend([1, 2, 3])
             req.outputs.add(name=f"OUT_{datatype}")
         resp = stub.ModelInfer(req)
         by_name = {o.name: i for i, o in enumerate(resp.outputs)}

@@ -1750,6 +1750,78 @@ def test_json_data_that_is_not_an_array(clients: Pair, data):
     assert n.status == 400 and n.json() == t.json(), n.describe()
 
 
+def _grpc_fp32_input(
+    model="identity_fp32",
+    datatype="FP32",
+    shape=(1, 3),
+    contents: dict | None = None,
+    raw: bytes | None = None,
+):
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name=model)
+    t = req.inputs.add(name="INPUT0", datatype=datatype, shape=list(shape))
+    for field, values in (contents or {}).items():
+        getattr(t.contents, field).extend(values)
+    if raw is not None:
+        req.raw_input_contents.append(raw)
+    return req
+
+
+GRPC_INPUT_ERRORS = {
+    "typed_contents_short": lambda: _grpc_fp32_input(contents={"fp32_contents": [1, 2]}),
+    "typed_contents_long": lambda: _grpc_fp32_input(contents={"fp32_contents": [1, 2, 3, 4]}),
+    "typed_contents_of_another_type": lambda: _grpc_fp32_input(contents={"int_contents": [1, 2, 3]}),
+    "typed_contents_with_another_type_too": lambda: _grpc_fp32_input(
+        contents={"fp32_contents": [1, 2, 3], "int_contents": [1]}
+    ),
+    "uint64_input_in_int64_contents": lambda: _grpc_fp32_input(
+        "identity_u64", "UINT64", (1, 2), {"int64_contents": [1, 2]}
+    ),
+    "raw_contents_short": lambda: _grpc_fp32_input(raw=b"\0" * 8),
+}
+
+
+@pytest.mark.parametrize("case", list(GRPC_INPUT_ERRORS))
+def test_grpc_input_errors_in_triton_s_words(clients: Pair, case):
+    """Typed contents of the wrong count or field, raw contents of the wrong size: Triton's code and words."""
+    t, n = (grpc_call(ep, "ModelInfer", GRPC_INPUT_ERRORS[case]()) for ep in clients.both())
+    assert t.code.name == "INVALID_ARGUMENT", f"Triton changed: {t.describe()}"
+    _same_grpc(case, t, n)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_input_given_twice_in_triton_s_words(clients: Pair, protocol):
+    if protocol == "grpc":
+        req = _grpc_fp32_input(contents={"fp32_contents": [1, 2, 3]})
+        req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 3]).contents.fp32_contents.extend([1, 2, 3])
+        t, n = (grpc_call(ep, "ModelInfer", req) for ep in clients.both())
+        _same_grpc("input_given_twice", t, n)
+    else:
+        body = {"inputs": [_fp32_input(), _fp32_input()]}
+        t, n = (http(ep, "POST", "/v2/models/identity_fp32/infer", body) for ep in clients.both())
+        _same_http("input_given_twice", t, n)
+
+
+def test_binary_data_that_does_not_fill_the_shape_in_triton_s_words(clients: Pair):
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "parameters": {"binary_data_size": 8}}
+            ]
+        }
+    ).encode()
+    headers = {
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream",
+    }
+    t, n = (
+        http(ep, "POST", "/v2/models/identity_fp32/infer", header + b"\0" * 8, headers)
+        for ep in clients.both()
+    )
+    _same_http("binary_short_for_shape", t, n)
+
+
 def test_explicit_int8_content_example(clients: Pair):
     t, n = (grpc_call(ep, "ModelInfer", _explicit_int8_request("")) for ep in clients.both())
     _same_grpc("explicit_int8", t, n)

@@ -121,6 +121,27 @@ def deserialize_bytes(buf, count: int | None = None) -> np.ndarray:
     return arr
 
 
+class ByteSizeMismatch(InvalidArgument):
+    """A tensor's bytes are not what its datatype and shape make; `expected` and `got` in bytes (a frontend that
+    knows the input's name, the model and the request id says so in Triton's words: `byte_size_mismatch`)."""
+
+    def __init__(self, expected: int, got: int, datatype: str, shape):
+        super().__init__(
+            f"unexpected total byte size {got} for input, expecting {expected} "
+            f"({expected // max(1, ITEMSIZE.get(datatype, 1))} {datatype} elements of shape {list(shape)})"
+        )
+        self.expected = expected
+        self.got = got
+
+
+def byte_size_mismatch(name: str, model: str, request_id: str, expected: int, got: int) -> InvalidArgument:
+    """Triton's words for an input whose bytes (or typed values) do not match its shape."""
+    return InvalidArgument(
+        f"[request id: {request_id or '<id_unknown>'}] input byte size mismatch for input '{name}' for model "
+        f"'{model}'. Expected {expected}, got {got}"
+    )
+
+
 def from_buffer(datatype: str, buf, shape) -> np.ndarray:
     """A numpy view (no copy) of fixed-size tensor bytes; BYTES are parsed."""
     count = element_count(shape)
@@ -129,10 +150,7 @@ def from_buffer(datatype: str, buf, shape) -> np.ndarray:
     dt = numpy_dtype(datatype)
     expected = count * dt.itemsize
     if len(buf) != expected:
-        raise InvalidArgument(
-            f"unexpected total byte size {len(buf)} for input, expecting {expected} "
-            f"({count} {datatype} elements of shape {list(shape)})"
-        )
+        raise ByteSizeMismatch(expected, len(buf), datatype, shape)
     return np.frombuffer(buf, dtype=dt).reshape(shape)
 
 

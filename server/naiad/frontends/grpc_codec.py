@@ -14,6 +14,17 @@ from . import grpc_wire
 from .common import request_options
 
 # InferTensorContents field per datatype
+# the datatype Triton names for each typed field when it holds values for an input of another datatype
+_FIELD_TYPES = {
+    "bool_contents": "BOOL",
+    "int_contents": "INT32",
+    "int64_contents": "INT64",
+    "uint_contents": "UINT32",
+    "uint64_contents": "UINT64",
+    "fp32_contents": "FP32",
+    "fp64_contents": "FP64",
+    "bytes_contents": "BYTES",
+}
 _CONTENTS = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",
@@ -72,7 +83,9 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None, packed=None) -
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"input '{name}' has a negative dimension in shape {shape}")
         if name in inputs:
-            raise InvalidArgument(f"input '{name}' is given more than once")
+            raise InvalidArgument(
+                f"[request id: {req.id or '<id_unknown>'}] input '{name}' already exists in request"
+            )
         tparams = {k: param_value(v) for k, v in t.parameters.items()} if t.parameters else {}
         if "shared_memory_region" in tparams:
             if split is not None or t.HasField("contents"):
@@ -94,7 +107,12 @@ def decode_request(req: pb.ModelInferRequest, shm=None, raw=None, packed=None) -
                 raise InvalidArgument(
                     f"unable to find data for input tensor '{name}' for model '{req.model_name}' in request."
                 )
-            inputs[name] = tensors.from_buffer(datatype, raw[used_raw], shape)
+            try:
+                inputs[name] = tensors.from_buffer(datatype, raw[used_raw], shape)
+            except tensors.ByteSizeMismatch as exc:
+                raise tensors.byte_size_mismatch(
+                    name, req.model_name, req.id, exc.expected, exc.got
+                ) from None
             used_raw += 1
         else:
             inputs[name] = _contents_array(req, t, datatype, shape, split)
@@ -176,24 +194,32 @@ def _contents_array(req, t, datatype: str, shape: list, split) -> np.ndarray:
     if field is None:
         raise InvalidArgument(f"input '{name}': datatype {datatype} must be sent in raw_input_contents")
     count = tensors.element_count(shape)
+    size = tensors.ITEMSIZE.get(datatype, 0)  # (Triton counts a typed value as the datatype's bytes)
     if split is not None:
         dtype = _PACKED[field]
         if len(split) != count * dtype.itemsize:
-            raise InvalidArgument(
-                f"unexpected number of elements {len(split) // dtype.itemsize} in the contents of input '{name}', "
-                f"expecting {count} for shape {shape}"
-            )
+            n = len(split) // dtype.itemsize
+            raise tensors.byte_size_mismatch(name, req.model_name, req.id, count * size, n * size)
         return np.frombuffer(split, dtype).reshape(shape)
-    values = getattr(t.contents, field)
-    if count and not t.HasField("contents"):
+    if t.HasField("contents"):
+        for other, _ in t.contents.ListFields():  # the fields that hold values
+            if other.name != field:
+                raise InvalidArgument(
+                    f"unexpected explicit tensor data for input tensor '{name}' for model '{req.model_name}' of "
+                    f"type '{_FIELD_TYPES[other.name]}', expected datatype '{datatype}'"
+                )
+    elif count:
         raise InvalidArgument(
             f"unable to find data for input tensor '{name}' for model '{req.model_name}' in request."
         )
+    values = getattr(t.contents, field)
     if len(values) != count:
-        raise InvalidArgument(
-            f"unexpected number of elements {len(values)} in the contents of input '{name}', "
-            f"expecting {count} for shape {shape}"
-        )
+        if datatype == "BYTES":
+            raise InvalidArgument(
+                f"unexpected number of elements {len(values)} in the contents of input '{name}', "
+                f"expecting {count} for shape {shape}"
+            )
+        raise tensors.byte_size_mismatch(name, req.model_name, req.id, count * size, len(values) * size)
     if datatype == "BYTES":
         arr = np.empty(count, dtype=np.object_)
         arr[:] = list(values)

@@ -48,6 +48,12 @@ def restricted_message(key: str) -> str:
 # ---- request decoding ----
 
 
+def _request_id(doc: dict) -> str:
+    """The request's id as Triton's messages print it."""
+    rid = doc.get("id")
+    return rid if isinstance(rid, str) and rid else "<id_unknown>"
+
+
 def decode_infer_request(
     model: str, version: str, body: bytes, header_length: str | None, shm=None
 ) -> tuple[InferenceRequest, bool]:
@@ -96,7 +102,9 @@ def decode_infer_request(
         ):
             raise InvalidArgument(f"input '{name}' must have a 'shape' of non-negative integers")
         if name in inputs:
-            raise InvalidArgument(f"input '{name}' is given more than once")
+            raise InvalidArgument(
+                f"[request id: {_request_id(doc)}] input '{name}' already exists in request"
+            )
         iparams = parameters_of(item, "input", name)
         if (
             iparams
@@ -122,7 +130,12 @@ def decode_infer_request(
                     f"unexpected end of binary data for input '{name}': needs {size} bytes at offset "
                     f"{offset}, but only {len(binary) - offset} remain"
                 )
-            inputs[name] = tensors.from_buffer(datatype, binary[offset : offset + size], shape)
+            try:
+                inputs[name] = tensors.from_buffer(datatype, binary[offset : offset + size], shape)
+            except tensors.ByteSizeMismatch as exc:
+                raise tensors.byte_size_mismatch(
+                    name, model, _request_id(doc), exc.expected, exc.got
+                ) from None
             offset += size
         elif "data" in item:
             data = item["data"]

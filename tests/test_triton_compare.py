@@ -1822,6 +1822,40 @@ def test_binary_data_that_does_not_fill_the_shape_in_triton_s_words(clients: Pai
     _same_http("binary_short_for_shape", t, n)
 
 
+@pytest.mark.parametrize(
+    "outputs",
+    [
+        None,
+        [{"name": "OUTPUT0"}],
+        [
+            {"name": "OUTPUT0", "parameters": {"foo": 1}},
+            {"name": "OUTPUT1", "parameters": {"binary_data": True}},
+        ],
+        [{"name": "OUTPUT0", "parameters": {"classification": 3}}, {"name": "OUTPUT1"}],
+        [{"name": "OUTPUT0", "parameters": {"classification": 3, "binary_data": True}}],
+    ],
+    ids=["no-outputs", "one-listed", "listed-one-asking", "classification", "classification-asking"],
+)
+def test_binary_data_output_reaches_only_unlisted_outputs(clients: Pair, outputs):
+    """`binary_data_output: true` makes every output binary when the request lists none; a listed output is JSON
+    unless it asks for binary data itself (a classification output too). Naiad applied it to listed outputs before."""
+    body = {
+        "inputs": [
+            {"name": name, "datatype": "INT8", "shape": [1, 16], "data": list(range(16))}
+            for name in ("INPUT0", "INPUT1")
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+    if outputs is not None:
+        body["outputs"] = outputs
+    t, n = (http(ep, "POST", "/v2/models/simple_int8/infer", body) for ep in clients.both())
+    assert t.status == 200, f"Triton changed: {t.describe()}"
+    assert (n.status, n.body) == (t.status, t.body)
+    assert n.headers.get("Inference-Header-Content-Length") == t.headers.get(
+        "Inference-Header-Content-Length"
+    )
+
+
 def test_explicit_int8_content_example(clients: Pair):
     t, n = (grpc_call(ep, "ModelInfer", _explicit_int8_request("")) for ep in clients.both())
     _same_grpc("explicit_int8", t, n)

@@ -210,7 +210,9 @@ def encode_infer_response(
             if shm is None:
                 raise InvalidArgument("shared memory is not enabled on this server")
             shm.write_output(out, oparams)  # Triton's entry then has no `parameters` (nor `data`)
-        elif req.binary if req is not None and req.binary is not None else default_binary:
+        # binary_data_output reaches only the outputs of a request that lists none: as Triton does, a listed output
+        # is JSON unless it asks for binary data itself
+        elif default_binary if req is None else req.binary:
             data = tensors.to_bytes(out.data, out.datatype)
             entry["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)

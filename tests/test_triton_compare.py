@@ -1856,6 +1856,51 @@ def test_binary_data_output_reaches_only_unlisted_outputs(clients: Pair, outputs
     )
 
 
+def _repository_request(rpc: str, model: str, **params):
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = getattr(pb, f"{rpc}Request")(model_name=model)
+    for key, (kind, value) in params.items():
+        setattr(req.parameters[key], kind, value)
+    return req
+
+
+REPOSITORY_GRPC_ERRORS = {
+    "load_config_as_int": lambda: _repository_request(
+        "RepositoryModelLoad", "simple_int8", config=("int64_param", 3)
+    ),
+    "load_file_as_text": lambda: _repository_request(
+        "RepositoryModelLoad", "simple_int8", **{"file:1/model.py": ("string_param", "x")}
+    ),
+    "load_unknown_parameter": lambda: _repository_request(
+        "RepositoryModelLoad", "simple_int8", foo=("string_param", "x")
+    ),
+    "unload_dependents_as_text": lambda: _repository_request(
+        "RepositoryModelUnload", "nope", unload_dependents=("string_param", "x")
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REPOSITORY_GRPC_ERRORS))
+def test_repository_parameters_over_grpc_in_triton_s_words(clients: Pair, case):
+    """Load parameters of the wrong kind or unknown, unload_dependents not a bool: Triton's code and words, and
+    nothing loaded or unloaded (Naiad took them before: an unknown load parameter was ignored)."""
+    req = REPOSITORY_GRPC_ERRORS[case]()
+    rpc = "RepositoryModelLoad" if "Load" in type(req).__name__ else "RepositoryModelUnload"
+    t, n = (grpc_call(ep, rpc, req) for ep in clients.both())
+    assert t.code.name == "INVALID_ARGUMENT", f"Triton changed: {t.describe()}"
+    _same_grpc(case, t, n)
+
+
+def test_repository_index_of_a_named_repository_over_grpc(clients: Pair):
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.RepositoryIndexRequest(repository_name="models", ready=True)
+    t, n = (grpc_call(ep, "RepositoryIndex", req) for ep in clients.both())
+    assert t.code.name == "UNIMPLEMENTED", f"Triton changed: {t.describe()}"
+    _same_grpc("index_named_repository", t, n)
+
+
 def test_explicit_int8_content_example(clients: Pair):
     t, n = (grpc_call(ep, "ModelInfer", _explicit_int8_request("")) for ep in clients.both())
     _same_grpc("explicit_int8", t, n)

@@ -251,6 +251,38 @@ def _typed_array(contents, field: str, values, datatype: str, count: int) -> np.
     return np.asarray(values, dtype=tensors.numpy_dtype(datatype))
 
 
+def load_parameters(parameters) -> tuple[str | None, dict[str, bytes]]:
+    """A RepositoryModelLoad's parameters as Triton checks them: `config` a string, `file:<path>` bytes, nothing
+    else; (config or None, files)."""
+    config = None
+    files: dict[str, bytes] = {}
+    for key, p in parameters.items():
+        kind = p.WhichOneof("parameter_choice")
+        if key == "config":
+            if kind != "string_param":
+                raise InvalidArgument(
+                    "invalid value type for load parameter 'config', expected string_param."
+                )
+            config = p.string_param or None
+        elif key.startswith("file:"):
+            if kind != "bytes_param":
+                raise InvalidArgument(f"invalid value type for load parameter '{key}', expected bytes_param.")
+            files[key[len("file:") :]] = p.bytes_param
+        else:
+            raise InvalidArgument(f"unrecognized load parameter '{key}'.")
+    return config, files
+
+
+def unload_dependents(parameters) -> bool:
+    """A RepositoryModelUnload's `unload_dependents`, a bool as Triton checks it."""
+    if "unload_dependents" not in parameters:
+        return False
+    p = parameters["unload_dependents"]
+    if p.WhichOneof("parameter_choice") != "bool_param":
+        raise InvalidArgument("invalid value type for 'unload_dependents' parameter, expected bool_param.")
+    return p.bool_param
+
+
 def _set_param(p, value) -> None:
     if isinstance(value, bool):
         p.bool_param = value

@@ -11,12 +11,12 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ..errors import NaiadError, as_naiad_error
+from ..errors import NaiadError, Unsupported, as_naiad_error
 from ..orchestration.on_demand import LOAD_WAIT_PARAMETER
 from ..server import Server
 from . import grpc_wire
 from . import shm as shm_handlers
-from .grpc_codec import decode_request, encode_response, param_value
+from .grpc_codec import decode_request, encode_response, load_parameters, unload_dependents
 
 log = logging.getLogger("naiad.grpc")
 
@@ -91,6 +91,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def RepositoryIndex(self, request, context):
+        if request.repository_name:
+            return await self._fail(context, Unsupported("'repository_name' specification is not supported"))
         resp = pb.RepositoryIndexResponse()
         await self.server.repository.refresh()
         for e in self.server.repository.index(request.ready):
@@ -103,18 +105,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def RepositoryModelLoad(self, request, context):
-        params = {k: param_value(v) for k, v in request.parameters.items()}
-        files = {k[len("file:") :]: v for k, v in params.items() if k.startswith("file:")}
         try:
-            await self.server.load_model(request.model_name, params.get("config") or None, files or None)
+            config, files = load_parameters(request.parameters)
+            await self.server.load_model(request.model_name, config, files or None)
         except NaiadError as exc:
             return await self._fail(context, exc)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
-        params = {k: param_value(v) for k, v in request.parameters.items()}
         try:
-            await self.server.unload_model(request.model_name, bool(params.get("unload_dependents")))
+            await self.server.unload_model(request.model_name, unload_dependents(request.parameters))
         except NaiadError as exc:
             return await self._fail(context, exc)
         return pb.RepositoryModelUnloadResponse()

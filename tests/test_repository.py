@@ -62,6 +62,11 @@ def test_load_and_unload_parameters_that_are_not_an_object_are_refused(explicit)
         assert r.status_code == 400, r.text
         assert r.json() == {"error": "'parameters' must be a JSON object"}
     assert ("add_sub", "READY") in index(explicit)
+    r = requests.post(
+        f"{explicit.url}/v2/repository/models/identity_fp32/load", json={"parameters": {"foo": "x"}}
+    )
+    assert r.status_code == 400 and r.json() == {"error": "unrecognized load parameter 'foo'."}
+    assert ("identity_fp32", "READY") not in index(explicit)
     r = requests.post(f"{explicit.url}/v2/repository/index", json={"ready": "yes"})
     assert r.status_code == 400
     assert r.json() == {"error": "Unable to parse 'ready': attempt to access JSON non-boolean as boolean"}

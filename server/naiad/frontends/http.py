@@ -231,6 +231,11 @@ class HttpFrontend:
     async def load(self, request):
         doc = await self._body_json(request)
         params = parameters_of(doc)
+        for key in params:
+            if key != "config" and not key.startswith(
+                "file:"
+            ):  # (Triton: 500, "unexpected error on creating ...")
+                raise InvalidArgument(f"unrecognized load parameter '{key}'.")
         config = params.get("config")
         if config is not None and not isinstance(config, (str, dict)):
             raise InvalidArgument("the 'config' parameter must be a JSON string")

@@ -13,7 +13,6 @@ from ..version_string import parse_version
 from . import grpc_wire
 from .common import request_options
 
-# InferTensorContents field per datatype
 # the datatype Triton names for each typed field when it holds values for an input of another datatype
 _FIELD_TYPES = {
     "bool_contents": "BOOL",
@@ -25,6 +24,7 @@ _FIELD_TYPES = {
     "fp64_contents": "FP64",
     "bytes_contents": "BYTES",
 }
+# InferTensorContents field per datatype
 _CONTENTS = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",

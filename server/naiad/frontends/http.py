@@ -231,10 +231,8 @@ class HttpFrontend:
     async def load(self, request):
         doc = await self._body_json(request)
         params = parameters_of(doc)
-        for key in params:
-            if key != "config" and not key.startswith(
-                "file:"
-            ):  # (Triton: 500, "unexpected error on creating ...")
+        for key in params:  # (Triton's HTTP answers another key with 500; these are its gRPC words)
+            if key != "config" and not key.startswith("file:"):
                 raise InvalidArgument(f"unrecognized load parameter '{key}'.")
         config = params.get("config")
         if config is not None and not isinstance(config, (str, dict)):

@@ -165,12 +165,12 @@ def packed_field(data: bytes, number: int) -> memoryview | None:
             key, pos = _varint(view, pos, n)
             wire = key & 7
             if wire == 2:
-                length, pos = _varint(view, pos, n)
+                pos, end = _payload(view, pos, n)
                 if key >> 3 == number:
                     if found is not None:
                         return None
-                    found = view[pos : pos + length]
-                pos += length
+                    found = view[pos:end]
+                pos = end
             elif key >> 3 == number:
                 return None  # (an unpacked encoding)
             else:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -81,54 +84,62 @@ def _infer(client) -> None:
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), data)
 
 
+def _rss(server) -> int:
+    """The server's RSS, its frontend workers' included (`--frontend-workers`: they receive the bytes)."""
+    total = 0
+    for proc in [server.ps, *server.ps.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 class Watch:
-    """A normal tritonclient calling throughout (each call within its deadline) and the server's peak RSS."""
+    """A normal tritonclient calling throughout, each call within its deadline (tests/steady_client.py, a process
+    of its own), and the server's peak RSS."""
 
     def __init__(self, server):
         self.server = server
-        self.before = server.ps.memory_info().rss
+        self.before = _rss(server)
         self.peak = self.before
         self.calls, self.errors, self.slowest = 0, [], 0.0
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._sample, self._call)]
-        for t in self.threads:
-            t.start()
+        script = Path(__file__).with_name("steady_client.py")
+        self.client = subprocess.Popen(
+            [sys.executable, str(script), server.grpc, str(CLIENT_DEADLINE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.client.stdout.readline() == "calling\n"
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
 
     def _sample(self):
         while not self.stop.is_set():
             try:
-                self.peak = max(self.peak, self.server.ps.memory_info().rss)
+                self.peak = max(self.peak, _rss(self.server))
             except psutil.Error:
                 return  # the server is gone: finish() says so
             time.sleep(0.01)
-
-    def _call(self):
-        client = grpcclient.InferenceServerClient(self.server.grpc)
-        while not self.stop.is_set():
-            start = time.monotonic()
-            try:
-                _infer(client)
-                self.calls += 1
-            except Exception as exc:
-                self.errors.append(repr(exc)[:300])
-            self.slowest = max(self.slowest, time.monotonic() - start)
-            time.sleep(0.05)
-        client.close()
 
     def finish(self, label: str, peak_bound: int | None = None, after_bound: int = 0) -> None:
         """Wait (up to 5 s) for RSS to come back, then check every bound (`after_bound`: instead of AFTER_BOUND)."""
         after_bound = after_bound or AFTER_BOUND
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            after = self.server.ps.memory_info().rss
+            after = _rss(self.server)
             if after < self.before + after_bound:
                 break
             time.sleep(0.1)
         time.sleep(0.3)
         self.stop.set()
-        for t in self.threads:
-            t.join(10)
-        after = self.server.ps.memory_info().rss
+        self.sampler.join(10)
+        out, _ = self.client.communicate(timeout=CLIENT_DEADLINE + 10)  # stdin closed: it stops and reports
+        report = json.loads(out.splitlines()[-1])
+        self.calls, self.errors, self.slowest = report["calls"], report["errors"], report["slowest"]
+        after = _rss(self.server)
         mib = 1 << 20
         print(
             f"{label} [{self.server.implementation}]: RSS before/peak/after "
@@ -250,7 +261,7 @@ def test_streams_that_send_512_mib_and_fail_give_the_memory_back(server):
             conn.send(frame(RST_STREAM, 0, sid, struct.pack(">I", 8)))  # CANCEL
             conn.frames(timeout=0.5)
         time.sleep(0.2)
-        print(f"after stream {round_ + 1}: RSS {server.ps.memory_info().rss >> 20} MiB")
+        print(f"after stream {round_ + 1}: RSS {_rss(server) >> 20} MiB")
     watch.finish("3 failed 512 MiB streams", peak_bound=(BOMB_MIB + 300) << 20)  # one message at a time
 
 

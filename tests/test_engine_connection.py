@@ -121,3 +121,14 @@ async def test_the_replies_a_read_made_are_written_before_the_loop_turns():
             ids.append(wire.decoder.decode(body[off + 4 : off + 4 + n]).id)
             off += 4 + n
         assert ids == [5, 6, 7]
+        # and no write left queued for the next turn: one sent outside a read is, and goes out then
+        scheduled = []
+        loop = conn.channel.loop
+        conn.channel.loop = type("Loop", (), {"call_soon": lambda self, f: scheduled.append(f)})()
+        conn.channel.data_received(wire.frame(_infer(8, "at_once")))
+        assert len(transport.writes) == 2 and not scheduled
+        conn.channel.send(wire.Free(["a-slab"]))
+        assert len(transport.writes) == 2 and len(scheduled) == 1
+        scheduled[0]()
+        assert len(transport.writes) == 3
+        conn.channel.loop = loop

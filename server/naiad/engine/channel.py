@@ -22,6 +22,7 @@ class Channel(asyncio.Protocol):
         self.loop = asyncio.get_event_loop()
         self._rbuf = bytearray()
         self._wbuf: list[bytes] = []
+        self._reading = False
         self.closed = False
 
     def connection_made(self, transport) -> None:
@@ -38,27 +39,31 @@ class Channel(asyncio.Protocol):
         off, end = 0, len(buf)
         decode = wire.decoder.decode
         length = wire.LENGTH.unpack_from
-        with memoryview(buf) as view:
-            while end - off >= 4:
-                (n,) = length(view, off)
-                if end - off - 4 < n:
-                    break
-                msg = decode(view[off + 4 : off + 4 + n])
-                off += 4 + n
-                try:
-                    self.on_message(msg)
-                except Exception:
-                    log.exception("handling a %s message failed", type(msg).__name__)
-        if off:
-            del buf[:off]
-        if self._wbuf:  # what those messages answered at once goes out now, not a loop turn later
-            self._flush()
+        self._reading = True  # what the messages answer is written at the end, not from a callback of its own
+        try:
+            with memoryview(buf) as view:
+                while end - off >= 4:
+                    (n,) = length(view, off)
+                    if end - off - 4 < n:
+                        break
+                    msg = decode(view[off + 4 : off + 4 + n])
+                    off += 4 + n
+                    try:
+                        self.on_message(msg)
+                    except Exception:
+                        log.exception("handling a %s message failed", type(msg).__name__)
+        finally:
+            self._reading = False
+            if off:
+                del buf[:off]
+            if self._wbuf:  # what those messages answered at once goes out now, not a loop turn later
+                self._flush()
 
     def send(self, msg: wire.Message) -> None:
-        """Queue a message; everything queued in this loop turn goes out in one write."""
+        """Queue a message; everything queued in this loop turn (or this read) goes out in one write."""
         if self.closed:
             return
-        if not self._wbuf:
+        if not self._wbuf and not self._reading:
             self.loop.call_soon(self._flush)
         self._wbuf.append(wire.frame(msg))
 

@@ -72,8 +72,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per mode and round")
 
 
-def run(trees_arg: str, rounds: int, modes: Sequence[str], repo: Path, tmp: Path, measure: Measure) -> None:
-    """Each round starts each tree's server once and measures every mode on it; then prints the medians."""
+def run(
+    trees_arg: str,
+    rounds: int,
+    modes: Sequence[str],
+    repo: Path,
+    tmp: Path,
+    measure: Measure,
+    setting: str = "1",
+) -> None:
+    """Each round starts each tree's server once (`setting`: its --frontend-workers value and any further
+    arguments, as frontend_workers.Server takes them) and measures every mode on it; then prints the medians."""
     trees = [t if t == "triton" else str(Path(t).resolve()) for t in trees_arg.split(",")]
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     width = max(len(m) for m in modes)
@@ -82,7 +91,7 @@ def run(trees_arg: str, rounds: int, modes: Sequence[str], repo: Path, tmp: Path
             if tree == "triton":
                 server: Server | Triton = Triton(repo, tmp / "triton.log")
             else:
-                server = Server(repo, "1", tmp / "server.log", Path(tree))
+                server = Server(repo, setting, tmp / "server.log", Path(tree))
             try:
                 for mode in modes:
                     cpu, wall = measure(server, mode)

@@ -11,6 +11,7 @@ import struct
 import grpc
 import hpack
 
+from . import hpack_blocks
 from .h2_connection import (
     DRAIN_PING,
     KEEPALIVE_PING,
@@ -371,7 +372,7 @@ class H2Reader(H2Connection, abc.ABC):
         table = self.decoder.header_table
         entries = table.dynamic_entries
         first, count, size = entries[0] if entries else None, len(entries), table.maxsize
-        headers = self.decoder.decode(block, raw=True)
+        headers = hpack_blocks.decode(self.decoder, block)
         head = RequestHead(headers)
         if (entries[0] if entries else None) is first and len(entries) == count and table.maxsize == size:
             if len(block) <= 1024 and sum(len(k) + len(v) for k, v in headers) <= 4096:

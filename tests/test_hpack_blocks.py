@@ -124,6 +124,14 @@ def test_malformed_blocks_raise_what_the_library_raises(block):
     assert issubclass(_same(*_pair(), block), hpack.HPACKError)  # type: ignore[arg-type]
 
 
+def test_index_0_is_refused_with_a_full_dynamic_table():
+    ours, theirs = _pair()
+    block = b"".join(_literal(b"x-%d" % i, b"v", 0x40) for i in range(70))
+    _same(ours, theirs, block)
+    assert len(ours.header_table.dynamic_entries) == 70
+    assert _same(ours, theirs, b"\x80") is hpack.InvalidTableIndex
+
+
 def test_a_header_list_over_the_limit_is_refused():
     block = b"".join(_literal(b"x-h%d" % i, b"v" * 40) for i in range(20))
     ours, theirs = _pair(limit=1000)

@@ -10,6 +10,8 @@ block that opens with a dynamic table size update goes to the library whole."""
 
 from __future__ import annotations
 
+from itertools import chain
+
 import hpack
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
@@ -30,7 +32,6 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
     dynamic = table.dynamic_entries
     limit = decoder.max_header_list_size
     headers: list[tuple[bytes, bytes]] = []
-    size = 0
     i, end = 0, len(block)
     try:
         while i < end:
@@ -40,13 +41,7 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
                 index = first & 0x7F
                 if index == 0x7F:
                     index, i = _integer(block, i, index)
-                if 0 < index <= _STATIC_LEN:
-                    header = _STATIC[index - 1]
-                elif index > _STATIC_LEN and index - _STATIC_LEN <= len(dynamic):
-                    header = dynamic[index - _STATIC_LEN - 1]
-                else:
-                    raise hpack.InvalidTableIndex(f"Invalid table index {index}")
-                name, value = header
+                name, value = _STATIC[index - 1] if 0 < index <= _STATIC_LEN else _entry(dynamic, index)
             else:
                 if first & 0x40:  # a literal the table keeps
                     prefix, keep = 0x3F, True
@@ -59,22 +54,30 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
                     index, i = _integer(block, i, index)
                 if index == 0:
                     name, i = _string(block, i)
-                elif index <= _STATIC_LEN:
-                    name = _STATIC[index - 1][0]
-                elif index - _STATIC_LEN <= len(dynamic):
-                    name = dynamic[index - _STATIC_LEN - 1][0]
                 else:
-                    raise hpack.InvalidTableIndex(f"Invalid table index {index}")
+                    name = (_STATIC[index - 1] if index <= _STATIC_LEN else _entry(dynamic, index))[0]
                 value, i = _string(block, i)
                 if keep:
                     table.add(name, value)
             headers.append((name, value))
-            size += len(name) + len(value) + 32
-            if size > limit:
-                raise hpack.OversizedHeaderListError(f"A header list larger than {limit} has been received")
     except IndexError as exc:  # the block ends inside a field
         raise hpack.HPACKDecodingError("Truncated header block") from exc
+    # (counted once at the end, as the library counts field by field: the list holds references to the
+    # tables' entries and the block's bytes, so it is no larger for being whole)
+    if sum(map(len, chain.from_iterable(headers))) + 32 * len(headers) > limit:
+        raise hpack.OversizedHeaderListError(f"A header list larger than {limit} has been received")
     return headers
+
+
+def _entry(dynamic, index: int) -> tuple[bytes, bytes]:
+    """The dynamic table's entry at HPACK index `index` (past the static table's; 0 is no index)."""
+    at = index - _STATIC_LEN - 1
+    if at >= 0:
+        try:
+            return dynamic[at]
+        except IndexError:
+            pass
+    raise hpack.InvalidTableIndex(f"Invalid table index {index}")
 
 
 def _integer(block: bytes, i: int, value: int) -> tuple[int, int]:

@@ -132,6 +132,17 @@ def test_index_0_is_refused_with_a_full_dynamic_table():
     assert _same(ours, theirs, b"\x80") is hpack.InvalidTableIndex
 
 
+def test_references_to_a_large_entry_stop_at_the_limit(monkeypatch):
+    """16k one-byte references to a 4 KB entry: refused after the field that crosses the limit, not at the end."""
+    ours, theirs = _pair(limit=16384)
+    _same(ours, theirs, _literal(b"x-a", b"", 0x40)[:-1] + b"\x7f\xa1\x1e" + b"v" * 4000)
+    read = []
+    monkeypatch.setattr(hpack_blocks, "_entry", lambda dynamic, index: read.append(index) or dynamic[0])
+    with pytest.raises(hpack.OversizedHeaderListError):
+        hpack_blocks.decode(ours, b"\xbe" * 16384)
+    assert len(read) == 5
+
+
 def test_a_header_list_over_the_limit_is_refused():
     block = b"".join(_literal(b"x-h%d" % i, b"v" * 40) for i in range(20))
     ours, theirs = _pair(limit=1000)

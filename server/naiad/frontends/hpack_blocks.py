@@ -10,8 +10,6 @@ block that opens with a dynamic table size update goes to the library whole."""
 
 from __future__ import annotations
 
-from itertools import chain
-
 import hpack
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
@@ -32,6 +30,7 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
     dynamic = table.dynamic_entries
     limit = decoder.max_header_list_size
     headers: list[tuple[bytes, bytes]] = []
+    size = 0
     i, end = 0, len(block)
     try:
         while i < end:
@@ -60,12 +59,13 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
                 if keep:
                     table.add(name, value)
             headers.append((name, value))
+            # field by field, as the library counts: a block of one-byte references to a 4 KB table entry
+            # stops at the limit, not after thousands of fields
+            size += len(name) + len(value) + 32
+            if size > limit:
+                raise hpack.OversizedHeaderListError(f"A header list larger than {limit} has been received")
     except IndexError as exc:  # the block ends inside a field
         raise hpack.HPACKDecodingError("Truncated header block") from exc
-    # (counted once at the end, as the library counts field by field: the list holds references to the
-    # tables' entries and the block's bytes, so it is no larger for being whole)
-    if sum(map(len, chain.from_iterable(headers))) + 32 * len(headers) > limit:
-        raise hpack.OversizedHeaderListError(f"A header list larger than {limit} has been received")
     return headers
 
 

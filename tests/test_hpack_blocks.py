@@ -157,3 +157,12 @@ def test_a_table_emptied_by_an_entry_larger_than_it():
         d.header_table_size = 100
     _same(ours, theirs, _literal(b"x-a", b"b", 0x40) + _literal(b"x-big", b"v" * 100, 0x40) + b"\x82")
     assert not ours.header_table.dynamic_entries
+
+
+def test_only_names_are_kept_decoded_across_connections():
+    """The process's cache of Huffman-decoded strings is every client's: header names only, never a value (a
+    bearer token decoded for one client stays out of it)."""
+    hpack_blocks._NAMES.clear()
+    block = _literal(b"authorization", b"Bearer s3cr3t-t0ken", 0x10, huffman=True)
+    assert hpack_blocks.decode(hpack.Decoder(), block) == [(b"authorization", b"Bearer s3cr3t-t0ken")]
+    assert list(hpack_blocks._NAMES.values()) == [b"authorization"]

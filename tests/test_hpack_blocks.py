@@ -159,10 +159,20 @@ def test_a_table_emptied_by_an_entry_larger_than_it():
     assert not ours.header_table.dynamic_entries
 
 
-def test_only_names_are_kept_decoded_across_connections():
-    """The process's cache of Huffman-decoded strings is every client's: header names only, never a value (a
-    bearer token decoded for one client stays out of it)."""
-    hpack_blocks._NAMES.clear()
-    block = _literal(b"authorization", b"Bearer s3cr3t-t0ken", 0x10, huffman=True)
-    assert hpack_blocks.decode(hpack.Decoder(), block) == [(b"authorization", b"Bearer s3cr3t-t0ken")]
-    assert list(hpack_blocks._NAMES.values()) == [b"authorization"]
+def test_only_names_and_well_known_values_are_kept_decoded_across_connections():
+    """The process's cache of Huffman-decoded strings is every client's: header names, and the values of a few
+    well-known headers unless sent as never indexed; never another value (a bearer token decoded for one client
+    stays out of it)."""
+    hpack_blocks._DECODED.clear()
+    block = (
+        _literal(b"authorization", b"Bearer s3cr3t-t0ken", 0x00, huffman=True)
+        + _literal(b"user-agent", b"grpc-go/1.70", 0x40, huffman=True)
+        + _literal(b"content-type", b"application/grpc+secret", 0x10, huffman=True)
+    )
+    assert hpack_blocks.decode(hpack.Decoder(), block) == [
+        (b"authorization", b"Bearer s3cr3t-t0ken"),
+        (b"user-agent", b"grpc-go/1.70"),
+        (b"content-type", b"application/grpc+secret"),
+    ]
+    kept = set(hpack_blocks._DECODED.values())
+    assert kept == {b"authorization", b"user-agent", b"content-type", b"grpc-go/1.70"}

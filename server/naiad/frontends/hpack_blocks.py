@@ -18,11 +18,15 @@ from hpack.table import HeaderTable
 _STATIC = HeaderTable.STATIC_TABLE
 _STATIC_LEN = len(_STATIC)
 _VARINT_MAX = 5  # continuation octets of an integer, as the library allows (a uint32's worth)
-# Huffman-coded header names seen lately, decoded (names only: a value may be a credential, and one process's
-# cache is every client's)
-_NAMES: dict[bytes, bytes] = {}
-_NAMES_MAX = 1024  # entries kept, each at most _NAME_LONGEST bytes coded
-_NAME_LONGEST = 64
+# Huffman-coded strings seen lately, decoded: header names, and the values of the headers below (one process's
+# cache is every client's, and any other value may be a credential); each at most _CACHED_LONGEST bytes coded
+_DECODED: dict[bytes, bytes] = {}
+_DECODED_MAX = 1024
+_CACHED_LONGEST = 64
+_SHARED_VALUES = frozenset(
+    (b":path", b":authority", b":method", b":scheme", b"content-type", b"te", b"user-agent")
+    + (b"grpc-accept-encoding", b"grpc-encoding", b"accept-encoding")
+)
 
 
 def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
@@ -49,16 +53,17 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
                     prefix, keep = 0x3F, True
                 elif first & 0x20:
                     raise hpack.HPACKDecodingError("Table size update not at the start of the block")
-                else:  # a literal without indexing, or never indexed
+                else:  # a literal without indexing, or never indexed (0x10: sensitive)
                     prefix, keep = 0x0F, False
                 index = first & prefix
                 if index == prefix:
                     index, i = _integer(block, i, index)
                 if index == 0:
-                    name, i = _string(block, i, _NAMES)
+                    name, i = _string(block, i, _DECODED)
                 else:
                     name = (_STATIC[index - 1] if index <= _STATIC_LEN else _entry(dynamic, index))[0]
-                value, i = _string(block, i, None)
+                shared = name in _SHARED_VALUES and not first & 0x10
+                value, i = _string(block, i, _DECODED if shared else None)
                 if keep:
                     table.add(name, value)
             headers.append((name, value))
@@ -115,8 +120,8 @@ def _string(block: bytes, i: int, decoded: dict[bytes, bytes] | None) -> tuple[b
             text = decoded.get(coded)  # type: ignore[assignment]
             if text is None:
                 text = decode_huffman(coded)
-                if length <= _NAME_LONGEST:
-                    if len(decoded) >= _NAMES_MAX:
+                if length <= _CACHED_LONGEST:
+                    if len(decoded) >= _DECODED_MAX:
                         decoded.clear()
                     decoded[coded] = text
     return text, i + length

@@ -47,6 +47,7 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
                 index = first & 0x7F
                 if index == 0x7F:
                     index, i = _integer(block, i, index)
+                # (the static table inline: most indexed fields are in it, and a call costs more than the test)
                 name, value = _STATIC[index - 1] if 0 < index <= _STATIC_LEN else _entry(dynamic, index)
             else:
                 if first & 0x40:  # a literal the table keeps
@@ -61,7 +62,7 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
                 if index == 0:
                     name, i = _string(block, i, _DECODED)
                 else:
-                    name = (_STATIC[index - 1] if index <= _STATIC_LEN else _entry(dynamic, index))[0]
+                    name = _entry(dynamic, index)[0]
                 shared = name in _SHARED_VALUES and not first & 0x10
                 value, i = _string(block, i, _DECODED if shared else None)
                 if keep:
@@ -78,7 +79,9 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
 
 
 def _entry(dynamic, index: int) -> tuple[bytes, bytes]:
-    """The dynamic table's entry at HPACK index `index` (past the static table's; 0 is no index)."""
+    """The table entry at HPACK index `index`: the static table's, then the dynamic one's (0 is no index)."""
+    if 0 < index <= _STATIC_LEN:
+        return _STATIC[index - 1]
     at = index - _STATIC_LEN - 1
     if at >= 0:
         try:

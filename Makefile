@@ -85,7 +85,7 @@ server-deps-background:
 WORKER_TESTS := tests/test_triton_compare.py tests/test_http.py tests/test_grpc.py tests/test_sequence.py \
   tests/test_decoupled.py tests/test_on_demand.py tests/test_generate_extension.py tests/test_openai.py \
   tests/test_client_parity.py tests/test_stats.py tests/test_large_tensors.py tests/test_compression_attacks.py \
-  tests/test_openai_structured_output.py
+  tests/test_openai_structured_output.py tests/test_llm_hostile.py
 worker-tests:
 	@NAIAD_TEST_RUN=server-workers NAIAD_TEST_EXTRA_ARGS="--frontend-workers 2" \
 	  $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) $(WORKER_TESTS)

@@ -296,7 +296,8 @@ def test_metrics_count_the_tokens_sent(naiad):
     assert metric(naiad, "vllm:prompt_tokens_total", model_name=SHORT) - before_prompt == prompt_tokens
     assert metric(naiad, "vllm:generation_tokens_total", model_name=SHORT) - before_gen == gen_tokens
     assert metric(naiad, "vllm:time_to_first_token_seconds_count", model_name=SHORT) - before_ttft == 3
-    assert 0 < metric(naiad, "vllm:kv_cache_usage_perc", model_name=SHORT) <= 1
+    # nothing runs now: the finished sequences' cells, kept for prefix reuse, count as free (as vLLM counts them)
+    assert metric(naiad, "vllm:kv_cache_usage_perc", model_name=SHORT) == 0
 
 
 def test_embeddings(naiad):
@@ -367,7 +368,7 @@ def test_a_failed_engine_refuses_new_requests_instead_of_queueing_them(tmp_path)
     from naiad.errors import Unavailable
 
     engine = LlamaEngine(
-        write_tiny_gguf(tmp_path / "m.gguf"), EngineSettings(n_ctx=128, n_parallel=1, n_threads=1)
+        write_tiny_gguf(tmp_path / "m.gguf"), EngineSettings(n_ctx=4096, n_parallel=1, n_threads=1)
     )
     failed = queue.Queue()
 
@@ -393,7 +394,7 @@ def test_tokenize_remembers_recent_prompts_boundedly(tmp_path, monkeypatch):
     from naiad.backends.llamacpp.params import EngineSettings
 
     engine = LlamaEngine(
-        write_tiny_gguf(tmp_path / "m.gguf"), EngineSettings(n_ctx=128, n_parallel=1, n_threads=1)
+        write_tiny_gguf(tmp_path / "m.gguf"), EngineSettings(n_ctx=4096, n_parallel=1, n_threads=1)
     )
     try:
         calls = []

@@ -7,15 +7,17 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
+import time
 
 from . import __version__, memory
 from .engine.cpus import frontend_workers
 from .errors import NaiadError
 from .flags import parse_bool as _bool
 from .gpu import device_count
+from .llm import tokenizing
 from .server import Server, ServerOptions
+from .stop_signals import StopSignals
 
 log = logging.getLogger("naiad")
 
@@ -297,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds a streaming client may leave its stream unread before it is dropped and its request cancelled",
     )
+    s.add_argument(
+        "--llm-tokenize-timeout-secs",
+        type=float,
+        default=10.0,
+        help="the longest an LLM request's prompt may take to tokenize (or its chat template to render) before it is "
+        "answered with a 400 and the work abandoned; large prompts are tokenized off the event loop",
+    )
     from .frontends import tls
 
     for endpoint in tls.ENDPOINTS:
@@ -479,6 +488,7 @@ async def serve(args: argparse.Namespace) -> int:
         if args.drain_quiet_secs < 0:
             raise ValueError("--drain-quiet-secs must not be negative")
         options = _options(args, auto_complete)
+        tokenizing.configure(args.llm_tokenize_timeout_secs)
         memory.configure(
             args.pinned_memory_pool_byte_size,
             memory.parse_cuda_pool(args.cuda_memory_pool_byte_size, options.gpu_count),
@@ -488,15 +498,15 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("invalid arguments: %s", exc)
         return 2
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, app.server.log_settings.reopen)
+    signals = StopSignals(
+        asyncio.get_running_loop(), stop.set, args.exit_timeout_secs, app.server.log_settings.reopen
+    ).install()
     try:
         await app.start()
     except (NaiadError, OSError, ValueError) as exc:
         log.error("failed to start: %s", exc)
         await app.stop(0)
+        signals.close()
         return 1
     for device, error in memory.apply_cuda_pools(memory.pools.cuda_bytes).items():
         log.warning("CUDA memory pool of GPU %d not sized: %s", device, error)
@@ -505,7 +515,11 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("%s", app.endpoints_banner())
     await stop.wait()
     log.info("shutting down: draining in-flight requests (up to %ss)", args.exit_timeout_secs)
-    await app.stop(args.exit_timeout_secs)
+    # the drain's budget is what the signal left of the exit timeout (StopSignals ends the process at its end)
+    since = signals.stopping_since
+    left = args.exit_timeout_secs - (time.monotonic() - since if since is not None else 0.0)
+    await app.stop(max(0.0, left))
+    signals.close()
     return 0
 
 

@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest
 from ..llm import info as llm_info
-from ..llm import vllm_request
+from ..llm import limits, vllm_request
 from ..llm.metrics import EngineMetrics
 from .api import InstanceState, ResponseSender
 from .engine_backend import EngineBackend
@@ -140,6 +140,9 @@ class Engine:
         self.kv_cache = KVCacheSampler(self.manager, self.metrics, self.loop)
         self.kv_cache.start()
         tok = self.tokenizer
+        self.prompt_byte_limit = limits.tokenizer_byte_limit(
+            tok, self.context_length, limits.max_prompt_bytes_parameter(params)
+        )
         llm_info.publish(
             model.ctx,
             llm_info.LLMInfo(
@@ -147,6 +150,7 @@ class Engine:
                 bos_token=tok.bos_token or "",
                 eos_token=tok.eos_token or "",
                 context_length=self.context_length,
+                prompt_byte_limit=self.prompt_byte_limit,
                 tokenize=lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
                 check_structured_outputs=self.grammars.compile,
                 extra={"engine": "transformers", "structured_outputs": True},
@@ -178,6 +182,7 @@ class Engine:
         asyncio.run_coroutine_threadsafe(work, self.loop)
 
     def _encode(self, text: str) -> list[int]:
+        limits.check_prompt(text, self.prompt_byte_limit, self.context_length)  # before the tokenizer sees it
         return list(self.tokenizer(text)["input_ids"])
 
     async def _embed(self, req: vllm_request.VllmRequest, sender: ResponseSender) -> None:

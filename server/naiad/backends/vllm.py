@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest
 from ..llm import info as llm_info
-from ..llm import vllm_request
+from ..llm import limits, vllm_request
 from ..llm.metrics import EngineMetrics
 from .api import InstanceState, ResponseSender
 from .engine_backend import EngineBackend
@@ -144,6 +144,8 @@ class Engine:
         self.metrics = EngineMetrics(
             model.ctx.server, model.name, int(arguments.get("max_model_len") or 65536)
         )
+        self.max_prompt_bytes = limits.max_prompt_bytes_parameter(model.parameters)
+        self.prompt_byte_limit: int | None = None
         self._ids = itertools.count()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"vllm-{model.name}", daemon=True)
@@ -170,6 +172,9 @@ class Engine:
         self.context_length = int(vllm_config.model_config.max_model_len)
         tokenizer = await _maybe_await(self.engine.get_tokenizer())
         self.tokenizer = tokenizer
+        self.prompt_byte_limit = limits.tokenizer_byte_limit(
+            tokenizer, self.context_length, self.max_prompt_bytes
+        )
         llm_info.publish(
             ctx,
             llm_info.LLMInfo(
@@ -177,6 +182,7 @@ class Engine:
                 bos_token=getattr(tokenizer, "bos_token", None) or "",
                 eos_token=getattr(tokenizer, "eos_token", None) or "",
                 context_length=self.context_length,
+                prompt_byte_limit=self.prompt_byte_limit,
                 tokenize=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
             ),
         )
@@ -196,6 +202,8 @@ class Engine:
         try:
             req = vllm_request.parse(request)
             task = "embed" if req.embedding is not None else "generate"
+            if task == "generate":  # refused before vLLM's tokenizer sees it (llm/limits.py)
+                limits.check_prompt(req.prompt, self.prompt_byte_limit, self.context_length)
             if task not in self.tasks:
                 raise InvalidArgument(f"Model {self.name} does not support '{task}' request")
         except NaiadError as exc:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..llm import info as llm_info
+from ..llm import tokenizing
 
 _LOAD_KEY = "engine_load"
 _loads = itertools.count(1)
@@ -38,6 +39,7 @@ def describe(mv: Any) -> dict:
             "bos_token": published.bos_token,
             "eos_token": published.eos_token,
             "context_length": published.context_length,
+            "prompt_byte_limit": published.prompt_byte_limit,
             "extra": dict(published.extra),
             "tokenize": published.tokenize is not None,
             "check_structured_outputs": published.check_structured_outputs is not None,
@@ -54,13 +56,14 @@ async def check_structured_outputs(mv: Any, spec: Any) -> None:
 
 
 async def tokenize(mv: Any, text: str) -> list[int]:
-    """(engine) `text` as token ids by the model's published tokenizer."""
+    """(engine) `text` as token ids by the model's published tokenizer (bounded, off the loop when large: the
+    engine's loop serves every worker)."""
     published = llm_info.of(mv.ctx)
     if published is None or published.tokenize is None:
         from ..errors import InvalidArgument
 
         raise InvalidArgument(f"model '{mv.name}' publishes no tokenizer")
-    return [int(t) for t in await llm_info.tokenize(published, text)]
+    return [int(t) for t in await tokenizing.tokenize(published, text)]
 
 
 @dataclass
@@ -93,6 +96,7 @@ def remote_context(
                 bos_token=llm["bos_token"],
                 eos_token=llm["eos_token"],
                 context_length=llm["context_length"],
+                prompt_byte_limit=llm.get("prompt_byte_limit"),
                 tokenize=tokenize if llm["tokenize"] else None,
                 check_structured_outputs=check if llm.get("check_structured_outputs") else None,
                 extra=llm["extra"],

@@ -156,9 +156,11 @@ def frame(msg: Message) -> bytes:
 
 
 def error_of(exc: BaseException) -> tuple[str, str, float | None]:
-    """An `Error` message's kind, message and retry_after for an exception."""
+    """An `Error` message's kind, message and retry_after for an exception: the kind is the nearest class of
+    `errors` (a subclass defined elsewhere, limits.PromptTooLong say, crosses as the class it refines)."""
     err = errors.as_naiad_error(exc)
-    return type(err).__name__, err.message, err.retry_after
+    kind = next(c for c in type(err).__mro__ if getattr(errors, c.__name__, None) is c)
+    return kind.__name__, err.message, err.retry_after
 
 
 def raise_error(kind: str, message: str, retry_after: float | None = None) -> errors.NaiadError:
@@ -362,9 +364,7 @@ def encode_response(resp: InferenceResponse, pool: SlabPool, peer: np.ndarray | 
     err = None
     if resp.error is not None:  # as the frontends report a response's error: a NaiadError as it is
         e = resp.error
-        err = (
-            (type(e).__name__, e.message) if isinstance(e, errors.NaiadError) else ("InvalidArgument", str(e))
-        )
+        err = error_of(e)[:2] if isinstance(e, errors.NaiadError) else ("InvalidArgument", str(e))
     return Response(
         resp.model_name, resp.model_version, resp.id, outputs, resp.parameters, resp.final, err, slab
     )

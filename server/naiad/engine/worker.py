@@ -37,11 +37,14 @@ async def run(path: str, args) -> int:
     shm = client.shm = RemoteSharedMemory(client.control, enabled=args.allow_client_shm)
     # large request bodies land in shared memory the engine maps: their tensors reach it without a copy
     POOL.share(client.pool)
+    from ..llm import tokenizing
+    from ..stop_signals import StopSignals
+
+    tokenizing.configure(args.llm_tokenize_timeout_secs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: None)  # the engine reopens the log file; a worker has none
+    # SIGHUP: the engine reopens the log file; a worker has none
+    StopSignals(loop, stop.set, args.exit_timeout_secs, name="naiad-worker").install()
     busy_poll = None
     if args.busy_poll_us:
         from ..frontends.busy_poll import BusyPoll

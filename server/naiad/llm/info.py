@@ -8,7 +8,6 @@ folder or from `--chat-template`.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,9 @@ class LLMInfo:
     bos_token: str = ""
     eos_token: str = ""
     context_length: int | None = None  # tokens; prompts plus max_tokens beyond it are refused
+    # the most UTF-8 bytes a prompt can have and still fit the context under any tokenization (limits.py): a larger
+    # one is refused untokenized; None: no bound known
+    prompt_byte_limit: int | None = None
     # text -> token ids, for counting and validation without a round trip through the engine (None: unknown); in a
     # frontend worker an awaitable of them, asked of the engine process
     tokenize: Callable[[str], list[int] | Awaitable[list[int]]] | None = None
@@ -39,10 +41,3 @@ def publish(ctx: Any, info: LLMInfo) -> None:
 def of(ctx: Any) -> LLMInfo | None:
     """The LLMInfo a backend published for this model version, or None."""
     return ctx.extra.get(_KEY)
-
-
-async def tokenize(info: LLMInfo, text: str) -> list[int]:
-    """`info.tokenize(text)`, awaited where the tokenizer lives in another process."""
-    assert info.tokenize is not None
-    out = info.tokenize(text)
-    return await out if inspect.isawaitable(out) else out

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..inference import InferenceRequest
+from . import limits
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -128,4 +129,4 @@ def stop_strings(sampling: dict[str, Any]) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise InvalidArgument("sampling parameter 'stop' must be a string or a list of strings")
-    return [s for s in stop if s]
+    return limits.check_stop([s for s in stop if s])

@@ -91,6 +91,7 @@ class LlamaCppBackend(Backend):
                     bos_token=engine.special_text("bos"),
                     eos_token=engine.special_text("eos"),
                     context_length=settings.n_ctx,
+                    prompt_byte_limit=engine.prompt_byte_limit,
                     tokenize=engine.tokenize,
                     check_structured_outputs=lambda spec: engine.check_grammar(
                         structured_grammar(spec) or ""
@@ -147,7 +148,7 @@ class LlamaCppBackend(Backend):
         }
         if (flags["return_logprobs"] or flags["return_cumulative_logprob"]) and sampling.logprobs is None:
             sampling.logprobs = 0
-        tokens = engine.tokenize(prompt)
+        tokens = engine.tokenize(prompt)  # PromptTooLong, untokenized, past the byte bound
         state = {"text": [], "tokens": 0, "logprobs": [], "cumulative": 0.0}
 
         def outputs(text: str, n_tokens: int, finish: str | None, logprobs: list | None) -> dict:

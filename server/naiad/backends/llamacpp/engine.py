@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import InvalidArgument, Unavailable
+from ...llm import limits
 from ...llm.metrics import EngineMetrics, RequestMetrics
 from .params import EngineSettings, SamplingParams
 from .rpc import rpc_devices
@@ -154,6 +155,16 @@ class LlamaEngine:
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self.model)
         self.n_ctx = settings.n_ctx
+        # a prompt of more bytes than this cannot fit n_ctx tokens, however it is tokenized: refused untokenized
+        # (llama.cpp's tokenizer is superlinear on some input: minutes for 500 KB). SPM and BPE vocabularies split
+        # the text as it is; the others normalize it first (WordPiece strips accents, Unigram maps characters)
+        self.prompt_byte_limit = limits.prompt_byte_limit(
+            self.n_ctx,
+            self._max_piece_bytes(),
+            settings.max_prompt_bytes or None,
+            normalizing=lc.llama_vocab_type(self.vocab)
+            not in (lc.LLAMA_VOCAB_TYPE_SPM, lc.LLAMA_VOCAB_TYPE_BPE),
+        )
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = settings.n_ctx * settings.n_parallel
         cparams.n_batch = settings.n_batch
@@ -199,7 +210,19 @@ class LlamaEngine:
         self._thread.start()
 
     # ---- the model's text side ----
+    def _max_piece_bytes(self) -> int:
+        """The longest text of any token, control tokens' included (a prompt may spell them)."""
+        buf = ctypes.create_string_buffer(256)
+        longest = 0
+        to_piece = self._lc.llama_token_to_piece
+        for token in range(self.n_vocab):
+            n = to_piece(self.vocab, token, buf, 256, 0, True)
+            longest = max(longest, abs(n))  # negative: the size a larger buffer would need
+        return longest
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """`text`'s token ids; PromptTooLong (untokenized) past `prompt_byte_limit`."""
+        limits.check_prompt(text, self.prompt_byte_limit, self.n_ctx)
         key = (text, add_special, parse_special)
         with self._recent_lock:
             known = self._recent.get(key)
@@ -411,6 +434,7 @@ class LlamaEngine:
                 n += 1
             budget -= len(take)
         if n == 0:
+            self._report_kv_usage()  # (cancelled requests were released: the gauge falls with them)
             return
         batch.n_tokens = n
         rc = lc.llama_decode(self.ctx, batch)
@@ -419,9 +443,15 @@ class LlamaEngine:
         for slot in self.slots:
             if slot.request is not None and slot.batch_index >= 0:
                 self._sample(slot)
-        self.metrics.set_kv_cache_usage(
-            sum(len(s.tokens) for s in self.slots) / (self.n_ctx * len(self.slots))
-        )
+        self._report_kv_usage()
+
+    def _report_kv_usage(self) -> None:
+        """vllm:kv_cache_usage_perc as vLLM counts it: the cells running sequences hold. A free slot's cells, kept
+        for prefix reuse, count as free (vLLM's cached blocks that no request holds are free blocks too): the next
+        request that needs them takes them. Each slot owns n_ctx cells (kv_unified off), so this is exact for what
+        the engine holds; what llama.cpp does not say (cells padded to its own granularity) is not counted."""
+        used = sum(len(s.tokens) for s in self.slots if s.request is not None)
+        self.metrics.set_kv_cache_usage(used / (self.n_ctx * len(self.slots)))
 
     @staticmethod
     def _put(batch, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
@@ -582,9 +612,12 @@ class LlamaEngine:
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float64)
         logits -= logits.max()
         lp = logits - np.log(np.exp(logits).sum())
-        order = np.argsort(-lp)
+        best: list[int] = []
+        if top > 0:  # the top few by a partition and a sort of those, not a sort of the whole vocabulary
+            part = np.argpartition(-lp, top - 1)[:top]
+            best = [int(t) for t in part[np.argsort(-lp[part], kind="stable")]]
         entry = {}
-        for t in [token, *[int(t) for t in order[:top] if int(t) != token]]:
+        for t in [token, *[t for t in best if t != token]]:
             entry[str(t)] = {
                 "logprob": float(lp[t]),
                 "rank": int(np.count_nonzero(lp > lp[t]) + 1),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import InvalidArgument
+from ...llm.limits import check_stop
 from .grammar import structured_grammar
 from .rpc import RPC_SERVERS_ENV, parse_rpc_servers
 
@@ -24,6 +25,11 @@ MODEL_PARAMETERS = {
         "$NAIAD_LLAMACPP_RPC_SERVERS, else none",
     ),
     "rpc_wait_seconds": (120, "how long a load waits for the RPC servers to answer (workers still starting)"),
+    "max_prompt_bytes": (
+        0,
+        "prompts of more UTF-8 bytes are refused untokenized (0: n_ctx times the vocabulary's longest token, the "
+        "most any tokenization of n_ctx tokens can hold; a smaller value lowers that bound)",
+    ),
 }
 
 
@@ -36,6 +42,7 @@ class EngineSettings:
     embeddings: bool = True
     rpc_servers: list[str] = field(default_factory=list)
     rpc_wait_seconds: int = 120
+    max_prompt_bytes: int = 0  # 0: the bound the vocabulary gives (llm/limits.py)
 
 
 def engine_settings(parameters: dict[str, str], instance_count: int = 1) -> EngineSettings:
@@ -57,7 +64,7 @@ def engine_settings(parameters: dict[str, str], instance_count: int = 1) -> Engi
             value = int(raw)
         except ValueError:
             raise InvalidArgument(f"parameter '{key}' must be an integer, got {raw!r}") from None
-        if value < (0 if key in ("n_threads", "rpc_wait_seconds") else 1):
+        if value < (0 if key in ("n_threads", "rpc_wait_seconds", "max_prompt_bytes") else 1):
             raise InvalidArgument(f"parameter '{key}' must be positive, got {value}")
         setattr(out, key, value)
     if out.n_threads == 0:
@@ -137,7 +144,7 @@ def sampling_params(text: str | bytes | None) -> SamplingParams:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise InvalidArgument("sampling parameter 'stop' must be a string or a list of strings")
-        out.stop = [s for s in stop if s]
+        out.stop = check_stop([s for s in stop if s])
     out.grammar = structured_grammar(params.get("structured_outputs"))
     if out.grammar is not None and (out.ignore_eos or out.min_tokens > 0):
         # the grammar ends the output by allowing only end-of-generation tokens, which these would ban

@@ -10,6 +10,43 @@ from __future__ import annotations
 import codecs
 
 
+class _Stop:
+    """One stop string and how much of it the text's end matches now (Knuth-Morris-Pratt): each new character
+    costs O(1) amortized, whatever the string's length, so a long stop string cannot slow every token down."""
+
+    __slots__ = ("fail", "matched", "text")
+
+    def __init__(self, text: str):
+        self.text = text
+        self.matched = 0  # the longest end of the text so far that is a beginning of `text`
+        fail = [0] * len(text)  # fail[i]: the longest proper border of text[: i + 1]
+        k = 0
+        for i in range(1, len(text)):
+            while k and text[i] != text[k]:
+                k = fail[k - 1]
+            if text[i] == text[k]:
+                k += 1
+            fail[i] = k
+        self.fail = fail
+
+    def feed(self, new: str) -> int:
+        """Match `new` on; the offset in `new` just past the first full match of the stop string, or -1."""
+        text, k = self.text, self.matched
+        if k == 0 and text[0] not in new:
+            return -1  # (the common case: no character of `new` can start a match)
+        fail = self.fail
+        for i, c in enumerate(new):
+            while k and c != text[k]:
+                k = fail[k - 1]
+            if c == text[k]:
+                k += 1
+                if k == len(text):
+                    self.matched = k
+                    return i + 1
+        self.matched = k
+        return -1
+
+
 class TextStream:
     """Accumulates token bytes; `push()` returns the text that became final, `finish()` the rest."""
 
@@ -17,7 +54,7 @@ class TextStream:
 
     def __init__(self, stops: list[str]):
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._stops = [s for s in stops if s]
+        self._stops = [_Stop(s) for s in stops if s]
         self._held = ""  # decoded, not yet emitted: it may be the start of a stop string
         self.text = ""  # everything emitted so far
         self.stopped = False  # a stop string was found: the text ends before it
@@ -26,29 +63,28 @@ class TextStream:
         """Add a token's bytes; the newly final text (possibly empty)."""
         if self.stopped:
             return ""
-        self._held += self._decoder.decode(data)
+        new = self._decoder.decode(data)
         if not self._stops:
-            out, self._held = self._held, ""
-            self.text += out
-            return out
-        # a stop string may begin in the emitted text's tail only if it was held back, so searching _held suffices
+            self.text += new
+            return new
+        base = len(self._held)
+        self._held += new
+        # of the stop strings that end in the new text, the one that starts first wins
         cut = -1
         for stop in self._stops:
-            i = self._held.find(stop)
-            if i >= 0 and (cut < 0 or i < cut):
-                cut = i
+            end = stop.feed(new)
+            if end >= 0:
+                start = base + end - len(stop.text)
+                if cut < 0 or start < cut:
+                    cut = start
         if cut >= 0:
             out = self._held[:cut]
             self._held = ""
             self.stopped = True
             self.text += out
             return out
-        keep = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(self._held)), keep, -1):
-                if self._held.endswith(stop[:n]):
-                    keep = n
-                    break
+        # what may still begin a stop string is held back: the longest end of the text that begins one
+        keep = min(len(self._held), max(stop.matched for stop in self._stops))
         out = self._held[: len(self._held) - keep]
         self._held = self._held[len(self._held) - keep :]
         self.text += out

@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from ...errors import InvalidArgument
+from ...llm import limits
 from .errors import OpenAIError
 
 # vLLM's own sampling extensions to the OpenAI request that are handed to a vLLM-shape engine unchanged
@@ -140,7 +142,10 @@ def _stop(doc: dict) -> list[str]:
     if isinstance(stop, str):
         return [stop] if stop else []
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [s for s in stop if s]
+        try:
+            return limits.check_stop([s for s in stop if s])
+        except InvalidArgument as exc:
+            raise OpenAIError(exc.message, param="stop") from None
     raise OpenAIError("'stop' must be a string or a list of strings", param="stop")
 
 

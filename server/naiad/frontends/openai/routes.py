@@ -17,6 +17,7 @@ from aiohttp import web
 from ...errors import NaiadError, NotFound
 from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
+from ...llm import limits, tokenizing
 from ...server import Server
 from .. import drain
 from ..aiohttp_site import start_tcp_site
@@ -211,12 +212,23 @@ class OpenAIFrontend:
 
     async def _prompt_tokens(self, mv, prompt: str, gen: Generation) -> int | None:
         """The prompt's token count when the model's tokenizer is known here, checked against its context (and
-        max_tokens filled in to what the context leaves, as vLLM does)."""
+        max_tokens filled in to what the context leaves, as vLLM does). A prompt too large for the context in bytes
+        is refused untokenized; a large one is tokenized off the event loop (llm/tokenizing.py)."""
         published = llm_info.of(mv.ctx)
-        if published is None or published.tokenize is None:
+        if published is None:
             return None
+        param = "messages" if gen.messages is not None else "prompt"
         try:
-            n = len(await llm_info.tokenize(published, prompt))
+            limits.check_prompt(prompt, published.prompt_byte_limit, published.context_length)
+            if published.tokenize is None:
+                return None
+            n = len(await tokenizing.tokenize(published, prompt))
+        except limits.PromptTooLong as exc:
+            raise OpenAIError(exc.message, param=param, code="context_length_exceeded") from None
+        except tokenizing.TokenizeTimeout as exc:
+            raise OpenAIError(exc.message, param=param) from None
+        except NaiadError:
+            raise
         except Exception as exc:  # a tokenizer failing is the engine's to report
             log.debug("tokenize failed for model '%s': %s", mv.name, exc)
             return None
@@ -226,7 +238,7 @@ class OpenAIFrontend:
                 raise OpenAIError(
                     f"This model's maximum context length is {ctx} tokens. However, your prompt has {n} tokens. "
                     "Please reduce the length of the prompt.",
-                    param="messages" if gen.messages is not None else "prompt",
+                    param=param,
                     code="context_length_exceeded",
                 )
             if gen.max_tokens is not None and n + gen.max_tokens > ctx:
@@ -246,7 +258,7 @@ class OpenAIFrontend:
         if published is None or published.tokenize is None:
             return None
         try:
-            return len(await llm_info.tokenize(published, text))
+            return len(await tokenizing.tokenize(published, text))
         except Exception:
             return None
 
@@ -262,9 +274,21 @@ class OpenAIFrontend:
                     param="messages",
                 )
             add_prompt = gen.add_generation_prompt and not gen.continue_final_message
-            prompt = templates.render(
-                template, gen.messages or [], gen.tools, add_prompt, gen.chat_template_kwargs
-            )
+            # rendering is Python work as long as the messages: a large chat is rendered off the loop
+            size = sum(len(m.get("content") or "") for m in gen.messages or [])
+            try:
+                prompt = await tokenizing.off_loop(
+                    templates.render,
+                    template,
+                    gen.messages or [],
+                    gen.tools,
+                    add_prompt,
+                    gen.chat_template_kwargs,
+                    size=size,
+                    what="rendering the chat template",
+                )
+            except tokenizing.TokenizeTimeout as exc:
+                raise OpenAIError(exc.message, param="messages") from None
             if gen.continue_final_message and gen.messages and gen.messages[-1].get("content"):
                 # the prompt stops where the last (assistant) message stops, for the model to go on from there
                 last = gen.messages[-1]["content"]

@@ -2,6 +2,8 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+UV     := $(VENV)/bin/uv
+UV_VERSION := 0.13.10
 REPO   ?= examples/model_repository
 EXTRAS ?= onnx,torch,fil,s3,otel,analyze,operator,test
 PYTEST_ARGS ?=
@@ -10,10 +12,13 @@ PYTEST_ARGS ?=
 
 venv: $(VENV)/.installed
 
+# uv installs the dependencies: its cache (~/.cache/uv) keeps every wheel it fetched, so a fresh clone's virtualenv
+# is made in ~15 s once the cache is warm (pip's took ~10 min each time: the registry's answers are not cacheable,
+# and torch's CUDA wheels alone are 4.5 GB); cold, it fetches in parallel (~1.5 min against pip's ~10).
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	test -x $(UV) && [ "$$($(UV) --version | cut -d' ' -f2)" = $(UV_VERSION) ] || $(PY) -m pip install -q uv==$(UV_VERSION)
+	$(UV) pip install -q --python $(PY) -e '.[$(EXTRAS)]'
 	touch $@
 
 examples: $(REPO)/.built
@@ -50,16 +55,21 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 # Free disk is sampled every 10 s from the server tier on (build/disk-free.log) and the least printed at the end:
 # CI's run of one tree failed on a full disk. Under CI=true a skipped test fails the run unless it is a GPU test
 # skipped for lack of a device (conftest.py).
-test: cluster-tools-background server-deps-background venv test-deps lint
-	@$(MAKE) -s -j3 server-tools examples llm-deps
-	@mkdir -p build; rm -f build/images.rc; (exec 7>build/images.lock; flock 7; \
-	  nice -n 19 $(MAKE) -s images images-llm >build/images.log 2>&1; echo $$? >build/images.rc) &
+test:
+	@mkdir -p build; rm -f build/steps.tsv
+	@$(MAKE) -s cluster-tools-background server-deps-background
+	@tools/step_time.sh venv $(MAKE) -s venv
+	@tools/step_time.sh test-deps $(MAKE) -s test-deps
+	@tools/step_time.sh lint $(MAKE) -s lint
+	@tools/step_time.sh "server tools, examples, llm deps" $(MAKE) -s -j3 server-tools examples llm-deps
+	@rm -f build/images.rc; (exec 7>build/images.lock; flock 7; \
+	  nice -n 19 tools/step_time.sh images $(MAKE) -s images images-llm >build/images.log 2>&1; echo $$? >build/images.rc) &
 	@rm -rf .test-results; status=0; \
 	( while kill -0 $$$$ 2>/dev/null; do df -Pm . | awk 'NR == 2 { print $$4 }'; sleep 10; done >build/disk-free.log 2>/dev/null ) & \
-	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rfEs $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
+	NAIAD_TEST_RUN=server $(PY) -m pytest -q -rfEs $(SERVER_TIER_ARGS) $(PYTEST_ARGS) tests $(CLUSTER_TESTS:%=--ignore=%) \
 	  --ignore=$(SCALE_BENCH) $(IMAGE_TESTS:%=--ignore=%) || status=$$?; \
 	$(MAKE) -s worker-tests >build/worker-tests.log 2>&1 & workers=$$!; \
-	$(MAKE) -s cluster-tools || { status=$$?; tail -n 30 build/cluster-tools.log; }; \
+	tools/step_time.sh "cluster tools (wait)" $(MAKE) -s cluster-tools || { status=$$?; tail -n 30 build/cluster-tools.log; }; \
 	flock build/images.lock true; [ "$$(cat build/images.rc 2>/dev/null)" = 0 ] || \
 	  { status=1; echo "the images did not build:"; tail -n 40 build/images.log; }; \
 	$(MAKE) -s image-tests >build/image-tests.log 2>&1 & images=$$!; \
@@ -70,13 +80,17 @@ test: cluster-tools-background server-deps-background venv test-deps lint
 	echo "least free disk during the tests: $$(sort -n build/disk-free.log | head -n 1) MiB (README, Tests: disk)"; \
 	exit $$status
 
+# The server tier's test files on two pytest-xdist workers, each file on one worker (its module-scoped servers
+# start once): on two cores a test spends much of its time waiting for a server to start or answer.
+SERVER_TIER_ARGS ?= -n 2 --dist loadfile
+
 # What the server tier needs that needs no virtualenv, started with the cluster tools' builds (`make test`):
 # llama-cpp-python's wheel and rpc-server built with the interpreter the virtualenv is made from (the wheel only
 # depends on its version; `llm-deps` installs it), and the Go servers the server tier starts. Output in
 # build/server-deps.log; a failure here is retried, and reported, by `llm-deps` and `server-tools`.
 server-deps-background:
-	@mkdir -p build; ( { PYTHON=$(PYTHON) bash tools/llama_cpp/build.sh rpc & \
-	  $(MAKE) -s server-tools; wait; } >build/server-deps.log 2>&1 & )
+	@mkdir -p build; ( { tools/step_time.sh "llama.cpp (background)" env PYTHON=$(PYTHON) bash tools/llama_cpp/build.sh rpc & \
+	  tools/step_time.sh "server tools (background)" $(MAKE) -s server-tools; wait; } >build/server-deps.log 2>&1 & )
 
 # The protocol tests again with every server started with `--frontend-workers 2` (two worker processes in front of
 # one engine process), the Triton comparison included: the multi-process server must answer as one process does
@@ -177,7 +191,7 @@ cluster-tools:
 
 # `make test`'s first step: the cluster tools' builds in the background (their output in build/cluster-tools.log).
 cluster-tools-background:
-	@mkdir -p build; (nice -n 19 $(MAKE) -s cluster-tools >build/cluster-tools.log 2>&1 &)
+	@mkdir -p build; (nice -n 19 tools/step_time.sh "cluster tools (background)" $(MAKE) -s cluster-tools >build/cluster-tools.log 2>&1 &)
 
 # llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's rpc-server from the same
 # source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).

@@ -1,10 +1,13 @@
-"""Run-wide test policy: per-tier counts and failures for `make test`'s summary, and under CI=true a skip is a
-failure unless the test is marked `gpu` (skipped for lack of a device)."""
+"""Run-wide test policy: per-tier counts, failures and durations for `make test`'s summary, and under CI=true a skip
+is a failure unless the test is marked `gpu` (skipped for lack of a device). Under pytest-xdist the controller
+counts the reports its workers send, and only it writes the run's results."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -48,19 +51,23 @@ class TierCounter:
         # each failed phase: {"id": nodeid, "when": phase, "tier": tier, "line": the error's line}, listed again at
         # the end of `make test` (tools/test_summary.py) and what a second run retries (tools/pytest_retry.sh)
         self.failures: list[dict[str, str]] = []
-        self.gpu_ids: set[str] = set()
+        # each test's setup + call + teardown seconds (the summary's slowest tests and each tier's time in tests)
+        self.durations: dict[str, float] = {}
+        self.started = time.time()
+        self.cpu_started = _cpu_seconds()
+        self.workers_cpu = 0.0  # what xdist workers spent, each reported as it ended
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items) -> None:
-        self.gpu_ids = {item.nodeid for item in items if item.get_closest_marker("gpu") is not None}
+    def pytest_testnodedown(self, node, error) -> None:  # (xdist, on the controller)
+        self.workers_cpu += getattr(node, "workeroutput", {}).get("naiad_cpu", 0.0)
 
     def pytest_runtest_logreport(self, report) -> None:
         name = tier_of(report.nodeid)
         tier = self.counts.setdefault(name, Counter())
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
         if report.when == "call" or (report.when == "setup" and not report.passed):
             if report.skipped:
                 tier["skipped"] += 1
-                if report.nodeid not in self.gpu_ids:
+                if "gpu" not in report.keywords:  # (the marker's name is among the report's keywords)
                     reason = (
                         report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
                     )
@@ -86,12 +93,22 @@ class TierCounter:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes") and self.bad_skips:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         name = os.environ.get("NAIAD_TEST_RUN")
-        if name:
+        if hasattr(session.config, "workeroutput"):
+            session.config.workeroutput["naiad_cpu"] = _cpu_seconds() - self.cpu_started
+        if name and not hasattr(
+            session.config, "workerinput"
+        ):  # an xdist worker's counts reach the controller
             RESULTS.mkdir(parents=True, exist_ok=True)
             data = {
                 "tiers": {k: dict(v) for k, v in self.counts.items()},
                 "bad_skips": self.bad_skips,
                 "failures": self.failures,
+                "started": self.started,
+                "wall": time.time() - self.started,
+                # this process's, the children it waited for and its xdist workers'
+                "cpu": _cpu_seconds() - self.cpu_started + self.workers_cpu,
+                "durations": {k: round(v, 3) for k, v in self.durations.items()},
+                "tier_of": {k: tier_of(k) for k in self.durations},
             }
             (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
 
@@ -100,6 +117,11 @@ class TierCounter:
             terminalreporter.section("skips that fail a CI run (only GPU tests may skip)", red=True)
             for line in self.bad_skips:
                 terminalreporter.write_line(line)
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def pytest_configure(config) -> None:

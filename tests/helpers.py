@@ -18,7 +18,38 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Under pytest-xdist each worker takes its servers' ports from a range of its own, below the kernel's ephemeral
+# range (32768 and up), so no other worker's server and no client's outgoing connection can be given the port
+# between the moment it is found free and the moment the test's server binds it.
+_WORKER_PORTS = 2500
+_next_port: int | None = None
+
+
 def free_ports(n: int) -> list[int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return _ephemeral_ports(n)
+    global _next_port
+    index = int(worker[2:])
+    low = 10000 + index * _WORKER_PORTS
+    if _next_port is None or not low <= _next_port < low + _WORKER_PORTS:
+        _next_port = low
+    ports: list[int] = []
+    for _ in range(_WORKER_PORTS):
+        port = _next_port
+        _next_port = low + (_next_port + 1 - low) % _WORKER_PORTS
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    return _ephemeral_ports(n)
+
+
+def _ephemeral_ports(n: int) -> list[int]:
     socks, ports = [], []
     for _ in range(n):
         s = socket.socket()

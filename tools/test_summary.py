@@ -1,6 +1,10 @@
 """Print `make test`'s per-tier summary and every failed test from the runs' result files (CI shows the end of
 a run's output: the failures must be there); exit 1 on a failure, or under CI=true on a non-GPU skip.
 
+The summary also says where the time went: each pytest run's wall time, each tier's time in tests (setup, call and
+teardown summed) with its ten slowest tests, and the build steps' times from `build/steps.tsv` (lines of name,
+start and end in epoch seconds, written by the Makefile's `tools/step_time.sh`).
+
 A run `<name>` that failed may have been followed by `<name>-retry`, its failed tests once more
 (tools/pytest_retry.sh): a test that passed there counts as passed, and is listed as flaky with its first error.
 `--failed FILE` prints the node ids of the tests that failed in one result file, a line each (what the retry runs).
@@ -22,6 +26,41 @@ def failed_ids(path: Path) -> list[str]:
         return []
     failures = json.loads(path.read_text()).get("failures", [])
     return list(dict.fromkeys(f["id"] for f in failures))
+
+
+def _clock(seconds: float) -> str:
+    whole = round(seconds)
+    return f"{whole // 60}m{whole % 60:02d}s"
+
+
+def print_times(runs: dict[str, dict], steps: Path, slowest: int = 10) -> None:
+    """Where the run's time went: the build steps, each pytest run, each tier and its slowest tests."""
+    if steps.exists():
+        rows = [line.split("\t") for line in steps.read_text().splitlines() if line.count("\t") == 2]
+        if rows:
+            first = min(float(r[1]) for r in rows)
+            print("\nbuild steps (start after the first, duration):")
+            for name, start, end in rows:
+                print(
+                    f"  {name:<28} +{_clock(float(start) - first):>7}  {_clock(float(end) - float(start)):>7}"
+                )
+    timed = {name: data for name, data in runs.items() if "wall" in data}
+    if not timed:
+        return
+    print("\npytest runs (wall time):")
+    for name, data in timed.items():
+        cpu = f", {_clock(data['cpu'])} of CPU" if "cpu" in data else ""
+        print(f"  {name:<28} {_clock(data['wall']):>7}  ({len(data.get('durations', {}))} tests{cpu})")
+    spent: dict[str, dict[str, float]] = {}
+    for name, data in timed.items():
+        tier_of = data.get("tier_of", {})
+        for nodeid, seconds in data.get("durations", {}).items():
+            spent.setdefault(tier_of.get(nodeid, name), {})[f"[{name}] {nodeid}"] = seconds
+    print(f"\ntime in tests by tier, and each tier's {slowest} slowest:")
+    for tier, tests in sorted(spent.items(), key=lambda kv: -sum(kv[1].values())):
+        print(f"  {tier}: {_clock(sum(tests.values()))} in {len(tests)} tests")
+        for nodeid, seconds in sorted(tests.items(), key=lambda kv: -kv[1])[:slowest]:
+            print(f"    {seconds:7.1f}s  {nodeid}")
 
 
 def main(argv: list[str]) -> int:
@@ -57,6 +96,7 @@ def main(argv: list[str]) -> int:
     if not tiers:
         print("make test: no test results found", file=sys.stderr)
         return 1
+    print_times(runs, results.parent / "build" / "steps.tsv")
     width = max(len(t) for t in tiers)
     print(f"\n{'tier':<{width}}  passed  failed  skipped")
     total: Counter = Counter()

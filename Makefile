@@ -55,6 +55,7 @@ SCALE_BENCH := tests/operator/test_operator_scale.py
 # Free disk is sampled every 10 s from the server tier on (build/disk-free.log) and the least printed at the end:
 # CI's run of one tree failed on a full disk. Under CI=true a skipped test fails the run unless it is a GPU test
 # skipped for lack of a device (conftest.py).
+test: export NAIAD_GO_RUN_CACHES := $(CURDIR)/build/go-caches
 test:
 	@mkdir -p build; rm -f build/steps.tsv
 	@$(MAKE) -s cluster-tools-background server-deps-background
@@ -78,7 +79,7 @@ test:
 	wait $$images || status=$$?; echo "== the images and the image tier"; cat build/image-tests.log; \
 	$(PY) tools/test_summary.py .test-results || status=$$?; \
 	echo "least free disk during the tests: $$(sort -n build/disk-free.log | head -n 1) MiB (README, Tests: disk)"; \
-	exit $$status
+	rm -rf "$$NAIAD_GO_RUN_CACHES"; exit $$status
 
 # The server tier's test files on two pytest-xdist workers, each file on one worker (its module-scoped servers
 # start once): on two cores a test spends much of its time waiting for a server to start or answer.

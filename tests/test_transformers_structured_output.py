@@ -1,4 +1,4 @@
-"""Structured output on the transformers backend (backends/transformers_grammar.py, xgrammar): a tiny random-weight
+"""Structured output on the transformers backend (backends/transformers/grammar.py, xgrammar): a tiny random-weight
 llama with a byte-level tokenizer answers JSON that validates against the schema, whole matches of a regex, one of
 the choices, greedy and seeded, streamed and not, over the OpenAI API and the generate extension; what xgrammar
 cannot compile is a 400 naming the field."""

@@ -71,7 +71,7 @@ class InProcess:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from naiad.backends.transformers import start_manager
+        from naiad.backends.transformers.generation import start_manager
 
         dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
         self.tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -5,10 +5,20 @@
 # NAIAD_GO_CACHES=go uses Go's own caches instead (`go env GOCACHE GOMODCACHE`): a changed pin or build script then
 # relinks from compiled packages in seconds (e2e/README.md) for the price of that disk.
 
+# NAIAD_GO_RUN_CACHES=<dir> (what `make test` sets) shares one pair of caches among every Go build of one run,
+# removed when the run ends: a cold run builds a dozen Go programs, and each compiled the standard library and the
+# modules they share at the same version again in a cache of its own.
+
 # go_private_caches <dir>: point this build's GOCACHE and GOMODCACHE into <dir>, emptied first (what an interrupted
 # build left) and removed by the caller, with the module cache writable so that `rm -rf` can remove it.
 go_private_caches() {
   [[ "${NAIAD_GO_CACHES:-private}" != go ]] || return 0
+  if [[ -n "${NAIAD_GO_RUN_CACHES:-}" ]]; then  # (concurrent builds may share them: Go locks its caches)
+    mkdir -p "$NAIAD_GO_RUN_CACHES"
+    export GOCACHE="$NAIAD_GO_RUN_CACHES/build" GOMODCACHE="$NAIAD_GO_RUN_CACHES/mod"
+    export GOFLAGS="${GOFLAGS:+$GOFLAGS }-modcacherw"
+    return 0
+  fi
   rm -rf "$1" && mkdir -p "$1"
   export GOCACHE="$1/build" GOMODCACHE="$1/mod" GOFLAGS="${GOFLAGS:+$GOFLAGS }-modcacherw"
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .transformers_runner import model_runner
+from .runner import model_runner
 
 
 class SeededSampling:

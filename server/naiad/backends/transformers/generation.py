@@ -1,24 +1,5 @@
-"""The `transformers` backend: a Hugging Face model folder served with transformers' continuous batching.
-
-The version folder holds what `save_pretrained` writes (`config.json`, weights, tokenizer files). Each instance loads
-the model with torch on its device (KIND_CPU, or KIND_GPU's device) and starts transformers' own
-`ContinuousBatchingManager` (`model.init_continuous_batching`): requests join and leave the running batch between
-steps, every step is one forward over the tokens of all running sequences (paged KV cache). Requests and responses
-are in the vLLM shape (`naiad.llm.shape`); a bare `backend: "transformers"` config is completed to it.
-
-Per request: `max_tokens`, `temperature` (0: greedy), `top_p`, `top_k`, `stop` strings, `ignore_eos`, streaming
-deltas, cancellation (the sequence leaves the batch at the next step), `seed` (transformers' manager samples with
-one generator for all sequences; a seeded request's rows are sampled again with its own, transformers_seed.py),
-`structured_outputs` (json, json_object, regex, choice, grammar; compiled by xgrammar, transformers_grammar.py).
-Embeddings
-(`embedding_request`) are the mean of the last hidden state over the prompt's tokens. The vLLM-named metrics
-(naiad.llm.metrics) include `vllm:kv_cache_usage_perc`, sampled from the paged cache (transformers_kv_cache.py).
-
-Config parameters (`parameters { key: ... value: { string_value: ... } }`): `max_num_seqs` (sequences in one
-batch, 16), `num_blocks` and `block_size` (the paged KV cache: blocks of tokens, 256 of 32 by default; sized
-explicitly because transformers' automatic sizing probes memory for half a minute on CPU), `max_batch_tokens`
-(tokens in one forward, 512), `dtype` (`float32`, `bfloat16`, `float16`; default float32 on CPU, the model's on GPU).
-"""
+"""The transformers backend's generation engine: a causal language model served with transformers' own continuous
+batching (`ContinuousBatchingManager`), requests and responses in the vLLM shape (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -29,16 +10,15 @@ import logging
 import threading
 from typing import Any
 
-from ..errors import InvalidArgument, NaiadError, Unavailable
-from ..inference import InferenceRequest
-from ..llm import info as llm_info
-from ..llm import limits, vllm_request
-from ..llm.metrics import EngineMetrics
-from .api import InstanceState, ResponseSender
-from .engine_backend import EngineBackend
-from .transformers_grammar import GrammarSampling
-from .transformers_kv_cache import KVCacheSampler
-from .transformers_seed import SeededSampling
+from ...errors import InvalidArgument, NaiadError, Unavailable
+from ...inference import InferenceRequest
+from ...llm import info as llm_info
+from ...llm import limits, vllm_request
+from ...llm.metrics import EngineMetrics
+from ..api import InstanceState, ResponseSender
+from .grammar import GrammarSampling
+from .kv_cache import KVCacheSampler
+from .seed import SeededSampling
 
 log = logging.getLogger("naiad.transformers")
 
@@ -352,13 +332,3 @@ def _safe_end(text: str, stops: list[str]) -> int:
                 end -= k
                 break
     return end
-
-
-class TransformersBackend(EngineBackend):
-    """`backend: "transformers"`: see the module docstring."""
-
-    name = "transformers"
-    engine_class = Engine
-
-
-backend = TransformersBackend()

@@ -8,7 +8,7 @@ Each step first feeds a constrained request's matcher the tokens it generated si
 request's state, so whatever sampled them, the seed hook included, is what the grammar sees). Once the grammar is
 complete only the end-of-generation token is allowed, so the request finishes with `stop`. This wraps
 `ModelRunner.logit_processor` of the manager's batch processor (transformers' internals: checked when installed,
-as transformers_seed.py does).
+as seed.py does).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidArgument
-from ..llm import structured_outputs
-from .transformers_runner import model_runner
+from ...errors import InvalidArgument
+from ...llm import structured_outputs
+from .runner import model_runner
 
 KINDS = ("json", "json_object", "choice", "grammar", "regex")
 INSTALL_TIMEOUT_S = (

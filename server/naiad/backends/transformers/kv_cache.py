@@ -19,7 +19,7 @@ import asyncio
 import logging
 from typing import Any
 
-from ..llm.metrics import EngineMetrics
+from ...llm.metrics import EngineMetrics
 
 log = logging.getLogger("naiad.transformers")
 

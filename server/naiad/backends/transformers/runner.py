@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
 
 INSTALL_TIMEOUT_S = 30.0  # how long a first request that needs a hook waits for the manager's batch processor
 

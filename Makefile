@@ -87,11 +87,14 @@ SERVER_TIER_ARGS ?= -n 2 --dist loadfile
 
 # What the server tier needs that needs no virtualenv, started with the cluster tools' builds (`make test`):
 # llama-cpp-python's wheel and rpc-server built with the interpreter the virtualenv is made from (the wheel only
-# depends on its version; `llm-deps` installs it), and the Go servers the server tier starts. Output in
+# depends on its version; `llm-deps` installs it), the Go servers the server tier starts, and the real small models
+# the quality tests use (tools/models/fetch.sh). Output in
 # build/server-deps.log; a failure here is retried, and reported, by `llm-deps` and `server-tools`.
 server-deps-background:
 	@mkdir -p build; ( { tools/step_time.sh "llama.cpp (background)" env PYTHON=$(PYTHON) bash tools/llama_cpp/build.sh rpc & \
-	  tools/step_time.sh "server tools (background)" $(MAKE) -s server-tools; wait; } >build/server-deps.log 2>&1 & )
+	  tools/step_time.sh "server tools (background)" $(MAKE) -s server-tools & \
+	  tools/step_time.sh "real models (background)" sh -c 'tools/models/fetch.sh smollm2 && tools/models/fetch.sh minilm'; \
+	  wait; } >build/server-deps.log 2>&1 & )
 
 # The protocol tests again with every server started with `--frontend-workers 2` (two worker processes in front of
 # one engine process), the Triton comparison included: the multi-process server must answer as one process does

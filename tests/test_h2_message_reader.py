@@ -21,7 +21,7 @@ from h2server import running
 from naiad.frontends.h2_message_reader import MessageReader
 from naiad.frontends.h2grpc_messages import Method
 from naiad.frontends.low_mark import READ_LOWAT, STALL_S, LowMark
-from naiad.frontends.receive_buffers import POOL
+from naiad.frontends.transport.receive_buffers import POOL
 
 PATH = "/test.Echo/Digest"
 FRAME = 16384  # what h2load, grpc-go and grpc-java send

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from helpers import NaiadProcess
 
-from naiad.frontends.receive_buffers import ReceivePool, size_class
+from naiad.frontends.transport.receive_buffers import ReceivePool, size_class
 
 MODELS = Path(__file__).parent / "models"
 MODEL = "identity_all"  # echoes each IN_<type> as OUT_<type>

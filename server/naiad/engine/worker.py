@@ -26,8 +26,8 @@ def _die_with_parent() -> None:
 
 async def run(path: str, args) -> int:
     from ..app import parse_restricted
-    from ..frontends import tls
-    from ..frontends.receive_buffers import POOL
+    from ..frontends.transport import tls
+    from ..frontends.transport.receive_buffers import POOL
     from . import acceptor
     from .adopter import Adopter
     from .client import EngineClient
@@ -47,7 +47,7 @@ async def run(path: str, args) -> int:
     StopSignals(loop, stop.set, args.exit_timeout_secs, name="naiad-worker").install()
     busy_poll = None
     if args.busy_poll_us:
-        from ..frontends.busy_poll import BusyPoll
+        from ..frontends.transport.busy_poll import BusyPoll
 
         busy_poll = BusyPoll(loop, args.busy_poll_us)
     runners: list = []  # each with cleanup(): HttpListener or web.AppRunner
@@ -148,7 +148,7 @@ async def run(path: str, args) -> int:
         adopter.close()
     for reloading in contexts:
         reloading.close()
-    from ..frontends.drain import drain
+    from ..frontends.transport.drain import drain
 
     # within the engine's wait for this worker (--exit-timeout-secs), which keeps serving it meanwhile
     budget = max(0.0, args.exit_timeout_secs - 1.0)

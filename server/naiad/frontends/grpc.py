@@ -12,9 +12,10 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from ..server import Server
-from . import grpc_wire, tls
+from . import grpc_wire
 from .grpc_restricted import RestrictInterceptor, api_group, denial
 from .grpc_service import HealthServicer, InferenceServicer
+from .transport import tls
 
 log = logging.getLogger("naiad.grpc")
 

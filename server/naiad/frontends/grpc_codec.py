@@ -11,7 +11,7 @@ from ..errors import InvalidArgument
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..version_string import parse_version
 from . import grpc_wire
-from .common import request_options
+from .triton.parameters import request_options
 
 # the datatype Triton names for each typed field when it holds values for an input of another datatype
 _FIELD_TYPES = {

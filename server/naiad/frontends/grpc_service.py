@@ -15,8 +15,8 @@ from ..errors import NaiadError, Unsupported, as_naiad_error
 from ..orchestration.on_demand import LOAD_WAIT_PARAMETER
 from ..server import Server
 from . import grpc_wire
-from . import shm as shm_handlers
 from .grpc_codec import decode_request, encode_response, load_parameters, unload_dependents
+from .triton import shm as shm_handlers
 
 log = logging.getLogger("naiad.grpc")
 

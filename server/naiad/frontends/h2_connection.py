@@ -36,7 +36,7 @@ from .h2_framing import (
 )
 from .h2grpc_compression import DEFAULT_MAX_RATIO
 from .h2grpc_messages import MAX_MESSAGE, Abort, Method, RequestHead
-from .heap_trim import TRIMMER
+from .transport.heap_trim import TRIMMER
 
 log = logging.getLogger("naiad.grpc")
 

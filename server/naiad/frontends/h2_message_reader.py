@@ -20,7 +20,7 @@ import struct
 from .h2_connection import RECV_STREAM_WINDOW, H2Connection, Stream
 from .h2_framing import DATA, END_STREAM, FRAME_HEAD, PADDED, WINDOW_UPDATE, frame
 from .low_mark import LowMark
-from .receive_buffers import POOLED_MIN, ConnectionReader
+from .transport.receive_buffers import POOLED_MIN, ConnectionReader
 
 _FRAME = FRAME_HEAD
 READ_MAX = 1 << 20  # at most this much a read: the squeeze stays in the cache

@@ -55,7 +55,7 @@ from .h2_framing import (
 )
 from .h2_message_reader import MessageReader
 from .h2grpc_messages import Abort, RequestHead, message_length
-from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from .transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
 # Bound here, not imported: CPython 3.11 compiles `imported_name.method(...)` without LOAD_METHOD, which
 # would build a bound-method object at every call in these hot paths.

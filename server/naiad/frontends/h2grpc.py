@@ -36,8 +36,6 @@ from collections.abc import Callable
 
 import grpc
 
-from . import eager
-from .busy_poll import BusyPoll
 from .h2_connection import H2Settings, Stream
 from .h2_framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
 from .h2_reader import H2Reader
@@ -52,7 +50,9 @@ from .h2grpc_messages import (
     status_block,
     status_code,
 )
-from .heap_trim import TRIMMER
+from .transport import eager
+from .transport.busy_poll import BusyPoll
+from .transport.heap_trim import TRIMMER
 
 log = logging.getLogger("naiad.grpc")
 

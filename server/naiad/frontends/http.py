@@ -16,11 +16,8 @@ from ..errors import InvalidArgument, NaiadError, NotFound
 from ..inference import InferenceRequest
 from ..repository import decode_file_overrides
 from ..server import Server
-from . import drain, generate
-from . import shm as shm_handlers
+from . import generate
 from .aiohttp_site import start_tcp_site
-from .busy_poll import BusyPoll
-from .common import boolean, parameters_of
 from .http_codec import (
     HEADER_LENGTH,
     compress_response,
@@ -36,8 +33,12 @@ from .http_codec import (
     restricted_message,
 )
 from .http_fast import FastHttpServer
-from .receive_buffers import POOLED_MIN
 from .sse_response import EventResponse
+from .transport import drain
+from .transport.busy_poll import BusyPoll
+from .transport.receive_buffers import POOLED_MIN
+from .triton import shm as shm_handlers
+from .triton.parameters import boolean, parameters_of
 
 log = logging.getLogger("naiad.http")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from .receive_buffers import POOL, POOLED_MIN, ConnectionReader, size_class
+from .transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader, size_class
 
 MAX_LINE = 4096  # a chunk-size line (with extensions) or a trailer field
 MAX_TRAILER = 64 * 1024  # all trailer fields together

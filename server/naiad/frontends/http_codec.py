@@ -15,8 +15,8 @@ from ..errors import InvalidArgument, NotFound, as_naiad_error
 from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
 from ..orchestration.on_demand import LOAD_WAIT_HEADER
 from ..version_string import parse_version
-from .common import boolean, parameters_of, request_options, unsigned
-from .receive_buffers import POOL, POOLED_MIN
+from .transport.receive_buffers import POOL, POOLED_MIN
+from .triton.parameters import boolean, parameters_of, request_options, unsigned
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _NUMPY_OPT = orjson.OPT_SERIALIZE_NUMPY

@@ -30,11 +30,11 @@ import httptools
 import orjson
 
 from ..errors import NaiadError
-from . import eager
-from .busy_poll import BusyPoll
 from .http_chunked import ChunkedBodyReader, ChunkError
 from .http_codec import compress_response, error_headers, error_payload, response_coding, restricted_message
-from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from .transport import eager
+from .transport.busy_poll import BusyPoll
+from .transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader
 
 log = logging.getLogger("naiad.http")
 

@@ -19,9 +19,9 @@ from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...llm import limits, tokenizing
 from ...server import Server
-from .. import drain
 from ..aiohttp_site import start_tcp_site
 from ..http_codec import read_body
+from ..transport import drain
 from . import choices, mapping, protocol, templates
 from .errors import OpenAIError, error_object
 from .protocol import Generation

@@ -9,8 +9,8 @@ Triton does before the values come here."""
 
 from __future__ import annotations
 
-from ..errors import InvalidArgument
-from ..inference import SEQUENCE_END, SEQUENCE_START, InferenceRequest
+from ...errors import InvalidArgument
+from ...inference import SEQUENCE_END, SEQUENCE_START, InferenceRequest
 
 
 def unsigned(value: object, key: str, verb: str = "parse") -> int:

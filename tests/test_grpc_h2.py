@@ -1,4 +1,4 @@
-"""Naiad's own HTTP/2 gRPC server (naiad/frontends/h2grpc.py) against real gRPC clients and raw frames:
+"""Naiad's own HTTP/2 gRPC server (naiad/frontends/grpc/server.py) against real gRPC clients and raw frames:
 flow control with large messages, compression, cancellation, many concurrent streams, unknown methods,
 health Watch, protocol errors; and the grpc.aio implementation still selectable."""
 

@@ -214,7 +214,7 @@ class App:
             )
             self.endpoints.append(f"OpenAI API at {host}:{a.openai_port}{tls.describe(http_tls)}")
         if a.allow_grpc and in_process:
-            from .frontends.grpc import GrpcFrontend, h2_settings
+            from .frontends.grpc.frontend import GrpcFrontend, h2_settings
 
             self._grpc = GrpcFrontend(
                 self.server,

@@ -110,7 +110,7 @@ async def run(path: str, args) -> int:
 
             adopter.add(acceptor.OPENAI, protocol_factory(openai_runner), context)
     if args.allow_grpc:
-        from ..frontends.grpc import GrpcFrontend, h2_settings
+        from ..frontends.grpc.frontend import GrpcFrontend, h2_settings
 
         grpc_frontend = GrpcFrontend(
             client,  # type: ignore[arg-type]

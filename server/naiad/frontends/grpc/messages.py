@@ -1,5 +1,5 @@
 """gRPC over HTTP/2 at the message level: request header blocks, length-prefixed messages, status trailers, and
-the types servicers meet (Method, Abort, WireMessage). Compressed messages are h2grpc_compression.py's."""
+the types servicers meet (Method, Abort, WireMessage). Compressed messages are compression.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from .h2_framing import hpack_int, hpack_literal
+from .h2.framing import hpack_int, hpack_literal
 
 MAX_MESSAGE = 2**31 - 1
 MAX_STATUS_MESSAGE = 4096  # grpc-message is cut to this many characters

@@ -1,6 +1,6 @@
-"""The gRPC frontend: serves the gRPC services on Naiad's own HTTP/2 server (h2grpc) or on grpc.aio, with TLS,
-restricted protocols, health status and the --grpc-* limits. The handlers are grpc_service.py's, the message
-conversion grpc_codec.py's."""
+"""The gRPC frontend: serves the gRPC services on Naiad's own HTTP/2 server (server.py) or on grpc.aio, with
+TLS, restricted protocols, health status and the --grpc-* limits. The handlers are service.py's, the message
+conversion codec.py's."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ..server import Server
-from . import grpc_wire
-from .grpc_restricted import RestrictInterceptor, api_group, denial
-from .grpc_service import HealthServicer, InferenceServicer
-from .transport import tls
+from ...server import Server
+from ..transport import tls
+from . import wire
+from .restricted import RestrictInterceptor, api_group, denial
+from .service import HealthServicer, InferenceServicer
 
 log = logging.getLogger("naiad.grpc")
 
@@ -23,9 +23,9 @@ _SERVING_NAMES = ("", "inference.GRPCInferenceService")
 
 
 def grpcio_options(settings, reuse_port: bool = False) -> list[tuple[str, int]]:
-    """grpc.aio server options (channel arguments) for the same limits and timers as h2_connection.H2Settings;
+    """grpc.aio server options (channel arguments) for the same limits and timers as h2.connection.H2Settings;
     `reuse_port`: SO_REUSEPORT, for frontend worker processes (else a second server on the port fails to bind)."""
-    from .h2grpc_messages import MAX_MESSAGE
+    from .messages import MAX_MESSAGE
 
     s = settings
     options = [
@@ -51,7 +51,7 @@ def grpcio_options(settings, reuse_port: bool = False) -> list[tuple[str, int]]:
 
 def h2_settings(args):
     """H2Settings from `naiad serve`'s --grpc-* flags (absent flags keep their defaults)."""
-    from .h2_connection import H2Settings
+    from .h2.connection import H2Settings
 
     names = {
         "max_concurrent_streams": "grpc_max_concurrent_streams",
@@ -74,7 +74,7 @@ def h2_settings(args):
 
 
 class GrpcFrontend:
-    """`implementation`: "naiad" (our HTTP/2 server, h2grpc.py) or "grpcio" (grpc.aio)."""
+    """`implementation`: "naiad" (our HTTP/2 server, server.py) or "grpcio" (grpc.aio)."""
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ class GrpcFrontend:
         settings=None,
         busy_poll=None,
     ):
-        from .h2_connection import H2Settings
+        from .h2.connection import H2Settings
 
         self.settings = settings or H2Settings()
         self.server = server
@@ -121,24 +121,22 @@ class GrpcFrontend:
     async def _start_h2(
         self, host: str, port: int, tls_settings=None, reuse_port: bool = False, listen: bool = True
     ) -> None:
-        from . import h2grpc
+        from .server import H2GrpcServer, service_methods
 
-        methods = h2grpc.service_methods(
+        methods = service_methods(
             pb.DESCRIPTOR.services_by_name["GRPCInferenceService"],
             self.servicer,
             api_group,
             request_types={
-                "ModelInfer": grpc_wire.SplitInferRequest,
-                "ModelStreamInfer": grpc_wire.SplitInferRequest,
+                "ModelInfer": wire.SplitInferRequest,
+                "ModelStreamInfer": wire.SplitInferRequest,
             },
         )
         try:
             from grpc_health.v1 import health_pb2
 
             self._health = HealthServicer()
-            methods.update(
-                h2grpc.service_methods(health_pb2.DESCRIPTOR.services_by_name["Health"], self._health)
-            )
+            methods.update(service_methods(health_pb2.DESCRIPTOR.services_by_name["Health"], self._health))
         except ImportError:
             log.warning("grpcio-health-checking is not installed: grpc.health.v1 is not served")
         authorize = None
@@ -150,7 +148,7 @@ class GrpcFrontend:
                     rules, method.group, ((k.decode("latin-1"), v.decode("latin-1")) for k, v in metadata)
                 )
 
-        self._grpc = h2grpc.H2GrpcServer(methods, authorize, self.settings, self.busy_poll)
+        self._grpc = H2GrpcServer(methods, authorize, self.settings, self.busy_poll)
         context = None
         if tls_settings is not None:
             self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")

@@ -1,6 +1,6 @@
 """Reading an HTTP/2 connection: the frame loop, each frame type's checks (RFC 9113 and what h2spec tests),
 SETTINGS, PING and WINDOW_UPDATE, HPACK header blocks (decoded once per distinct block), and DATA assembled into
-the calls' request messages. The call layer above (h2grpc.py) supplies `_start_call`, `_remote_end` and
+the calls' request messages. The call layer above (grpc/server.py) supplies `_start_call`, `_remote_end` and
 `_finish_error`."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import struct
 import grpc
 import hpack
 
+from ...transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from ..messages import Abort, RequestHead, message_length
 from . import hpack_blocks
-from .h2_connection import (
+from .connection import (
     DRAIN_PING,
     KEEPALIVE_PING,
     MAX_HEADER_LIST,
@@ -22,7 +24,7 @@ from .h2_connection import (
     H2ConnectionError,
     Stream,
 )
-from .h2_framing import (
+from .framing import (
     ACK,
     COMPRESSION_ERROR,
     CONTINUATION,
@@ -53,9 +55,7 @@ from .h2_framing import (
     WINDOW_UPDATE,
     frame,
 )
-from .h2_message_reader import MessageReader
-from .h2grpc_messages import Abort, RequestHead, message_length
-from .transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from .message_reader import MessageReader
 
 # Bound here, not imported: CPython 3.11 compiles `imported_name.method(...)` without LOAD_METHOD, which
 # would build a bound-method object at every call in these hot paths.
@@ -126,7 +126,7 @@ class H2Reader(H2Connection, abc.ABC):
             if st is not None:
                 self.filling = None
                 if MessageReader.start(self, st, view[pos:]):
-                    return  # the rest of the message is read into its buffer (h2_message_reader.py)
+                    return  # the rest of the message is read into its buffer (message_reader.py)
             if pos < n:
                 self.buf += view[pos:]
                 if len(self.buf) >= 9:
@@ -548,7 +548,7 @@ class H2Reader(H2Connection, abc.ABC):
         self.filling = st
         return True
 
-    # ---- supplied by the call layer (h2grpc._Connection) ----
+    # ---- supplied by the call layer (grpc/server.py's _Connection) ----
     @abc.abstractmethod
     def _start_call(self, st: Stream, path: bytes, timeout: float | None) -> None:
         """A new stream's request headers arrived: find its method and start the call."""

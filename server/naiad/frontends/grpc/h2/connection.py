@@ -1,6 +1,6 @@
 """One HTTP/2 server connection's state and its sending side (asyncio.Protocol): streams, flow control out and
 in, closing streams (RST_STREAM) and the connection (GOAWAY), keepalive PINGs and the handshake, idle and stall
-deadlines. Reading frames is h2_reader.py's; gRPC calls are h2grpc.py's."""
+deadlines. Reading frames is reader.py's; the calls are the layer above's (gRPC's: grpc/server.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from typing import Any
 
 import hpack
 
-from .h2_framing import (
+from ...transport.heap_trim import TRIMMER
+from ..compression import DEFAULT_MAX_RATIO
+from ..messages import MAX_MESSAGE, Abort, Method, RequestHead
+from .framing import (
     CANCEL,
     DATA,
     END_HEADERS,
@@ -34,9 +37,6 @@ from .h2_framing import (
     WINDOW_UPDATE,
     frame,
 )
-from .h2grpc_compression import DEFAULT_MAX_RATIO
-from .h2grpc_messages import MAX_MESSAGE, Abort, Method, RequestHead
-from .transport.heap_trim import TRIMMER
 
 log = logging.getLogger("naiad.grpc")
 
@@ -125,7 +125,7 @@ class Stream:
         self.body: list = []  # unary request: DATA payloads until END_STREAM
         self.msg: memoryview | None = None  # a large message being received, in a pooled buffer
         self.msg_fill = 0
-        self.interleaved = False  # its message's frames came between other frames (h2_message_reader.py)
+        self.interleaved = False  # its message's frames came between other frames (message_reader.py)
         self.received = 0
         self.unacked = 0
         self.held = 0  # received bytes whose window is granted only once the call takes its queued messages
@@ -165,8 +165,8 @@ class Stream:
 
 
 class H2Connection(asyncio.Protocol):
-    """The connection's state and what sends on it. `server` is the H2GrpcServer (h2grpc.py) that accepted it:
-    its settings, loop and set of connections."""
+    """The connection's state and what sends on it. `server` is what accepted it (grpc/server.py's
+    H2GrpcServer): its settings, loop and set of connections."""
 
     def __init__(self, server: Any):
         self.server = server
@@ -175,7 +175,7 @@ class H2Connection(asyncio.Protocol):
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        # a call whose pooled message this read's DATA went into (h2_message_reader.py may read the rest)
+        # a call whose pooled message this read's DATA went into (message_reader.py may read the rest)
         self.filling: Stream | None = None
         self.preface = False
         self.decoder = hpack.Decoder()

@@ -21,10 +21,10 @@ takes its messages, reading paused while the client does not read our writes, ke
 ping-abuse policy (GOAWAY ENHANCE_YOUR_CALM "too_many_pings"), and handshake, idle and stall deadlines. The
 RFC 9113 checks h2spec makes are applied (docs/security.md).
 
-The layers: h2_framing.py (the wire), h2_connection.py (a connection's state, sending, flow control,
-keepalive), h2_reader.py (frames in), h2grpc_messages.py (gRPC messages, status), h2grpc_compression.py
-(inflating compressed messages) and this module: the calls (dispatch, request messages, responses and
-trailers) and the listening server.
+The layers: h2/framing.py (the wire), h2/connection.py (a connection's state, sending, flow control,
+keepalive), h2/reader.py (frames in), messages.py (gRPC messages, status), compression.py (inflating
+compressed messages) and this module: the calls (dispatch, request messages, responses and trailers) and the
+listening server.
 """
 
 from __future__ import annotations
@@ -36,11 +36,14 @@ from collections.abc import Callable
 
 import grpc
 
-from .h2_connection import H2Settings, Stream
-from .h2_framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
-from .h2_reader import H2Reader
-from .h2grpc_compression import decompress
-from .h2grpc_messages import (
+from ..transport import eager
+from ..transport.busy_poll import BusyPoll
+from ..transport.heap_trim import TRIMMER
+from .compression import decompress
+from .h2.connection import H2Settings, Stream
+from .h2.framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
+from .h2.reader import H2Reader
+from .messages import (
     MSG_PREFIX,
     OK_TRAILERS,
     RESPONSE_HEADERS,
@@ -50,9 +53,6 @@ from .h2grpc_messages import (
     status_block,
     status_code,
 )
-from .transport import eager
-from .transport.busy_poll import BusyPoll
-from .transport.heap_trim import TRIMMER
 
 log = logging.getLogger("naiad.grpc")
 

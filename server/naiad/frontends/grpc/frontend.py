@@ -23,9 +23,9 @@ _SERVING_NAMES = ("", "inference.GRPCInferenceService")
 
 
 def grpcio_options(settings, reuse_port: bool = False) -> list[tuple[str, int]]:
-    """grpc.aio server options (channel arguments) for the same limits and timers as h2.connection.H2Settings;
+    """grpc.aio server options (channel arguments) for the same limits and timers as server.GrpcSettings;
     `reuse_port`: SO_REUSEPORT, for frontend worker processes (else a second server on the port fails to bind)."""
-    from .messages import MAX_MESSAGE
+    from .h2.connection import MAX_MESSAGE
 
     s = settings
     options = [
@@ -50,8 +50,9 @@ def grpcio_options(settings, reuse_port: bool = False) -> list[tuple[str, int]]:
 
 
 def h2_settings(args):
-    """H2Settings from `naiad serve`'s --grpc-* flags (absent flags keep their defaults)."""
-    from .h2.connection import H2Settings
+    """GrpcSettings (the HTTP/2 server's and the gRPC layer's) from `naiad serve`'s --grpc-* flags (absent flags
+    keep their defaults)."""
+    from .server import GrpcSettings
 
     names = {
         "max_concurrent_streams": "grpc_max_concurrent_streams",
@@ -70,7 +71,7 @@ def h2_settings(args):
     given = {
         field: getattr(args, flag) for field, flag in names.items() if getattr(args, flag, None) is not None
     }
-    return H2Settings(**given)
+    return GrpcSettings(**given)
 
 
 class GrpcFrontend:
@@ -85,9 +86,9 @@ class GrpcFrontend:
         settings=None,
         busy_poll=None,
     ):
-        from .h2.connection import H2Settings
+        from .server import GrpcSettings
 
-        self.settings = settings or H2Settings()
+        self.settings = settings or GrpcSettings()
         self.server = server
         self.servicer = InferenceServicer(server, shm, server.log_settings, server.tracer)
         self.restricted = restricted or {}

@@ -1,4 +1,4 @@
-"""gRPC over HTTP/2 at the message level: request header blocks, length-prefixed messages, status trailers, and
+"""gRPC over HTTP/2 at the message level: gRPC's request headers, length-prefixed messages, status trailers, and
 the types servicers meet (Method, Abort, WireMessage). Compressed messages are compression.py's."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 
 from .h2.framing import hpack_int, hpack_literal
+from .h2.headers import RequestHead
 
-MAX_MESSAGE = 2**31 - 1
 MAX_STATUS_MESSAGE = 4096  # grpc-message is cut to this many characters
 
 MSG_PREFIX = struct.Struct(">BI")  # gRPC message: compressed flag, length
@@ -85,87 +85,21 @@ def _grpc_timeout(value: bytes) -> float | None:
     return int(digits) * unit
 
 
-# headers RFC 9113 section 8.2.2 forbids in HTTP/2
-_CONNECTION_HEADERS = frozenset(
-    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade")
-)
-_REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":path", b":authority"))
-_NOT_METADATA = frozenset((b"te", b"content-type", b"grpc-encoding", b"grpc-timeout", b"content-length"))
+class GrpcRequestHead(RequestHead):
+    """A request's header block with gRPC's own headers read too: `encoding` (grpc-encoding, the coding of its
+    compressed messages) and `timeout` (grpc-timeout in seconds; None when absent or malformed)."""
 
+    __slots__ = ("encoding", "timeout")
 
-class RequestHead:
-    """A decoded header block, validated (RFC 9113 section 8.3) and split into what the call uses. `error`
-    says why it is not a well-formed request header block; `pseudo`: it has pseudo-headers (not trailers)."""
-
-    __slots__ = (
-        "content_length",
-        "ctype",
-        "encoding",
-        "error",
-        "metadata",
-        "method",
-        "path",
-        "pseudo",
-        "scheme",
-        "timeout",
-    )
+    TAKEN = RequestHead.TAKEN | {b"grpc-encoding", b"grpc-timeout"}
 
     def __init__(self, headers: list):
-        self.path = self.method = None
-        self.ctype = self.encoding = b""
+        self.encoding = b""
         self.timeout: float | None = None
-        self.content_length: int | None = None
-        self.error = ""
-        self.pseudo = self.scheme = False
-        meta = []
-        seen: set = set()
-        regular = False
-        for name, value in headers:
-            if name[:1] == b":":
-                self.pseudo = True
-                if regular:
-                    self.error = "a pseudo-header after a regular header"
-                elif name not in _REQUEST_PSEUDO:
-                    self.error = "an unknown pseudo-header"
-                elif name in seen:
-                    self.error = "a duplicate pseudo-header"
-                seen.add(name)
-                if name == b":path":
-                    self.path = value
-                elif name == b":method":
-                    self.method = value
-                elif name == b":scheme":
-                    self.scheme = True
-                continue
-            regular = True
-            if name != name.lower():
-                self.error = "an upper-case header name"
-            elif name in _CONNECTION_HEADERS or (name == b"te" and value != b"trailers"):
-                self.error = "a connection-specific header"
-            elif name in _NOT_METADATA:
-                if name == b"content-type":
-                    self.ctype = value
-                elif name == b"grpc-encoding":
-                    self.encoding = value
-                elif name == b"grpc-timeout":
-                    self.timeout = _grpc_timeout(value)
-                elif name == b"content-length":
-                    self.content_length = int(value) if value.isdigit() else -1
-                continue
-            meta.append((name, value))
-        self.metadata = tuple(meta)
-        if not self.error and (not self.path or self.method is None or not self.scheme):
-            self.error = "a missing or empty request pseudo-header"
-        if not self.error and self.content_length == -1:
-            self.error = "an invalid content-length"
+        RequestHead.__init__(self, headers)  # (not super(): ~0.4 µs more a new header block)
 
-
-def message_length(buf, pos: int, limit: int) -> int:
-    """The length a message prefix at `buf[pos:]` announces; RESOURCE_EXHAUSTED past `limit`."""
-    length = int.from_bytes(buf[pos + 1 : pos + 5], "big")
-    if length > limit:
-        raise Abort(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"Received message larger than max ({length} vs. {limit})",
-        )
-    return length
+    def take(self, name: bytes, value: bytes) -> None:
+        if name == b"grpc-encoding":
+            self.encoding = value
+        else:
+            self.timeout = _grpc_timeout(value)

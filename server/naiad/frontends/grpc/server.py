@@ -15,7 +15,7 @@ in bounded steps off the event loop and refused past the message size or the dec
 SSL context. A unary call starts in the frame handler that completes its request (eager.py). Not served: server
 push.
 
-Limits (H2Settings, from `naiad serve`'s --grpc-* flags): SETTINGS_MAX_CONCURRENT_STREAMS, a per-message
+Limits (GrpcSettings, from `naiad serve`'s --grpc-* flags): SETTINGS_MAX_CONCURRENT_STREAMS, a per-message
 size limit, header blocks capped at MAX_HEADER_LIST, flow-control window granted to a streaming call as it
 takes its messages, reading paused while the client does not read our writes, keepalive PINGs and grpcio's
 ping-abuse policy (GOAWAY ENHANCE_YOUR_CALM "too_many_pings"), and handshake, idle and stall deadlines. The
@@ -33,13 +33,14 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
 from ..transport import eager
 from ..transport.busy_poll import BusyPoll
 from ..transport.heap_trim import TRIMMER
-from .compression import decompress
+from .compression import DEFAULT_MAX_RATIO, decompress
 from .h2.connection import H2Settings, Stream
 from .h2.framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
 from .h2.reader import H2Reader
@@ -48,6 +49,7 @@ from .messages import (
     OK_TRAILERS,
     RESPONSE_HEADERS,
     Abort,
+    GrpcRequestHead,
     Method,
     WireMessage,
     status_block,
@@ -65,13 +67,54 @@ _PLAIN_TEXT = hpack_int(31, 4) + hpack_int(10, 7) + b"text/plain"
 _NOT_GRPC = b"this is a gRPC server: requests are POST with content-type application/grpc\n"
 
 
+@dataclass(frozen=True)
+class GrpcSettings(H2Settings):
+    """The HTTP/2 server's limits and timers (H2Settings) and the gRPC layer's own."""
+
+    max_decompression_ratio: int = (
+        DEFAULT_MAX_RATIO  # a compressed message may inflate to this many times its size
+    )
+
+
+class Call(Stream):
+    """A gRPC call's stream: also the `context` handed to servicer methods (the subset of grpc.aio's they use)."""
+
+    __slots__ = ()
+
+    # -- the grpc.aio ServicerContext subset --
+    async def abort(self, code, details: str = "", trailing_metadata=()):
+        raise Abort(code, details, trailing_metadata)
+
+    def invocation_metadata(self):
+        return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.metadata)
+
+    def peer(self) -> str:
+        peer = self.conn.transport.get_extra_info("peername") if self.conn.transport else None
+        return f"ipv4:{peer[0]}:{peer[1]}" if peer else ""
+
+    def cancelled(self) -> bool:
+        return self.done
+
+    def time_remaining(self):
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline.when() - self.conn.loop.time())
+
+
 class _Connection(H2Reader):
     """A connection serving gRPC calls: each stream's request is dispatched to its Method, the response and
     trailers sent back."""
 
-    def _start_call(self, st: Stream, path: bytes, timeout: float | None) -> None:
+    stream_type = Call
+    head_type = GrpcRequestHead
+
+    def _start_call(self, st: Stream, head: GrpcRequestHead) -> None:
+        st.encoding = head.encoding
+        if head.method != b"POST" or not head.ctype.startswith(b"application/grpc"):
+            st.http_status = b"415" if head.method == b"POST" else b"405"
+            return
         server = self.server
-        method = server.methods.get(path)
+        method = server.methods.get(head.path)
         if method is None:
             self._finish_error(st, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
             return
@@ -81,12 +124,19 @@ class _Connection(H2Reader):
                 self._finish_error(st, grpc.StatusCode.PERMISSION_DENIED, denial)
                 return
         st.method = method
-        if timeout is not None:
-            st.deadline = self.loop.call_later(timeout, self._deadline_exceeded, st)
+        if head.timeout is not None:
+            st.deadline = self.loop.call_later(head.timeout, self._deadline_exceeded, st)
         if method.client_streaming:
             st.queue = asyncio.Queue()
             st.inbuf = bytearray()
             st.task = self.loop.create_task(self._run(st, self._request_iterator(st)))
+
+    def _too_large(self, st: Stream, length: int) -> None:
+        self._finish_error(
+            st,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Received message larger than max ({length} vs. {self.max_message})",
+        )
 
     def _deadline_exceeded(self, st: Stream) -> None:
         """grpc-timeout passed: the call ends with DEADLINE_EXCEEDED and its work is cancelled (a request
@@ -394,12 +444,12 @@ class H2GrpcServer:
         self,
         methods: dict[bytes, Method],
         authorize: Callable | None = None,
-        settings: H2Settings | None = None,
+        settings: GrpcSettings | None = None,
         busy_poll: BusyPoll | None = None,
     ):
         self.methods = methods
         self.authorize = authorize  # (method, metadata) -> denial message or None
-        self.settings = settings or H2Settings()
+        self.settings = settings or GrpcSettings()
         self.connections: set[_Connection] = set()
         self.accepted = 0  # connections made so far (drain.py listens on while they still arrive)
         self.starter = eager.Starter(busy_poll)  # unary calls start in the frame handler (eager.py)

@@ -191,7 +191,7 @@ class App:
 
             busy_poll = BusyPoll(asyncio.get_running_loop(), a.busy_poll_us)
         if a.allow_http and in_process:
-            from .frontends.http import HttpFrontend
+            from .frontends.http.frontend import HttpFrontend
 
             http = HttpFrontend(
                 self.server,

@@ -68,7 +68,7 @@ async def run(path: str, args) -> int:
             max_input_size=args.http_max_input_size,
         )
     if args.allow_http:
-        from ..frontends.http import HttpFrontend
+        from ..frontends.http.frontend import HttpFrontend
 
         http = HttpFrontend(
             client,  # type: ignore[arg-type]
@@ -89,7 +89,7 @@ async def run(path: str, args) -> int:
         )
         runners.append(started)
         if adopter is not None:
-            from ..frontends.http import protocol_factory
+            from ..frontends.http.frontend import protocol_factory
 
             adopter.add(acceptor.HTTP, protocol_factory(started), context)
     if args.openai_port and openai is not None:  # with the HTTP port's TLS and restricted-API settings
@@ -106,7 +106,7 @@ async def run(path: str, args) -> int:
         )
         runners.append(openai_runner)
         if adopter is not None:
-            from ..frontends.http import protocol_factory
+            from ..frontends.http.frontend import protocol_factory
 
             adopter.add(acceptor.OPENAI, protocol_factory(openai_runner), context)
     if args.allow_grpc:

@@ -19,8 +19,8 @@ from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...llm import limits, tokenizing
 from ...server import Server
-from ..aiohttp_site import start_tcp_site
-from ..http_codec import read_body
+from ..http.aiohttp_site import start_tcp_site
+from ..http.codec import read_body
 from ..transport import drain
 from . import choices, mapping, protocol, templates
 from .errors import OpenAIError, error_object
@@ -601,6 +601,6 @@ class OpenAIFrontend:
 
 
 def restricted_response(key: str) -> web.Response:
-    from ..http_codec import restricted_message
+    from ..http.codec import restricted_message
 
     return error_response(OpenAIError(restricted_message(key), 403))

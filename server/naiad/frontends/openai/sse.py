@@ -9,7 +9,7 @@ import socket
 import orjson
 from aiohttp import web
 
-from ..sse_response import EventResponse
+from ..http.sse import EventResponse
 
 WRITE_BUFFER_HIGH = 64 * 1024  # bytes the transport holds for a slow reader before writes wait
 KERNEL_SEND_BUFFER = 256 * 1024  # SO_SNDBUF of a streaming connection

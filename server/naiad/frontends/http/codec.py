@@ -10,13 +10,13 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from .. import tensors
-from ..errors import InvalidArgument, NotFound, as_naiad_error
-from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
-from ..orchestration.on_demand import LOAD_WAIT_HEADER
-from ..version_string import parse_version
-from .transport.receive_buffers import POOL, POOLED_MIN
-from .triton.parameters import boolean, parameters_of, request_options, unsigned
+from ... import tensors
+from ...errors import InvalidArgument, NotFound, as_naiad_error
+from ...inference import InferenceRequest, InferenceResponse, RequestedOutput
+from ...orchestration.on_demand import LOAD_WAIT_HEADER
+from ...version_string import parse_version
+from ..transport.receive_buffers import POOL, POOLED_MIN
+from ..triton.parameters import boolean, parameters_of, request_options, unsigned
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _NUMPY_OPT = orjson.OPT_SERIALIZE_NUMPY

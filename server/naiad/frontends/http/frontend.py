@@ -10,15 +10,20 @@ import os
 import orjson
 from aiohttp import web
 
-from .. import config as cfg
-from .. import tensors
-from ..errors import InvalidArgument, NaiadError, NotFound
-from ..inference import InferenceRequest
-from ..repository import decode_file_overrides
-from ..server import Server
+from ... import config as cfg
+from ... import tensors
+from ...errors import InvalidArgument, NaiadError, NotFound
+from ...inference import InferenceRequest
+from ...repository import decode_file_overrides
+from ...server import Server
+from ..transport import drain
+from ..transport.busy_poll import BusyPoll
+from ..transport.receive_buffers import POOLED_MIN
+from ..triton import shm as shm_handlers
+from ..triton.parameters import boolean, parameters_of
 from . import generate
 from .aiohttp_site import start_tcp_site
-from .http_codec import (
+from .codec import (
     HEADER_LENGTH,
     compress_response,
     decode_infer_request,
@@ -32,13 +37,8 @@ from .http_codec import (
     response_coding,
     restricted_message,
 )
-from .http_fast import FastHttpServer
-from .sse_response import EventResponse
-from .transport import drain
-from .transport.busy_poll import BusyPoll
-from .transport.receive_buffers import POOLED_MIN
-from .triton import shm as shm_handlers
-from .triton.parameters import boolean, parameters_of
+from .fast import FastHttpServer
+from .sse import EventResponse
 
 log = logging.getLogger("naiad.http")
 
@@ -62,8 +62,8 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status >= 400:
             if request.path.startswith("/v1/"):  # the OpenAI API answers with OpenAI's error object
-                from .openai.errors import OpenAIError
-                from .openai.routes import error_response as openai_error
+                from ..openai.errors import OpenAIError
+                from ..openai.routes import error_response as openai_error
 
                 return openai_error(OpenAIError(f"{exc.reason}: {request.method} {request.path}", exc.status))
             return _json({"error": exc.reason or exc.text or "error"}, status=exc.status)
@@ -173,7 +173,7 @@ class HttpFrontend:
                 given.encode("utf-8", "surrogateescape"), value.encode("utf-8", "surrogateescape")
             ):
                 if category == "openai":
-                    from .openai.routes import restricted_response
+                    from ..openai.routes import restricted_response
 
                     return restricted_response(key)
                 return _json({"error": restricted_message(key)}, status=403)
@@ -332,7 +332,7 @@ class HttpFrontend:
     ) -> tuple[list, dict]:
         """One infer request from its route and body to the response's (body chunks, headers).
 
-        The one implementation behind the aiohttp route and the fast HTTP/1.1 path (http_fast)."""
+        The one implementation behind the aiohttp route and the fast HTTP/1.1 path (fast.py)."""
         if header_length == "0" or (header_length is None and not body):
             v = model_version(version)
             mv, waited = await self.server.ready_model(model, v)
@@ -445,7 +445,7 @@ class HttpFrontend:
     async def start(
         self, host: str, port: int, ssl=None, reuse_port: bool = False, listen: bool = True
     ) -> HttpListener | web.AppRunner:
-        """Listen with the fast HTTP/1.1 protocol (http_fast); it hands the aiohttp app every connection
+        """Listen with the fast HTTP/1.1 protocol (fast.py); it hands the aiohttp app every connection
         that sends anything but a plain infer request. `cleanup()` on the result stops both.
         NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before.
         `ssl`: an ssl.SSLContext to serve HTTPS (both paths see the decrypted stream). `reuse_port`:

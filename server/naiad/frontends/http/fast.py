@@ -3,9 +3,10 @@
 Everything else a connection sends (other routes and methods, HTTP/1.0, an `Expect` other than 100-continue or
 behind a request not yet answered, encoded request bodies or transfer codings other than chunked, Upgrade,
 oversized bodies, odd URLs) is handed to the aiohttp app for the rest of that connection's life: the aiohttp
-`Server` makes a `RequestHandler` protocol, the transport is switched over to it and it is fed every raw byte from
-the start of the request that triggered the handoff. A chunked body is decoded here (http_chunked.py). Both paths answer an infer request through the same function,
-`HttpFrontend.run_infer`, so results and errors are identical.
+`Server` makes a `RequestHandler` protocol, the transport is switched over to it and it is fed every raw byte
+from the start of the request that triggered the handoff. A chunked body is decoded here (chunked.py). Both
+paths answer an infer request through the same function, `HttpFrontend.run_infer`, so results and errors are
+identical.
 
 Slow clients: a request head must arrive within NAIAD_HTTP_HEAD_TIMEOUT seconds (default 30) of its first
 byte, and a body at NAIAD_HTTP_MIN_BODY_RATE bytes/s (default 16 KiB/s) on average once its first
@@ -29,12 +30,12 @@ from http import HTTPStatus
 import httptools
 import orjson
 
-from ..errors import NaiadError
-from .http_chunked import ChunkedBodyReader, ChunkError
-from .http_codec import compress_response, error_headers, error_payload, response_coding, restricted_message
-from .transport import eager
-from .transport.busy_poll import BusyPoll
-from .transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from ...errors import NaiadError
+from ..transport import eager
+from ..transport.busy_poll import BusyPoll
+from ..transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from .chunked import ChunkedBodyReader, ChunkError
+from .codec import compress_response, error_headers, error_payload, response_coding, restricted_message
 
 log = logging.getLogger("naiad.http")
 
@@ -559,7 +560,7 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def _read_chunked(self) -> bytes:
         """The head of a chunked request is parsed (its parser stopped there): the bytes already here and the rest
-        of the body are decoded into a pooled buffer (http_chunked.py); a new parser takes the next request.
+        of the body are decoded into a pooled buffer (chunked.py); a new parser takes the next request.
         Returns the bytes that followed the body when it came whole with its head (for data_received to parse)."""
         srv = self.srv
         reader = ChunkedBodyReader(self, srv.chunked_sizes.get(self.route, 0), srv.max_input_size)

@@ -38,7 +38,7 @@ from .codec import (
     restricted_message,
 )
 from .fast import FastHttpServer
-from .sse import EventResponse
+from .sse import EventStream
 
 log = logging.getLogger("naiad.http")
 
@@ -402,45 +402,35 @@ class HttpFrontend:
         first response sets the status (an error first: its status, with the error as the event); an error after
         it is an event under the 200. An error before any response is a plain JSON error."""
         _, req = await self._generate_request(request)
-        stream = EventResponse()
+        events = EventStream(request)  # no stall timeout: written as aiohttp writes, as Triton's stream is
         if req.load_wait_ns:
-            load_wait_header(req, stream.headers)
-        started = False
-        held: list[bytes] = []  # events whose next one was already waiting: they go out with it, in one write
+            load_wait_header(req, events.response.headers)
         responses = self.server.infer_stream(req)
         try:
             async for resp in responses:
                 if resp.error is None and not resp.outputs and not resp.parameters and resp.final:
                     continue  # the final flag alone: nothing to send
-                if not started:
+                if not events.started:
                     if resp.error is not None:
-                        stream.set_status(error_payload(resp.error)[0])
-                    await stream.prepare(request)
-                    started = True
-                if resp.error is not None:
-                    held.append(b"data: " + orjson.dumps({"error": str(resp.error)}) + b"\n\n")
+                        events.response.set_status(error_payload(resp.error)[0])
+                    await events.start()
+                event = {"error": str(resp.error)} if resp.error is not None else generate.encode(resp)
+                if resp.more_ready:  # the next response is already waiting: it goes out with it, in one write
+                    events.hold(event)
                 else:
-                    held.append(b"data: " + orjson.dumps(generate.encode(resp)) + b"\n\n")
-                if not resp.more_ready:
-                    await stream.write(b"".join(held))
-                    held.clear()
+                    await events.send(event)
         except NaiadError as exc:
-            if not started:
+            if not events.started:
                 raise
-            held.append(b"data: " + orjson.dumps({"error": exc.message}) + b"\n\n")
+            events.hold({"error": exc.message})
         except ConnectionResetError:  # the client went away mid-stream: nobody to answer, nothing to log
-            return stream
+            return events.response
         finally:
             await responses.aclose()  # a client that went away cancels the request
-        if not started:
-            await stream.prepare(request)
         try:
-            if held:
-                await stream.write(b"".join(held))
-            await stream.write_eof()
+            return await events.end()
         except ConnectionResetError:
-            pass
-        return stream
+            return events.response
 
     async def start(
         self, host: str, port: int, ssl=None, reuse_port: bool = False, listen: bool = True

@@ -21,6 +21,7 @@ from ...llm import limits, tokenizing
 from ...server import Server
 from ..http.aiohttp_site import start_tcp_site
 from ..http.codec import read_body
+from ..http.sse import EventStream, StreamStalled
 from ..transport import drain
 from . import choices, mapping, protocol, templates
 from .errors import OpenAIError, error_object
@@ -34,7 +35,6 @@ from .responses import (
     model_card,
     parse_tool_calls,
 )
-from .sse import EventStream, StreamStalled
 
 log = logging.getLogger("naiad.openai")
 

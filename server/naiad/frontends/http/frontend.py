@@ -55,26 +55,6 @@ def error_response(exc: BaseException) -> web.Response:
     return web.Response(body=body, status=status, content_type="application/json")
 
 
-@web.middleware
-async def _errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            if request.path.startswith("/v1/"):  # the OpenAI API answers with OpenAI's error object
-                from ..openai.errors import OpenAIError
-                from ..openai.routes import error_response as openai_error
-
-                return openai_error(OpenAIError(f"{exc.reason}: {request.method} {request.path}", exc.status))
-            return _json({"error": exc.reason or exc.text or "error"}, status=exc.status)
-        raise
-    except NaiadError as exc:
-        return error_response(exc)
-    except Exception as exc:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(exc)
-
-
 # ---- the app ----
 
 
@@ -116,13 +96,15 @@ class HttpFrontend:
         busy_poll: BusyPoll | None = None,
         openai=None,
     ):
-        """`openai`: an openai.routes.OpenAIFrontend whose /v1 routes this app serves too."""
+        """`openai`: an openai.routes.OpenAIFrontend whose /v1 routes this app serves too (its `http_error` and
+        `restricted` answer a /v1 path's errors and restricted-API refusals with OpenAI's error object)."""
         self.server = server
+        self.openai = openai
         self.busy_poll = busy_poll
         self.shm = shm
         self.restricted = restricted or {}
         self.max_input_size = max_input_size
-        middlewares = [_errors]
+        middlewares = [self._errors]
         if self.restricted:
             middlewares.append(self._restrict)
         self.app = web.Application(client_max_size=max_input_size, middlewares=middlewares)
@@ -163,6 +145,23 @@ class HttpFrontend:
             openai.add_routes(r)
 
     @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                if self.openai is not None and request.path.startswith("/v1/"):
+                    # the OpenAI API answers with OpenAI's error object
+                    return self.openai.http_error(request, exc)
+                return _json({"error": exc.reason or exc.text or "error"}, status=exc.status)
+            raise
+        except NaiadError as exc:
+            return error_response(exc)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(exc)
+
+    @web.middleware
     async def _restrict(self, request: web.Request, handler):
         category = api_category(request.path)
         rule = self.restricted.get(category)
@@ -172,10 +171,8 @@ class HttpFrontend:
             if given is None or not hmac.compare_digest(
                 given.encode("utf-8", "surrogateescape"), value.encode("utf-8", "surrogateescape")
             ):
-                if category == "openai":
-                    from ..openai.routes import restricted_response
-
-                    return restricted_response(key)
+                if category == "openai" and self.openai is not None:
+                    return self.openai.restricted(key)
                 return _json({"error": restricted_message(key)}, status=403)
         return await handler(request)
 

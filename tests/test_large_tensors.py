@@ -1,7 +1,7 @@
-"""Large tensors read into pooled receive buffers (receive_buffers.py): 16 MiB and odd-sized tensors of several
-datatypes come back byte for byte over HTTP binary, HTTP JSON and gRPC, one at a time and concurrently with
-different payloads (a buffer a request still uses is never handed to another), and bodies that arrive in
-pieces or with a pipelined request behind them."""
+"""Large tensors read into pooled receive buffers (transport/receive_buffers.py): 16 MiB and odd-sized tensors
+of several datatypes come back byte for byte over HTTP binary, HTTP JSON and gRPC, one at a time and
+concurrently with different payloads (a buffer a request still uses is never handed to another), and bodies
+that arrive in pieces or with a pipelined request behind them."""
 
 from __future__ import annotations
 

@@ -10,10 +10,10 @@ selects that one).
 
 What is served: unary-unary, stream-stream and unary-stream methods given as a path table; gRPC message
 compression gzip/deflate on requests (responses are sent uncompressed, which every client accepts), inflated
-in bounded steps off the event loop and refused past the message size or the decompression ratio; trailers-only error responses with percent-encoded `grpc-message`;
-`grpc-timeout` deadlines (DEADLINE_EXCEEDED, the call's work cancelled); TLS with ALPN "h2" when started with an
-SSL context. A unary call starts in the frame handler that completes its request (eager.py). Not served: server
-push.
+in bounded steps off the event loop and refused past the message size or the decompression ratio;
+trailers-only error responses with percent-encoded `grpc-message`; `grpc-timeout` deadlines
+(DEADLINE_EXCEEDED, the call's work cancelled); TLS with ALPN "h2" when started with an SSL context. A unary
+call starts in the frame handler that completes its request (transport/eager.py). Not served: server push.
 
 Limits (GrpcSettings, from `naiad serve`'s --grpc-* flags): SETTINGS_MAX_CONCURRENT_STREAMS, a per-message
 size limit, header blocks capped at MAX_HEADER_LIST, flow-control window granted to a streaming call as it
@@ -77,7 +77,8 @@ class GrpcSettings(H2Settings):
 
 
 class Call(Stream):
-    """A gRPC call's stream: also the `context` handed to servicer methods (the subset of grpc.aio's they use)."""
+    """A gRPC call's stream, also the `context` handed to servicer methods (the subset of grpc.aio's they
+    use)."""
 
     __slots__ = ()
 
@@ -187,7 +188,7 @@ class _Connection(H2Reader):
                 del body
                 if error is not None:
                     self._finish_error(st, grpc.StatusCode.INTERNAL, error)
-                else:  # started here; a Task only if the call has to wait (eager.py)
+                else:  # started here; a Task only if the call has to wait (transport/eager.py)
                     st.task = self.server.starter.start(self.loop, self._run(st, request))
         if st.done and not st.pending:  # (a reply still waiting for window is forgotten once it is sent)
             self._forget(st)
@@ -451,8 +452,8 @@ class H2GrpcServer:
         self.authorize = authorize  # (method, metadata) -> denial message or None
         self.settings = settings or GrpcSettings()
         self.connections: set[_Connection] = set()
-        self.accepted = 0  # connections made so far (drain.py listens on while they still arrive)
-        self.starter = eager.Starter(busy_poll)  # unary calls start in the frame handler (eager.py)
+        self.accepted = 0  # connections made so far (transport/drain.py listens on while they still arrive)
+        self.starter = eager.Starter(busy_poll)  # unary calls start in the frame handler (transport/eager.py)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None

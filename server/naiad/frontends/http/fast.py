@@ -170,10 +170,12 @@ class FastHttpServer:
         self.routes: dict[bytes, tuple[str, str] | None] = {}
         self.chunked_sizes: dict[tuple[str, str], int] = {}  # the last chunked body's size by route
         self.connections: set[FastHttpProtocol] = set()
-        self.accepted = 0  # connections made so far (drain.py listens on while they still arrive)
-        self.starter = eager.Starter(busy_poll)  # requests start in data_received (eager.py)
+        self.accepted = 0  # connections made so far (transport/drain.py listens on while they still arrive)
+        self.starter = eager.Starter(busy_poll)  # requests start in data_received (transport/eager.py)
         self.closing = False
-        self.draining = False  # drain.py: answers carry Connection: close, then their connection closes
+        self.draining = (
+            False  # transport/drain.py: answers carry Connection: close, then their connection closes
+        )
         self._sweeper: asyncio.TimerHandle | None = None
         self.head_timeout = float(os.environ.get("NAIAD_HTTP_HEAD_TIMEOUT", "30"))
         self.min_body_rate = float(os.environ.get("NAIAD_HTTP_MIN_BODY_RATE", str(16 * 1024)))
@@ -722,7 +724,7 @@ def _path(model: str, version: str) -> str:
 
 class BodyReader(ConnectionReader):
     """The transport's protocol while a large request body arrives: the kernel writes it into a pooled
-    buffer (receive_buffers.py), then the connection's FastHttpProtocol takes over again."""
+    buffer (transport/receive_buffers.py), then the connection's FastHttpProtocol takes over again."""
 
     __slots__ = ("body", "fill", "seeded", "size", "view")
 

@@ -551,7 +551,8 @@ class H2Reader(H2Connection, abc.ABC):
 
     def _pool_message(self, st: Stream, payload: memoryview) -> bool:
         """The first DATA of a unary call announces a large message: it is assembled in a pooled buffer
-        (receive_buffers.py), so its tensors are views of memory that is reused, not of fresh copies."""
+        (transport/receive_buffers.py), so its tensors are views of memory that is reused, not of fresh
+        copies."""
         size = 5 + int.from_bytes(payload[1:5], "big")
         if size < POOLED_MIN or size > self.max_message + 5 or len(payload) > size:
             return False
@@ -564,8 +565,8 @@ class H2Reader(H2Connection, abc.ABC):
     # ---- supplied by the call layer (grpc/server.py's _Connection) ----
     @abc.abstractmethod
     def _start_call(self, st: Stream, head: Any) -> None:
-        """A new stream's request headers arrived (`head`: a `head_type`): find its method and start the call, or
-        set the stream's `http_status` if no call serves such a request."""
+        """A new stream's request headers arrived (`head`: a `head_type`): find its method and start the
+        call, or set the stream's `http_status` if no call serves such a request."""
 
     @abc.abstractmethod
     def _remote_end(self, st: Stream) -> None:

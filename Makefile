@@ -268,13 +268,15 @@ test-deps:
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 
-# Lint, format and type checks; each fails on a finding (rule sets chosen in pyproject.toml).
+# Lint, format and type checks, no import cycles, and the server's imports down its declared rooms
+# (tools/import_rooms.py, docs/architecture.md); each fails on a finding (rule sets chosen in pyproject.toml).
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m mypy operator/naiad_operator
 	$(PY) tools/import_cycles.py server operator
+	$(PY) tools/import_rooms.py server
 
 clean:
 	rm -rf $(VENV) $(REPO) .pytest_cache

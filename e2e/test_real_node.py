@@ -607,7 +607,7 @@ def _follow_server_log(c: KwokCluster, ns: str, pod: str) -> subprocess.Popen:
 
 
 def _drain_lines(followers: list[subprocess.Popen]) -> list[str]:
-    """The drain's lines (frontends/drain.py) of each followed log; a stream still open after 30 s is cut."""
+    """The drain's lines (frontends/transport/drain.py) of each followed log; a stream still open after 30 s is cut."""
     lines = []
     for proc in followers:
         try:
@@ -880,7 +880,7 @@ def test_rolling_update_under_traffic_from_a_client_pod(
         )
         assert summary["ok"] > 100 and summary["ok_keepalive"] > 100, summary
         # Every request is answered, on new connections and on keep-alive ones: the old pods' servers drain
-        # (frontends/drain.py: a request on an open connection gets its answer with Connection: close, so the
+        # (frontends/transport/drain.py: a request on an open connection gets its answer with Connection: close, so the
         # client reconnects through kube-proxy to a live pod; before the drain 6 of 8,402 failed here), and they
         # listen on while kube-proxy still sends them new connections (--drain-quiet-secs: 4 refused in a CI run).
         failures = json.dumps(summary["failures"], indent=1) + "\n" + "\n".join(drains)

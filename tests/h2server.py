@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import uvloop
 
-from naiad.frontends.h2grpc import H2GrpcServer
+from naiad.frontends.grpc.server import H2GrpcServer
 
 
 @contextmanager

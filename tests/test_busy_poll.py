@@ -1,4 +1,4 @@
-"""frontends/busy_poll.BusyPoll: the loop polls after requests for an adaptive time, then sleeps; and a server that
+"""frontends/transport/busy_poll.BusyPoll: the loop polls after requests for an adaptive time, then sleeps; and a server that
 polls by default stops using the CPU once its requests stop."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from helpers import NaiadProcess
 
-from naiad.frontends.busy_poll import BusyPoll
+from naiad.frontends.transport.busy_poll import BusyPoll
 from naiad.scheduling.pool import InstancePool
 
 US = 1000

@@ -1,4 +1,4 @@
-"""frontends/eager.Starter: a request coroutine runs at once, and a Task takes over only if it waits."""
+"""frontends/transport/eager.Starter: a request coroutine runs at once, and a Task takes over only if it waits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextvars
 
 import pytest
 
-from naiad.frontends import eager
+from naiad.frontends.transport import eager
 
 var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="outside")
 

@@ -11,7 +11,7 @@ import numpy as np
 from naiad.engine import slabs, wire
 from naiad.engine.slabs import SHM_DIR, SlabMaps, SlabPool
 from naiad.errors import TooManyRequests
-from naiad.frontends.receive_buffers import ReceivePool
+from naiad.frontends.transport.receive_buffers import ReceivePool
 from naiad.inference import InferenceRequest, InferenceResponse, OutputTensor, RequestedOutput
 
 

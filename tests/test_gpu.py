@@ -692,8 +692,8 @@ async def test_cuda_shm_through_http_and_grpc_frontends(fake_cuda, tmp_path):
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-    from naiad.frontends.grpc import GrpcFrontend
-    from naiad.frontends.http import HttpFrontend
+    from naiad.frontends.grpc.frontend import GrpcFrontend
+    from naiad.frontends.http.frontend import HttpFrontend
     from naiad.server import Server, ServerOptions
 
     repo = tmp_path / "repo"

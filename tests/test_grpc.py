@@ -77,8 +77,8 @@ def test_typed_contents_without_raw(naiad):
 
 
 def test_large_typed_contents_byte_for_byte(naiad):
-    """Large typed contents (read from their packed wire form, grpc_codec._typed_array) come back exactly, next to a
-    small one and integer ones (protobuf's list)."""
+    """Large typed contents (read from their packed wire form, grpc/codec.py's _typed_array) come back
+    exactly, next to a small one and integer ones (protobuf's list)."""
     rng = np.random.default_rng(7)
     data = {
         "FP32": (rng.random(300_000, dtype=np.float32), "fp32_contents"),

@@ -1,4 +1,4 @@
-"""Naiad's own HTTP/2 gRPC server (naiad/frontends/h2grpc.py) against real gRPC clients and raw frames:
+"""Naiad's own HTTP/2 gRPC server (naiad/frontends/grpc/server.py) against real gRPC clients and raw frames:
 flow control with large messages, compression, cancellation, many concurrent streams, unknown methods,
 health Watch, protocol errors; and the grpc.aio implementation still selectable."""
 
@@ -35,8 +35,9 @@ def test_large_messages_cross_flow_control_windows(grpc_client):
 
 
 def test_large_reply_of_a_call_answered_in_its_frame_handler_waits_for_window(grpc_client):
-    """Once the model executes inline (after a few dozen fast calls) a unary call completes in the frame handler
-    that received its request (eager.py); a 16 MiB reply must still go out as the client's window opens."""
+    """Once the model executes inline (after a few dozen fast calls) a unary call completes in the frame
+    handler that received its request (transport/eager.py); a 16 MiB reply must still go out as the client's
+    window opens."""
     small = np.arange(16, dtype=np.float32).reshape(1, 16)
     for _ in range(64):  # InlinePolicy.QUALIFY executions under its limit
         _identity(grpc_client, small)

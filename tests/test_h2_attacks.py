@@ -331,7 +331,7 @@ def test_http_slowloris_head_and_body(server, meanwhile):
             b"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"
         )
         assert _closed_within(sock, b"{" * 200, seconds=5)
-    with _http_socket(server) as sock:  # a chunked body decoded on the fast path (http_chunked.py)
+    with _http_socket(server) as sock:  # a chunked body decoded on the fast path (http/chunked.py)
         sock.sendall(
             b"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
         )

@@ -1,9 +1,9 @@
-"""Large gRPC messages sent in small DATA frames (h2_message_reader.py), against the HTTP/2 server in this process:
-the message comes out byte for byte however the frames are cut into reads, with a PING, a small call or another
-large call's frames between its frames, padded frames, more or less than the message announced, past the stream's
-window (the server opens it), a content-length the frames overrun, a client gone in the middle, and behind TLS;
-every pooled buffer is free afterwards. The socket's low mark: raised while a message is read, 1 after, and dropped
-for a client that stops in the middle of its message."""
+"""Large gRPC messages sent in small DATA frames (grpc/h2/message_reader.py), against the HTTP/2 server in
+this process: the message comes out byte for byte however the frames are cut into reads, with a PING, a small
+call or another large call's frames between its frames, padded frames, more or less than the message
+announced, past the stream's window (the server opens it), a content-length the frames overrun, a client gone
+in the middle, and behind TLS; every pooled buffer is free afterwards. The socket's low mark: raised while a
+message is read, 1 after, and dropped for a client that stops in the middle of its message."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import pytest
 from h2frames import DATA, END_STREAM, HEADERS, PING, RST_STREAM, WINDOW_UPDATE, RawH2, frame, grpc_message
 from h2server import running
 
-from naiad.frontends.h2_message_reader import MessageReader
-from naiad.frontends.h2grpc_messages import Method
-from naiad.frontends.low_mark import READ_LOWAT, STALL_S, LowMark
-from naiad.frontends.receive_buffers import POOL
+from naiad.frontends.grpc.h2.low_mark import READ_LOWAT, STALL_S, LowMark
+from naiad.frontends.grpc.h2.message_reader import MessageReader
+from naiad.frontends.grpc.messages import Method
+from naiad.frontends.transport.receive_buffers import POOL
 
 PATH = "/test.Echo/Digest"
 FRAME = 16384  # what h2load, grpc-go and grpc-java send

@@ -1,4 +1,4 @@
-"""h2grpc_compression.inflate: bounded by the message limit and the ratio, in steps, with gRPC statuses."""
+"""grpc/compression.py inflate: bounded by the message limit and the ratio, in steps, with gRPC statuses."""
 
 import gzip
 import time
@@ -7,9 +7,9 @@ import zlib
 import pytest
 from google.protobuf.message import DecodeError
 
-from naiad.frontends import grpc_wire
-from naiad.frontends.h2grpc_compression import RATIO_FLOOR, inflate
-from naiad.frontends.h2grpc_messages import Abort
+from naiad.frontends.grpc import wire
+from naiad.frontends.grpc.compression import RATIO_FLOOR, inflate
+from naiad.frontends.grpc.messages import Abort
 
 INTERNAL, RESOURCE_EXHAUSTED, CANCELLED, UNIMPLEMENTED = 13, 8, 1, 12
 
@@ -60,5 +60,5 @@ def test_zeros_are_refused_at_once_not_walked():
     """A message of zeros (field number 0) is protobuf's DecodeError without a Python walk over it."""
     start = time.perf_counter()
     with pytest.raises(DecodeError):
-        grpc_wire.SplitInferRequest.FromString(memoryview(bytes(64 << 20)))
+        wire.SplitInferRequest.FromString(memoryview(bytes(64 << 20)))
     assert time.perf_counter() - start < 0.5

@@ -1,7 +1,8 @@
-"""A unary call's reply on Naiad's HTTP/2 server (h2grpc.py `_Connection._reply`), in this process: a large
-response made of buffers (a WireMessage: the protobuf head, then the output tensors' own memory) goes to the
-transport as those buffers, never joined into a copy, whether it fits one DATA frame (grpc core clients, perf_analyzer
-and tritonclient allow 16 MiB frames) or not; a small one goes as one write. The client reads it byte for byte."""
+"""A unary call's reply on Naiad's HTTP/2 server (grpc/server.py `_Connection._reply`), in this process: a
+large response made of buffers (a WireMessage: the protobuf head, then the output tensors' own memory) goes to
+the transport as those buffers, never joined into a copy, whether it fits one DATA frame (grpc core clients,
+perf_analyzer and tritonclient allow 16 MiB frames) or not; a small one goes as one write. The client reads it
+byte for byte."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 from h2frames import DATA, END_STREAM, HEADERS, WINDOW_UPDATE, RawH2, frame, grpc_message
 from h2server import Recorder, running
 
-from naiad.frontends import h2grpc
-from naiad.frontends.h2grpc_messages import Method, WireMessage
+from naiad.frontends.grpc import server as grpc_server
+from naiad.frontends.grpc.messages import Method, WireMessage
 
 PATH = "/test.Blob/Get"
 HEAD = b"head:"
@@ -51,12 +52,12 @@ def server(monkeypatch):
         bodies.append(body)
         return Blob(body)
 
-    made = h2grpc._Connection.connection_made
+    made = grpc_server._Connection.connection_made
 
     def recorded(self, transport) -> None:
         made(self, Recorder(transport, written))
 
-    monkeypatch.setattr(h2grpc._Connection, "connection_made", recorded)
+    monkeypatch.setattr(grpc_server._Connection, "connection_made", recorded)
     with running({PATH.encode(): Method(Ask, get)}) as address:
         yield address, bodies, written
 

@@ -1,9 +1,10 @@
-"""A streaming call's messages on Naiad's HTTP/2 server (h2_reader.py `_stream_messages`, h2grpc.py `_run`), in
-this process: a large request message is assembled in a pooled receive buffer and reaches the call as a view of it,
-a small one as bytes, byte for byte and in order however the DATA frames cut them (16 KiB frames, cuts through the
-5-byte prefixes, 1 MiB frames the transport reads in place, one frame a message), compressed ones inflated; a stream
-that ends inside a large message is answered INTERNAL; every pooled buffer is free afterwards. A streamed response
-made of buffers (a WireMessage) reaches the transport as those buffers, not joined into a copy."""
+"""A streaming call's messages on Naiad's HTTP/2 server (grpc/h2/reader.py `_stream_messages`, grpc/server.py
+`_run`), in this process: a large request message is assembled in a pooled receive buffer and reaches the call
+as a view of it, a small one as bytes, byte for byte and in order however the DATA frames cut them (16 KiB
+frames, cuts through the 5-byte prefixes, 1 MiB frames the transport reads in place, one frame a message),
+compressed ones inflated; a stream that ends inside a large message is answered INTERNAL; every pooled buffer
+is free afterwards. A streamed response made of buffers (a WireMessage) reaches the transport as those
+buffers, not joined into a copy."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from h2frames import DATA, END_STREAM, HEADERS, WINDOW_UPDATE, RawH2, frame, grp
 from h2server import Recorder, running
 from test_h2_message_reader import assert_buffers_free
 
-from naiad.frontends import h2_reader, h2grpc
-from naiad.frontends.h2_connection import RECV_MAX_FRAME
-from naiad.frontends.h2grpc_messages import Method, WireMessage
+from naiad.frontends.grpc import server as grpc_server
+from naiad.frontends.grpc.h2 import reader
+from naiad.frontends.grpc.h2.connection import RECV_MAX_FRAME
+from naiad.frontends.grpc.messages import Method, WireMessage
 
 PATH = "/test.Echo/Stream"
 HEAD = b"head:"
@@ -66,19 +68,19 @@ def server(monkeypatch):
             yield Echo(view)  # the reply's body is the request's own buffer
             del request, view
 
-    made = h2grpc._Connection.connection_made
+    made = grpc_server._Connection.connection_made
 
     def recorded(self, transport) -> None:
         made(self, Recorder(transport, written))
 
-    reader_init = h2_reader.DataReader.__init__
+    reader_init = reader.DataReader.__init__
 
     def counted(self, *args) -> None:
         in_place.append(1)
         reader_init(self, *args)
 
-    monkeypatch.setattr(h2grpc._Connection, "connection_made", recorded)
-    monkeypatch.setattr(h2_reader.DataReader, "__init__", counted)
+    monkeypatch.setattr(grpc_server._Connection, "connection_made", recorded)
+    monkeypatch.setattr(reader.DataReader, "__init__", counted)
     method = Method(Seen, echo, client_streaming=True, server_streaming=True)
     with running({PATH.encode(): method}) as address:
         yield address, seen, written, in_place

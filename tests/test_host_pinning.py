@@ -12,7 +12,7 @@ import os
 from naiad import host_pinning, memory
 from naiad.engine import slabs
 from naiad.engine.slabs import SHM_DIR, SlabMaps, SlabPool
-from naiad.frontends.receive_buffers import ReceivePool
+from naiad.frontends.transport.receive_buffers import ReceivePool
 from naiad.host_pinning import HostPinning, address_of
 
 

@@ -1,5 +1,5 @@
-"""frontends/hpack_blocks.decode against the `hpack` library's own Decoder: the same headers, the same dynamic table
-after every block, and the same error class for every malformed block."""
+"""frontends/grpc/h2/hpack_blocks.decode against the `hpack` library's own Decoder: the same headers, the same
+dynamic table after every block, and the same error class for every malformed block."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
-from naiad.frontends import hpack_blocks
+from naiad.frontends.grpc.h2 import hpack_blocks
 
 HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 NAMES = [

@@ -1,4 +1,4 @@
-"""The chunked body decoder of the fast HTTP path (http_chunked.py), driven as the transport drives it: the body
+"""The chunked body decoder of the fast HTTP path (http/chunked.py), driven as the transport drives it: the body
 comes out byte for byte however the wire is cut into reads, a chunk's data is read to where it belongs (only what
 shares a read with a size line moves), a body of the hinted size needs no bigger buffer, what follows the body is
 kept for the next request, and bad framing or a body over the limit is refused."""
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from naiad.frontends.http_chunked import ChunkedBodyReader, ChunkError
+from naiad.frontends.http.chunked import ChunkedBodyReader, ChunkError
 
 
 class Conn:

@@ -1,4 +1,4 @@
-"""The fast HTTP/1.1 infer path (naiad/frontends/http_fast.py) over raw sockets: pipelining, keep-alive,
+"""The fast HTTP/1.1 infer path (naiad/frontends/http/fast.py) over raw sockets: pipelining, keep-alive,
 handoff to the aiohttp app mid-connection, malformed input, disconnects.
 
 A response from the fast path carries no `Server:` header; one from aiohttp does. Tests use that to check
@@ -315,7 +315,7 @@ def chunks_of(body: bytes, size: int, extension: bytes = b"") -> bytes:
 
 @pytest.mark.parametrize("chunk", [70000, 16384, 4096])
 def test_large_chunked_request_body_byte_for_byte(naiad, conn, chunk):
-    """A chunked body is decoded on the fast path into a pooled buffer (http_chunked.py); the connection stays there
+    """A chunked body is decoded on the fast path into a pooled buffer (http/chunked.py); the connection stays there
     for the next requests."""
     data = bytes(range(256)) * 4096 + b"\1\2\3\4"  # 1 MiB + 4 bytes
     head, body = binary_request(data, chunked=True)

@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from naiad.frontends.http import HttpFrontend
+from naiad.frontends.http.frontend import HttpFrontend
 from naiad.server import Server, ServerOptions
 
 

@@ -1,7 +1,7 @@
-"""Large tensors read into pooled receive buffers (receive_buffers.py): 16 MiB and odd-sized tensors of several
-datatypes come back byte for byte over HTTP binary, HTTP JSON and gRPC, one at a time and concurrently with
-different payloads (a buffer a request still uses is never handed to another), and bodies that arrive in
-pieces or with a pipelined request behind them."""
+"""Large tensors read into pooled receive buffers (transport/receive_buffers.py): 16 MiB and odd-sized tensors
+of several datatypes come back byte for byte over HTTP binary, HTTP JSON and gRPC, one at a time and
+concurrently with different payloads (a buffer a request still uses is never handed to another), and bodies
+that arrive in pieces or with a pipelined request behind them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from helpers import NaiadProcess
 
-from naiad.frontends.receive_buffers import ReceivePool, size_class
+from naiad.frontends.transport.receive_buffers import ReceivePool, size_class
 
 MODELS = Path(__file__).parent / "models"
 MODEL = "identity_all"  # echoes each IN_<type> as OUT_<type>

@@ -1,6 +1,7 @@
-"""The receive low mark (low_mark.py) on real sockets: raised to what is owed, at most READ_LOWAT and a quarter of
-the receive buffer, back to 1 after the read, dropped for good when nothing comes for STALL_S, left alone on a Unix
-socket and a closed transport (the message reader's use of it: test_h2_message_reader.py)."""
+"""The receive low mark (grpc/h2/low_mark.py) on real sockets: raised to what is owed, at most READ_LOWAT and
+a quarter of the receive buffer, back to 1 after the read, dropped for good when nothing comes for STALL_S,
+left alone on a Unix socket and a closed transport (the message reader's use of it:
+test_h2_message_reader.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import tempfile
 
 import uvloop
 
-from naiad.frontends.low_mark import READ_LOWAT, STALL_S, LowMark
+from naiad.frontends.grpc.h2.low_mark import READ_LOWAT, STALL_S, LowMark
 
 
 def lowat(sock: socket.socket) -> int:

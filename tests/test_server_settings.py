@@ -228,7 +228,7 @@ async def test_not_ready_until_every_listener_is_up(tmp_path, monkeypatch):
     port must not send clients to a gRPC port that is not listening yet, or never will be); after it, ready."""
     from naiad import cli
     from naiad.app import App
-    from naiad.frontends.grpc import GrpcFrontend
+    from naiad.frontends.grpc.frontend import GrpcFrontend
 
     http_port, grpc_port = free_ports(2)
     args = cli.build_parser().parse_args(

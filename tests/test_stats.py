@@ -61,7 +61,7 @@ async def test_the_prometheus_exposition_and_the_statistics_api_count_a_request_
     count it, histograms included."""
     import numpy as np
 
-    from naiad.frontends.http import HttpFrontend
+    from naiad.frontends.http.frontend import HttpFrontend
     from naiad.server import Server, ServerOptions
 
     server = Server(ServerOptions(model_repositories=[str(model_repo)], strict_readiness=False))

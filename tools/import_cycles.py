@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -19,11 +20,11 @@ def modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def imports(root: Path) -> dict[str, set[str]]:
-    """module -> the modules of the tree it imports. Importing a submodule runs its package's __init__ first,
-    which is not a cycle, so an edge from a module to its own parent package is left out."""
+def import_sites(root: Path) -> Iterator[tuple[str, str, Path, int]]:
+    """(module, a module of the tree it imports, its file, the import's line), for every import statement at any
+    depth. Importing a submodule runs its package's __init__ first, which is not a dependency on the package, so
+    an import of a module's own parent package is left out."""
     mods = modules(root)
-    graph: dict[str, set[str]] = {name: set() for name in mods}
     for name, path in mods.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         for node in ast.walk(ast.parse(path.read_text())):
@@ -40,7 +41,14 @@ def imports(root: Path) -> dict[str, set[str]]:
                 continue
             for c in candidates:
                 if c in mods and c != name and not name.startswith(c + "."):
-                    graph[name].add(c)
+                    yield name, c, path, node.lineno
+
+
+def imports(root: Path) -> dict[str, set[str]]:
+    """module -> the modules of the tree it imports (import_sites)."""
+    graph: dict[str, set[str]] = {name: set() for name in modules(root)}
+    for name, target, _, _ in import_sites(root):
+        graph[name].add(target)
     return graph
 
 

@@ -8,7 +8,7 @@ import logging
 import os
 
 from . import host_pinning
-from .frontends import receive_buffers
+from .frontends.transport import receive_buffers
 from .server import Server, ServerOptions
 
 log = logging.getLogger("naiad")
@@ -120,7 +120,7 @@ class App:
         self.pinning: host_pinning.HostPinning | None = None
 
     def _tls_context(self, settings, alpn: list[str], name: str):
-        from .frontends import tls
+        from .frontends.transport import tls
 
         if settings is None:
             return None
@@ -129,7 +129,7 @@ class App:
         return reloading.context
 
     async def start(self) -> None:
-        from .frontends import tls
+        from .frontends.transport import tls
 
         a = self.args
         http_tls = tls.settings_from_args(a, "http")
@@ -187,11 +187,11 @@ class App:
             receive_buffers.POOL.pinning = self.pinning
         busy_poll = None
         if a.busy_poll_us:
-            from .frontends.busy_poll import BusyPoll
+            from .frontends.transport.busy_poll import BusyPoll
 
             busy_poll = BusyPoll(asyncio.get_running_loop(), a.busy_poll_us)
         if a.allow_http and in_process:
-            from .frontends.http import HttpFrontend
+            from .frontends.http.frontend import HttpFrontend
 
             http = HttpFrontend(
                 self.server,
@@ -214,7 +214,7 @@ class App:
             )
             self.endpoints.append(f"OpenAI API at {host}:{a.openai_port}{tls.describe(http_tls)}")
         if a.allow_grpc and in_process:
-            from .frontends.grpc import GrpcFrontend, h2_settings
+            from .frontends.grpc.frontend import GrpcFrontend, h2_settings
 
             self._grpc = GrpcFrontend(
                 self.server,
@@ -265,9 +265,9 @@ class App:
         return "Started " + ", ".join(self.endpoints)
 
     async def drain(self, timeout: float) -> float:
-        """Stop listening and serve the open connections until they close (frontends/drain.py); returns what is
+        """Stop listening and serve the open connections until they close (frontends/transport/drain.py); returns what is
         left of `timeout` for the requests still in flight."""
-        from .frontends.drain import drain
+        from .frontends.transport.drain import drain
 
         grace = float(getattr(self.args, "drain_idle_connections_secs", 5.0))
         quiet = float(getattr(self.args, "drain_quiet_secs", 0.0))
@@ -281,7 +281,7 @@ class App:
             acceptor = self.workers.acceptor
             # --frontend-accept balanced: this process listens, and goes on listening while connections arrive
             if acceptor is not None:
-                from .frontends.drain import listen_while_arriving
+                from .frontends.transport.drain import listen_while_arriving
 
                 quiet = float(getattr(self.args, "drain_quiet_secs", 0.0))
                 timeout -= await listen_while_arriving(lambda: acceptor.handed, quiet, timeout / 2)

@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the longest an LLM request's prompt may take to tokenize (or its chat template to render) before it is "
         "answered with a 400 and the work abandoned; large prompts are tokenized off the event loop",
     )
-    from .frontends import tls
+    from .frontends.transport import tls
 
     for endpoint in tls.ENDPOINTS:
         tls.add_arguments(s, endpoint)

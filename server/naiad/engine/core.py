@@ -12,7 +12,7 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2 as pb
 
-from ..frontends import eager
+from ..frontends.transport import eager
 from ..host_pinning import HostPinning
 from ..inference import OutputTensor
 from ..server import Server
@@ -259,7 +259,7 @@ class WorkerConnection:
             self.pid, self.prefix = msg.pid, msg.prefix
 
     def _start(self, rid: int, coro) -> None:
-        """Run a request at once; a Task drives it on only if its model makes it wait (frontends/eager.py)."""
+        """Run a request at once; a Task drives it on only if its model makes it wait (frontends/transport/eager.py)."""
         task = eager.start_now(self.channel.loop, coro)
         if task is not None:
             self.tasks[rid] = task

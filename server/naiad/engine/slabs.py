@@ -169,7 +169,7 @@ class SlabPool:
                 self.on_drop(name)
 
     def receive_segment(self, size: int) -> mmap.mmap | None:
-        """A new segment for a receive buffer the frontends manage (frontends.receive_buffers.ReceivePool.share): the
+        """A new segment for a receive buffer the frontends manage (frontends.transport.receive_buffers.ReceivePool.share): the
         kernel writes a request's bytes there and `lend` describes them to the peer in place. None when
         shared memory is full (the receive pool then maps private memory, and tensors are copied into slabs).
         The buffer's owner calls `drop_segment` before letting it go."""

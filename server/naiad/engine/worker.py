@@ -26,8 +26,8 @@ def _die_with_parent() -> None:
 
 async def run(path: str, args) -> int:
     from ..app import parse_restricted
-    from ..frontends import tls
-    from ..frontends.receive_buffers import POOL
+    from ..frontends.transport import tls
+    from ..frontends.transport.receive_buffers import POOL
     from . import acceptor
     from .adopter import Adopter
     from .client import EngineClient
@@ -47,7 +47,7 @@ async def run(path: str, args) -> int:
     StopSignals(loop, stop.set, args.exit_timeout_secs, name="naiad-worker").install()
     busy_poll = None
     if args.busy_poll_us:
-        from ..frontends.busy_poll import BusyPoll
+        from ..frontends.transport.busy_poll import BusyPoll
 
         busy_poll = BusyPoll(loop, args.busy_poll_us)
     runners: list = []  # each with cleanup(): HttpListener or web.AppRunner
@@ -68,7 +68,7 @@ async def run(path: str, args) -> int:
             max_input_size=args.http_max_input_size,
         )
     if args.allow_http:
-        from ..frontends.http import HttpFrontend
+        from ..frontends.http.frontend import HttpFrontend
 
         http = HttpFrontend(
             client,  # type: ignore[arg-type]
@@ -89,7 +89,7 @@ async def run(path: str, args) -> int:
         )
         runners.append(started)
         if adopter is not None:
-            from ..frontends.http import protocol_factory
+            from ..frontends.http.frontend import protocol_factory
 
             adopter.add(acceptor.HTTP, protocol_factory(started), context)
     if args.openai_port and openai is not None:  # with the HTTP port's TLS and restricted-API settings
@@ -106,11 +106,11 @@ async def run(path: str, args) -> int:
         )
         runners.append(openai_runner)
         if adopter is not None:
-            from ..frontends.http import protocol_factory
+            from ..frontends.http.frontend import protocol_factory
 
             adopter.add(acceptor.OPENAI, protocol_factory(openai_runner), context)
     if args.allow_grpc:
-        from ..frontends.grpc import GrpcFrontend, h2_settings
+        from ..frontends.grpc.frontend import GrpcFrontend, h2_settings
 
         grpc_frontend = GrpcFrontend(
             client,  # type: ignore[arg-type]
@@ -148,7 +148,7 @@ async def run(path: str, args) -> int:
         adopter.close()
     for reloading in contexts:
         reloading.close()
-    from ..frontends.drain import drain
+    from ..frontends.transport.drain import drain
 
     # within the engine's wait for this worker (--exit-timeout-secs), which keeps serving it meanwhile
     budget = max(0.0, args.exit_timeout_secs - 1.0)

@@ -19,7 +19,7 @@ log = logging.getLogger("naiad.execution")
 
 class InstancePool:
     # executions on instance threads right now, in every pool of the process (changed on the event loop only);
-    # frontends/busy_poll.py does not poll while there are any
+    # frontends/transport/busy_poll.py does not poll while there are any
     running_off_loop = 0
 
     def __init__(self, instances: list[ModelInstance], stats: ModelStats, batched: bool, limiter=None):

@@ -1,7 +1,7 @@
 """Shared memory regions clients register (system and CUDA, one name space), and the manager a server gets.
 
 `system` holds POSIX shm regions, `cuda` CUDA IPC regions; their HTTP and gRPC handlers are in
-`naiad.frontends.shm`.
+`naiad.frontends.triton.shm`.
 """
 
 from __future__ import annotations

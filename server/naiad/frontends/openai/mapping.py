@@ -14,7 +14,7 @@ from ... import tensors
 from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...llm.shape import is_trtllm_shape, is_vllm_shape
-from ..generate import fit_shape
+from ..http.generate import fit_shape
 from .errors import OpenAIError
 from .protocol import Generation
 

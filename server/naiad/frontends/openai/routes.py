@@ -19,9 +19,10 @@ from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...llm import limits, tokenizing
 from ...server import Server
-from .. import drain
-from ..aiohttp_site import start_tcp_site
-from ..http_codec import read_body
+from ..http.aiohttp_site import start_tcp_site
+from ..http.codec import read_body, restricted_message
+from ..http.sse import EventStream, StreamStalled
+from ..transport import drain
 from . import choices, mapping, protocol, templates
 from .errors import OpenAIError, error_object
 from .protocol import Generation
@@ -34,7 +35,6 @@ from .responses import (
     model_card,
     parse_tool_calls,
 )
-from .sse import EventStream, StreamStalled
 
 log = logging.getLogger("naiad.openai")
 
@@ -108,6 +108,17 @@ class OpenAIFrontend:
         router.add_post("/v1/chat/completions", self.guard(self.chat_completions))
         router.add_post("/v1/completions", self.guard(self.completions))
         router.add_post("/v1/embeddings", self.guard(self.embeddings))
+
+    @staticmethod
+    def http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+        """An HTTP error aiohttp raised for a /v1 request (no such route, a method it does not take) as OpenAI's
+        error object: for this frontend's own app and for the HTTP port's (http.frontend.HttpFrontend)."""
+        return error_response(OpenAIError(f"{exc.reason}: {request.method} {request.path}", exc.status))
+
+    @staticmethod
+    def restricted(key: str) -> web.Response:
+        """The refusal of a /v1 request without the restricted API's header `key`, as OpenAI's error object."""
+        return restricted_response(key)
 
     @staticmethod
     def guard(handler):
@@ -564,9 +575,7 @@ class OpenAIFrontend:
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
-                return error_response(
-                    OpenAIError(f"{exc.reason}: {request.method} {request.path}", exc.status)
-                )
+                return self.http_error(request, exc)
 
         app = web.Application(
             client_max_size=self.max_input_size,
@@ -601,6 +610,4 @@ class OpenAIFrontend:
 
 
 def restricted_response(key: str) -> web.Response:
-    from ..http_codec import restricted_message
-
     return error_response(OpenAIError(restricted_message(key), 403))

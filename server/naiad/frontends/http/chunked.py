@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from .receive_buffers import POOL, POOLED_MIN, ConnectionReader, size_class
+from ..transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader, size_class
 
 MAX_LINE = 4096  # a chunk-size line (with extensions) or a trailer field
 MAX_TRAILER = 64 * 1024  # all trailer fields together
@@ -48,7 +48,7 @@ class ChunkError(Exception):
 
 
 class ChunkedConnection(Protocol):
-    """What the reader needs of the connection it reads for (http_fast.FastHttpProtocol)."""
+    """What the reader needs of the connection it reads for (fast.py's FastHttpProtocol)."""
 
     loop: asyncio.AbstractEventLoop
     last_active: float

@@ -4,13 +4,13 @@ In JSON (HTTP, the generate extension) the reserved parameters have Triton's typ
 output's `classification` unsigned integers, `sequence_id` an unsigned integer or a string, `sequence_start`,
 `sequence_end`, `binary_data_output` and an output's `binary_data` booleans. Triton answers anything else with 500
 and its parser's words, Naiad with 400 and the same words (a body it cannot read is the client's error:
-tests/test_triton_compare.py, DELIBERATE_DIFFERENCES). gRPC parameters carry their kind, which grpc_codec checks as
-Triton does before the values come here."""
+tests/test_triton_compare.py, DELIBERATE_DIFFERENCES). gRPC parameters carry their kind, which grpc/codec.py
+checks as Triton does before the values come here."""
 
 from __future__ import annotations
 
-from ..errors import InvalidArgument
-from ..inference import SEQUENCE_END, SEQUENCE_START, InferenceRequest
+from ...errors import InvalidArgument
+from ...inference import SEQUENCE_END, SEQUENCE_START, InferenceRequest
 
 
 def unsigned(value: object, key: str, verb: str = "parse") -> int:

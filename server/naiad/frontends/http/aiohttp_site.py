@@ -7,7 +7,7 @@ import ssl as ssl_module
 
 from aiohttp import web
 
-from .drain import count_connections
+from ..transport.drain import count_connections
 
 
 async def start_tcp_site(

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..flags import parse_bool as _bool
+from ...flags import parse_bool as _bool
 
 log = logging.getLogger("naiad.tls")
 

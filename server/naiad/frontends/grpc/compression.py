@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from .h2grpc_messages import Abort
+from .messages import Abort
 
 INLINE_INFLATE = (
     8192  # compressed messages up to this size are inflated on the event loop, larger ones off it

@@ -10,13 +10,13 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from .. import tensors
-from ..errors import InvalidArgument, NotFound, as_naiad_error
-from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
-from ..orchestration.on_demand import LOAD_WAIT_HEADER
-from ..version_string import parse_version
-from .common import boolean, parameters_of, request_options, unsigned
-from .receive_buffers import POOL, POOLED_MIN
+from ... import tensors
+from ...errors import InvalidArgument, NotFound, as_naiad_error
+from ...inference import InferenceRequest, InferenceResponse, RequestedOutput
+from ...orchestration.on_demand import LOAD_WAIT_HEADER
+from ...version_string import parse_version
+from ..transport.receive_buffers import POOL, POOLED_MIN
+from ..triton.parameters import boolean, parameters_of, request_options, unsigned
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _NUMPY_OPT = orjson.OPT_SERIALIZE_NUMPY
@@ -281,7 +281,7 @@ def inflate_body(data: bytes, coding: str, limit: int) -> bytes:
 async def read_tensor_body(request, limit: int) -> bytes | memoryview:
     """An infer request's body for the aiohttp app (the requests the fast path hands it: an `Expect` behind an
     unanswered request, a traceparent, compressed bodies ...; all with NAIAD_HTTP_FAST=0): a large one that is not content-encoded is copied once, chunk by chunk as aiohttp's parser
-    made them, into a pooled receive buffer (receive_buffers.py) and returned as a read-only view of it, as the
+    made them, into a pooled receive buffer (transport/receive_buffers.py) and returned as a read-only view of it, as the
     fast path's are, instead of being joined twice into freshly mapped pages; anything else as read_body."""
     coding = request.headers.get("Content-Encoding", "identity").strip().lower()
     expected = request.content_length

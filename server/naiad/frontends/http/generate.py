@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import tensors
-from ..errors import InvalidArgument
-from ..inference import InferenceRequest, InferenceResponse
-from .common import request_options
+from ... import tensors
+from ...errors import InvalidArgument
+from ...inference import InferenceRequest, InferenceResponse
+from ..triton.parameters import request_options
 
 EXACTLY_ONE = (
     "generate expects model to produce exactly 1 response, use generate stream for model that generates various "

@@ -1,17 +1,17 @@
 """KServe v2 gRPC messages to and from Naiad's request and response: ModelInferRequest -> InferenceRequest
-(raw contents as numpy views), InferenceResponse -> ModelInferResponse (or grpc_wire's chunked response)."""
+(raw contents as numpy views), InferenceResponse -> ModelInferResponse (or wire.py's chunked response)."""
 
 from __future__ import annotations
 
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from .. import tensors
-from ..errors import InvalidArgument
-from ..inference import InferenceRequest, InferenceResponse, RequestedOutput
-from ..version_string import parse_version
-from . import grpc_wire
-from .common import request_options
+from ... import tensors
+from ...errors import InvalidArgument
+from ...inference import InferenceRequest, InferenceResponse, RequestedOutput
+from ...version_string import parse_version
+from ..triton.parameters import request_options
+from . import wire
 
 # the datatype Triton names for each typed field when it holds values for an input of another datatype
 _FIELD_TYPES = {
@@ -42,7 +42,7 @@ _CONTENTS = {
 
 
 # Typed contents whose packed wire form is the array itself (little-endian): a large FP32 or FP64 one is cut out of
-# the message (grpc_wire.SplitInferRequest), else read from one serialization of the contents (one copy in C; bools
+# the message (wire.SplitInferRequest), else read from one serialization of the contents (one copy in C; bools
 # as protobuf writes them, a byte of 0 or 1 each) instead of element by element through protobuf's list (a million
 # FP32 values: 0.75 against 64 ms). The varint-encoded integer fields have no such form.
 _PACKED = {"fp32_contents": np.dtype("<f4"), "fp64_contents": np.dtype("<f8"), "bool_contents": np.dtype("?")}
@@ -67,7 +67,7 @@ def param_value(p):
 def decode_request(req: pb.ModelInferRequest, shm=None, raw=None, packed=None) -> InferenceRequest:
     """ModelInferRequest -> InferenceRequest; raw contents become numpy views without copies (`raw`: the
     raw_input_contents when they were kept out of the parse, `packed`: large typed contents kept out of it, by
-    input position; see grpc_wire.SplitInferRequest)."""
+    input position; see wire.SplitInferRequest)."""
     if raw is None:
         raw = req.raw_input_contents
     n_raw = len(raw)
@@ -245,7 +245,7 @@ def _typed_array(contents, field: str, values, datatype: str, count: int) -> np.
         return arr.astype(dtype)
     dtype = _PACKED.get(field)
     if dtype is not None and count >= PACKED_MIN:
-        view = grpc_wire.packed_field(contents.SerializeToString(), grpc_wire.CONTENTS_FIELDS[field])
+        view = wire.packed_field(contents.SerializeToString(), wire.CONTENTS_FIELDS[field])
         if view is not None and len(view) == count * dtype.itemsize:
             return np.frombuffer(view, dtype)
     return np.asarray(values, dtype=tensors.numpy_dtype(datatype))
@@ -297,8 +297,8 @@ def _set_param(p, value) -> None:
 def encode_response(
     resp: InferenceResponse, request: InferenceRequest | None, shm=None, chunked: bool = False
 ) -> pb.ModelInferResponse:
-    """InferenceResponse -> ModelInferResponse; `chunked`: a grpc_wire.ChunkedResponse whose raw contents are
-    the output tensors' own memory (h2grpc sends it without joining)."""
+    """InferenceResponse -> ModelInferResponse; `chunked`: a wire.ChunkedResponse whose raw contents are
+    the output tensors' own memory (server.py sends it without joining)."""
     out = pb.ModelInferResponse(model_name=resp.model_name, model_version=resp.model_version, id=resp.id)
     for k, v in resp.parameters.items():
         _set_param(out.parameters[k], v)
@@ -316,8 +316,8 @@ def encode_response(
             raws.append(b"")
             continue
         raws.append(tensors.to_bytes(t.data, t.datatype))
-    if chunked and sum(len(r) for r in raws) >= grpc_wire.SPLIT_MIN:
-        return grpc_wire.ChunkedResponse(out, raws)
+    if chunked and sum(len(r) for r in raws) >= wire.SPLIT_MIN:
+        return wire.ChunkedResponse(out, raws)
     if raws:
         out.raw_output_contents.extend(bytes(r) for r in raws)
     return out

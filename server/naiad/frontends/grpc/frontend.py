@@ -1,6 +1,6 @@
-"""The gRPC frontend: serves the gRPC services on Naiad's own HTTP/2 server (h2grpc) or on grpc.aio, with TLS,
-restricted protocols, health status and the --grpc-* limits. The handlers are grpc_service.py's, the message
-conversion grpc_codec.py's."""
+"""The gRPC frontend: serves the gRPC services on Naiad's own HTTP/2 server (server.py) or on grpc.aio, with
+TLS, restricted protocols, health status and the --grpc-* limits. The handlers are service.py's, the message
+conversion codec.py's."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ..server import Server
-from . import grpc_wire, tls
-from .grpc_restricted import RestrictInterceptor, api_group, denial
-from .grpc_service import HealthServicer, InferenceServicer
+from ...server import Server
+from ..transport import tls
+from . import wire
+from .restricted import RestrictInterceptor, api_group, denial
+from .service import HealthServicer, InferenceServicer
 
 log = logging.getLogger("naiad.grpc")
 
@@ -22,9 +23,9 @@ _SERVING_NAMES = ("", "inference.GRPCInferenceService")
 
 
 def grpcio_options(settings, reuse_port: bool = False) -> list[tuple[str, int]]:
-    """grpc.aio server options (channel arguments) for the same limits and timers as h2_connection.H2Settings;
+    """grpc.aio server options (channel arguments) for the same limits and timers as server.GrpcSettings;
     `reuse_port`: SO_REUSEPORT, for frontend worker processes (else a second server on the port fails to bind)."""
-    from .h2grpc_messages import MAX_MESSAGE
+    from .h2.connection import MAX_MESSAGE
 
     s = settings
     options = [
@@ -49,8 +50,9 @@ def grpcio_options(settings, reuse_port: bool = False) -> list[tuple[str, int]]:
 
 
 def h2_settings(args):
-    """H2Settings from `naiad serve`'s --grpc-* flags (absent flags keep their defaults)."""
-    from .h2_connection import H2Settings
+    """GrpcSettings (the HTTP/2 server's and the gRPC layer's) from `naiad serve`'s --grpc-* flags (absent flags
+    keep their defaults)."""
+    from .server import GrpcSettings
 
     names = {
         "max_concurrent_streams": "grpc_max_concurrent_streams",
@@ -69,11 +71,11 @@ def h2_settings(args):
     given = {
         field: getattr(args, flag) for field, flag in names.items() if getattr(args, flag, None) is not None
     }
-    return H2Settings(**given)
+    return GrpcSettings(**given)
 
 
 class GrpcFrontend:
-    """`implementation`: "naiad" (our HTTP/2 server, h2grpc.py) or "grpcio" (grpc.aio)."""
+    """`implementation`: "naiad" (our HTTP/2 server, server.py) or "grpcio" (grpc.aio)."""
 
     def __init__(
         self,
@@ -84,9 +86,9 @@ class GrpcFrontend:
         settings=None,
         busy_poll=None,
     ):
-        from .h2_connection import H2Settings
+        from .server import GrpcSettings
 
-        self.settings = settings or H2Settings()
+        self.settings = settings or GrpcSettings()
         self.server = server
         self.servicer = InferenceServicer(server, shm, server.log_settings, server.tracer)
         self.restricted = restricted or {}
@@ -120,24 +122,22 @@ class GrpcFrontend:
     async def _start_h2(
         self, host: str, port: int, tls_settings=None, reuse_port: bool = False, listen: bool = True
     ) -> None:
-        from . import h2grpc
+        from .server import H2GrpcServer, service_methods
 
-        methods = h2grpc.service_methods(
+        methods = service_methods(
             pb.DESCRIPTOR.services_by_name["GRPCInferenceService"],
             self.servicer,
             api_group,
             request_types={
-                "ModelInfer": grpc_wire.SplitInferRequest,
-                "ModelStreamInfer": grpc_wire.SplitInferRequest,
+                "ModelInfer": wire.SplitInferRequest,
+                "ModelStreamInfer": wire.SplitInferRequest,
             },
         )
         try:
             from grpc_health.v1 import health_pb2
 
             self._health = HealthServicer()
-            methods.update(
-                h2grpc.service_methods(health_pb2.DESCRIPTOR.services_by_name["Health"], self._health)
-            )
+            methods.update(service_methods(health_pb2.DESCRIPTOR.services_by_name["Health"], self._health))
         except ImportError:
             log.warning("grpcio-health-checking is not installed: grpc.health.v1 is not served")
         authorize = None
@@ -149,7 +149,7 @@ class GrpcFrontend:
                     rules, method.group, ((k.decode("latin-1"), v.decode("latin-1")) for k, v in metadata)
                 )
 
-        self._grpc = h2grpc.H2GrpcServer(methods, authorize, self.settings, self.busy_poll)
+        self._grpc = H2GrpcServer(methods, authorize, self.settings, self.busy_poll)
         context = None
         if tls_settings is not None:
             self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")

@@ -3,9 +3,10 @@
 Everything else a connection sends (other routes and methods, HTTP/1.0, an `Expect` other than 100-continue or
 behind a request not yet answered, encoded request bodies or transfer codings other than chunked, Upgrade,
 oversized bodies, odd URLs) is handed to the aiohttp app for the rest of that connection's life: the aiohttp
-`Server` makes a `RequestHandler` protocol, the transport is switched over to it and it is fed every raw byte from
-the start of the request that triggered the handoff. A chunked body is decoded here (http_chunked.py). Both paths answer an infer request through the same function,
-`HttpFrontend.run_infer`, so results and errors are identical.
+`Server` makes a `RequestHandler` protocol, the transport is switched over to it and it is fed every raw byte
+from the start of the request that triggered the handoff. A chunked body is decoded here (chunked.py). Both
+paths answer an infer request through the same function, `HttpFrontend.run_infer`, so results and errors are
+identical.
 
 Slow clients: a request head must arrive within NAIAD_HTTP_HEAD_TIMEOUT seconds (default 30) of its first
 byte, and a body at NAIAD_HTTP_MIN_BODY_RATE bytes/s (default 16 KiB/s) on average once its first
@@ -29,12 +30,12 @@ from http import HTTPStatus
 import httptools
 import orjson
 
-from ..errors import NaiadError
-from . import eager
-from .busy_poll import BusyPoll
-from .http_chunked import ChunkedBodyReader, ChunkError
-from .http_codec import compress_response, error_headers, error_payload, response_coding, restricted_message
-from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from ...errors import NaiadError
+from ..transport import eager
+from ..transport.busy_poll import BusyPoll
+from ..transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from .chunked import ChunkedBodyReader, ChunkError
+from .codec import compress_response, error_headers, error_payload, response_coding, restricted_message
 
 log = logging.getLogger("naiad.http")
 
@@ -169,10 +170,12 @@ class FastHttpServer:
         self.routes: dict[bytes, tuple[str, str] | None] = {}
         self.chunked_sizes: dict[tuple[str, str], int] = {}  # the last chunked body's size by route
         self.connections: set[FastHttpProtocol] = set()
-        self.accepted = 0  # connections made so far (drain.py listens on while they still arrive)
-        self.starter = eager.Starter(busy_poll)  # requests start in data_received (eager.py)
+        self.accepted = 0  # connections made so far (transport/drain.py listens on while they still arrive)
+        self.starter = eager.Starter(busy_poll)  # requests start in data_received (transport/eager.py)
         self.closing = False
-        self.draining = False  # drain.py: answers carry Connection: close, then their connection closes
+        self.draining = (
+            False  # transport/drain.py: answers carry Connection: close, then their connection closes
+        )
         self._sweeper: asyncio.TimerHandle | None = None
         self.head_timeout = float(os.environ.get("NAIAD_HTTP_HEAD_TIMEOUT", "30"))
         self.min_body_rate = float(os.environ.get("NAIAD_HTTP_MIN_BODY_RATE", str(16 * 1024)))
@@ -559,7 +562,7 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def _read_chunked(self) -> bytes:
         """The head of a chunked request is parsed (its parser stopped there): the bytes already here and the rest
-        of the body are decoded into a pooled buffer (http_chunked.py); a new parser takes the next request.
+        of the body are decoded into a pooled buffer (chunked.py); a new parser takes the next request.
         Returns the bytes that followed the body when it came whole with its head (for data_received to parse)."""
         srv = self.srv
         reader = ChunkedBodyReader(self, srv.chunked_sizes.get(self.route, 0), srv.max_input_size)
@@ -721,7 +724,7 @@ def _path(model: str, version: str) -> str:
 
 class BodyReader(ConnectionReader):
     """The transport's protocol while a large request body arrives: the kernel writes it into a pooled
-    buffer (receive_buffers.py), then the connection's FastHttpProtocol takes over again."""
+    buffer (transport/receive_buffers.py), then the connection's FastHttpProtocol takes over again."""
 
     __slots__ = ("body", "fill", "seeded", "size", "view")
 

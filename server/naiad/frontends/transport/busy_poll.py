@@ -32,7 +32,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from ..scheduling.pool import InstancePool
+from ...scheduling.pool import InstancePool
 
 GROW_START_NS = 50_000  # the first non-zero limit, as haltpoll's guest_halt_poll_grow_start
 

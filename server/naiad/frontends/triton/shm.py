@@ -13,9 +13,9 @@ import orjson
 from aiohttp import web
 from tritonclient.grpc import service_pb2 as pb
 
-from ..errors import InvalidArgument, NotFound
-from ..shared_memory.cuda import CudaSharedMemoryManager
-from ..shared_memory.system import SharedMemoryManager
+from ...errors import InvalidArgument, NotFound
+from ...shared_memory.cuda import CudaSharedMemoryManager
+from ...shared_memory.system import SharedMemoryManager
 
 # ---- system shared memory, gRPC ----
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import struct
 
-from .h2_connection import RECV_STREAM_WINDOW, H2Connection, Stream
-from .h2_framing import DATA, END_STREAM, FRAME_HEAD, PADDED, WINDOW_UPDATE, frame
+from ...transport.receive_buffers import POOLED_MIN, ConnectionReader
+from .connection import RECV_STREAM_WINDOW, H2Connection, Stream
+from .framing import DATA, END_STREAM, FRAME_HEAD, PADDED, WINDOW_UPDATE, frame
 from .low_mark import LowMark
-from .receive_buffers import POOLED_MIN, ConnectionReader
 
 _FRAME = FRAME_HEAD
 READ_MAX = 1 << 20  # at most this much a read: the squeeze stays in the cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from .h2grpc_messages import WireMessage
+from .messages import WireMessage
 
 # Below this size a message is parsed and serialized by protobuf as a whole: the copies cost less than the scan.
 SPLIT_MIN = 16384
@@ -192,7 +192,7 @@ class SplitInferRequest:
         self.packed = packed  # {input position: its contents' values} cut out of the message
 
     @classmethod
-    def FromString(cls, data):  # protobuf's name: h2grpc calls request_type.FromString
+    def FromString(cls, data):  # protobuf's name: server.py calls request_type.FromString
         if len(data) >= SPLIT_MIN:
             view = memoryview(data)
             try:

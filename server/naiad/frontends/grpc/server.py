@@ -10,21 +10,21 @@ selects that one).
 
 What is served: unary-unary, stream-stream and unary-stream methods given as a path table; gRPC message
 compression gzip/deflate on requests (responses are sent uncompressed, which every client accepts), inflated
-in bounded steps off the event loop and refused past the message size or the decompression ratio; trailers-only error responses with percent-encoded `grpc-message`;
-`grpc-timeout` deadlines (DEADLINE_EXCEEDED, the call's work cancelled); TLS with ALPN "h2" when started with an
-SSL context. A unary call starts in the frame handler that completes its request (eager.py). Not served: server
-push.
+in bounded steps off the event loop and refused past the message size or the decompression ratio;
+trailers-only error responses with percent-encoded `grpc-message`; `grpc-timeout` deadlines
+(DEADLINE_EXCEEDED, the call's work cancelled); TLS with ALPN "h2" when started with an SSL context. A unary
+call starts in the frame handler that completes its request (transport/eager.py). Not served: server push.
 
-Limits (H2Settings, from `naiad serve`'s --grpc-* flags): SETTINGS_MAX_CONCURRENT_STREAMS, a per-message
+Limits (GrpcSettings, from `naiad serve`'s --grpc-* flags): SETTINGS_MAX_CONCURRENT_STREAMS, a per-message
 size limit, header blocks capped at MAX_HEADER_LIST, flow-control window granted to a streaming call as it
 takes its messages, reading paused while the client does not read our writes, keepalive PINGs and grpcio's
 ping-abuse policy (GOAWAY ENHANCE_YOUR_CALM "too_many_pings"), and handshake, idle and stall deadlines. The
 RFC 9113 checks h2spec makes are applied (docs/security.md).
 
-The layers: h2_framing.py (the wire), h2_connection.py (a connection's state, sending, flow control,
-keepalive), h2_reader.py (frames in), h2grpc_messages.py (gRPC messages, status), h2grpc_compression.py
-(inflating compressed messages) and this module: the calls (dispatch, request messages, responses and
-trailers) and the listening server.
+The layers: h2/framing.py (the wire), h2/connection.py (a connection's state, sending, flow control,
+keepalive), h2/reader.py (frames in), messages.py (gRPC messages, status), compression.py (inflating
+compressed messages) and this module: the calls (dispatch, request messages, responses and trailers) and the
+listening server.
 """
 
 from __future__ import annotations
@@ -33,26 +33,28 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
-from . import eager
-from .busy_poll import BusyPoll
-from .h2_connection import H2Settings, Stream
-from .h2_framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
-from .h2_reader import H2Reader
-from .h2grpc_compression import decompress
-from .h2grpc_messages import (
+from ..transport import eager
+from ..transport.busy_poll import BusyPoll
+from ..transport.heap_trim import TRIMMER
+from .compression import DEFAULT_MAX_RATIO, decompress
+from .h2.connection import H2Settings, Stream
+from .h2.framing import DATA, END_HEADERS, END_STREAM, FRAME_HEAD, HEADERS, PROTOCOL_ERROR, frame, hpack_int
+from .h2.reader import H2Reader
+from .messages import (
     MSG_PREFIX,
     OK_TRAILERS,
     RESPONSE_HEADERS,
     Abort,
+    GrpcRequestHead,
     Method,
     WireMessage,
     status_block,
     status_code,
 )
-from .heap_trim import TRIMMER
 
 log = logging.getLogger("naiad.grpc")
 
@@ -65,13 +67,55 @@ _PLAIN_TEXT = hpack_int(31, 4) + hpack_int(10, 7) + b"text/plain"
 _NOT_GRPC = b"this is a gRPC server: requests are POST with content-type application/grpc\n"
 
 
+@dataclass(frozen=True)
+class GrpcSettings(H2Settings):
+    """The HTTP/2 server's limits and timers (H2Settings) and the gRPC layer's own."""
+
+    max_decompression_ratio: int = (
+        DEFAULT_MAX_RATIO  # a compressed message may inflate to this many times its size
+    )
+
+
+class Call(Stream):
+    """A gRPC call's stream, also the `context` handed to servicer methods (the subset of grpc.aio's they
+    use)."""
+
+    __slots__ = ()
+
+    # -- the grpc.aio ServicerContext subset --
+    async def abort(self, code, details: str = "", trailing_metadata=()):
+        raise Abort(code, details, trailing_metadata)
+
+    def invocation_metadata(self):
+        return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.metadata)
+
+    def peer(self) -> str:
+        peer = self.conn.transport.get_extra_info("peername") if self.conn.transport else None
+        return f"ipv4:{peer[0]}:{peer[1]}" if peer else ""
+
+    def cancelled(self) -> bool:
+        return self.done
+
+    def time_remaining(self):
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline.when() - self.conn.loop.time())
+
+
 class _Connection(H2Reader):
     """A connection serving gRPC calls: each stream's request is dispatched to its Method, the response and
     trailers sent back."""
 
-    def _start_call(self, st: Stream, path: bytes, timeout: float | None) -> None:
+    stream_type = Call
+    head_type = GrpcRequestHead
+
+    def _start_call(self, st: Stream, head: GrpcRequestHead) -> None:
+        st.encoding = head.encoding
+        if head.method != b"POST" or not head.ctype.startswith(b"application/grpc"):
+            st.http_status = b"415" if head.method == b"POST" else b"405"
+            return
         server = self.server
-        method = server.methods.get(path)
+        method = server.methods.get(head.path)
         if method is None:
             self._finish_error(st, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
             return
@@ -81,12 +125,19 @@ class _Connection(H2Reader):
                 self._finish_error(st, grpc.StatusCode.PERMISSION_DENIED, denial)
                 return
         st.method = method
-        if timeout is not None:
-            st.deadline = self.loop.call_later(timeout, self._deadline_exceeded, st)
+        if head.timeout is not None:
+            st.deadline = self.loop.call_later(head.timeout, self._deadline_exceeded, st)
         if method.client_streaming:
             st.queue = asyncio.Queue()
             st.inbuf = bytearray()
             st.task = self.loop.create_task(self._run(st, self._request_iterator(st)))
+
+    def _too_large(self, st: Stream, length: int) -> None:
+        self._finish_error(
+            st,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"Received message larger than max ({length} vs. {self.max_message})",
+        )
 
     def _deadline_exceeded(self, st: Stream) -> None:
         """grpc-timeout passed: the call ends with DEADLINE_EXCEEDED and its work is cancelled (a request
@@ -137,7 +188,7 @@ class _Connection(H2Reader):
                 del body
                 if error is not None:
                     self._finish_error(st, grpc.StatusCode.INTERNAL, error)
-                else:  # started here; a Task only if the call has to wait (eager.py)
+                else:  # started here; a Task only if the call has to wait (transport/eager.py)
                     st.task = self.server.starter.start(self.loop, self._run(st, request))
         if st.done and not st.pending:  # (a reply still waiting for window is forgotten once it is sent)
             self._forget(st)
@@ -394,15 +445,15 @@ class H2GrpcServer:
         self,
         methods: dict[bytes, Method],
         authorize: Callable | None = None,
-        settings: H2Settings | None = None,
+        settings: GrpcSettings | None = None,
         busy_poll: BusyPoll | None = None,
     ):
         self.methods = methods
         self.authorize = authorize  # (method, metadata) -> denial message or None
-        self.settings = settings or H2Settings()
+        self.settings = settings or GrpcSettings()
         self.connections: set[_Connection] = set()
-        self.accepted = 0  # connections made so far (drain.py listens on while they still arrive)
-        self.starter = eager.Starter(busy_poll)  # unary calls start in the frame handler (eager.py)
+        self.accepted = 0  # connections made so far (transport/drain.py listens on while they still arrive)
+        self.starter = eager.Starter(busy_poll)  # unary calls start in the frame handler (transport/eager.py)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None

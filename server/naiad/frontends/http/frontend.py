@@ -10,18 +10,20 @@ import os
 import orjson
 from aiohttp import web
 
-from .. import config as cfg
-from .. import tensors
-from ..errors import InvalidArgument, NaiadError, NotFound
-from ..inference import InferenceRequest
-from ..repository import decode_file_overrides
-from ..server import Server
-from . import drain, generate
-from . import shm as shm_handlers
+from ... import config as cfg
+from ... import tensors
+from ...errors import InvalidArgument, NaiadError, NotFound
+from ...inference import InferenceRequest
+from ...repository import decode_file_overrides
+from ...server import Server
+from ..transport import drain
+from ..transport.busy_poll import BusyPoll
+from ..transport.receive_buffers import POOLED_MIN
+from ..triton import shm as shm_handlers
+from ..triton.parameters import boolean, parameters_of
+from . import generate
 from .aiohttp_site import start_tcp_site
-from .busy_poll import BusyPoll
-from .common import boolean, parameters_of
-from .http_codec import (
+from .codec import (
     HEADER_LENGTH,
     compress_response,
     decode_infer_request,
@@ -35,9 +37,8 @@ from .http_codec import (
     response_coding,
     restricted_message,
 )
-from .http_fast import FastHttpServer
-from .receive_buffers import POOLED_MIN
-from .sse_response import EventResponse
+from .fast import FastHttpServer
+from .sse import EventStream
 
 log = logging.getLogger("naiad.http")
 
@@ -52,26 +53,6 @@ def error_response(exc: BaseException) -> web.Response:
     if headers is not None:
         return web.Response(body=body, status=status, headers=headers)
     return web.Response(body=body, status=status, content_type="application/json")
-
-
-@web.middleware
-async def _errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            if request.path.startswith("/v1/"):  # the OpenAI API answers with OpenAI's error object
-                from .openai.errors import OpenAIError
-                from .openai.routes import error_response as openai_error
-
-                return openai_error(OpenAIError(f"{exc.reason}: {request.method} {request.path}", exc.status))
-            return _json({"error": exc.reason or exc.text or "error"}, status=exc.status)
-        raise
-    except NaiadError as exc:
-        return error_response(exc)
-    except Exception as exc:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(exc)
 
 
 # ---- the app ----
@@ -115,13 +96,15 @@ class HttpFrontend:
         busy_poll: BusyPoll | None = None,
         openai=None,
     ):
-        """`openai`: an openai.routes.OpenAIFrontend whose /v1 routes this app serves too."""
+        """`openai`: an openai.routes.OpenAIFrontend whose /v1 routes this app serves too (its `http_error` and
+        `restricted` answer a /v1 path's errors and restricted-API refusals with OpenAI's error object)."""
         self.server = server
+        self.openai = openai
         self.busy_poll = busy_poll
         self.shm = shm
         self.restricted = restricted or {}
         self.max_input_size = max_input_size
-        middlewares = [_errors]
+        middlewares = [self._errors]
         if self.restricted:
             middlewares.append(self._restrict)
         self.app = web.Application(client_max_size=max_input_size, middlewares=middlewares)
@@ -162,6 +145,23 @@ class HttpFrontend:
             openai.add_routes(r)
 
     @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                if self.openai is not None and request.path.startswith("/v1/"):
+                    # the OpenAI API answers with OpenAI's error object
+                    return self.openai.http_error(request, exc)
+                return _json({"error": exc.reason or exc.text or "error"}, status=exc.status)
+            raise
+        except NaiadError as exc:
+            return error_response(exc)
+        except Exception as exc:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(exc)
+
+    @web.middleware
     async def _restrict(self, request: web.Request, handler):
         category = api_category(request.path)
         rule = self.restricted.get(category)
@@ -171,10 +171,8 @@ class HttpFrontend:
             if given is None or not hmac.compare_digest(
                 given.encode("utf-8", "surrogateescape"), value.encode("utf-8", "surrogateescape")
             ):
-                if category == "openai":
-                    from .openai.routes import restricted_response
-
-                    return restricted_response(key)
+                if category == "openai" and self.openai is not None:
+                    return self.openai.restricted(key)
                 return _json({"error": restricted_message(key)}, status=403)
         return await handler(request)
 
@@ -331,7 +329,7 @@ class HttpFrontend:
     ) -> tuple[list, dict]:
         """One infer request from its route and body to the response's (body chunks, headers).
 
-        The one implementation behind the aiohttp route and the fast HTTP/1.1 path (http_fast)."""
+        The one implementation behind the aiohttp route and the fast HTTP/1.1 path (fast.py)."""
         if header_length == "0" or (header_length is None and not body):
             v = model_version(version)
             mv, waited = await self.server.ready_model(model, v)
@@ -401,50 +399,40 @@ class HttpFrontend:
         first response sets the status (an error first: its status, with the error as the event); an error after
         it is an event under the 200. An error before any response is a plain JSON error."""
         _, req = await self._generate_request(request)
-        stream = EventResponse()
+        events = EventStream(request)  # no stall timeout: written as aiohttp writes, as Triton's stream is
         if req.load_wait_ns:
-            load_wait_header(req, stream.headers)
-        started = False
-        held: list[bytes] = []  # events whose next one was already waiting: they go out with it, in one write
+            load_wait_header(req, events.response.headers)
         responses = self.server.infer_stream(req)
         try:
             async for resp in responses:
                 if resp.error is None and not resp.outputs and not resp.parameters and resp.final:
                     continue  # the final flag alone: nothing to send
-                if not started:
+                if not events.started:
                     if resp.error is not None:
-                        stream.set_status(error_payload(resp.error)[0])
-                    await stream.prepare(request)
-                    started = True
-                if resp.error is not None:
-                    held.append(b"data: " + orjson.dumps({"error": str(resp.error)}) + b"\n\n")
+                        events.response.set_status(error_payload(resp.error)[0])
+                    await events.start()
+                event = {"error": str(resp.error)} if resp.error is not None else generate.encode(resp)
+                if resp.more_ready:  # the next response is already waiting: it goes out with it, in one write
+                    events.hold(event)
                 else:
-                    held.append(b"data: " + orjson.dumps(generate.encode(resp)) + b"\n\n")
-                if not resp.more_ready:
-                    await stream.write(b"".join(held))
-                    held.clear()
+                    await events.send(event)
         except NaiadError as exc:
-            if not started:
+            if not events.started:
                 raise
-            held.append(b"data: " + orjson.dumps({"error": exc.message}) + b"\n\n")
+            events.hold({"error": exc.message})
         except ConnectionResetError:  # the client went away mid-stream: nobody to answer, nothing to log
-            return stream
+            return events.response
         finally:
             await responses.aclose()  # a client that went away cancels the request
-        if not started:
-            await stream.prepare(request)
         try:
-            if held:
-                await stream.write(b"".join(held))
-            await stream.write_eof()
+            return await events.end()
         except ConnectionResetError:
-            pass
-        return stream
+            return events.response
 
     async def start(
         self, host: str, port: int, ssl=None, reuse_port: bool = False, listen: bool = True
     ) -> HttpListener | web.AppRunner:
-        """Listen with the fast HTTP/1.1 protocol (http_fast); it hands the aiohttp app every connection
+        """Listen with the fast HTTP/1.1 protocol (fast.py); it hands the aiohttp app every connection
         that sends anything but a plain infer request. `cleanup()` on the result stops both.
         NAIAD_HTTP_FAST=0 in the environment serves everything with aiohttp alone, as before.
         `ssl`: an ssl.SSLContext to serve HTTPS (both paths see the decrypted stream). `reuse_port`:

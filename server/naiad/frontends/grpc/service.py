@@ -1,5 +1,5 @@
 """The gRPC services' handlers: GRPCInferenceService (KServe v2 with Triton's extensions) over `Server`, and
-grpc.health.v1.Health for Naiad's HTTP/2 server. Shared by both implementations (h2grpc and grpc.aio)."""
+grpc.health.v1.Health for Naiad's HTTP/2 server. Shared by both implementations (server.py and grpc.aio)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ..errors import NaiadError, Unsupported, as_naiad_error
-from ..orchestration.on_demand import LOAD_WAIT_PARAMETER
-from ..server import Server
-from . import grpc_wire
-from . import shm as shm_handlers
-from .grpc_codec import decode_request, encode_response, load_parameters, unload_dependents
+from ...errors import NaiadError, Unsupported, as_naiad_error
+from ...orchestration.on_demand import LOAD_WAIT_PARAMETER
+from ...server import Server
+from ..triton import shm as shm_handlers
+from . import wire
+from .codec import decode_request, encode_response, load_parameters, unload_dependents
 
 log = logging.getLogger("naiad.grpc")
 
@@ -121,7 +121,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            if type(request) is grpc_wire.SplitInferRequest:  # Naiad's own HTTP/2 server
+            if type(request) is wire.SplitInferRequest:  # Naiad's own HTTP/2 server
                 req = decode_request(request.message, self.shm, request.raw, request.packed)
                 chunked = True
             else:
@@ -144,10 +144,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
 
-        async def handle(msg: pb.ModelInferRequest | grpc_wire.SplitInferRequest) -> None:
+        async def handle(msg: pb.ModelInferRequest | wire.SplitInferRequest) -> None:
             req = None
             # Naiad's own HTTP/2 server: raw contents stay views of the message, outputs are sent from their memory
-            chunked = type(msg) is grpc_wire.SplitInferRequest
+            chunked = type(msg) is wire.SplitInferRequest
             head = msg.message if chunked else msg
             try:
                 req = decode_request(
@@ -160,7 +160,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     resp = await self.server.infer(req)
                     if req.load_wait_ns:
                         resp.parameters[LOAD_WAIT_PARAMETER] = round(req.load_wait_ns / 1e6, 1)
-                    queue.put_nowait(grpc_wire.stream_response(encode_response(resp, req, self.shm, chunked)))
+                    queue.put_nowait(wire.stream_response(encode_response(resp, req, self.shm, chunked)))
                     return
                 async for resp in self.server.infer_stream(req):
                     if resp.error is not None:
@@ -171,9 +171,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     if not resp.outputs and resp.final and not empty_final:
                         break
                     out = encode_response(resp, req, self.shm, chunked)
-                    message = out.message if type(out) is grpc_wire.ChunkedResponse else out
+                    message = out.message if type(out) is wire.ChunkedResponse else out
                     message.parameters["triton_final_response"].bool_param = resp.final
-                    queue.put_nowait(grpc_wire.stream_response(out))
+                    queue.put_nowait(wire.stream_response(out))
             except Exception as exc:
                 err = as_naiad_error(exc)
                 message = err.message

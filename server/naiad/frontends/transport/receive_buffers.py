@@ -26,7 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from ..host_pinning import HostPinning
+    from ...host_pinning import HostPinning
 
 POOLED_MIN = 64 * 1024  # smaller bodies are read as before (the parser's own buffers)
 # buffers the pool keeps, in use or idle; past this a large request gets a buffer of its own, freed after it

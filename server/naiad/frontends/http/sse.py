@@ -1,5 +1,15 @@
-"""Server-Sent Events for OpenAI streams: `data: {json}` events and `data: [DONE]`, written through aiohttp's bounded
-buffer; a client that stops reading for longer than the stall timeout has its connection aborted."""
+"""Server-Sent Events, the one writer of Triton's generate_stream and the OpenAI streams: `data: {json}` events,
+each written at once (`send`) or held to go out with the next one in the same write (`hold`).
+
+The response's headers go out with its first event, in one write: aiohttp's StreamResponse writes its headers as
+soon as it is prepared, so a stream's first event cost two writes (two loopback sends, two wakeups of the client)
+before the client had its first token. Prepared only when the first event is ready, the headers wait for it a few
+microseconds at most.
+
+With a stall timeout (the OpenAI streams) the stream is written through aiohttp's bounded buffer, and a client that
+stops reading for longer than the timeout has its connection aborted (StreamStalled); without one (generate_stream,
+as Triton's) the events are written as aiohttp writes them.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +19,20 @@ import socket
 import orjson
 from aiohttp import web
 
-from ..sse_response import EventResponse
-
 WRITE_BUFFER_HIGH = 64 * 1024  # bytes the transport holds for a slow reader before writes wait
 KERNEL_SEND_BUFFER = 256 * 1024  # SO_SNDBUF of a streaming connection
+DONE = b"data: [DONE]\n\n"  # the OpenAI streams' last event
+
+
+class EventResponse(web.StreamResponse):
+    """A `text/event-stream` response; `prepare()` buffers the headers until the first `write()` (or the end)."""
+
+    _send_headers_immediately = False  # aiohttp's own switch (web.Response turns it off the same way)
+
+    def __init__(self) -> None:
+        super().__init__(
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+        )
 
 
 class StreamStalled(Exception):
@@ -20,7 +40,10 @@ class StreamStalled(Exception):
 
 
 class EventStream:
-    def __init__(self, request: web.Request, stall_timeout: float):
+    """One event stream answering `request`. `response` (an EventResponse) may have its status and headers set
+    until the stream starts; `stall_timeout` (seconds, or None): see the module's docstring."""
+
+    def __init__(self, request: web.Request, stall_timeout: float | None = None):
         self.request = request
         self.stall_timeout = stall_timeout
         self.response = EventResponse()  # the headers go out with the first event
@@ -31,7 +54,7 @@ class EventStream:
         if not self.started:
             await self.response.prepare(self.request)
             transport = self.request.transport
-            if transport is not None:
+            if transport is not None and self.stall_timeout is not None:
                 transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
                 sock = transport.get_extra_info("socket")
                 if sock is not None:
@@ -49,6 +72,9 @@ class EventStream:
         if self._held:
             data = b"".join((*self._held, data))
             self._held.clear()
+        if self.stall_timeout is None:
+            await self.response.write(data)
+            return
         try:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps each write, each token, in a Task
             if (
@@ -65,14 +91,24 @@ class EventStream:
             raise StreamStalled() from None
 
     async def send(self, obj: dict) -> None:
+        """An event, written now (with the events held before it)."""
         await self._write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
     def hold(self, obj: dict) -> None:
         """An event that goes out with the next one, in the same write (the chat stream's role chunk waits for its
-        first token: one send, one wakeup of the client)."""
+        first token; a response whose next one is already waiting waits for it: one send, one wakeup of the
+        client)."""
         self._held.append(b"data: " + orjson.dumps(obj) + b"\n\n")
 
-    async def done(self) -> web.StreamResponse:
-        await self._write(b"data: [DONE]\n\n")
+    async def end(self, last: bytes | None = None) -> web.StreamResponse:
+        """The end of the stream: the events still held, and `last` (raw bytes, such as DONE), in one write if
+        there is anything to write, then the end of the response."""
+        await self.start()
+        if last is not None or self._held:
+            await self._write(last or b"")
         await self.response.write_eof()
         return self.response
+
+    async def done(self) -> web.StreamResponse:
+        """The OpenAI streams' end: the `data: [DONE]` event, then the end of the response."""
+        return await self.end(DONE)

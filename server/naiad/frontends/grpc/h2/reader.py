@@ -1,18 +1,20 @@
 """Reading an HTTP/2 connection: the frame loop, each frame type's checks (RFC 9113 and what h2spec tests),
 SETTINGS, PING and WINDOW_UPDATE, HPACK header blocks (decoded once per distinct block), and DATA assembled into
-the calls' request messages. The call layer above (h2grpc.py) supplies `_start_call`, `_remote_end` and
-`_finish_error`."""
+the calls' request messages (length-prefixed, as gRPC frames them). The call layer above (grpc/server.py)
+subclasses H2Reader: it supplies `_start_call`, `_remote_end` and `_too_large`, and may name its own classes of
+streams and request heads (`stream_type`, `head_type`)."""
 
 from __future__ import annotations
 
 import abc
 import struct
+from typing import Any
 
-import grpc
 import hpack
 
+from ...transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader
 from . import hpack_blocks
-from .h2_connection import (
+from .connection import (
     DRAIN_PING,
     KEEPALIVE_PING,
     MAX_HEADER_LIST,
@@ -22,7 +24,7 @@ from .h2_connection import (
     H2ConnectionError,
     Stream,
 )
-from .h2_framing import (
+from .framing import (
     ACK,
     COMPRESSION_ERROR,
     CONTINUATION,
@@ -53,9 +55,8 @@ from .h2_framing import (
     WINDOW_UPDATE,
     frame,
 )
-from .h2_message_reader import MessageReader
-from .h2grpc_messages import Abort, RequestHead, message_length
-from .receive_buffers import POOL, POOLED_MIN, ConnectionReader
+from .headers import RequestHead
+from .message_reader import MessageReader
 
 # Bound here, not imported: CPython 3.11 compiles `imported_name.method(...)` without LOAD_METHOD, which
 # would build a bound-method object at every call in these hot paths.
@@ -64,8 +65,28 @@ SELF_DEPENDENT = 0x100  # (not a wire flag) the HEADERS frame made its stream de
 MAX_RESETS_PER_TICK = 1000  # streams a client may reset between two sweeps before GOAWAY ENHANCE_YOUR_CALM
 
 
+class MessageTooLarge(Exception):
+    """A request message announced (or grew to) more than the connection's `max_message` bytes."""
+
+    def __init__(self, length: int):
+        super().__init__(length)
+        self.length = length
+
+
+def message_length(buf, pos: int, limit: int) -> int:
+    """The length a message prefix at `buf[pos:]` announces (a flag byte, then 4 bytes big-endian: gRPC's
+    framing); MessageTooLarge past `limit`."""
+    length = int.from_bytes(buf[pos + 1 : pos + 5], "big")
+    if length > limit:
+        raise MessageTooLarge(length)
+    return length
+
+
 class H2Reader(H2Connection, abc.ABC):
     """What the client sends, frame by frame, applied to the connection's state."""
+
+    stream_type: type[Stream] = Stream  # what a new stream is made as
+    head_type: type[RequestHead] = RequestHead  # what a request's header block is read into
 
     def data_received(self, data: bytes):
         if self.closed:
@@ -126,7 +147,7 @@ class H2Reader(H2Connection, abc.ABC):
             if st is not None:
                 self.filling = None
                 if MessageReader.start(self, st, view[pos:]):
-                    return  # the rest of the message is read into its buffer (h2_message_reader.py)
+                    return  # the rest of the message is read into its buffer (message_reader.py)
             if pos < n:
                 self.buf += view[pos:]
                 if len(self.buf) >= 9:
@@ -347,17 +368,13 @@ class H2Reader(H2Connection, abc.ABC):
         if flags & SELF_DEPENDENT or head.error:
             self._reset_stream(sid, PROTOCOL_ERROR)
             return
-        st = Stream(self, sid, self.peer_initial_window)
+        st = self.stream_type(self, sid, self.peer_initial_window)
         self.streams[sid] = st
         st.metadata = head.metadata
-        st.encoding = head.encoding
         st.content_length = head.content_length
         end = bool(flags & END_STREAM)
         st.remote_closed = end  # an immediate error response must not reset a stream the client has ended
-        if head.method != b"POST" or not head.ctype.startswith(b"application/grpc"):
-            st.http_status = b"415" if head.method == b"POST" else b"405"
-        else:
-            self._start_call(st, head.path, head.timeout)
+        self._start_call(st, head)
         if end:
             self._remote_end(st)
 
@@ -373,7 +390,7 @@ class H2Reader(H2Connection, abc.ABC):
         entries = table.dynamic_entries
         first, count, size = entries[0] if entries else None, len(entries), table.maxsize
         headers = hpack_blocks.decode(self.decoder, block)
-        head = RequestHead(headers)
+        head = self.head_type(headers)
         if (entries[0] if entries else None) is first and len(entries) == count and table.maxsize == size:
             if len(block) <= 1024 and sum(len(k) + len(v) for k, v in headers) <= 4096:
                 if len(self.header_cache) >= 64:
@@ -449,14 +466,10 @@ class H2Reader(H2Connection, abc.ABC):
             if st.queue is not None:
                 try:
                     self._stream_messages(st, payload, in_place)
-                except Abort as exc:
-                    self._finish_error(st, exc.code, exc.details)
+                except MessageTooLarge as exc:
+                    self._too_large(st, exc.length)
             elif st.received > self.max_message + 5:
-                self._finish_error(
-                    st,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"Received message larger than max ({st.received - 5} vs. {self.max_message})",
-                )
+                self._too_large(st, st.received - 5)
             elif st.msg is not None:
                 fill = st.msg_fill
                 if fill + len(payload) > len(st.msg):  # more than the message announced: _remote_end says so
@@ -538,7 +551,8 @@ class H2Reader(H2Connection, abc.ABC):
 
     def _pool_message(self, st: Stream, payload: memoryview) -> bool:
         """The first DATA of a unary call announces a large message: it is assembled in a pooled buffer
-        (receive_buffers.py), so its tensors are views of memory that is reused, not of fresh copies."""
+        (transport/receive_buffers.py), so its tensors are views of memory that is reused, not of fresh
+        copies."""
         size = 5 + int.from_bytes(payload[1:5], "big")
         if size < POOLED_MIN or size > self.max_message + 5 or len(payload) > size:
             return False
@@ -548,18 +562,19 @@ class H2Reader(H2Connection, abc.ABC):
         self.filling = st
         return True
 
-    # ---- supplied by the call layer (h2grpc._Connection) ----
+    # ---- supplied by the call layer (grpc/server.py's _Connection) ----
     @abc.abstractmethod
-    def _start_call(self, st: Stream, path: bytes, timeout: float | None) -> None:
-        """A new stream's request headers arrived: find its method and start the call."""
+    def _start_call(self, st: Stream, head: Any) -> None:
+        """A new stream's request headers arrived (`head`: a `head_type`): find its method and start the
+        call, or set the stream's `http_status` if no call serves such a request."""
 
     @abc.abstractmethod
     def _remote_end(self, st: Stream) -> None:
         """The client ended its half of the stream: the request is complete."""
 
     @abc.abstractmethod
-    def _finish_error(self, st: Stream, code, message: str) -> None:
-        """End the call with a gRPC error status."""
+    def _too_large(self, st: Stream, length: int) -> None:
+        """A request message of `length` bytes is past `max_message`: end the call with an error."""
 
 
 class DataReader(ConnectionReader):

@@ -1,6 +1,6 @@
 """One HTTP/2 server connection's state and its sending side (asyncio.Protocol): streams, flow control out and
 in, closing streams (RST_STREAM) and the connection (GOAWAY), keepalive PINGs and the handshake, idle and stall
-deadlines. Reading frames is h2_reader.py's; gRPC calls are h2grpc.py's."""
+deadlines. Reading frames is reader.py's; the calls are the layer above's (gRPC's: grpc/server.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 
 import hpack
 
-from .h2_framing import (
+from ...transport.heap_trim import TRIMMER
+from .framing import (
     CANCEL,
     DATA,
     END_HEADERS,
@@ -34,9 +35,7 @@ from .h2_framing import (
     WINDOW_UPDATE,
     frame,
 )
-from .h2grpc_compression import DEFAULT_MAX_RATIO
-from .h2grpc_messages import MAX_MESSAGE, Abort, Method, RequestHead
-from .heap_trim import TRIMMER
+from .headers import RequestHead
 
 log = logging.getLogger("naiad.grpc")
 
@@ -52,6 +51,7 @@ WRITE_HIGH_WATER = 4 << 20  # the transport's write buffer above which reading p
 KEEPALIVE_PING = b"naiad-ka"  # the opaque data of our keepalive PINGs
 DRAIN_PING = b"naiad-dr"  # the PING after the first GOAWAY of a graceful drain
 MAX_STREAM_ID = 2**31 - 1
+MAX_MESSAGE = 2**31 - 1  # a request message's size limit unless set lower (gRPC's: a signed 32-bit length)
 DRAIN_ACK_TIMEOUT = 1.0  # a client that does not answer the drain PING gets the final GOAWAY after this
 
 
@@ -66,13 +66,11 @@ class H2ConnectionError(Exception):
 @dataclass(frozen=True)
 class H2Settings:
     """Limits and timers of the server. Times in milliseconds, named as grpcio's channel arguments; the
-    keepalive ones default to Triton's flag defaults. 0 turns a timer (or a count limit) off."""
+    keepalive ones default to Triton's flag defaults. 0 turns a timer (or a count limit) off. The call layer's
+    own settings are a subclass's (grpc/server.py's GrpcSettings)."""
 
     max_concurrent_streams: int = 100
     max_message: int = MAX_MESSAGE  # per request message, after decompression
-    max_decompression_ratio: int = (
-        DEFAULT_MAX_RATIO  # a compressed message may inflate to this many times its size
-    )
     keepalive_time_ms: int = 7_200_000
     keepalive_timeout_ms: int = 20_000
     keepalive_permit_without_calls: bool = False
@@ -85,7 +83,9 @@ class H2Settings:
 
 
 class Stream:
-    """One call. Also the `context` handed to servicer methods (the subset of grpc.aio's they use)."""
+    """One stream: a call's request coming in and its response going out. The call layer above keeps what
+    it serves the stream with here too (`method`, `encoding`, `http_status`, `task`, `queue`, `deadline`), and
+    its subclass (`H2Reader.stream_type`) adds what its handlers call on it."""
 
     __slots__ = (
         "blocked_since",
@@ -119,13 +119,13 @@ class Stream:
     def __init__(self, conn: H2Connection, sid: int, send_window: int):
         self.conn = conn
         self.sid = sid
-        self.method: Method | None = None
+        self.method: Any = None  # what serves the call (gRPC's Method); None: no call reads the stream's DATA
         self.metadata: tuple = ()
-        self.encoding = b""
+        self.encoding = b""  # the coding of the request's compressed messages (grpc-encoding)
         self.body: list = []  # unary request: DATA payloads until END_STREAM
         self.msg: memoryview | None = None  # a large message being received, in a pooled buffer
         self.msg_fill = 0
-        self.interleaved = False  # its message's frames came between other frames (h2_message_reader.py)
+        self.interleaved = False  # its message's frames came between other frames (message_reader.py)
         self.received = 0
         self.unacked = 0
         self.held = 0  # received bytes whose window is granted only once the call takes its queued messages
@@ -138,35 +138,16 @@ class Stream:
         self.task: asyncio.Task | None = None
         self.queue: asyncio.Queue | None = None  # client streaming: complete messages, then None
         self.inbuf: bytearray | None = None
-        self.deadline: asyncio.TimerHandle | None = None  # grpc-timeout
+        self.deadline: asyncio.TimerHandle | None = None  # the call's deadline (grpc-timeout)
         self.content_length: int | None = None
-        self.http_status = b""  # not a gRPC request: answered with this status once the client's half ends
+        self.http_status = b""  # no call serves it: answered with this status once the client's half ends
         self.last_data = conn.last_recv
         self.blocked_since = 0.0
 
-    # -- the grpc.aio ServicerContext subset --
-    async def abort(self, code, details: str = "", trailing_metadata=()):
-        raise Abort(code, details, trailing_metadata)
-
-    def invocation_metadata(self):
-        return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.metadata)
-
-    def peer(self) -> str:
-        peer = self.conn.transport.get_extra_info("peername") if self.conn.transport else None
-        return f"ipv4:{peer[0]}:{peer[1]}" if peer else ""
-
-    def cancelled(self) -> bool:
-        return self.done
-
-    def time_remaining(self):
-        if self.deadline is None:
-            return None
-        return max(0.0, self.deadline.when() - self.conn.loop.time())
-
 
 class H2Connection(asyncio.Protocol):
-    """The connection's state and what sends on it. `server` is the H2GrpcServer (h2grpc.py) that accepted it:
-    its settings, loop and set of connections."""
+    """The connection's state and what sends on it. `server` is what accepted it (grpc/server.py's
+    H2GrpcServer): its settings, loop and set of connections."""
 
     def __init__(self, server: Any):
         self.server = server
@@ -175,7 +156,7 @@ class H2Connection(asyncio.Protocol):
         self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        # a call whose pooled message this read's DATA went into (h2_message_reader.py may read the rest)
+        # a call whose pooled message this read's DATA went into (message_reader.py may read the rest)
         self.filling: Stream | None = None
         self.preface = False
         self.decoder = hpack.Decoder()

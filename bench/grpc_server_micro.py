@@ -1,6 +1,8 @@
-"""In-process CPU cost of h2grpc per unary call (ServerReady): frames fed to a _Connection over a fake transport.
+"""In-process CPU cost of Naiad's gRPC server (frontends/grpc/server.py) per unary call (ServerReady): frames
+fed to a _Connection over a fake transport.
 
-Run: PYTHONPATH=server python bench/h2grpc_micro.py (compare two checkouts by their server/ directories)."""
+Run: PYTHONPATH=server python bench/grpc_server_micro.py (compare two checkouts by their server/
+directories)."""
 
 import asyncio
 import struct
@@ -9,9 +11,9 @@ import time
 import hpack
 from tritonclient.grpc import service_pb2 as pb
 
-from naiad.frontends import h2_framing as h2
-from naiad.frontends import h2grpc
-from naiad.frontends.h2grpc_messages import Method
+from naiad.frontends.grpc import server as grpc_server
+from naiad.frontends.grpc.h2 import framing as h2
+from naiad.frontends.grpc.messages import Method
 
 
 class T:
@@ -48,11 +50,11 @@ async def ready(req, ctx):
 
 
 async def main(n=20000, batch=32):
-    srv = h2grpc.H2GrpcServer(
+    srv = grpc_server.H2GrpcServer(
         {b"/inference.GRPCInferenceService/ServerReady": Method(pb.ServerReadyRequest, ready)}
     )
     srv.loop = asyncio.get_running_loop()
-    conn = h2grpc._Connection(srv)
+    conn = grpc_server._Connection(srv)
     conn.connection_made(T())
     enc = hpack.Encoder()
     hdrs = [

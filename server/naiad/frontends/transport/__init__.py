@@ -1,0 +1,1 @@
+"""Transport plumbing all protocols share: receive buffers, eager starts, busy polling, heap trim, drain, TLS."""

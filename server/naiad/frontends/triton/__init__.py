@@ -1,0 +1,1 @@
+"""Triton's extensions shared by HTTP and gRPC: reserved request parameters, shared-memory handlers."""

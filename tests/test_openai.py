@@ -400,7 +400,7 @@ def test_bad_input(server):
     assert "embeddings" in err["message"]
     # a route or method the API does not have: OpenAI's error object too
     assert_openai_error(requests.get(f"{server.url}/v1/chat/completions"), 405)
-    assert_openai_error(post(server, "/v1/responses", {"model": "counting_vllm"}), 404)
+    assert_openai_error(post(server, "/v1/assistants", {"model": "counting_vllm"}), 404)
     # unknown fields are accepted
     ok = post(server, chat, {"model": "counting_vllm", "messages": msgs, "max_tokens": 1, "frobnicate": [1]})
     assert ok.status_code == 200, ok.text
@@ -651,21 +651,21 @@ def test_context_length_is_checked_with_the_published_tokenizer():
     import asyncio
     from types import SimpleNamespace
 
-    from naiad.frontends.openai.errors import OpenAIError
-    from naiad.frontends.openai.protocol import Generation
-    from naiad.frontends.openai.routes import OpenAIFrontend
+    from naiad.frontends.llm.errors import LLMError
+    from naiad.frontends.llm.request import Generation
+    from naiad.frontends.llm.service import LLMService
     from naiad.llm.info import LLMInfo, publish
 
     ctx = SimpleNamespace(extra={})
     publish(ctx, LLMInfo(context_length=8, tokenize=lambda text: text.split()))
     mv = SimpleNamespace(name="m", ctx=ctx)
-    front = OpenAIFrontend(server=None)
+    front = LLMService(server=None)
     gen = Generation(model="m", prompt="a b c")
-    count = asyncio.run(front._prompt_tokens(mv, "a b c", gen))
+    count = asyncio.run(front.prompt_tokens(mv, "a b c", gen))
     assert count == 3 and gen.max_tokens == 5  # the context's rest
-    with pytest.raises(OpenAIError) as info:
-        asyncio.run(front._prompt_tokens(mv, "a b c", Generation(model="m", prompt="a b c", max_tokens=6)))
+    with pytest.raises(LLMError) as info:
+        asyncio.run(front.prompt_tokens(mv, "a b c", Generation(model="m", prompt="a b c", max_tokens=6)))
     assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
-    with pytest.raises(OpenAIError) as info:
-        asyncio.run(front._prompt_tokens(mv, " ".join("x" * 8), Generation(model="m", prompt="...")))
+    with pytest.raises(LLMError) as info:
+        asyncio.run(front.prompt_tokens(mv, " ".join("x" * 8), Generation(model="m", prompt="...")))
     assert info.value.code == "context_length_exceeded" and info.value.status == 400

@@ -304,13 +304,13 @@ def test_vllm_guided_fields_and_their_errors(client, server):
 
 
 def test_tensorrt_llm_guide_types():
-    from naiad.frontends.openai.errors import OpenAIError
-    from naiad.frontends.openai.mapping import trtllm_guide
+    from naiad.frontends.llm.errors import LLMError
+    from naiad.frontends.llm.mapping import trtllm_guide
 
     assert trtllm_guide({"json": {"type": "object"}}) == ("json_schema", '{"type": "object"}')
     assert trtllm_guide({"json_object": True}) == ("json", "{}")
     assert trtllm_guide({"regex": "a+"}) == ("regex", "a+")
     assert trtllm_guide({"grammar": 'root ::= "a"'}) == ("ebnf_grammar", 'root ::= "a"')
     for spec in ({"choice": ["a"]}, {"regex": "a", "grammar": "b"}, {"regex": 1}):
-        with pytest.raises(OpenAIError, match="TensorRT-LLM"):
+        with pytest.raises(LLMError, match="TensorRT-LLM"):
             trtllm_guide(spec)

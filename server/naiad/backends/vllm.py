@@ -183,7 +183,10 @@ class Engine:
                 eos_token=getattr(tokenizer, "eos_token", None) or "",
                 context_length=self.context_length,
                 prompt_byte_limit=self.prompt_byte_limit,
-                tokenize=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+                tokenize=lambda text, add_special=False: list(
+                    tokenizer.encode(text, add_special_tokens=add_special)
+                ),
+                detokenize=lambda ids: tokenizer.decode(ids),
             ),
         )
 

@@ -405,8 +405,11 @@ class EngineClient:
         name, version, config, load = info
 
         # the OpenAI frontend's token counts, by the engine's tokenizer
-        async def tokenize(text: str) -> list[int]:
-            return await self.call("tokenize", name, version, text)
+        async def tokenize(text: str, add_special: bool | None = None) -> list[int]:
+            return await self.call("tokenize", name, version, text, add_special)
+
+        async def detokenize(ids: list[int]) -> str:
+            return await self.call("detokenize", name, version, ids)
 
         # the engine's check of a structured-output spec, which the OpenAI frontend runs on a thread (it may build a
         # grammar): asked over the data channel, so this worker's event loop goes on serving meanwhile
@@ -420,7 +423,7 @@ class EngineClient:
                 call = self.call("check_structured_outputs", name, version, spec)
                 asyncio.run_coroutine_threadsafe(call, channel.loop).result()
 
-        ctx = remote_context(name, version, described, tokenize, check_structured_outputs)
+        ctx = remote_context(name, version, described, tokenize, check_structured_outputs, detokenize)
         mv = RemoteModel(name, version, config, load, ctx)
         self._models[(name, version)] = mv
         return mv

@@ -195,8 +195,10 @@ class EngineService:
         if method == "ready_model":  # with --load-on-demand, the engine loads the model first
             mv, waited = await s.ready_model(*args)
             return [*_model_info(mv), waited]
-        if method == "tokenize":  # name, version, text
-            return await model_context.tokenize(s.model(args[0], args[1]), args[2])
+        if method == "tokenize":  # name, version, text, add_special
+            return await model_context.tokenize(s.model(args[0], args[1]), *args[2:])
+        if method == "detokenize":  # name, version, ids
+            return await model_context.detokenize(s.model(args[0], args[1]), args[2])
         if method == "check_structured_outputs":  # name, version, spec
             return await model_context.check_structured_outputs(s.model(args[0], args[1]), args[2])
         return self.call(method, args)
@@ -208,7 +210,15 @@ def _model_info(mv) -> list:
 
 
 _ASYNC_CALLS = frozenset(
-    {"index", "load_model", "unload_model", "ready_model", "tokenize", "check_structured_outputs"}
+    {
+        "index",
+        "load_model",
+        "unload_model",
+        "ready_model",
+        "tokenize",
+        "detokenize",
+        "check_structured_outputs",
+    }
 )
 
 

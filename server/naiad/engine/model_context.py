@@ -42,6 +42,7 @@ def describe(mv: Any) -> dict:
             "prompt_byte_limit": published.prompt_byte_limit,
             "extra": dict(published.extra),
             "tokenize": published.tokenize is not None,
+            "detokenize": published.detokenize is not None,
             "check_structured_outputs": published.check_structured_outputs is not None,
         }
     return out
@@ -55,7 +56,7 @@ async def check_structured_outputs(mv: Any, spec: Any) -> None:
         await asyncio.to_thread(published.check_structured_outputs, spec)
 
 
-async def tokenize(mv: Any, text: str) -> list[int]:
+async def tokenize(mv: Any, text: str, add_special: bool | None = None) -> list[int]:
     """(engine) `text` as token ids by the model's published tokenizer (bounded, off the loop when large: the
     engine's loop serves every worker)."""
     published = llm_info.of(mv.ctx)
@@ -63,7 +64,17 @@ async def tokenize(mv: Any, text: str) -> list[int]:
         from ..errors import InvalidArgument
 
         raise InvalidArgument(f"model '{mv.name}' publishes no tokenizer")
-    return [int(t) for t in await tokenizing.tokenize(published, text)]
+    return [int(t) for t in await tokenizing.tokenize(published, text, add_special)]
+
+
+async def detokenize(mv: Any, ids: list[int]) -> str:
+    """(engine) token ids as text by the model's published tokenizer (off the loop when many)."""
+    published = llm_info.of(mv.ctx)
+    if published is None or published.detokenize is None:
+        from ..errors import InvalidArgument
+
+        raise InvalidArgument(f"model '{mv.name}' publishes no detokenizer")
+    return await tokenizing.detokenize(published, [int(t) for t in ids])
 
 
 @dataclass
@@ -81,8 +92,9 @@ def remote_context(
     name: str,
     version: int,
     described: dict,
-    tokenize: Callable[[str], Awaitable[list[int]]],
+    tokenize: Callable[..., Awaitable[list[int]]],
     check: Callable[[Any], None],
+    detokenize: Callable[[list[int]], Awaitable[str]] | None = None,
 ) -> RemoteContext:
     """(worker) The context `describe` sent, its LLMInfo's tokenizer being `tokenize` and its structured-output
     check `check` (calls to the engine)."""
@@ -98,6 +110,7 @@ def remote_context(
                 context_length=llm["context_length"],
                 prompt_byte_limit=llm.get("prompt_byte_limit"),
                 tokenize=tokenize if llm["tokenize"] else None,
+                detokenize=detokenize if llm.get("detokenize") else None,
                 check_structured_outputs=check if llm.get("check_structured_outputs") else None,
                 extra=llm["extra"],
             ),

@@ -24,9 +24,12 @@ class LLMInfo:
     # the most UTF-8 bytes a prompt can have and still fit the context under any tokenization (limits.py): a larger
     # one is refused untokenized; None: no bound known
     prompt_byte_limit: int | None = None
-    # text -> token ids, for counting and validation without a round trip through the engine (None: unknown); in a
-    # frontend worker an awaitable of them, asked of the engine process
-    tokenize: Callable[[str], list[int] | Awaitable[list[int]]] | None = None
+    # text (, add_special) -> token ids, for counting and validation without a round trip through the engine (None:
+    # unknown); `add_special` (BOS and the like) defaults to what the engine does with a prompt; in a frontend worker
+    # an awaitable of them, asked of the engine process
+    tokenize: Callable[..., list[int] | Awaitable[list[int]]] | None = None
+    # token ids -> text (/detokenize), or an awaitable of it in a frontend worker
+    detokenize: Callable[[list[int]], str | Awaitable[str]] | None = None
     # a `structured_outputs` value ({"json": schema}, ...) -> None, raising NaiadError for one the engine cannot
     # follow; may be slow the first time (a schema turned into a grammar), so the frontend calls it off its loop
     check_structured_outputs: Callable[[Any], None] | None = None

@@ -115,9 +115,18 @@ def _late(what: str, timeout: float) -> str:
     return f"{what} did not finish within {timeout:g}s (--llm-tokenize-timeout-secs): send a shorter prompt"
 
 
-async def tokenize(info: LLMInfo, text: str) -> list[int]:
-    """`text`'s token ids by the model's tokenizer: bounded in bytes, off the loop when large, within the deadline."""
+async def tokenize(info: LLMInfo, text: str, add_special: bool | None = None) -> list[int]:
+    """`text`'s token ids by the model's tokenizer: bounded in bytes, off the loop when large, within the deadline;
+    `add_special`: with the tokenizer's special tokens (BOS) or without (None: as the engine tokenizes a prompt)."""
     assert info.tokenize is not None
     limits.check_prompt(text, info.prompt_byte_limit, info.context_length)
-    out = await off_loop(info.tokenize, text, size=len(text))
+    args = (text,) if add_special is None else (text, add_special)
+    out = await off_loop(info.tokenize, *args, size=len(text))
+    return await out if inspect.isawaitable(out) else out
+
+
+async def detokenize(info: LLMInfo, ids: list[int]) -> str:
+    """The text of token ids, off the loop when they are many."""
+    assert info.detokenize is not None
+    out = await off_loop(info.detokenize, ids, size=len(ids) * 4, what="detokenizing the tokens")
     return await out if inspect.isawaitable(out) else out

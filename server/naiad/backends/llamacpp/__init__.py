@@ -93,6 +93,7 @@ class LlamaCppBackend(Backend):
                     context_length=settings.n_ctx,
                     prompt_byte_limit=engine.prompt_byte_limit,
                     tokenize=engine.tokenize,
+                    detokenize=engine.detokenize,
                     check_structured_outputs=lambda spec: engine.check_grammar(
                         structured_grammar(spec) or ""
                     ),

@@ -247,6 +247,23 @@ class LlamaEngine:
             n = self._lc.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
         return list(buf[:n])
 
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of token ids, as llama.cpp's own server's /detokenize gives it (control tokens' text left
+        out); an id outside the vocabulary is InvalidArgument."""
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise InvalidArgument(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+        lc = self._lc
+        ids = (lc.llama_token * len(tokens))(*tokens)
+        size = max(64, 8 * len(tokens))
+        buf = ctypes.create_string_buffer(size)
+        n = lc.llama_detokenize(self.vocab, ids, len(tokens), buf, size, False, False)
+        if n < 0:
+            size = -n
+            buf = ctypes.create_string_buffer(size)
+            n = lc.llama_detokenize(self.vocab, ids, len(tokens), buf, size, False, False)
+        return buf.raw[:n].decode("utf-8", "replace")
+
     def piece(self, token: int, special: bool = False) -> bytes:
         """A token's bytes (control tokens render empty unless `special`)."""
         if not special:

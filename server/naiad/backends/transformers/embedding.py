@@ -138,7 +138,10 @@ class EmbeddingEngine:
             llm_info.LLMInfo(
                 context_length=self.pooling.max_seq_length,
                 prompt_byte_limit=self.prompt_byte_limit,
-                tokenize=lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
+                tokenize=lambda text, add_special=False: list(
+                    tok(text, add_special_tokens=add_special)["input_ids"]
+                ),
+                detokenize=lambda ids: tok.decode(ids),
                 extra={"engine": "transformers", "task": "embed", "dimension": self.dimension},
             ),
         )

@@ -131,7 +131,10 @@ class Engine:
                 eos_token=tok.eos_token or "",
                 context_length=self.context_length,
                 prompt_byte_limit=self.prompt_byte_limit,
-                tokenize=lambda text: list(tok(text, add_special_tokens=False)["input_ids"]),
+                tokenize=lambda text, add_special=False: list(
+                    tok(text, add_special_tokens=add_special)["input_ids"]
+                ),
+                detokenize=lambda ids: tok.decode(ids),
                 check_structured_outputs=self.grammars.compile,
                 extra={"engine": "transformers", "structured_outputs": True},
             ),

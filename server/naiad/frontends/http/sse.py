@@ -24,6 +24,11 @@ KERNEL_SEND_BUFFER = 256 * 1024  # SO_SNDBUF of a streaming connection
 DONE = b"data: [DONE]\n\n"  # the OpenAI streams' last event
 
 
+def _event(obj: dict, name: str | None) -> bytes:
+    data = b"data: " + orjson.dumps(obj) + b"\n\n"
+    return data if name is None else b"event: " + name.encode() + b"\n" + data
+
+
 class EventResponse(web.StreamResponse):
     """A `text/event-stream` response; `prepare()` buffers the headers until the first `write()` (or the end)."""
 
@@ -90,15 +95,16 @@ class EventStream:
                 transport.abort()
             raise StreamStalled() from None
 
-    async def send(self, obj: dict) -> None:
-        """An event, written now (with the events held before it)."""
-        await self._write(b"data: " + orjson.dumps(obj) + b"\n\n")
+    async def send(self, obj: dict, event: str | None = None) -> None:
+        """An event, written now (with the events held before it); `event`: its name (an `event:` line, as the
+        Responses API and Anthropic's Messages name theirs)."""
+        await self._write(_event(obj, event))
 
-    def hold(self, obj: dict) -> None:
+    def hold(self, obj: dict, event: str | None = None) -> None:
         """An event that goes out with the next one, in the same write (the chat stream's role chunk waits for its
         first token; a response whose next one is already waiting waits for it: one send, one wakeup of the
         client)."""
-        self._held.append(b"data: " + orjson.dumps(obj) + b"\n\n")
+        self._held.append(_event(obj, event))
 
     async def end(self, last: bytes | None = None) -> web.StreamResponse:
         """The end of the stream: the events still held, and `last` (raw bytes, such as DONE), in one write if

@@ -5,17 +5,7 @@ from __future__ import annotations
 import orjson
 
 from ...errors import NaiadError, NotFound, as_naiad_error
-
-
-class OpenAIError(Exception):
-    """An error answered as OpenAI answers it; `status` is the HTTP status."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
+from ..llm.errors import LLMError
 
 
 def error_type(status: int) -> str:
@@ -33,7 +23,7 @@ def error_type(status: int) -> str:
 
 def error_object(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, OpenAI error object) for any error a request met."""
-    if isinstance(exc, OpenAIError):
+    if isinstance(exc, LLMError):
         status, message, param, code = exc.status, exc.message, exc.param, exc.code
     else:
         err: NaiadError = as_naiad_error(exc)

@@ -6,14 +6,14 @@ server does not know are accepted and ignored, as OpenAI's own API does (never a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from ...errors import InvalidArgument
 from ...llm import limits
-from .errors import OpenAIError
+from ..llm.errors import LLMError
+from ..llm.request import Embedding, Generation
 
 # vLLM's own sampling extensions to the OpenAI request that are handed to a vLLM-shape engine unchanged
 VLLM_EXTRA_SAMPLING = {
@@ -40,56 +40,15 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs in one embeddings reques
 MAX_N = 16  # choices in one chat or completion request ('n')
 
 
-@dataclass
-class Generation:
-    """One chat or completion request, validated."""
-
-    model: str
-    stream: bool = False
-    include_usage: bool = False
-    n: int = 1  # choices: n generations of the same prompt (frontends/openai/choices.py)
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict | None = None
-    logprobs: int | None = None  # top logprobs per token asked for (0: only the chosen token's); None: none
-    echo: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)  # vLLM's sampling extensions (VLLM_EXTRA_SAMPLING)
-    response_format: dict | None = None  # {"type": "json_schema"|"json_object", ...}
-    json_schema: Any = None  # the schema structured output must follow (from response_format or a tool)
-    # vLLM's own fields: `structured_outputs` ({"json"|"regex"|"choice"|"grammar"|"json_object": ...}) or the older
-    # guided_json / guided_regex / guided_choice / guided_grammar, as one StructuredOutputsParams-shaped dict
-    structured_outputs: dict | None = None
-    tools: list | None = None
-    tool_choice: Any = None
-    messages: list[dict] | None = None  # chat
-    prompt: str | None = None  # completions
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict = field(default_factory=dict)
-
-
-@dataclass
-class Embedding:
-    model: str
-    inputs: list[Any]  # strings or lists of token ids, one embedding each
-    encoding_format: str = "float"
-    dimensions: int | None = None
-
-
 def parse_body(body: bytes) -> dict:
     if not body:
-        raise OpenAIError("the request body is empty: send a JSON object")
+        raise LLMError("the request body is empty: send a JSON object")
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
+        raise LLMError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
-        raise OpenAIError("the request body must be a JSON object")
+        raise LLMError("the request body must be a JSON object")
     return doc
 
 
@@ -98,9 +57,9 @@ def _number(doc: dict, key: str, lo: float | None = None, hi: float | None = Non
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise OpenAIError(f"'{key}' must be a number", param=key)
+        raise LLMError(f"'{key}' must be a number", param=key)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise OpenAIError(f"'{key}' must be between {lo} and {hi}, got {value}", param=key)
+        raise LLMError(f"'{key}' must be between {lo} and {hi}, got {value}", param=key)
     return float(value)
 
 
@@ -109,11 +68,11 @@ def _integer(doc: dict, key: str, lo: int | None = None, hi: int | None = None) 
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise OpenAIError(f"'{key}' must be an integer", param=key)
+        raise LLMError(f"'{key}' must be an integer", param=key)
     if lo is not None and value < lo:
-        raise OpenAIError(f"'{key}' must be at least {lo}, got {value}", param=key)
+        raise LLMError(f"'{key}' must be at least {lo}, got {value}", param=key)
     if hi is not None and value > hi:
-        raise OpenAIError(f"'{key}' must be at most {hi}, got {value}", param=key)
+        raise LLMError(f"'{key}' must be at most {hi}, got {value}", param=key)
     return value
 
 
@@ -122,16 +81,14 @@ def _boolean(doc: dict, key: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise OpenAIError(f"'{key}' must be true or false", param=key)
+        raise LLMError(f"'{key}' must be true or false", param=key)
     return value
 
 
 def _model(doc: dict) -> str:
     model = doc.get("model")
     if not isinstance(model, str) or not model:
-        raise OpenAIError(
-            "'model' is required: the name of a model (GET /v1/models lists them)", param="model"
-        )
+        raise LLMError("'model' is required: the name of a model (GET /v1/models lists them)", param="model")
     return model
 
 
@@ -145,8 +102,8 @@ def _stop(doc: dict) -> list[str]:
         try:
             return limits.check_stop([s for s in stop if s])
         except InvalidArgument as exc:
-            raise OpenAIError(exc.message, param="stop") from None
-    raise OpenAIError("'stop' must be a string or a list of strings", param="stop")
+            raise LLMError(exc.message, param="stop") from None
+    raise LLMError("'stop' must be a string or a list of strings", param="stop")
 
 
 def _common(doc: dict, gen: Generation) -> None:
@@ -154,20 +111,18 @@ def _common(doc: dict, gen: Generation) -> None:
     options = doc.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
-            raise OpenAIError("'stream_options' must be an object", param="stream_options")
+            raise LLMError("'stream_options' must be an object", param="stream_options")
         if not gen.stream:
-            raise OpenAIError(
-                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
-            )
+            raise LLMError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         gen.include_usage = _boolean(options, "include_usage")
     gen.n = _integer(doc, "n", lo=1, hi=MAX_N) or 1
     best_of = _integer(doc, "best_of", lo=1)
     if best_of is not None and best_of > 1:
-        raise OpenAIError("'best_of' > 1 is not supported", param="best_of")
+        raise LLMError("'best_of' > 1 is not supported", param="best_of")
     gen.temperature = _number(doc, "temperature", 0.0, 2.0)
     gen.top_p = _number(doc, "top_p", 0.0, 1.0)
     if gen.top_p == 0.0:
-        raise OpenAIError("'top_p' must be greater than 0", param="top_p")
+        raise LLMError("'top_p' must be greater than 0", param="top_p")
     gen.seed = _integer(doc, "seed")
     gen.stop = _stop(doc)
     gen.frequency_penalty = _number(doc, "frequency_penalty", -2.0, 2.0)
@@ -177,7 +132,7 @@ def _common(doc: dict, gen: Generation) -> None:
         if not isinstance(bias, dict) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in bias.values()
         ):
-            raise OpenAIError("'logit_bias' must map token ids to numbers", param="logit_bias")
+            raise LLMError("'logit_bias' must map token ids to numbers", param="logit_bias")
         gen.logit_bias = bias or None
     for key, kind in VLLM_EXTRA_SAMPLING.items():
         value = doc.get(key)
@@ -189,21 +144,21 @@ def _common(doc: dict, gen: Generation) -> None:
             else isinstance(value, (int, float)) and not isinstance(value, bool)
         )
         if not ok:
-            raise OpenAIError(f"'{key}' must be of type {kind.__name__}", param=key)
+            raise LLMError(f"'{key}' must be of type {kind.__name__}", param=key)
         gen.extra[key] = value
     if "top_k" in gen.extra and gen.extra["top_k"] < -1:
-        raise OpenAIError("'top_k' must be -1 (off) or a positive integer", param="top_k")
+        raise LLMError("'top_k' must be -1 (off) or a positive integer", param="top_k")
     fmt = doc.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-            raise OpenAIError(
+            raise LLMError(
                 '\'response_format\' must be {"type": "text" | "json_object" | "json_schema"}',
                 param="response_format",
             )
         if fmt["type"] == "json_schema":
             spec = fmt.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-                raise OpenAIError(
+                raise LLMError(
                     "'response_format.json_schema' must be an object with a 'schema'",
                     param="response_format.json_schema",
                 )
@@ -217,7 +172,7 @@ def _structured_outputs(doc: dict) -> dict | None:
     """vLLM's request fields for structured output as one dict: `structured_outputs` and the older `guided_*`."""
     spec = doc.get("structured_outputs")
     if spec is not None and not isinstance(spec, dict):
-        raise OpenAIError("'structured_outputs' must be an object", param="structured_outputs")
+        raise LLMError("'structured_outputs' must be an object", param="structured_outputs")
     out = {k: v for k, v in (spec or {}).items() if v is not None}
     for field_name, kind in GUIDED.items():
         if doc.get(field_name) is not None:
@@ -228,10 +183,10 @@ def _structured_outputs(doc: dict) -> dict | None:
 def _message(i: int, msg: Any) -> dict:
     where = f"messages[{i}]"
     if not isinstance(msg, dict):
-        raise OpenAIError(f"'{where}' must be an object with 'role' and 'content'", param=where)
+        raise LLMError(f"'{where}' must be an object with 'role' and 'content'", param=where)
     role = msg.get("role")
     if role not in ROLES:
-        raise OpenAIError(
+        raise LLMError(
             f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", param=where + ".role"
         )
     content = msg.get("content")
@@ -249,16 +204,16 @@ def _message(i: int, msg: Any) -> dict:
                 texts.append(part)
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise OpenAIError(
+                raise LLMError(
                     f"'{where}.content' has a part of type {kind!r}: only text content is supported",
                     param=where + ".content",
                 )
         out["content"] = "\n".join(texts)
     elif content is None:
         if role != "assistant":
-            raise OpenAIError(f"'{where}.content' is required for role '{role}'", param=where + ".content")
+            raise LLMError(f"'{where}.content' is required for role '{role}'", param=where + ".content")
     elif not isinstance(content, str):
-        raise OpenAIError(
+        raise LLMError(
             f"'{where}.content' must be a string or a list of text parts", param=where + ".content"
         )
     return out
@@ -268,7 +223,7 @@ def chat(doc: dict) -> Generation:
     gen = Generation(model=_model(doc))
     messages = doc.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise OpenAIError("'messages' must be a non-empty list", param="messages")
+        raise LLMError("'messages' must be a non-empty list", param="messages")
     gen.messages = [_message(i, m) for i, m in enumerate(messages)]
     _common(doc, gen)
     mct = _integer(doc, "max_completion_tokens", lo=1)
@@ -277,7 +232,7 @@ def chat(doc: dict) -> Generation:
         top = _integer(doc, "top_logprobs", lo=0, hi=20)
         gen.logprobs = top or 0
     elif doc.get("top_logprobs") is not None:
-        raise OpenAIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        raise LLMError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     tools = doc.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(
@@ -286,7 +241,7 @@ def chat(doc: dict) -> Generation:
             and isinstance(t.get("function"), dict)
             for t in tools
         ):
-            raise OpenAIError(
+            raise LLMError(
                 '\'tools\' must be a list of {"type": "function", "function": {...}}', param="tools"
             )
         gen.tools = tools or None
@@ -294,19 +249,19 @@ def chat(doc: dict) -> Generation:
     if choice is not None:
         named = isinstance(choice, dict) and isinstance(choice.get("function"), dict)
         if choice not in ("none", "auto", "required") and not named:
-            raise OpenAIError(
+            raise LLMError(
                 "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", ...}",
                 param="tool_choice",
             )
         if choice != "none" and not gen.tools:
-            raise OpenAIError("'tool_choice' needs 'tools'", param="tool_choice")
+            raise LLMError("'tool_choice' needs 'tools'", param="tool_choice")
         gen.tool_choice = choice
     gen.add_generation_prompt = _boolean(doc, "add_generation_prompt", True)
     gen.continue_final_message = _boolean(doc, "continue_final_message")
     kwargs = doc.get("chat_template_kwargs")
     if kwargs is not None:
         if not isinstance(kwargs, dict):
-            raise OpenAIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+            raise LLMError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
         gen.chat_template_kwargs = kwargs
     return gen
 
@@ -317,11 +272,11 @@ def completion(doc: dict) -> Generation:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        raise OpenAIError("one prompt per request is supported: send a string, not a list", param="prompt")
+        raise LLMError("one prompt per request is supported: send a string, not a list", param="prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        raise OpenAIError("a prompt of token ids is not supported: send the text", param="prompt")
+        raise LLMError("a prompt of token ids is not supported: send the text", param="prompt")
     if not isinstance(prompt, str):
-        raise OpenAIError("'prompt' must be a string", param="prompt")
+        raise LLMError("'prompt' must be a string", param="prompt")
     gen.prompt = prompt
     _common(doc, gen)
     gen.max_tokens = _integer(doc, "max_tokens", lo=1)
@@ -329,7 +284,7 @@ def completion(doc: dict) -> Generation:
     top = _integer(doc, "logprobs", lo=0, hi=20)
     gen.logprobs = top
     if doc.get("suffix"):
-        raise OpenAIError("'suffix' is not supported", param="suffix")
+        raise LLMError("'suffix' is not supported", param="suffix")
     return gen
 
 
@@ -354,16 +309,16 @@ def embedding(doc: dict) -> Embedding:
     ):
         inputs = value
     else:
-        raise OpenAIError(
+        raise LLMError(
             "'input' must be a string, a list of strings, or token ids (a list of integers or of lists)",
             param="input",
         )
     if len(inputs) > MAX_EMBEDDING_INPUTS:
-        raise OpenAIError(f"'input' may hold at most {MAX_EMBEDDING_INPUTS} items", param="input")
+        raise LLMError(f"'input' may hold at most {MAX_EMBEDDING_INPUTS} items", param="input")
     if any(v == "" for v in inputs):
-        raise OpenAIError("'input' may not contain empty strings", param="input")
+        raise LLMError("'input' may not contain empty strings", param="input")
     fmt = doc.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
-        raise OpenAIError("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+        raise LLMError("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
     dims = _integer(doc, "dimensions", lo=1)
     return Embedding(model=model, inputs=inputs, encoding_format=fmt, dimensions=dims)

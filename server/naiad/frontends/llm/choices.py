@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from ...inference import InferenceRequest, InferenceResponse
-from .protocol import Generation
+from .request import Generation
 
 QUEUE_PER_CHOICE = 4  # responses each choice may have waiting for the writer before its generation waits
 

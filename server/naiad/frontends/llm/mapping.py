@@ -1,4 +1,4 @@
-"""OpenAI requests onto a model's tensors, and its responses back: the vLLM shape (`text_input`, `stream`,
+"""LLM requests (a `Generation`) onto a model's tensors, and its responses back: the vLLM shape (`text_input`, `stream`,
 `sampling_parameters` JSON, ...) and the TensorRT-LLM shape (`text_input`, `max_tokens`, `temperature`, ... as tensors
 of their own), sending only the inputs the model declares, as Triton's OpenAI frontend does."""
 
@@ -15,8 +15,8 @@ from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...llm.shape import is_trtllm_shape, is_vllm_shape
 from ..http.generate import fit_shape
-from .errors import OpenAIError
-from .protocol import Generation
+from .errors import LLMError
+from .request import Generation
 
 VLLM = "vllm"
 TRTLLM = "tensorrt_llm"
@@ -34,7 +34,7 @@ def llm_kind(mv) -> str | None:
 def require_llm(mv, what: str) -> str:
     kind = llm_kind(mv)
     if kind is None:
-        raise OpenAIError(
+        raise LLMError(
             f"model '{mv.name}' is not a language model: {what} needs a model in the vLLM shape (text_input and "
             f"sampling_parameters inputs) or the TensorRT-LLM shape (text_input in, text_output out)",
             param="model",
@@ -80,7 +80,7 @@ class _Inputs:
         try:
             self.inputs[name] = tensors.from_json_data(spec.datatype, values, shape)
         except Exception as exc:
-            raise OpenAIError(f"model '{self.mv.name}' cannot take input '{name}': {exc}") from None
+            raise LLMError(f"model '{self.mv.name}' cannot take input '{name}': {exc}") from None
         self.datatypes[name] = spec.datatype
 
     def add_if(self, name: str, values: list) -> None:
@@ -126,7 +126,7 @@ def structured_output(mv, kind: str, gen: Generation) -> Any:
         wanted = {"json": tool_call_schema(gen)}
     if gen.structured_outputs is not None:
         if wanted is not None:
-            raise OpenAIError(
+            raise LLMError(
                 "'structured_outputs' (or a guided_* field) cannot be combined with 'response_format' or a forced "
                 "'tool_choice': give one",
                 param="structured_outputs",
@@ -140,7 +140,7 @@ def structured_output(mv, kind: str, gen: Generation) -> Any:
             "tool_choice": "a forced 'tool_choice'",
             "structured_outputs": "'structured_outputs'",
         }[structured_output_param(gen)]
-        raise OpenAIError(
+        raise LLMError(
             f"{what} needs guided decoding, which model '{mv.name}' does not offer (vLLM and llama.cpp engines "
             "do; see docs/llm.md)",
             param=structured_output_param(gen),
@@ -170,7 +170,7 @@ def trtllm_guide(structured: dict) -> tuple[str, str]:
         return "json", "{}"
     if len(kinds) == 1 and kinds[0] in ("regex", "grammar") and isinstance(structured[kinds[0]], str):
         return ("regex" if kinds[0] == "regex" else "ebnf_grammar"), structured[kinds[0]]
-    raise OpenAIError(
+    raise LLMError(
         "a TensorRT-LLM model's guided decoding takes exactly one of json, json_object, regex or grammar (a string)",
         param="structured_outputs",
     )
@@ -183,7 +183,7 @@ def tool_call_schema(gen: Generation) -> dict:
         name = gen.tool_choice["function"].get("name")
         tools = [t for t in tools if t["function"].get("name") == name]
         if not tools:
-            raise OpenAIError(
+            raise LLMError(
                 f"'tool_choice' names function {name!r}, which is not in 'tools'", param="tool_choice"
             )
     variants = [
@@ -207,7 +207,7 @@ def generation_request(mv, kind: str, prompt: str, gen: Generation, request_id: 
     ins = _Inputs(mv)
     ins.add("text_input", [prompt])
     if gen.logprobs is not None and "logprobs" not in mv.outputs:
-        raise OpenAIError(f"model '{mv.name}' does not return logprobs", param="logprobs")
+        raise LLMError(f"model '{mv.name}' does not return logprobs", param="logprobs")
     if kind == VLLM:
         ins.add_if("stream", [stream])
         ins.add("sampling_parameters", [json.dumps(sampling_parameters(gen, structured))])
@@ -234,14 +234,14 @@ def generation_request(mv, kind: str, prompt: str, gen: Generation, request_id: 
         if value is None:
             continue
         if not ins.has(input_name):
-            raise OpenAIError(
+            raise LLMError(
                 f"model '{mv.name}' has no '{input_name}' input, so '{field_name}' cannot be honoured",
                 param=field_name,
             )
         ins.add(input_name, [value])
     if gen.stop:
         if not ins.has("stop_words"):
-            raise OpenAIError(
+            raise LLMError(
                 f"model '{mv.name}' has no 'stop_words' input, so 'stop' cannot be honoured", param="stop"
             )
         ins.add("stop_words", list(gen.stop))
@@ -333,7 +333,7 @@ def embedding_values(resp: InferenceResponse) -> tuple[list[float], int | None]:
     if isinstance(values, list) and values and isinstance(values[0], list) and len(values) == 1:
         values = values[0]
     if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
-        raise OpenAIError(
+        raise LLMError(
             f"model '{resp.model_name}' did not return an embedding (a JSON list of numbers)", status=500
         )
     return [float(v) for v in values], piece.num_input_tokens

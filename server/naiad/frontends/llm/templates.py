@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ...llm import info as llm_info
-from .errors import OpenAIError
+from .errors import LLMError
 
-log = logging.getLogger("naiad.openai")
+log = logging.getLogger("naiad.llm")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def resolve(mv, fallback: ChatTemplate | None) -> ChatTemplate | None:
 
 
 def _raise(message: str) -> None:
-    raise OpenAIError(f"the chat template refused the request: {message}")
+    raise LLMError(f"the chat template refused the request: {message}")
 
 
 _ENV = None
@@ -124,7 +124,7 @@ def _compiled(template: ChatTemplate):
         try:
             compiled = environment().from_string(template.text)
         except jinja2.TemplateError as exc:
-            raise OpenAIError(
+            raise LLMError(
                 f"the chat template of {template.source} does not compile: {exc}", status=500
             ) from None
         if len(cache) > 64:
@@ -174,11 +174,11 @@ def render(
     )
     try:
         return _compiled(template).render(**context)
-    except OpenAIError:
+    except LLMError:
         raise
     except jinja2.TemplateError as exc:
-        raise OpenAIError(f"the chat template of {template.source} failed: {exc}") from None
+        raise LLMError(f"the chat template of {template.source} failed: {exc}") from None
     except Exception as exc:  # a template may index into anything it is given
-        raise OpenAIError(
+        raise LLMError(
             f"the chat template of {template.source} failed: {type(exc).__name__}: {exc}"
         ) from None

@@ -74,3 +74,31 @@ def test_what_the_model_cannot_do_is_a_clear_400(server):
     body = {"model": "minilm", "prompt": "Hello", "max_tokens": 4}
     assert "embedding model" in post("/v1/completions", body)
     assert "vocabulary" in post("/v1/embeddings", {"model": "minilm", "input": [10**9]})
+
+
+def test_score_and_rerank_order_documents_as_cosine_similarity_does(server, reference):
+    docs = ["kitten", "stocks fell sharply today", "A man is eating food."]
+    cosine = reference[1:] @ reference[0]  # (normalised vectors) against "cat"
+    r = requests.post(
+        f"{server.url}/v1/score", json={"model": "minilm", "text_1": "cat", "text_2": docs}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose([d["score"] for d in r.json()["data"]], cosine, atol=1e-4)
+    body = {"model": "minilm", "query": "cat", "documents": docs, "top_n": 2}
+    r = requests.post(f"{server.url}/v1/rerank", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == list(np.argsort(-cosine)[:2])
+    assert results[0]["document"]["text"] == "kitten"
+    np.testing.assert_allclose([x["relevance_score"] for x in results], np.sort(cosine)[::-1][:2], atol=1e-4)
+    body = {
+        "model": "minilm",
+        "query": "cat",
+        "documents": [{"text": d} for d in docs],
+        "return_documents": False,
+    }
+    assert "document" not in requests.post(f"{server.url}/rerank", json=body, timeout=60).json()["results"][0]
+    bad = requests.post(
+        f"{server.url}/v1/rerank", json={"model": "minilm", "query": "cat", "documents": []}, timeout=60
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"

@@ -46,10 +46,15 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("errors",),
     ],
     "naiad.frontends": [  # no module of its own: packages only
-        ("openai",),  # the OpenAI API and the LLM APIs' app: it mounts Anthropic's Messages routes beside its own
+        (
+            "openai",
+        ),  # the OpenAI API and the LLM APIs' app: it mounts Anthropic's Messages routes beside its own
         ("anthropic",),  # Anthropic's Messages API
         ("llm",),  # what the LLM APIs share: the request, chat templates, the generation service, shaping
-        ("http", "grpc"),  # the protocols: neither imports the other (the LLM rooms use http's body, site, SSE)
+        (
+            "http",
+            "grpc",
+        ),  # the protocols: neither imports the other (the LLM rooms use http's body, site, SSE)
         ("triton",),  # Triton's extensions both protocols share (request parameters, shared memory)
         ("transport",),  # socket and connection plumbing
     ],

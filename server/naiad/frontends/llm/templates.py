@@ -134,9 +134,13 @@ def _compiled(template: ChatTemplate):
 
 
 def _for_template(messages: list[dict]) -> list[dict]:
-    """Messages as templates expect them: an assistant's tool-call arguments as objects, not JSON text."""
+    """Messages as templates expect them: an assistant's tool-call arguments as objects, not JSON text, and a
+    message without content (an assistant's tool calls) with empty text (a template that has no tool calls
+    concatenates the content, and None is not text)."""
     out = []
     for msg in messages:
+        if msg.get("content") is None:
+            msg = {**msg, "content": ""}
         calls = msg.get("tool_calls")
         if msg.get("role") == "assistant" and isinstance(calls, list):
             msg = dict(msg)

@@ -4,7 +4,8 @@ TensorRT-LLM shape (decoupled and not, batched), an embedding model, and a model
 The generators make tokens " tok0", " tok1", ... up to max_tokens (finish "length"), so every count is known. Words
 in the prompt steer them: SHOWPROMPT answers the prompt itself, SHOWPARAMS the settings the model received, SLOW
 sleeps between tokens (PACE a little), WIDE makes each token 4 kB, STOPAT:k finishes with "stop" after k tokens, FAIL:k sends an error after k tokens,
-CANCELFILE:path writes the path when the request is cancelled, TOOLCALL:name answers a call of that tool.
+CANCELFILE:path writes the path when the request is cancelled, TOOLCALL:name answers a call of that tool, THINK
+answers a `<think>` block first, HERMES a Hermes-style call of `get_weather` after some text.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ class TritonPythonModel:
         if "TOOLCALL" in steer:  # a tool call as JSON, in three pieces
             call = json.dumps({"name": steer["TOOLCALL"], "arguments": {"city": "Paris"}})
             toks, reason = [call[:5], call[5:20], call[20:]], "stop"
+        if "THINK" in steer:  # a thinking model: its reasoning first, its tags cut across tokens
+            toks = ["<th", "ink>Let me ", "count.</th", "ink>\\n\\n", *toks]
+        if "HERMES" in steer:  # text, then a call in Hermes' tags
+            call = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
+            toks, reason = ["Checking.", " <tool_", "call>", call, "</tool_call>"], "stop"
         fail = int(steer["FAIL"]) if "FAIL" in steer else None
         n_in = len(prompt.split())
         prefix = "" if exclude else prompt
@@ -295,7 +301,7 @@ def _model(repo: Path, name: str, config: str, code: str, tokenizer: dict | None
 def build(repo: Path) -> Path:
     """The repository: counting_vllm (chat template in tokenizer_config.json), counting_vllm_guided (the same,
     declaring guided decoding), counting_trtllm (not decoupled), counting_trtllm_stream (decoupled, no template),
-    plain (no LLM)."""
+    plain (no LLM), thinking_vllm (counting_vllm with the qwen3 reasoning parser and the hermes tool parser)."""
     repo.mkdir(parents=True, exist_ok=True)
     tokenizer = {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}}
     _model(repo, "counting_vllm", VLLM_CONFIG, VLLM_MODEL, tokenizer)
@@ -311,4 +317,9 @@ def build(repo: Path) -> Path:
         TRTLLM_MODEL,
     )
     _model(repo, "plain", PLAIN_CONFIG, PLAIN_MODEL)
+    parsers = (
+        'parameters { key: "reasoning_parser" value: { string_value: "qwen3" } }\n'
+        'parameters { key: "tool_call_parser" value: { string_value: "hermes" } }\n'
+    )
+    _model(repo, "thinking_vllm", VLLM_CONFIG + parsers, VLLM_MODEL, tokenizer)
     return repo

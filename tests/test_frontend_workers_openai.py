@@ -135,6 +135,7 @@ def test_the_workers_serve_v1_and_the_openai_port(server):
             "counting_trtllm_stream",
             "counting_vllm",
             "counting_vllm_guided",
+            "thinking_vllm",
             GGUF,
             SHORT,
         ]

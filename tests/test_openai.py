@@ -80,7 +80,13 @@ def assert_openai_error(r: requests.Response, status: int, param: str | None = N
 
 def test_models_list_and_get(client):
     names = [m.id for m in client.models.list()]
-    assert names == ["counting_trtllm", "counting_trtllm_stream", "counting_vllm", "counting_vllm_guided"]
+    assert names == [
+        "counting_trtllm",
+        "counting_trtllm_stream",
+        "counting_vllm",
+        "counting_vllm_guided",
+        "thinking_vllm",
+    ]
     card = client.models.retrieve("counting_vllm")
     assert card.id == "counting_vllm" and card.object == "model" and card.owned_by == "naiad"
     with pytest.raises(openai.NotFoundError) as info:
@@ -608,7 +614,7 @@ def test_restricted_openai_group(repo):
             err = assert_openai_error(r, 403)
             assert err["type"] == "permission_error" and "api-key" in err["message"]
             c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", default_headers={"api-key": "s3cret"})
-            assert len(c.models.list().data) == 4
+            assert len(c.models.list().data) == 5
         assert requests.get(f"{proc.url}/v2/health/ready").status_code == 200  # other groups stay open
 
 

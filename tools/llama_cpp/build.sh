@@ -4,8 +4,9 @@
 #
 #   ${NAIAD_TOOLS_CACHE:-$HOME/.cache/naiad-tools}/llama-cpp-python-<hash>/{wheels/*.whl, bin/llama-server, bin/rpc-server}
 #
-# llama-cpp-python has no binary wheel on PyPI: its sdist compiles llama.cpp (about 9 minutes on 2 cores), so the
-# wheel is built once and kept. The hash covers the pin, the CMake flags and the compiler (not this script's
+# llama-cpp-python has no binary wheel on PyPI: its sdist compiles llama.cpp, so the wheel is built once and kept
+# (0.3.36 with the multimodal library: 34 minutes on 2 cores shared with other builds, at a load of 15-19; 0.3.16
+# without it took about 9 on quiet ones). The hash covers the pin, the CMake flags and the compiler (not this script's
 # comments): an unchanged pin is a no-op. The CPU code is built for x86-64-v3 (AVX2/FMA/F16C, GGML_NATIVE off) so
 # the cached wheel runs on any CI machine of this kind, not only on the one that built it; GGML_RPC is on for
 # llama.cpp's RPC backend. The wheel carries llama.cpp's multimodal library too (LLAVA_BUILD: libmtmd.so, CLIP and
@@ -16,8 +17,9 @@
 #   build.sh [install]   the wheel, installed into the virtualenv (PYTHON, default .venv/bin/python) unless that
 #                        version is there already (what `make llm-deps` runs for the tests and `make serve`)
 #   build.sh rpc         also rpc-server (the RPC tests, the LeaderWorkerSet workers, the LLM image; llama.cpp's
-#                        `ggml-rpc-server`, kept under its old name): ggml and the RPC tool only, a few minutes
-#   build.sh servers     also llama-server (the LLM benchmarks' reference): all of llama.cpp again, several minutes more
+#                        `ggml-rpc-server`, kept under its old name): ggml and the RPC tool only (5 minutes on
+#                        those shared cores)
+#   build.sh servers     also llama-server (the LLM benchmarks' reference): all of llama.cpp again (28 minutes there)
 #
 # The cache directory is printed as the last line of stdout; progress goes to stderr.
 # Environment: PYTHON, NAIAD_TOOLS_CACHE (cache root), NAIAD_TOOLS_FORCE=1 (rebuild), LLAMA_BUILD_JOBS (make -j).

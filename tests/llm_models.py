@@ -5,7 +5,10 @@ Hugging Face folder (`write_tiny_hf_llama`) for the transformers backend.
 style: 256 byte tokens, merges learnt from a short text here, special tokens `<s>`, `</s>`, `<|im_start|>`,
 `<|im_end|>`), so any text round-trips through tokenize/detokenize, and a ChatML chat template. `write_large_gguf`
 writes the same shape scaled up so that one decode step takes milliseconds (the benchmark's "engine dominates"
-model). Nothing is downloaded; the weights come from a seeded generator, so a file is the same on every machine.
+model). `write_arch_gguf(path, arch)` writes a tiny model of another family (ARCHITECTURES: qwen2, qwen3, gemma3,
+mistral3) laid out as llama.cpp's `convert_hf_to_gguf.py` lays that family out, with the same tokenizer under that
+family's special tokens, pre-tokenizer and chat template. Nothing is downloaded; the weights come from a seeded
+generator, so a file is the same on every machine.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,8 +49,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def _tokenizer(n_merges: int) -> tuple[list[str], list[str], list[int]]:
-    """Tokens, merges and token types of a byte-level BPE learnt from _CORPUS with `n_merges` merges."""
+def _tokenizer(n_merges: int, special: list[str] = SPECIAL) -> tuple[list[str], list[str], list[int]]:
+    """Tokens, merges and token types of a byte-level BPE learnt from _CORPUS with `n_merges` merges, then the
+    `special` (control) tokens."""
     byte_char = _bytes_to_unicode()
     tokens = [byte_char[b] for b in range(256)]
     # words as the GPT-2 pre-tokeniser roughly splits them: a leading space belongs to the word
@@ -81,8 +86,8 @@ def _tokenizer(n_merges: int) -> tuple[list[str], list[str], list[int]]:
                     i += 1
             new_words[tuple(out)] += count
         words = new_words
-    types = [1] * len(tokens) + [3] * len(SPECIAL)  # 1 normal, 3 control
-    return tokens + SPECIAL, merges, types
+    types = [1] * len(tokens) + [3] * len(special)  # 1 normal, 3 control
+    return tokens + special, merges, types
 
 
 def write_llama_gguf(
@@ -180,6 +185,254 @@ def cached_large_gguf() -> Path:
     path = root / "llm-models" / f"large-llama-{tag}.gguf"
     if not path.exists():
         write_large_gguf(path)
+    return path
+
+
+# ---- other architectures ----
+# What the architecture tests (tests/test_llamacpp_architectures.py) load: for each family users bring, a tiny
+# random-weight GGUF with the `general.architecture`, the hyperparameter keys and the tensor names and shapes that
+# llama.cpp's `convert_hf_to_gguf.py` writes for a real checkpoint of that family (and its loader, src/models/<arch>.cpp,
+# reads), scaled down. The shapes keep each family's own quirks: a head size that is not n_embd / n_head (qwen3,
+# gemma3, mistral3), grouped-query attention, tied or separate output weights. Each file is 0.3-0.6 MB.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "Llama 3 / Mistral 7B layout (write_llama_gguf): the reference every other family is compared to",
+    "qwen2": "Qwen2.5-0.5B/1.5B layout: biased q/k/v projections, GQA, the output tied to the token embedding, "
+    "rope base 1e6, the qwen2 pre-tokenizer",
+    "qwen3": "Qwen3-8B layout: per-head RMS norms of q and k (attn_q_norm/attn_k_norm), a head size of its own "
+    "(attention.key_length 32 with n_embd 64 and 4 heads), GQA, a separate output, rope base 1e6",
+    "gemma3": "Gemma 3 layout: sandwich norms (post_attention_norm, post_ffw_norm), q/k norms, head size 16 with n_embd "
+    "32, one KV head, a 16-token sliding window on 5 of every 6 layers (6 layers: one global) with its own rope "
+    "base (rope.freq_base_swa), linear rope scaling x8 on the global layers, the output tied to the embedding",
+    "mistral3": "Ministral 3 / Mistral Small 3.x / Devstral 2 layout (llama-like, arch mistral3): YaRN rope scaling "
+    "x16 from 16384 positions, Llama-4 attention temperature scaling, head size 32 with n_embd 64, GQA, the tekken "
+    "pre-tokenizer",
+}
+
+GEMMA3_SLIDING_WINDOW = 16  # tokens: small, so a test's prompts and generations cross it
+# Random weights with the output tied to the embedding make a model that repeats its last token: the residual stream
+# is mostly that token's embedding, which scores itself highest. The residual branches' output projections (x4) and
+# Gemma's post-branch norms (x4, it normalises each branch) outweigh it, so greedy text depends on the context.
+_BRANCH = 4.0
+_TIED = 2.0
+_GEMMA_POST_NORM = 4.0
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    """A family's special tokens, pre-tokenizer and chat template around the shared byte-level BPE."""
+
+    special: tuple[str, ...]
+    bos: str
+    eos: str
+    add_bos: bool
+    pre: str
+    template: str
+    pad: str | None = None
+
+
+_CHATML = CHAT_TEMPLATE
+_GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{{ message['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]{{ message['content'] }}"
+    "[/INST]{% else %}{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+_QWEN_VOCAB = _Vocab(
+    ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    add_bos=False,
+    pre="qwen2",
+    template=_CHATML,
+    pad="<|endoftext|>",
+)
+_VOCABS = {
+    "qwen2": _QWEN_VOCAB,
+    "qwen3": _QWEN_VOCAB,
+    "gemma3": _Vocab(
+        ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+        bos="<bos>",
+        eos="<eos>",
+        add_bos=True,
+        pre="default",
+        template=_GEMMA_TEMPLATE,
+        pad="<pad>",
+    ),
+    "mistral3": _Vocab(
+        ("<unk>", "<s>", "</s>", "[INST]", "[/INST]"),
+        bos="<s>",
+        eos="</s>",
+        add_bos=True,
+        pre="tekken",
+        template=_MISTRAL_TEMPLATE,
+    ),
+}
+
+
+def write_arch_gguf(path: str | os.PathLike, arch: str, *, seed: int = 0) -> Path:
+    """Write the tiny random-weight GGUF of `arch` (a key of ARCHITECTURES) to `path`."""
+    if arch == "llama":
+        return write_llama_gguf(path, seed=seed)
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    vocab = _VOCABS[arch]
+    tokens, merges, types = _tokenizer(120, list(vocab.special))
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
+        """A (rows, cols) weight as PyTorch stores it, i.e. ggml's {cols, rows}."""
+        return (rng.standard_normal((rows, cols)) * (scale / np.sqrt(cols))).astype(np.float32)
+
+    def vec(n: int, scale: float = 0.0, post: bool = False) -> np.ndarray:
+        """A norm's weight (ones; Gemma's converter stores 1 + w, and HF initialises w to 0) or a bias."""
+        if scale:
+            return (rng.standard_normal(n) * scale).astype(np.float32)
+        return np.full(n, _GEMMA_POST_NORM if post else 1.0, dtype=np.float32)
+
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(f"naiad-tiny-{arch}")
+    tensors: list[tuple[str, np.ndarray]] = []
+    if arch in ("qwen2", "qwen3"):
+        # Qwen2ForCausalLM / Qwen3ForCausalLM: TextModel.set_gguf_parameters (+ key_length from head_dim for qwen3)
+        n_embd, n_layer, n_head, n_head_kv, n_ff = 64, 2, 4, 2, 128
+        head_dim = 32 if arch == "qwen3" else n_embd // n_head
+        w.add_block_count(n_layer)
+        w.add_context_length(32768 if arch == "qwen2" else 40960)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_rope_freq_base(1_000_000.0)
+        w.add_layer_norm_rms_eps(1e-6)
+        if arch == "qwen3":
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        tied = arch == "qwen2"  # Qwen2.5-0.5B/1.5B tie the output to the embedding; Qwen3-8B does not
+        tensors.append(("token_embd.weight", mat(n_vocab, n_embd, _TIED if tied else 1.0)))
+        for i in range(n_layer):
+            b = f"blk.{i}."
+            tensors.append((b + "attn_norm.weight", vec(n_embd)))
+            tensors.append((b + "attn_q.weight", mat(n_head * head_dim, n_embd)))
+            tensors.append((b + "attn_k.weight", mat(n_head_kv * head_dim, n_embd)))
+            tensors.append((b + "attn_v.weight", mat(n_head_kv * head_dim, n_embd)))
+            if arch == "qwen2":  # Qwen2's q/k/v projections have biases (bias=True), its o_proj none
+                tensors.append((b + "attn_q.bias", vec(n_head * head_dim, 0.1)))
+                tensors.append((b + "attn_k.bias", vec(n_head_kv * head_dim, 0.1)))
+                tensors.append((b + "attn_v.bias", vec(n_head_kv * head_dim, 0.1)))
+            else:  # Qwen3: RMS norms over each head of q and k, before rope
+                tensors.append((b + "attn_q_norm.weight", vec(head_dim)))
+                tensors.append((b + "attn_k_norm.weight", vec(head_dim)))
+            tensors.append((b + "attn_output.weight", mat(n_embd, n_head * head_dim, _BRANCH)))
+            tensors.append((b + "ffn_norm.weight", vec(n_embd)))
+            tensors.append((b + "ffn_gate.weight", mat(n_ff, n_embd)))
+            tensors.append((b + "ffn_up.weight", mat(n_ff, n_embd)))
+            tensors.append((b + "ffn_down.weight", mat(n_embd, n_ff, _BRANCH)))
+        tensors.append(("output_norm.weight", vec(n_embd)))
+        if not tied:
+            tensors.append(("output.weight", mat(n_vocab, n_embd, 4.0)))
+    elif arch == "gemma3":
+        # Gemma3ForCausalLM: Gemma3Model.set_gguf_parameters over TextModel's; the 4B+ checkpoints' linear rope
+        # scaling (factor 8, full-attention layers), rope_local_base_freq as rope.freq_base_swa; no
+        # sliding_window_pattern key, so llama.cpp's default pattern applies (every 6th layer global)
+        n_embd, n_layer, n_head, n_head_kv, n_ff, head_dim = 32, 6, 4, 1, 64, 16
+        w.add_block_count(n_layer)
+        w.add_context_length(32768)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(8.0)
+        w.add_rope_freq_base(1_000_000.0)
+        w.add_rope_freq_base_swa(10_000.0)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(GEMMA3_SLIDING_WINDOW)
+        tensors.append(("token_embd.weight", mat(n_vocab, n_embd, _TIED)))  # tied: no output.weight
+        for i in range(n_layer):
+            b = f"blk.{i}."
+            tensors.append((b + "attn_norm.weight", vec(n_embd)))
+            tensors.append((b + "attn_q.weight", mat(n_head * head_dim, n_embd)))
+            tensors.append((b + "attn_k.weight", mat(n_head_kv * head_dim, n_embd)))
+            tensors.append((b + "attn_v.weight", mat(n_head_kv * head_dim, n_embd)))
+            tensors.append((b + "attn_q_norm.weight", vec(head_dim)))
+            tensors.append((b + "attn_k_norm.weight", vec(head_dim)))
+            tensors.append((b + "attn_output.weight", mat(n_embd, n_head * head_dim, _BRANCH)))
+            tensors.append((b + "post_attention_norm.weight", vec(n_embd, post=True)))
+            tensors.append((b + "ffn_norm.weight", vec(n_embd)))  # Gemma's pre_feedforward_layernorm
+            tensors.append((b + "ffn_gate.weight", mat(n_ff, n_embd)))
+            tensors.append((b + "ffn_up.weight", mat(n_ff, n_embd)))
+            tensors.append((b + "ffn_down.weight", mat(n_embd, n_ff, _BRANCH)))
+            tensors.append((b + "post_ffw_norm.weight", vec(n_embd, post=True)))
+        tensors.append(("output_norm.weight", vec(n_embd)))
+    elif arch == "mistral3":
+        # Ministral3ForCausalLM (Mistral3Model.Ministral3Model, a LlamaModel): vocab_size and rope dimension count
+        # as llama writes them, YaRN from rope_parameters, yarn_log_multiplier from mscale_all_dim and the
+        # attention temperature scale from llama_4_scaling_beta
+        n_embd, n_layer, n_head, n_head_kv, n_ff, head_dim = 64, 2, 4, 2, 128, 32
+        w.add_block_count(n_layer)
+        w.add_context_length(262144)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(16.0)
+        w.add_rope_scaling_orig_ctx_len(16384)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+        w.add_rope_freq_base(1_000_000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_vocab_size(n_vocab)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_scaling_yarn_log_mul(1.0)
+        w.add_attn_temperature_scale(0.1)
+        tensors.append(("token_embd.weight", mat(n_vocab, n_embd)))
+        for i in range(n_layer):
+            b = f"blk.{i}."
+            tensors.append((b + "attn_norm.weight", vec(n_embd)))
+            tensors.append((b + "attn_q.weight", mat(n_head * head_dim, n_embd)))
+            tensors.append((b + "attn_k.weight", mat(n_head_kv * head_dim, n_embd)))
+            tensors.append((b + "attn_v.weight", mat(n_head_kv * head_dim, n_embd)))
+            tensors.append((b + "attn_output.weight", mat(n_embd, n_head * head_dim, _BRANCH)))
+            tensors.append((b + "ffn_norm.weight", vec(n_embd)))
+            tensors.append((b + "ffn_gate.weight", mat(n_ff, n_embd)))
+            tensors.append((b + "ffn_up.weight", mat(n_ff, n_embd)))
+            tensors.append((b + "ffn_down.weight", mat(n_embd, n_ff, _BRANCH)))
+        tensors.append(("output_norm.weight", vec(n_embd)))
+        tensors.append(("output.weight", mat(n_vocab, n_embd, 4.0)))
+    else:
+        raise ValueError(f"no tiny GGUF writer for architecture {arch!r} (known: {', '.join(ARCHITECTURES)})")
+    w.add_file_type(0)  # all F32
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(tokens.index(vocab.bos))
+    w.add_eos_token_id(tokens.index(vocab.eos))
+    if vocab.pad is not None:
+        w.add_pad_token_id(tokens.index(vocab.pad))
+    w.add_add_bos_token(vocab.add_bos)
+    w.add_add_eos_token(False)
+    w.add_chat_template(vocab.template)
+    for name, data in tensors:
+        w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
     return path
 
 

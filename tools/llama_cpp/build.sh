@@ -4,33 +4,36 @@
 #
 #   ${NAIAD_TOOLS_CACHE:-$HOME/.cache/naiad-tools}/llama-cpp-python-<hash>/{wheels/*.whl, bin/llama-server, bin/rpc-server}
 #
-# llama-cpp-python has no binary wheel on PyPI: its sdist compiles llama.cpp (about 9 minutes on 2 cores), so the
-# wheel is built once and kept. The hash covers the pin, the CMake flags and the compiler (not this script's
+# llama-cpp-python has no binary wheel on PyPI: its sdist compiles llama.cpp, so the wheel is built once and kept
+# (0.3.36 with the multimodal library: 34 minutes on 2 cores shared with other builds, at a load of 15-19; 0.3.16
+# without it took about 9 on quiet ones). The hash covers the pin, the CMake flags and the compiler (not this script's
 # comments): an unchanged pin is a no-op. The CPU code is built for x86-64-v3 (AVX2/FMA/F16C, GGML_NATIVE off) so
 # the cached wheel runs on any CI machine of this kind, not only on the one that built it; GGML_RPC is on for
-# llama.cpp's RPC backend.
+# llama.cpp's RPC backend. The wheel carries llama.cpp's multimodal library too (LLAVA_BUILD: libmtmd.so, CLIP and
+# the vision/audio encoders, bound as `llama_cpp.mtmd_cpp`; its CLIs are not built): what a chat with images needs.
+# LLAMA_OPENSSL is off: nothing here downloads models, and the wheel links no libssl (as LLAMA_CURL=OFF kept it
+# from libcurl before llama.cpp dropped curl).
 #
 #   build.sh [install]   the wheel, installed into the virtualenv (PYTHON, default .venv/bin/python) unless that
 #                        version is there already (what `make llm-deps` runs for the tests and `make serve`)
-#   build.sh rpc         also rpc-server (the RPC tests, the LeaderWorkerSet workers, the LLM image): ggml and the
-#                        RPC tool only, a few minutes
-#   build.sh servers     also llama-server (the LLM benchmarks' reference): all of llama.cpp again, several minutes more
+#   build.sh rpc         also rpc-server (the RPC tests, the LeaderWorkerSet workers, the LLM image; llama.cpp's
+#                        `ggml-rpc-server`, kept under its old name): ggml and the RPC tool only (5 minutes on
+#                        those shared cores)
+#   build.sh servers     also llama-server (the LLM benchmarks' reference): all of llama.cpp again (28 minutes there)
 #
 # The cache directory is printed as the last line of stdout; progress goes to stderr.
 # Environment: PYTHON, NAIAD_TOOLS_CACHE (cache root), NAIAD_TOOLS_FORCE=1 (rebuild), LLAMA_BUILD_JOBS (make -j).
 set -euo pipefail
 
-version=0.3.16
+version=0.3.36
 mode="${1:-install}"
 [[ "$mode" == install || "$mode" == rpc || "$mode" == servers ]] || { echo "usage: build.sh [install|rpc|servers]" >&2; exit 2; }
 PYTHON="${PYTHON:-.venv/bin/python}"
 jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
 
 cpu_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-cmake_args="$cpu_flags -DGGML_RPC=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF"
-# The wheel leaves out llama-cpp-python's multimodal library (mtmd: CLIP, miniaudio, stb_image and four CLIs),
-# which only its LLaVA chat handlers load, on first use; the server never does.
-wheel_args="$cmake_args -DLLAVA_BUILD=OFF"
+cmake_args="$cpu_flags -DGGML_RPC=ON -DGGML_OPENMP=ON -DLLAMA_OPENSSL=OFF"
+wheel_args="$cmake_args -DLLAVA_BUILD=ON"
 
 command -v cmake >/dev/null || { echo "build.sh: cmake is missing (apt-get install cmake)" >&2; exit 3; }
 hash="$( { echo "$version $wheel_args"; c++ --version | head -1; cmake --version | head -1; } | sha256sum | cut -c1-16)"
@@ -82,17 +85,20 @@ if ! have_wheel; then
 fi
 
 if { [[ "$mode" == servers ]] && ! have_servers; } || { [[ "$mode" == rpc ]] && ! have_rpc; }; then
-  targets=(rpc-server)
-  [[ "$mode" == servers ]] && targets+=(llama-server)
+  # llama.cpp's target names, and the names the binaries keep here (its RPC server became ggml-rpc-server)
+  targets=(ggml-rpc-server) names=(rpc-server)
+  [[ "$mode" == servers ]] && targets+=(llama-server) names+=(llama-server)
   echo "[tools/llama_cpp] building ${targets[*]} from the vendored llama.cpp" >&2
   tar -xzf "$sdist" -C "$work"
   src="$(ls -d "$work"/llama_cpp_python-*/vendor/llama.cpp)"
+  # llama-server without its web UI: the prebuilt one is a download from Hugging Face, the other an npm build
   # shellcheck disable=SC2086
   cmake -S "$src" -B "$work/cbuild" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON $cmake_args >&2
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_UI=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF $cmake_args >&2
   cmake --build "$work/cbuild" -j "$jobs" --target "${targets[@]}" >&2
   mkdir -p "$dest/bin"
-  for b in "${targets[@]}"; do cp "$work/cbuild/bin/$b" "$dest/bin/"; done
+  for i in "${!targets[@]}"; do cp "$work/cbuild/bin/${targets[$i]}" "$dest/bin/${names[$i]}"; done
   touch "$dest/.rpc-complete"
   [[ "$mode" == servers ]] && touch "$dest/.servers-complete"
 fi

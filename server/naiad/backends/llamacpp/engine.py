@@ -173,6 +173,9 @@ class LlamaEngine:
         cparams.n_threads = settings.n_threads
         cparams.n_threads_batch = settings.n_threads
         cparams.kv_unified = False  # every sequence owns n_ctx cells: a slot can never run out of KV cache
+        # a sliding-window model's (gemma2/3) cache holds every position too, not only the window: prefix reuse keeps
+        # a prompt's first tokens, whose window a smaller SWA cache would have overwritten (llama.cpp's default)
+        cparams.swa_full = True
         cparams.no_perf = True
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:

@@ -1,10 +1,15 @@
 """llama.cpp's RPC backend for the llamacpp engine: `rpc-server` processes (on other pods or nodes) as devices a
-model's layers are offloaded to, registered once per endpoint through ggml's registry (libggml-rpc)."""
+model's layers are offloaded to, registered once per endpoint through ggml's registry (libggml-rpc).
+
+ggml-rpc aborts the process when it cannot connect to a server, so a server is first known to accept TCP
+connections (from here, in Python) before ggml is given its address. One server may lend several devices (its GPUs):
+each becomes a device of the model."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -16,7 +21,7 @@ from ...errors import InvalidArgument, Unavailable
 RPC_SERVERS_ENV = "NAIAD_LLAMACPP_RPC_SERVERS"
 
 _lock = threading.Lock()
-_devices: dict[str, int] = {}  # endpoint -> ggml_backend_dev_t, registered once per process
+_devices: dict[str, list[int]] = {}  # endpoint -> its ggml_backend_dev_t's, registered once per process
 _libs: tuple[ctypes.CDLL, ctypes.CDLL] | None = None
 
 
@@ -49,29 +54,48 @@ def _load_libs(llama_cpp_module) -> tuple[ctypes.CDLL, ctypes.CDLL]:
             )
         ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
         rpc = ctypes.CDLL(str(rpc_path))
-        rpc.ggml_backend_rpc_add_device.argtypes = [ctypes.c_char_p]
-        rpc.ggml_backend_rpc_add_device.restype = ctypes.c_void_p
+        rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+        rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p  # ggml_backend_reg_t: the server's devices
         rpc.ggml_backend_rpc_get_device_memory.argtypes = [
             ctypes.c_char_p,
+            ctypes.c_uint32,
             ctypes.POINTER(ctypes.c_size_t),
             ctypes.POINTER(ctypes.c_size_t),
         ]
         rpc.ggml_backend_rpc_get_device_memory.restype = None
-        ggml.ggml_backend_device_register.argtypes = [ctypes.c_void_p]
-        ggml.ggml_backend_device_register.restype = None
+        ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_register.restype = None
+        ggml.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+        ggml.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        ggml.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
         _libs = (ggml, rpc)
     return _libs
 
 
+def _accepts(endpoint: str) -> bool:
+    """Whether something listens at host:port (a connection opened and closed at once: rpc-server, which serves one
+    client at a time, goes back to accepting the next)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def _reachable(rpc: ctypes.CDLL, endpoint: str) -> bool:
+    if not _accepts(endpoint):
+        return False
     free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-    rpc.ggml_backend_rpc_get_device_memory(endpoint.encode(), ctypes.byref(free), ctypes.byref(total))
+    rpc.ggml_backend_rpc_get_device_memory(endpoint.encode(), 0, ctypes.byref(free), ctypes.byref(total))
     return total.value > 0
 
 
 def rpc_devices(llama_cpp_module, endpoints: list[str], wait_seconds: float) -> list[int]:
-    """The ggml devices of these RPC servers, registered once per process. A server not answering yet (a worker pod
-    still starting) is asked again until `wait_seconds` have passed, then the load fails with Unavailable."""
+    """The ggml devices of these RPC servers (every device each one lends), registered once per process. A server
+    not answering yet (a worker pod still starting) is asked again until `wait_seconds` have passed, then the load
+    fails with Unavailable."""
     with _lock:
         ggml, rpc = _load_libs(llama_cpp_module)
         deadline = time.monotonic() + wait_seconds
@@ -82,10 +106,12 @@ def rpc_devices(llama_cpp_module, endpoints: list[str], wait_seconds: float) -> 
                     if time.monotonic() >= deadline:
                         raise Unavailable(f"llama.cpp RPC server {endpoint} does not answer")
                     time.sleep(0.5)
-                device = rpc.ggml_backend_rpc_add_device(endpoint.encode())
-                if not device:
-                    raise Unavailable(f"llama.cpp could not add the RPC server {endpoint} as a device")
-                ggml.ggml_backend_device_register(device)
-                _devices[endpoint] = device
-            devices.append(_devices[endpoint])
+                reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())  # None: the server lends no device
+                n = ggml.ggml_backend_reg_dev_count(reg) if reg else 0
+                found = [ggml.ggml_backend_reg_dev_get(reg, i) for i in range(n)]
+                if not found or not all(found):
+                    raise Unavailable(f"llama.cpp could not add the RPC server {endpoint}'s devices")
+                ggml.ggml_backend_register(reg)  # (and its devices)
+                _devices[endpoint] = found
+            devices.extend(_devices[endpoint])
         return devices

@@ -33,7 +33,9 @@ def free_ports(n: int) -> list[int]:
     index = int(worker[2:])
     low = 10000 + index * _WORKER_PORTS
     if _next_port is None or not low <= _next_port < low + _WORKER_PORTS:
-        _next_port = low
+        # where in the range this process starts: another run's worker of the same index (two `make test`s on one
+        # machine) starts elsewhere in it
+        _next_port = low + (os.getpid() * 7919) % _WORKER_PORTS
     ports: list[int] = []
     for _ in range(_WORKER_PORTS):
         port = _next_port

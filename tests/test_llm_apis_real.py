@@ -25,6 +25,7 @@ CONFIG = (
     'backend: "llamacpp"\n'
     'parameters { key: "n_ctx" value: { string_value: "2048" } }\n'
     'parameters { key: "n_parallel" value: { string_value: "2" } }\n'
+    'parameters { key: "n_threads" value: { string_value: "1" } }\n'
 )
 WEATHER = {
     "name": "get_weather",
@@ -53,8 +54,9 @@ def claude(server):
 
 @pytest.fixture(scope="module")
 def reference():
-    """llama.cpp's own generation, in this process: the high-level `Llama` of the same llama-cpp-python."""
-    llm = llama_cpp.Llama(str(smollm2_gguf()), n_ctx=2048, n_threads=1, verbose=False)
+    """llama.cpp's own generation, in this process: the high-level `Llama` of the same llama-cpp-python, with flash
+    attention as llama.cpp's server and Naiad's engine run it (llama.cpp's "auto": on, on a CPU)."""
+    llm = llama_cpp.Llama(str(smollm2_gguf()), n_ctx=2048, n_threads=1, flash_attn=True, verbose=False)
     yield llm
     llm.close()
 

@@ -62,7 +62,7 @@ async def run(path: str, args) -> int:
         from ..frontends.openai.routes import OpenAIFrontend
 
         openai = OpenAIFrontend(
-            client,  # type: ignore[arg-type]
+            client,
             chat_template=args.chat_template,
             stall_timeout=args.openai_stall_timeout,
             max_input_size=args.http_max_input_size,

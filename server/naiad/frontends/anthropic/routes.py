@@ -10,7 +10,6 @@ engines do not say which stop sequence ended a response, so `stop_sequence` is n
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
@@ -19,14 +18,14 @@ from contextlib import aclosing
 import orjson
 from aiohttp import web
 
-from ...errors import NaiadError, as_naiad_error
+from ...errors import as_naiad_error
 from ...llm.tool_parsers import ToolCall
 from ..http.codec import read_body
-from ..http.sse import EventStream, StreamStalled
+from ..http.sse import EventStream
 from ..llm.errors import LLMError
-from ..llm.guard import guard
+from ..llm.guard import guard, guard_stream
 from ..llm.request import Generation
-from ..llm.service import ChoiceState, ClientGone, LLMService, Prepared
+from ..llm.service import ChoiceState, LLMService, Prepared
 from ..llm.shaping import Shaper
 from . import protocol
 
@@ -160,7 +159,8 @@ class MessagesRoutes:
         state = ChoiceState()
         shaper = Shaper(gen, prepared.parsers, prepared.prompt)
         blocks = _Blocks(events)
-        try:
+
+        async def write() -> web.StreamResponse:
             start = self._message(message_id, prepared, state)
             await events.send({"type": "message_start", "message": start}, event="message_start")
             reqs = self.llm.requests(prepared, gen, message_id)
@@ -186,22 +186,12 @@ class MessagesRoutes:
             )
             await events.send({"type": "message_stop"}, event="message_stop")
             return await events.end()
-        except (ClientGone, StreamStalled, ConnectionResetError):
-            return events.response
-        except asyncio.CancelledError:
-            if not events.gone():
-                raise
-            return events.response
-        except Exception as exc:
-            if not events.started:
-                raise
-            if not isinstance(exc, (LLMError, NaiadError)):
-                log.exception("error in message stream %s", message_id)
-            try:
-                await events.send(error_object(exc)[1], event="error")
-                return await events.end()
-            except (StreamStalled, ConnectionResetError):
-                return events.response
+
+        async def fail(exc: BaseException) -> web.StreamResponse:
+            await events.send(error_object(exc)[1], event="error")
+            return await events.end()
+
+        return await guard_stream(events, write(), fail, f"message stream {message_id}")
 
 
 class _Blocks:

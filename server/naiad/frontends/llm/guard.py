@@ -1,16 +1,18 @@
 """Every error an LLM route meets answered in its API's error object: the request's own errors (LLMError, a
 NaiadError from the server or the model) with their status, aiohttp's HTTP errors, a client gone (499, nobody to read
-it), and anything else as a 500 that is logged."""
+it), and anything else as a 500 that is logged; and the same for a stream once it has started (`guard_stream`): the
+error as the stream's last event, or nothing when the client is gone."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from ...errors import NaiadError
-from ..http.sse import StreamStalled
+from ..http.sse import EventStream, StreamStalled
 from .errors import LLMError
 from .service import ClientGone
 
@@ -38,3 +40,33 @@ def guard(handler: Handler, answer: Callable[[BaseException], web.Response]) -> 
             return answer(LLMError(f"internal error: {type(exc).__name__}: {exc}", 500))
 
     return run
+
+
+async def guard_stream(
+    events: EventStream,
+    stream: Awaitable[web.StreamResponse],
+    fail: Callable[[BaseException], Awaitable[web.StreamResponse]],
+    what: str,
+) -> web.StreamResponse:
+    """Run a stream's writer (`stream`). A client that went away or stopped reading ends it quietly; an error before
+    the stream started is the route's to answer (raised); one after it is answered by `fail` (the API's error event
+    and end), logged when it is not the request's own."""
+    try:
+        return await stream
+    except (ClientGone, StreamStalled, ConnectionResetError):
+        log.debug("%s ended early: the client went away or stopped reading", what)
+        return events.response
+    except asyncio.CancelledError:
+        if not events.gone():  # cancelled for another reason than the client's leaving (the server stops)
+            raise
+        log.debug("%s ended early: the client went away", what)
+        return events.response
+    except Exception as exc:
+        if not events.started:
+            raise
+        if not isinstance(exc, (LLMError, NaiadError)):
+            log.exception("error in %s", what)
+        try:
+            return await fail(exc)
+        except (StreamStalled, ConnectionResetError):
+            return events.response

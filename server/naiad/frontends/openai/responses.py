@@ -30,11 +30,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ...errors import NaiadError
-from ..http.sse import EventStream, StreamStalled
+from ..http.sse import EventStream
 from ..llm.errors import LLMError
+from ..llm.guard import guard_stream
 from ..llm.request import Generation
-from ..llm.service import ChoiceState, ClientGone, LLMService, Prepared
+from ..llm.service import ChoiceState, LLMService, Prepared
 from ..llm.shaping import Shaper
 from . import protocol
 
@@ -542,7 +542,8 @@ class ResponsesRoutes:
         shaper = Shaper(req.gen, prepared.parsers, prepared.prompt)
         state = ChoiceState()
         out = Output()
-        try:
+
+        async def write() -> web.StreamResponse:
             await emit("response.created", response=dict(response))
             await emit("response.in_progress", response=dict(response))
             reqs = self.llm.requests(prepared, req.gen, response["id"])
@@ -587,24 +588,14 @@ class ResponsesRoutes:
                 response=response,
             )
             return await events.end()
-        except (ClientGone, StreamStalled, ConnectionResetError):
-            return events.response
-        except asyncio.CancelledError:
-            if not events.gone():
-                raise
-            return events.response
-        except Exception as exc:
-            if not events.started:
-                raise
-            if not isinstance(exc, (LLMError, NaiadError)):
-                log.exception("error in response stream %s", response["id"])
+
+        async def fail(exc: BaseException) -> web.StreamResponse:
             response["status"] = "failed"
             response["error"] = {"code": "server_error", "message": getattr(exc, "message", str(exc))}
-            try:
-                await emit("response.failed", response=response)
-                return await events.end()
-            except (StreamStalled, ConnectionResetError):
-                return events.response
+            await emit("response.failed", response=response)
+            return await events.end()
+
+        return await guard_stream(events, write(), fail, f"response stream {response['id']}")
 
     async def _deltas(self, emit, out: Output, thought: str, text: str, force_message: bool = False) -> None:
         """Reasoning and message text as events: each item and part opened with its first delta."""

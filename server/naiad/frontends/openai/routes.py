@@ -3,7 +3,6 @@ Served on the HTTP port's aiohttp app, and on a port of its own with `--openai-p
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import time
@@ -12,15 +11,15 @@ from contextlib import aclosing
 import orjson
 from aiohttp import web
 
-from ...errors import NaiadError
 from ..anthropic.routes import MessagesRoutes
 from ..http.aiohttp_site import start_tcp_site
 from ..http.codec import read_body, restricted_message
-from ..http.sse import EventStream, StreamStalled
+from ..http.sse import EventStream
 from ..llm.errors import LLMError
 from ..llm.guard import guard as llm_guard
+from ..llm.guard import guard_stream
 from ..llm.request import Generation
-from ..llm.service import ChoiceState, ClientGone, LLMService, Prepared, total_usage
+from ..llm.service import ChoiceState, LLMService, Prepared, total_usage
 from ..llm.shaping import Shaper
 from ..transport import drain
 from . import protocol
@@ -152,7 +151,8 @@ class OpenAIFrontend:
         shapers = [Shaper(gen, prepared.parsers, prompt, chat) for _ in states]
         offsets = [len(prompt) if gen.echo else 0 for _ in states]  # completion logprobs' text_offset
         reqs = self.llm.requests(prepared, gen, builder.id)
-        try:
+
+        async def write() -> web.StreamResponse:
             async with aclosing(self.llm.run(request, reqs)) as pieces:
                 async for i, piece, resp in pieces:
                     state = states[i]
@@ -185,24 +185,12 @@ class OpenAIFrontend:
             if gen.include_usage:
                 await events.send(builder.usage_chunk(total_usage([s.usage for s in states])))
             return await events.done()
-        except (ClientGone, StreamStalled, ConnectionResetError):
-            log.debug("stream %s ended early: the client went away or stopped reading", builder.id)
-            return events.response
-        except asyncio.CancelledError:
-            if not events.gone():  # cancelled for another reason than the client's leaving (the server stops)
-                raise
-            log.debug("stream %s ended early: the client went away", builder.id)
-            return events.response
-        except Exception as exc:
-            if not events.started:
-                raise
-            if not isinstance(exc, (LLMError, NaiadError)):
-                log.exception("error in stream %s", builder.id)
-            try:
-                await events.send(error_object(exc)[1])
-                return await events.done()
-            except (StreamStalled, ConnectionResetError):
-                return events.response
+
+        async def fail(exc: BaseException) -> web.StreamResponse:
+            await events.send(error_object(exc)[1])
+            return await events.done()
+
+        return await guard_stream(events, write(), fail, f"stream {builder.id}")
 
     @staticmethod
     async def _open(events: EventStream, builder: Builder, prompt: str, n: int) -> None:

@@ -34,6 +34,9 @@ MODEL = (
 WIDE = (
     "llama_wide"  # n_ctx 65536, one slot: a prompt just under its bound (768 KiB) takes a while to tokenize
 )
+# a SentencePiece vocabulary of byte tokens alone, as the issue's attacker found it: llama.cpp's tokenizer is
+# quadratic on it (here, "word " x 10,000: 0.55 s; x 20,000: 2.0 s; x 100,000: minutes)
+SPM = "llama_spm"
 TOKENIZE_TIMEOUT_S = 30.0
 HOSTILE = "word " * 100_000  # 500 KB
 HUGE = "word " * 2_000_000  # 10 MB
@@ -48,12 +51,60 @@ def _config(n_ctx: int, n_parallel: int) -> str:
     )
 
 
+def write_byte_spm_gguf(path: Path) -> None:
+    """A random-weight llama whose SentencePiece vocabulary is the 256 byte tokens (and <unk>, <s>, </s>)."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    n_embd, n_ff = 64, 128
+    rng = np.random.default_rng(0)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(2048)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(1)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(16)
+    w.add_vocab_size(len(tokens))
+    w.add_file_type(0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types([2, 3, 3] + [6] * 256)  # unknown, control x2, then bytes
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", mat(len(tokens), n_embd))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, np.float32))
+    for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        w.add_tensor(f"blk.0.{t}.weight", mat(n_embd, n_embd))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", mat(n_ff, n_embd))
+    w.add_tensor("blk.0.ffn_up.weight", mat(n_ff, n_embd))
+    w.add_tensor("blk.0.ffn_down.weight", mat(n_embd, n_ff))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", mat(len(tokens), n_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hostile_repo")
     for name, n_ctx, n_parallel in ((MODEL, 2048, 4), (WIDE, 65536, 1)):
         write_tiny_gguf(root / name / "1" / "model.gguf")
         (root / name / "config.pbtxt").write_text(_config(n_ctx, n_parallel))
+    write_byte_spm_gguf(root / SPM / "1" / "model.gguf")
+    (root / SPM / "config.pbtxt").write_text(_config(2048, 2))
     return root
 
 
@@ -147,6 +198,33 @@ def test_a_500kb_prompt_is_refused_in_under_100ms_and_a_normal_request_meanwhile
         return took
 
     assert _best_of(5, meanwhile) < 0.05
+
+
+def test_a_superlinear_tokenizer_never_sees_the_500kb_prompt(naiad):
+    """The issue's attack as it was: a byte-token SentencePiece vocabulary, on which llama.cpp's tokenizer takes
+    minutes for this prompt. Its bound (2048 tokens x 5 bytes, `<unk>` being the longest text) refuses it at once;
+    the longest prompt within the bound tokenizes in milliseconds, and every path stays responsive."""
+    body = {"model": SPM, "prompt": HOSTILE, "max_tokens": 4}
+    r, took = _timed(lambda: _post(naiad, "/v1/completions", body))
+    assert _openai_error(r)["code"] == "context_length_exceeded" and took < 0.1, took
+    r, took = _timed(lambda: _post(naiad, "/tokenize", {"model": SPM, "prompt": HOSTILE}))
+    assert r.status_code == 400 and took < 0.1, (r.text, took)
+    sampling = json.dumps({"max_tokens": 4})
+    r, took = _timed(
+        lambda: _post(
+            naiad, f"/v2/models/{SPM}/generate", {"text_input": HOSTILE, "sampling_parameters": sampling}
+        )
+    )
+    assert r.status_code == 400 and took < 0.5, (r.text, took)
+    within = (
+        "word " * 2000
+    )  # 10,000 bytes, just under the bound: tokenized (then too many tokens for the context)
+    r, took = _timed(
+        lambda: _post(naiad, "/v1/completions", {"model": SPM, "prompt": within, "max_tokens": 1})
+    )
+    assert _openai_error(r)["code"] == "context_length_exceeded" and "tokens" in r.json()["error"]["message"]
+    assert took < 1.0, took
+    assert _normal_completion(naiad) < 1.0
 
 
 def test_a_10mb_prompt_is_refused_in_under_1s_on_completions_and_chat(naiad):

@@ -86,12 +86,12 @@ test:
 SERVER_TIER_ARGS ?= -n 2 --dist loadfile
 
 # What the server tier needs that needs no virtualenv, started with the cluster tools' builds (`make test`):
-# llama-cpp-python's wheel and rpc-server built with the interpreter the virtualenv is made from (the wheel only
-# depends on its version; `llm-deps` installs it), the Go servers the server tier starts, and the real small models
+# llama-cpp-python's wheel, rpc-server and llama-server built with the interpreter the virtualenv is made from (the
+# wheel only depends on its version; `llm-deps` installs it), the Go servers the server tier starts, the real small models
 # the quality tests use (tools/models/fetch.sh). Output in
 # build/server-deps.log; a failure here is retried, and reported, by `llm-deps` and `server-tools`.
 server-deps-background:
-	@mkdir -p build; ( { tools/step_time.sh "llama.cpp (background)" env PYTHON=$(PYTHON) bash tools/llama_cpp/build.sh rpc & \
+	@mkdir -p build; ( { tools/step_time.sh "llama.cpp (background)" env PYTHON=$(PYTHON) bash tools/llama_cpp/build.sh servers & \
 	  tools/step_time.sh "server tools (background)" $(MAKE) -s server-tools & \
 	  tools/step_time.sh "real models (background)" sh -c 'tools/models/fetch.sh smollm2 && tools/models/fetch.sh minilm'; \
 	  wait; } >build/server-deps.log 2>&1 & )
@@ -197,12 +197,14 @@ cluster-tools:
 cluster-tools-background:
 	@mkdir -p build; (nice -n 19 tools/step_time.sh "cluster tools (background)" $(MAKE) -s cluster-tools >build/cluster-tools.log 2>&1 &)
 
-# llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's rpc-server from the same
-# source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).
+# llama-cpp-python (the llamacpp backend) compiled once from its sdist, with llama.cpp's rpc-server and llama-server
+# from the same source, cached in ~/.cache/naiad-tools and installed into the virtualenv (tools/llama_cpp/build.sh).
 llm-deps: venv
 	@PYTHON=$(PY) bash tools/llama_cpp/build.sh >/dev/null
-	@# rpc-server too: the RPC tests (tests/test_llamacpp_rpc.py) and the LeaderWorkerSet scenario run it
-	@PYTHON=$(PY) bash tools/llama_cpp/build.sh rpc >/dev/null
+	@# rpc-server too: the RPC tests (tests/test_llamacpp_rpc.py) and the LeaderWorkerSet scenario run it; and
+	@# llama-server (`servers` builds both; 28 min once per pin on 2 shared cores): tests/test_llamacpp_lora.py
+	@# compares an adapter's greedy tokens with `llama-server --lora`
+	@PYTHON=$(PY) bash tools/llama_cpp/build.sh servers >/dev/null
 
 # Builds kube-apiserver, controller-manager, scheduler, kubectl, kubelet, kube-proxy, etcd, kwok, helm and prometheus-adapter from
 # the official Go modules (pinned in e2e/cluster) into a cache; prints the bin directory last.

@@ -7,7 +7,8 @@ style: 256 byte tokens, merges learnt from a short text here, special tokens `<s
 writes the same shape scaled up so that one decode step takes milliseconds (the benchmark's "engine dominates"
 model). `write_arch_gguf(path, arch)` writes a tiny model of another family (ARCHITECTURES: qwen2, qwen3, gemma3,
 mistral3) laid out as llama.cpp's `convert_hf_to_gguf.py` lays that family out, with the same tokenizer under that
-family's special tokens, pre-tokenizer and chat template. Nothing is downloaded; the weights come from a seeded
+family's special tokens, pre-tokenizer and chat template. `write_lora_gguf(path)` writes a LoRA adapter of the tiny
+llama as llama.cpp's `convert_lora_to_gguf.py` lays one out. Nothing is downloaded; the weights come from a seeded
 generator, so a file is the same on every machine.
 """
 
@@ -157,6 +158,52 @@ def write_llama_gguf(
         w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff))
     w.add_tensor("output_norm.weight", norm())
     w.add_tensor("output.weight", mat(n_vocab, n_embd) * np_dtype(4.0))  # sharper logits than 1/sqrt(n)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def write_lora_gguf(
+    path: str | os.PathLike,
+    *,
+    seed: int = 1,
+    rank: int = 8,
+    alpha: float = 16.0,
+    strength: float = 2.0,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_ff: int = 128,
+    arch: str = "llama",
+) -> Path:
+    """Write a random LoRA adapter for the model `write_llama_gguf` writes (same n_embd/n_layer/n_ff), laid out as
+    llama.cpp's `convert_lora_to_gguf.py` writes a PEFT adapter: `general.type` "adapter", `adapter.type` "lora",
+    `adapter.lora.alpha`, and for each adapted weight `<tensor>.lora_a` (PEFT's lora_A: rank x in) and `.lora_b`
+    (lora_B: out x rank). It adapts every block's attn_q, attn_v and ffn_down, with B scaled by `strength` so that
+    the update (alpha/rank * B @ A) is of the weights' own size: greedy text visibly changes."""
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+
+    def pair(name: str, n_out: int, n_in: int) -> None:
+        a = (rng.standard_normal((rank, n_in)) / np.sqrt(n_in)).astype(np.float32)
+        b = (rng.standard_normal((n_out, rank)) * (strength / np.sqrt(rank))).astype(np.float32)
+        w.add_tensor(f"{name}.lora_a", a)
+        w.add_tensor(f"{name}.lora_b", b)
+
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
+    for i in range(n_layer):
+        pair(f"blk.{i}.attn_q.weight", n_embd, n_embd)
+        pair(f"blk.{i}.attn_v.weight", n_embd, n_embd)
+        pair(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

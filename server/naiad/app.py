@@ -171,6 +171,7 @@ class App:
                 self.server,
                 chat_template=a.chat_template,
                 stall_timeout=a.openai_stall_timeout,
+                allow_runtime_lora=getattr(a, "allow_runtime_lora", False),
                 max_input_size=a.http_max_input_size,
             )
         from .shared_memory import shared_memory_manager  # system shared memory, plus CUDA with a GPU

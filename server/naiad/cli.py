@@ -300,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a streaming client may leave its stream unread before it is dropped and its request cancelled",
     )
     s.add_argument(
+        "--allow-runtime-lora",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
+        "LoRA adapters loaded into llama.cpp models while they serve; off, those routes answer 403",
+    )
+    s.add_argument(
         "--llm-tokenize-timeout-secs",
         type=float,
         default=10.0,

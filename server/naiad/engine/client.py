@@ -423,7 +423,14 @@ class EngineClient:
                 call = self.call("check_structured_outputs", name, version, spec)
                 asyncio.run_coroutine_threadsafe(call, channel.loop).result()
 
-        ctx = remote_context(name, version, described, tokenize, check_structured_outputs, detokenize)
+        # a LoRA adapter loaded (path) or unloaded (None) by the engine; the next model_info this worker asks for
+        # carries a new load stamp, and with it the adapters the model lists now
+        async def change_lora(lora: str, path: str | None) -> None:
+            await self.call("change_lora", name, version, lora, path)
+
+        ctx = remote_context(
+            name, version, described, tokenize, check_structured_outputs, detokenize, change_lora
+        )
         mv = RemoteModel(name, version, config, load, ctx)
         self._models[(name, version)] = mv
         return mv

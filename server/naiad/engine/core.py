@@ -201,6 +201,8 @@ class EngineService:
             return await model_context.detokenize(s.model(args[0], args[1]), args[2])
         if method == "check_structured_outputs":  # name, version, spec
             return await model_context.check_structured_outputs(s.model(args[0], args[1]), args[2])
+        if method == "change_lora":  # name, version, adapter, path (None: unload)
+            return await model_context.change_lora(s.model(args[0], args[1]), args[2], args[3])
         return self.call(method, args)
 
 
@@ -218,6 +220,7 @@ _ASYNC_CALLS = frozenset(
         "tokenize",
         "detokenize",
         "check_structured_outputs",
+        "change_lora",
     }
 )
 

@@ -28,6 +28,12 @@ def load_stamp(mv: Any) -> int:
     return stamp
 
 
+def restamp(mv: Any) -> None:
+    """(engine) The model version's context changed in place (a LoRA adapter loaded or unloaded): a new stamp, so
+    every worker describes it again the next time it meets it."""
+    mv.ctx.extra[_LOAD_KEY] = next(_loads)
+
+
 def describe(mv: Any) -> dict:
     """(engine) What a worker needs of a model version's context, as msgpack-able values."""
     ctx = mv.ctx
@@ -44,8 +50,26 @@ def describe(mv: Any) -> dict:
             "tokenize": published.tokenize is not None,
             "detokenize": published.detokenize is not None,
             "check_structured_outputs": published.check_structured_outputs is not None,
+            "lora": published.load_lora is not None and published.unload_lora is not None,
         }
     return out
+
+
+async def change_lora(mv: Any, name: str, path: str | None) -> None:
+    """(engine) Load LoRA adapter `name` from `path` into the model (None: unload it), off the event loop (a file
+    read, and a wait for the engine's thread), then restamp the model: the workers' LLMInfo lists adapters."""
+    published = llm_info.of(mv.ctx)
+    if published is None or published.load_lora is None or published.unload_lora is None:
+        from ..errors import InvalidArgument
+
+        raise InvalidArgument(f"model '{mv.name}' takes no LoRA adapters")
+    try:
+        if path is None:
+            await asyncio.to_thread(published.unload_lora, name)
+        else:
+            await asyncio.to_thread(published.load_lora, name, path)
+    finally:
+        restamp(mv)
 
 
 async def check_structured_outputs(mv: Any, spec: Any) -> None:
@@ -95,12 +119,22 @@ def remote_context(
     tokenize: Callable[..., Awaitable[list[int]]],
     check: Callable[[Any], None],
     detokenize: Callable[[list[int]], Awaitable[str]] | None = None,
+    change_lora: Callable[[str, str | None], Awaitable[None]] | None = None,
 ) -> RemoteContext:
-    """(worker) The context `describe` sent, its LLMInfo's tokenizer being `tokenize` and its structured-output
-    check `check` (calls to the engine)."""
+    """(worker) The context `describe` sent, its LLMInfo's tokenizer being `tokenize`, its structured-output check
+    `check` and its LoRA adapters' load and unload `change_lora(name, path or None)` (calls to the engine)."""
     ctx = RemoteContext(name, version, Path(described["model_dir"]), Path(described["version_dir"]))
     llm = described.get("llm")
     if llm is not None:
+        load_lora = unload_lora = None
+        if llm.get("lora") and change_lora is not None:
+
+            async def load_lora(name: str, path: str) -> None:
+                await change_lora(name, path)
+
+            async def unload_lora(name: str) -> None:
+                await change_lora(name, None)
+
         llm_info.publish(
             ctx,
             llm_info.LLMInfo(
@@ -113,6 +147,8 @@ def remote_context(
                 detokenize=detokenize if llm.get("detokenize") else None,
                 check_structured_outputs=check if llm.get("check_structured_outputs") else None,
                 extra=llm["extra"],
+                load_lora=load_lora,
+                unload_lora=unload_lora,
             ),
         )
     return ctx

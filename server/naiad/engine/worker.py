@@ -65,6 +65,7 @@ async def run(path: str, args) -> int:
             client,
             chat_template=args.chat_template,
             stall_timeout=args.openai_stall_timeout,
+            allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
             max_input_size=args.http_max_input_size,
         )
     if args.allow_http:

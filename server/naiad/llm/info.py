@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _KEY = "llm"
+LORA_ADAPTERS = "lora_adapters"  # LLMInfo.extra's key for a model's LoRA adapters: {name: adapter file}
 
 
 @dataclass
@@ -34,6 +35,12 @@ class LLMInfo:
     # follow; may be slow the first time (a schema turned into a grammar), so the frontend calls it off its loop
     check_structured_outputs: Callable[[Any], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # LoRA adapters, for an engine that takes them (llama.cpp): extra[LORA_ADAPTERS] lists them (name -> file);
+    # load_lora(name, path) and unload_lora(name) change them while the model serves (blocking calls, so the frontend
+    # runs them off its loop; in a frontend worker coroutine functions, asked of the engine process). InvalidArgument
+    # for a name taken or a file the engine refuses, NotFound for no such file or adapter
+    load_lora: Callable[[str, str], Awaitable[None] | None] | None = None
+    unload_lora: Callable[[str], Awaitable[None] | None] | None = None
 
 
 def publish(ctx: Any, info: LLMInfo) -> None:
@@ -44,3 +51,10 @@ def publish(ctx: Any, info: LLMInfo) -> None:
 def of(ctx: Any) -> LLMInfo | None:
     """The LLMInfo a backend published for this model version, or None."""
     return ctx.extra.get(_KEY)
+
+
+def lora_adapters(info: LLMInfo | None) -> dict[str, str]:
+    """The LoRA adapters a model's LLMInfo lists (name -> adapter file); {} for none."""
+    if info is None:
+        return {}
+    return info.extra.get(LORA_ADAPTERS) or {}

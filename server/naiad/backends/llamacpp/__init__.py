@@ -7,7 +7,9 @@ module turns requests into engine requests and engine outputs into responses as 
 streaming deltas, or one response with the whole text (the prompt first unless `exclude_input_in_output`).
 Parameters (config.pbtxt, string values): see params.MODEL_PARAMETERS and docs/llm.md. Structured output (vLLM's
 `structured_outputs` sampling parameter) follows a GBNF grammar (grammar.py), so the OpenAI frontend's
-`response_format` and forced `tool_choice` work on these models.
+`response_format` and forced `tool_choice` work on these models. LoRA adapters (lora.py) are loaded with the model
+from its config and at runtime; a request names one by the `lora_name` sampling parameter (as Triton's vllm_backend
+reads it), which the OpenAI frontend sets for `model: "<adapter>"`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ...llm.shape import auto_complete_vllm_shape
 from ..api import Backend, InstanceState
 from .engine import GenerationRequest, LlamaEngine, Output
 from .grammar import structured_grammar
+from .lora import ModelAdapters, static_adapters
 from .params import engine_settings, sampling_params
 
 log = logging.getLogger("naiad.llamacpp")
@@ -72,43 +75,58 @@ class LlamaCppBackend(Backend):
         path = model.model_file
         if path is None or not path.is_file():
             raise InvalidArgument(f"model '{model.name}': no GGUF file at {path}")
+        try:
+            static = static_adapters(model.parameters, model.version_path)
+        except NaiadError as exc:
+            raise InvalidArgument(f"model '{model.name}': {exc.message}") from None
+        model.state = ModelAdapters(static, model.version_path)
 
     def instance_initialize(self, instance: InstanceState) -> None:
         model = instance.model
         settings = engine_settings(model.parameters, instance.instance_count)
         metrics = EngineMetrics(model.ctx.server, model.name, max_model_len=settings.n_ctx)
+        adapters: ModelAdapters = model.state
         try:
             engine = LlamaEngine(model.model_file, settings, metrics)
         except BaseException:
             metrics.close()
             raise
+        try:
+            adapters.add_engine(engine)
+        except BaseException as exc:
+            engine.close()
+            metrics.close()
+            if isinstance(exc, NaiadError):
+                raise InvalidArgument(f"model '{model.name}': {exc.message}") from None
+            raise
         instance.state = engine
         if llm_info.of(model.ctx) is None:
-            llm_info.publish(
-                model.ctx,
-                llm_info.LLMInfo(
-                    chat_template=engine.chat_template(),
-                    bos_token=engine.special_text("bos"),
-                    eos_token=engine.special_text("eos"),
-                    context_length=settings.n_ctx,
-                    prompt_byte_limit=engine.prompt_byte_limit,
-                    tokenize=engine.tokenize,
-                    detokenize=engine.detokenize,
-                    check_structured_outputs=lambda spec: engine.check_grammar(
-                        structured_grammar(spec) or ""
-                    ),
-                    extra={
-                        "engine": "llama.cpp",
-                        "n_parallel": settings.n_parallel,
-                        "structured_outputs": True,
-                    },
-                ),
+            info = llm_info.LLMInfo(
+                chat_template=engine.chat_template(),
+                bos_token=engine.special_text("bos"),
+                eos_token=engine.special_text("eos"),
+                context_length=settings.n_ctx,
+                prompt_byte_limit=engine.prompt_byte_limit,
+                tokenize=engine.tokenize,
+                detokenize=engine.detokenize,
+                check_structured_outputs=lambda spec: engine.check_grammar(structured_grammar(spec) or ""),
+                extra={
+                    "engine": "llama.cpp",
+                    "n_parallel": settings.n_parallel,
+                    "structured_outputs": True,
+                },
+                load_lora=adapters.load,
+                unload_lora=adapters.unload,
             )
+            adapters.publish(info.extra)
+            llm_info.publish(model.ctx, info)
 
     def instance_finalize(self, instance: InstanceState) -> None:
         engine: LlamaEngine | None = instance.state
         instance.state = None
         if engine is not None:
+            if isinstance(instance.model.state, ModelAdapters):
+                instance.model.state.remove_engine(engine)
             engine.close()
             engine.metrics.close()
 

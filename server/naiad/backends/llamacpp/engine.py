@@ -8,11 +8,19 @@ sequence samples with its own sampler chain (a GBNF grammar for structured outpu
 min-p, seed; greedy at temperature 0).
 Requests join and leave between steps. The engine knows nothing of Triton: a request carries callbacks, so the
 same engine serves the backend and the in-process benchmark.
+
+LoRA adapters (`load_adapter`, `unload_adapter`) are loaded into the engine's model with `llama_adapter_lora_init`.
+llama.cpp applies adapters to a whole context, not to a sequence, so a step groups its running sequences by the
+adapter each asked for (the base model being one group) and decodes each group with `llama_decode` of its own after
+`llama_set_adapters_lora`: sequences of different adapters and of the base all advance in every step, one decode per
+adapter group. A slot's cached tokens are keyed by the adapter they were computed under, so prefix reuse never
+takes KV cells another adapter (or the base) computed.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import ctypes
 import logging
 import threading
@@ -22,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import InvalidArgument, Unavailable
+from ...errors import InvalidArgument, NotFound, Unavailable
 from ...llm import limits
 from ...llm.metrics import EngineMetrics, RequestMetrics
 from .params import EngineSettings, SamplingParams
@@ -56,8 +64,14 @@ def _llama():
     return llama_cpp
 
 
+_captured = threading.local()  # .lines: llama.cpp's errors on this thread while a call's reason is wanted
+
+
 def _log_callback(level: int, text: bytes, _user) -> None:
     """llama.cpp's log: errors (4) go to Naiad's log, warnings (3) to its debug level, the chatter of a load nowhere."""
+    lines = getattr(_captured, "lines", None)
+    if lines is not None and level == 4:
+        lines.append(text.decode("utf-8", "replace").strip())
     if level == 4:
         log.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
     elif level == 3:
@@ -100,6 +114,20 @@ class Output:
     logprobs: list[dict] | None = None  # per new token: {token_id: {"logprob", "rank", "decoded_token"}}
 
 
+@dataclass(eq=False)
+class Adapter:
+    """A LoRA adapter loaded into an engine's model (`handle`: llama.cpp's `llama_adapter_lora *`). Compared by
+    identity: an adapter unloaded and loaded again under its name is another one, whose KV cells are not these."""
+
+    name: str
+    path: str
+    handle: object = None  # None once freed
+
+
+# the adapters (and their scales) a sequence decodes under; (): the base model
+AdapterKey = tuple[tuple[Adapter, float], ...]
+
+
 @dataclass
 class GenerationRequest:
     """A prompt (token ids) and how to generate; `emit` is called on the engine thread with each Output,
@@ -113,12 +141,14 @@ class GenerationRequest:
     metrics: RequestMetrics | None = None
     max_tokens: int = 16
     generated: int = 0
+    adapters: AdapterKey = ()  # from sampling.lora_name / lora_scale, resolved by submit
 
 
 @dataclass
 class _Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)  # what the KV cache holds for this sequence
+    tokens_adapters: AdapterKey = ()  # the adapters `tokens` were decoded under (prefix reuse matches both)
     request: GenerationRequest | None = None
     pending: list[int] = field(default_factory=list)  # prompt tokens not yet decoded
     sampler: object = None
@@ -209,6 +239,14 @@ class LlamaEngine:
         )
         self._candidates = np.ctypeslib.as_array(self._every_data)
         self._vocab_ids = np.arange(self.n_vocab, dtype=np.int32)
+        # LoRA adapters by name; unloaded ones wait in _retired until no request holds them; _controls run on the
+        # engine thread between steps (an adapter load: llama.cpp's model must not change under a decode)
+        self.adapters: dict[str, Adapter] = {}
+        self._retired: list[Adapter] = []
+        self._controls: list[tuple[Callable[[], None], concurrent.futures.Future]] = []
+        self._ctx_adapters: AdapterKey = ()  # what llama_set_adapters_lora last set on the context
+        # vllm:lora_requests_info's last running and waiting adapters (None: never set)
+        self._lora_reported: tuple[list[str], list[str]] | None = None
         self._thread = threading.Thread(target=self._run, name="llamacpp-engine", daemon=True)
         self._thread.start()
 
@@ -315,9 +353,105 @@ class LlamaEngine:
         with self._cond:
             if self._stop:
                 raise Unavailable("the llama.cpp engine is shutting down")
+            request.adapters = self._adapter_key(request.sampling)
             request.metrics = self.metrics.arrived()
             self._queue.append(request)
             self._cond.notify()
+
+    def _adapter_key(self, sp: SamplingParams) -> AdapterKey:
+        """The adapters a request decodes under (its `lora_name` at `lora_scale`; a scale of 0 is the base)."""
+        if sp.lora_name is None:
+            return ()
+        adapter = self.adapters.get(sp.lora_name)
+        if adapter is None:
+            known = ", ".join(sorted(self.adapters)) or "none"
+            raise InvalidArgument(
+                f"LoRA adapter '{sp.lora_name}' is not loaded for this model (loaded: {known})"
+            )
+        return ((adapter, sp.lora_scale),) if sp.lora_scale != 0.0 else ()
+
+    # ---- LoRA adapters ----
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load the LoRA adapter GGUF at `path` under `name` (blocks until the engine thread has loaded it, between
+        two steps). InvalidArgument for a name taken or a file llama.cpp refuses (its reason in the message)."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        path = str(path)
+
+        def load() -> None:
+            if name in self.adapters:
+                raise InvalidArgument(f"LoRA adapter '{name}' is already loaded")
+            _captured.lines = []
+            try:
+                with self._embed_lock:  # the embeddings context decodes on other threads over the same model
+                    handle = self._lc.llama_adapter_lora_init(self.model, path.encode())
+                reasons = _captured.lines
+            finally:
+                _captured.lines = None
+            if not handle:
+                why = "; ".join(r.split(": ", 1)[-1] for r in reasons if r) or "see the server log"
+                raise InvalidArgument(f"llama.cpp could not load the LoRA adapter '{path}': {why}")
+            with self._cond:
+                self.adapters[name] = Adapter(name, path, handle)
+
+        self._control(load, done)
+        done.result()
+
+    def unload_adapter(self, name: str) -> None:
+        """Unload adapter `name`: new requests may no longer name it; those that hold it finish, and it is freed
+        after them. NotFound for an adapter that is not loaded."""
+        with self._cond:
+            adapter = self.adapters.pop(name, None)
+            if adapter is None:
+                raise NotFound(f"LoRA adapter '{name}' is not loaded")
+            self._retired.append(adapter)
+            self._cond.notify()
+
+    def _control(self, fn: Callable[[], None], done: concurrent.futures.Future) -> None:
+        """Run `fn` on the engine thread between steps; its outcome goes to `done`."""
+        with self._cond:
+            if self._stop:
+                raise Unavailable("the llama.cpp engine is shutting down")
+            self._controls.append((fn, done))
+            self._cond.notify()
+
+    def _run_controls(self) -> None:
+        with self._cond:
+            controls, self._controls = self._controls, []
+        for fn, done in controls:
+            try:
+                fn()
+            except BaseException as exc:
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+    def _reap_adapters(self) -> None:
+        """Free the unloaded adapters no queued or running request holds any more (engine thread)."""
+        if not self._retired:
+            return
+        with self._cond:
+            held = {a for r in self._queue for a, _ in r.adapters}
+        held.update(a for s in self.slots if s.request is not None for a, _ in s.request.adapters)
+        for adapter in [a for a in self._retired if a not in held]:
+            self._retired.remove(adapter)
+            if any(a is adapter for a, _ in self._ctx_adapters):
+                self._set_adapters(())
+            with self._embed_lock:
+                self._lc.llama_adapter_lora_free(adapter.handle)
+            adapter.handle = None
+
+    def _set_adapters(self, key: AdapterKey) -> None:
+        """Apply `key`'s adapters to the context (llama.cpp then re-reserves its graph on the next decode)."""
+        if key == self._ctx_adapters:
+            return
+        lc = self._lc
+        if key:
+            handles = (lc.llama_adapter_lora_p_ctypes * len(key))(*(a.handle for a, _ in key))
+            scales = (ctypes.c_float * len(key))(*(scale for _, scale in key))
+            lc.llama_set_adapters_lora(self.ctx, handles, len(key), scales)
+        else:
+            lc.llama_set_adapters_lora(self.ctx, None, 0, None)
+        self._ctx_adapters = key
 
     def check_grammar(self, grammar: str) -> None:
         """InvalidArgument unless llama.cpp parses `grammar` (GBNF with a `root` rule) against this vocabulary."""
@@ -344,6 +478,12 @@ class LlamaEngine:
         lc.llama_free(self.ctx)
         if self._embed_ctx is not None:
             lc.llama_free(self._embed_ctx)
+        for adapter in [*self.adapters.values(), *self._retired]:
+            if adapter.handle is not None:
+                lc.llama_adapter_lora_free(adapter.handle)
+                adapter.handle = None
+        self.adapters.clear()
+        self._retired.clear()
         lc.llama_model_free(self.model)
 
     # ---- embeddings ----
@@ -399,11 +539,19 @@ class LlamaEngine:
         try:
             while True:
                 with self._cond:
-                    while not self._stop and not self._queue and not any(s.request for s in self.slots):
+                    while (
+                        not self._stop
+                        and not self._queue
+                        and not self._controls
+                        and not self._retired
+                        and not any(s.request for s in self.slots)
+                    ):
                         self._cond.wait()
                     if self._stop:
                         break
+                self._run_controls()
                 self._step()
+                self._reap_adapters()
         except BaseException as exc:  # a broken engine fails everything it holds, never hangs a client
             log.exception("llama.cpp engine thread failed")
             with self._cond:
@@ -414,6 +562,9 @@ class LlamaEngine:
     def _fail_all(self, exc: BaseException) -> None:
         with self._cond:
             queued, self._queue = list(self._queue), collections.deque()
+            controls, self._controls = self._controls, []
+        for _, done in controls:
+            done.set_exception(exc)
         for req in queued:
             self._finish_metrics(req, "abort")
             _safe(req.fail, exc)
@@ -425,45 +576,61 @@ class LlamaEngine:
                 _safe(req.fail, exc)
 
     def _step(self) -> None:
-        lc = self._lc
         self._drop_cancelled()
         self._admit()
-        batch = self.batch
-        n = 0
+        # what each running sequence puts in this step: decoding ones their next token first, then prompt chunks in
+        # what is left of n_batch
+        work: list[tuple[_Slot, list[int], bool]] = []  # slot, tokens, whether the last one needs logits
         budget = self.settings.n_batch
-        # decoding sequences first (one token each), then prompt chunks in what is left
         for slot in self.slots:
             slot.batch_index = -1
             if slot.request is not None and not slot.pending and budget > 0:
-                self._put(batch, n, slot.last_token, len(slot.tokens), slot.seq, True)
-                slot.tokens.append(slot.last_token)
-                slot.batch_index = n
-                n += 1
+                work.append((slot, [slot.last_token], True))
                 budget -= 1
         for slot in self.slots:
             if slot.request is None or not slot.pending or budget <= 0:
                 continue
             take = slot.pending[:budget]
             del slot.pending[: len(take)]
-            for i, t in enumerate(take):
-                last = not slot.pending and i == len(take) - 1
+            work.append((slot, take, not slot.pending))
+            budget -= len(take)
+        if not work:
+            self._report_kv_usage()  # (cancelled requests were released: the gauge falls with them)
+            self._report_lora()
+            return
+        # one llama_decode per adapter group (llama.cpp sets adapters on the whole context), the group whose
+        # adapters the context has now first: a step with two groups switches once, not twice
+        groups: dict[AdapterKey, list[tuple[_Slot, list[int], bool]]] = {}
+        for item in work:
+            key = item[0].request.adapters  # type: ignore[union-attr]
+            groups.setdefault(key, []).append(item)
+        order = sorted(groups, key=lambda k: k != self._ctx_adapters)
+        for key in order:
+            self._decode(key, groups[key])
+        self._report_kv_usage()
+        self._report_lora()
+
+    def _decode(self, key: AdapterKey, items: list[tuple[_Slot, list[int], bool]]) -> None:
+        """One llama_decode of these sequences' tokens under adapters `key`, then each samples its next token."""
+        batch = self.batch
+        n = 0
+        for slot, tokens, logits in items:
+            last_at = len(tokens) - 1
+            for i, t in enumerate(tokens):
+                last = logits and i == last_at
                 self._put(batch, n, t, len(slot.tokens), slot.seq, last)
                 slot.tokens.append(t)
                 if last:
                     slot.batch_index = n
                 n += 1
-            budget -= len(take)
-        if n == 0:
-            self._report_kv_usage()  # (cancelled requests were released: the gauge falls with them)
-            return
         batch.n_tokens = n
-        rc = lc.llama_decode(self.ctx, batch)
+        self._set_adapters(key)
+        rc = self._lc.llama_decode(self.ctx, batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
-        for slot in self.slots:
+        for slot, _, _ in items:
             if slot.request is not None and slot.batch_index >= 0:
                 self._sample(slot)
-        self._report_kv_usage()
 
     def _report_kv_usage(self) -> None:
         """vllm:kv_cache_usage_perc as vLLM counts it: the cells running sequences hold. A free slot's cells, kept
@@ -472,6 +639,18 @@ class LlamaEngine:
         the engine holds; what llama.cpp does not say (cells padded to its own granularity) is not counted."""
         used = sum(len(s.tokens) for s in self.slots if s.request is not None)
         self.metrics.set_kv_cache_usage(used / (self.n_ctx * len(self.slots)))
+
+    def _report_lora(self) -> None:
+        """vllm:lora_requests_info, once the engine has had adapters: the adapters of running and of waiting
+        requests (set when they change); max_lora is n_parallel, the most adapters one step can run."""
+        if self._lora_reported is None and not self.adapters:
+            return
+        running = sorted({a.name for s in self.slots if s.request is not None for a, _ in s.request.adapters})
+        with self._cond:
+            waiting = sorted({a.name for r in self._queue for a, _ in r.adapters})
+        if self._lora_reported != (running, waiting):
+            self._lora_reported = (running, waiting)
+            self.metrics.set_lora(running, waiting, len(self.slots))
 
     @staticmethod
     def _put(batch, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
@@ -503,7 +682,7 @@ class LlamaEngine:
                 if not self._queue:
                     return
                 req = self._queue.popleft()
-            slot = max(free, key=lambda s: _common_prefix(s.tokens, req.prompt))
+            slot = max(free, key=lambda s: self._reusable(s, req))
             try:
                 self._start(slot, req)
             except BaseException as exc:
@@ -511,15 +690,23 @@ class LlamaEngine:
                 self._finish_metrics(req, "abort")
                 _safe(req.fail, exc)
 
+    @staticmethod
+    def _reusable(slot: _Slot, req: GenerationRequest) -> int:
+        """How many of the prompt's first tokens the slot's KV cache holds, computed under the request's adapters."""
+        if slot.tokens_adapters != req.adapters:
+            return 0
+        return _common_prefix(slot.tokens, req.prompt)
+
     def _start(self, slot: _Slot, req: GenerationRequest) -> None:
         lc = self._lc
-        keep = min(_common_prefix(slot.tokens, req.prompt), len(req.prompt) - 1)
+        keep = min(self._reusable(slot, req), len(req.prompt) - 1)
         if keep < len(slot.tokens):
             if not lc.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
                 keep = 0
                 lc.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
             del slot.tokens[keep:]
         slot.pending = list(req.prompt[keep:])
+        slot.tokens_adapters = req.adapters
         self.prefix_hits += keep
         slot.request = req
         slot.text = TextStream(req.sampling.stop)

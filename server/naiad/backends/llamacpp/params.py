@@ -25,6 +25,12 @@ MODEL_PARAMETERS = {
         "$NAIAD_LLAMACPP_RPC_SERVERS, else none",
     ),
     "rpc_wait_seconds": (120, "how long a load waits for the RPC servers to answer (workers still starting)"),
+    "lora_adapters": (
+        "",
+        "LoRA adapters loaded with the model (name=path,name2=path2; a path relative to the version folder); a "
+        "request names one by sampling parameter lora_name, an OpenAI request by model; multi_lora.json in the "
+        "version folder (Triton vllm_backend's: {name: path}) adds to them",
+    ),
     "max_prompt_bytes": (
         0,
         "prompts of more UTF-8 bytes are refused untokenized (0: n_ctx times the vocabulary's longest token, the "
@@ -51,8 +57,8 @@ def engine_settings(parameters: dict[str, str], instance_count: int = 1) -> Engi
     rpc = parameters.get("rpc_servers") or os.environ.get(RPC_SERVERS_ENV, "")
     out.rpc_servers = parse_rpc_servers(rpc)
     for key, raw in parameters.items():
-        if key == "rpc_servers":
-            continue
+        if key in ("rpc_servers", "lora_adapters"):
+            continue  # (lora_adapters: lora.py)
         if key not in MODEL_PARAMETERS:
             continue  # other backends' or the user's own keys are left alone, as Triton does
         if key == "embeddings":
@@ -88,6 +94,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     grammar: str | None = None  # GBNF the output must follow (from `structured_outputs`, see grammar.py)
+    lora_name: str | None = None  # the LoRA adapter to decode under (Triton vllm_backend's `lora_name`)
+    lora_scale: float = 1.0  # its scale (llama.cpp's; 0: the base model)
 
 
 def _number(params: dict, key: str, kind: type, low: float | None = None, high: float | None = None) -> Any:
@@ -136,6 +144,13 @@ def sampling_params(text: str | bytes | None) -> SamplingParams:
         out.min_tokens = _number(params, "min_tokens", int, 0)
     if params.get("logprobs") is not None:
         out.logprobs = _number(params, "logprobs", int, 0, 20)
+    lora = params.get("lora_name")
+    if lora is not None:
+        if not isinstance(lora, str) or not lora:
+            raise InvalidArgument("sampling parameter 'lora_name' must be a non-empty string")
+        out.lora_name = lora
+    if params.get("lora_scale") is not None:
+        out.lora_scale = _number(params, "lora_scale", float, -16.0, 16.0)
     ignore = params.get("ignore_eos", False)
     out.ignore_eos = ignore in (True, "true", "True", 1)
     stop = params.get("stop")

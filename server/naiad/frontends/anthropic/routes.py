@@ -102,7 +102,7 @@ class MessagesRoutes:
     # ---- count_tokens ----
     async def count_tokens(self, request: web.Request) -> web.Response:
         gen = protocol.parse(await self._body(request), count_only=True)
-        mv = await self.llm.ready_model(gen.model)
+        mv, _ = await self.llm.resolve(gen.model)  # (an adapter counts by its base model's tokenizer)
         prompt = await self.llm.render(mv, self.llm.template(mv), gen)
         count = await self.llm.count(mv, prompt)
         if count is None:
@@ -135,7 +135,7 @@ class MessagesRoutes:
             "id": message_id,
             "type": "message",
             "role": "assistant",
-            "model": prepared.mv.name,
+            "model": prepared.name,
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,

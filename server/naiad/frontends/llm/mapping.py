@@ -200,8 +200,11 @@ def tool_call_schema(gen: Generation) -> dict:
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
-def generation_request(mv, kind: str, prompt: str, gen: Generation, request_id: str) -> InferenceRequest:
-    """The inference request for one chat or completion request."""
+def generation_request(
+    mv, kind: str, prompt: str, gen: Generation, request_id: str, lora: str | None = None
+) -> InferenceRequest:
+    """The inference request for one chat or completion request; `lora`: the LoRA adapter it runs under, passed as
+    Triton vllm_backend's `lora_name` sampling parameter."""
     stream = gen.stream and mv.decoupled
     structured = structured_output(mv, kind, gen)
     ins = _Inputs(mv)
@@ -210,13 +213,20 @@ def generation_request(mv, kind: str, prompt: str, gen: Generation, request_id: 
         raise LLMError(f"model '{mv.name}' does not return logprobs", param="logprobs")
     if kind == VLLM:
         ins.add_if("stream", [stream])
-        ins.add("sampling_parameters", [json.dumps(sampling_parameters(gen, structured))])
+        params = sampling_parameters(gen, structured)
+        if lora is not None:
+            params["lora_name"] = lora
+        ins.add("sampling_parameters", [json.dumps(params)])
         ins.add_if("exclude_input_in_output", [True])
         ins.add_if("return_finish_reason", [True])
         ins.add_if("return_num_input_tokens", [True])
         ins.add_if("return_num_output_tokens", [True])
         ins.add_if("return_logprobs", [gen.logprobs is not None])
         return ins.request(request_id)
+    if lora is not None:
+        raise LLMError(
+            f"model '{mv.name}' takes no LoRA adapter by name (the TensorRT-LLM shape)", param="model"
+        )
     # the TensorRT-LLM shape: one tensor per setting; a setting the model has no input for is refused
     settings: list[tuple[str, str, Any]] = [
         ("max_tokens", "max_tokens", gen.max_tokens),

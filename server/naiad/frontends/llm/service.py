@@ -69,6 +69,13 @@ class Prepared:
     prompt: str
     prompt_tokens: int | None
     parsers: Parsers
+    # the LoRA adapter the request named as its model (`mv` is then the adapter's base model)
+    lora: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The model a response names: the adapter when the request named one, as vLLM answers."""
+        return self.lora or self.mv.name
 
 
 @dataclass
@@ -105,6 +112,7 @@ class LLMService:
     def __init__(self, server: Any, chat_template: str | None = None):
         self.server = server
         self.chat_template = templates.from_file(chat_template) if chat_template else None
+        self._adapter_bases: dict[str, str] = {}  # LoRA adapter -> the model it was last found on
 
     # ---- models ----
     def model(self, name: str) -> Any:
@@ -121,6 +129,36 @@ class LLMService:
             return mv
         except NotFound:
             raise not_found(name) from None
+
+    async def resolve(self, name: str) -> tuple[Any, str | None]:
+        """The model a generation names, and the LoRA adapter when the name is one's (the model is then the
+        adapter's base, as vLLM serves adapters): a model of that name first, then the adapters the models list."""
+        try:
+            mv, _ = await self.server.ready_model(name)
+            return mv, None
+        except NotFound:
+            pass
+        base = self._adapter_bases.get(name)
+        if base is not None:
+            try:
+                mv, _ = await self.server.ready_model(base)
+            except NotFound:
+                mv = None
+            if mv is not None and name in llm_info.lora_adapters(llm_info.of(mv.ctx)):
+                return mv, name
+            self._adapter_bases.pop(name, None)
+        for mv in self.listed():
+            if name in llm_info.lora_adapters(llm_info.of(mv.ctx)):
+                self._adapter_bases[name] = mv.name
+                return mv, name
+        raise not_found(name)
+
+    def adapter_base(self, name: str) -> Any:
+        """The loaded model that lists LoRA adapter `name`, or None."""
+        for mv in self.listed():
+            if name in llm_info.lora_adapters(llm_info.of(mv.ctx)):
+                return mv
+        return None
 
     @staticmethod
     def served(mv: Any) -> bool:
@@ -146,7 +184,7 @@ class LLMService:
 
     async def prepare(self, gen: Generation, route: str) -> Prepared:
         """The model and the prompt of a chat (`gen.messages`) or a completion, bounded and counted."""
-        mv = await self.ready_model(gen.model)
+        mv, lora = await self.resolve(gen.model)
         kind = mapping.require_llm(mv, route)
         template = self.template(mv)
         if gen.messages is not None:
@@ -156,7 +194,7 @@ class LLMService:
         parsers = Parsers.of(mv, template)
         prompt_tokens = await self.prompt_tokens(mv, prompt, gen)
         await self.check_structured_output(mv, kind, gen)
-        return Prepared(mv, kind, prompt, prompt_tokens, parsers)
+        return Prepared(mv, kind, prompt, prompt_tokens, parsers, lora)
 
     async def render(self, mv: Any, template: templates.ChatTemplate | None, gen: Generation) -> str:
         """A chat's prompt by the model's template; rendering is Python work as long as the messages, so a large
@@ -264,7 +302,12 @@ class LLMService:
         """One inference request per choice (`n`)."""
         return [
             mapping.generation_request(
-                prepared.mv, prepared.kind, prepared.prompt, g, choices.choice_request_id(request_id, i)
+                prepared.mv,
+                prepared.kind,
+                prepared.prompt,
+                g,
+                choices.choice_request_id(request_id, i),
+                prepared.lora,
             )
             for i, g in enumerate(choices.choice_generations(gen))
         ]

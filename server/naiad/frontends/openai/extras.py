@@ -55,7 +55,7 @@ class ExtraRoutes:
             raise LLMError(
                 "'model' is required: the name of a model (GET /v1/models lists them)", param="model"
             )
-        mv = await self.llm.ready_model(name)
+        mv, _ = await self.llm.resolve(name)  # (an adapter tokenizes as its base model)
         published = llm_info.of(mv.ctx)
         if published is None or published.tokenize is None:
             raise LLMError(f"model '{mv.name}' publishes no tokenizer", param="model")

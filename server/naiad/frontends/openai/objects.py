@@ -167,5 +167,13 @@ def embedding_list(model: str, vectors: list[list[float]], encoding_format: str,
     }
 
 
-def model_card(name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "naiad"}
+def model_card(name: str, created: int, root: str | None = None, parent: str | None = None) -> dict:
+    """A model's card as vLLM lists one: `root` the model (a LoRA adapter's file), `parent` a LoRA adapter's base."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "naiad",
+        "root": root if root is not None else name,
+        "parent": parent,
+    }

@@ -433,7 +433,7 @@ class ResponsesRoutes:
             "background": req.background,
             "error": None,
             "incomplete_details": None,
-            "model": prepared.mv.name,
+            "model": prepared.name,
             "output": [],
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,

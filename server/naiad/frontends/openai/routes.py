@@ -25,6 +25,7 @@ from ..transport import drain
 from . import protocol
 from .errors import error_object
 from .extras import ExtraRoutes
+from .lora import LoraRoutes, adapter_cards
 from .objects import Builder, chat_logprobs, completion_logprobs, embedding_list, model_card
 from .responses import ResponsesRoutes
 
@@ -61,15 +62,18 @@ class OpenAIFrontend:
         chat_template: str | None = None,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         max_input_size: int = 64 * 1024 * 1024,
+        allow_runtime_lora: bool = False,
     ):
         self.server = server
         self.llm = LLMService(server, chat_template)
         self.stall_timeout = stall_timeout
         self.max_input_size = max_input_size
         self._created: dict[tuple[str, int], int] = {}
+        self._lora_created: dict[tuple[str, str], int] = {}
         self.responses = ResponsesRoutes(self.llm, self.body, stall_timeout)
         self.messages = MessagesRoutes(self.llm, self.max_input_size, stall_timeout)
         self.extras = ExtraRoutes(self.llm, self.body)
+        self.lora = LoraRoutes(self.llm, self.body, allow_runtime_lora)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_get("/v1/models", guard(self.list_models))
@@ -79,6 +83,7 @@ class OpenAIFrontend:
         router.add_post("/v1/embeddings", guard(self.embeddings))
         self.responses.add_routes(router, guard)
         self.extras.add_routes(router, guard)
+        self.lora.add_routes(router, guard)
         self.messages.add_routes(router)
 
     def http_error(self, request: web.Request, exc: web.HTTPException) -> web.Response:
@@ -98,12 +103,32 @@ class OpenAIFrontend:
         created = self._created.setdefault((mv.name, mv.version), int(time.time()))
         return model_card(mv.name, created)
 
+    def _adapter_card(self, name: str, path: str | None, parent: str | None) -> dict:
+        """A LoRA adapter's card, as vLLM lists one: `root` its file, `parent` its base model."""
+        created = self._lora_created.setdefault((name, path or ""), int(time.time()))
+        return model_card(name, created, root=path, parent=parent)
+
     async def list_models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [self._card(mv) for mv in self.llm.listed()]})
+        cards = []
+        for mv in self.llm.listed():
+            cards.append(self._card(mv))
+            cards.extend(adapter_cards(mv, self._adapter_card))
+        return _json({"object": "list", "data": cards})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        mv = self.llm.model(name)
+        try:
+            mv = self.llm.model(name)
+        except LLMError:
+            base = self.llm.adapter_base(name)
+            card = (
+                next((c for c in adapter_cards(base, self._adapter_card) if c["id"] == name), None)
+                if base
+                else None
+            )
+            if card is None:
+                raise
+            return _json(card)
         if not self.llm.served(mv):
             raise LLMError(f"The model '{name}' does not exist", 404, param="model", code="model_not_found")
         return _json(self._card(mv))
@@ -121,7 +146,7 @@ class OpenAIFrontend:
 
     async def _generate(self, request: web.Request, gen: Generation, chat: bool) -> web.StreamResponse:
         prepared = await self.llm.prepare(gen, "/v1/chat/completions" if chat else "/v1/completions")
-        builder = Builder(chat, prepared.mv.name, gen)
+        builder = Builder(chat, prepared.name, gen)
         builder.reasoning = chat and prepared.parsers.reasoning is not None
         if gen.stream:
             return await self._stream(request, prepared, gen, builder)

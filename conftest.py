@@ -56,9 +56,25 @@ class TierCounter:
         self.started = time.time()
         self.cpu_started = _cpu_seconds()
         self.workers_cpu = 0.0  # what xdist workers spent, each reported as it ended
+        # CPU seconds by test file: this process's and what it reaped while the file's tests ran (a module's servers
+        # are reaped at its end, so they count for their file); xdist workers send theirs with each report
+        self.cpu_by_file: Counter = Counter()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        before = _cpu_seconds()
+        yield
+        spent = _cpu_seconds() - before
+        if not hasattr(item.config, "workerinput"):
+            self.cpu_by_file[item.nodeid.split("::", 1)[0]] += spent
+        else:  # to the controller, with this test's last report
+            item.config.naiad_cpu_spent = getattr(item.config, "naiad_cpu_spent", Counter())
+            item.config.naiad_cpu_spent[item.nodeid.split("::", 1)[0]] += spent
 
     def pytest_testnodedown(self, node, error) -> None:  # (xdist, on the controller)
-        self.workers_cpu += getattr(node, "workeroutput", {}).get("naiad_cpu", 0.0)
+        output = getattr(node, "workeroutput", {})
+        self.workers_cpu += output.get("naiad_cpu", 0.0)
+        self.cpu_by_file.update(output.get("naiad_cpu_by_file", {}))
 
     def pytest_runtest_logreport(self, report) -> None:
         name = tier_of(report.nodeid)
@@ -95,6 +111,9 @@ class TierCounter:
         name = os.environ.get("NAIAD_TEST_RUN")
         if hasattr(session.config, "workeroutput"):
             session.config.workeroutput["naiad_cpu"] = _cpu_seconds() - self.cpu_started
+            session.config.workeroutput["naiad_cpu_by_file"] = dict(
+                getattr(session.config, "naiad_cpu_spent", {})
+            )
         if name and not hasattr(
             session.config, "workerinput"
         ):  # an xdist worker's counts reach the controller
@@ -109,6 +128,7 @@ class TierCounter:
                 "cpu": _cpu_seconds() - self.cpu_started + self.workers_cpu,
                 "durations": {k: round(v, 3) for k, v in self.durations.items()},
                 "tier_of": {k: tier_of(k) for k in self.durations},
+                "cpu_by_file": {k: round(v, 1) for k, v in self.cpu_by_file.items()},
             }
             (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1))
 

@@ -56,6 +56,15 @@ def print_times(runs: dict[str, dict], steps: Path, slowest: int = 10) -> None:
         tier_of = data.get("tier_of", {})
         for nodeid, seconds in data.get("durations", {}).items():
             spent.setdefault(tier_of.get(nodeid, name), {})[f"[{name}] {nodeid}"] = seconds
+    by_file: Counter = Counter()
+    for name, data in timed.items():
+        by_file.update({f"[{name}] {path}": cpu for path, cpu in data.get("cpu_by_file", {}).items()})
+    if by_file:
+        print(
+            f"\nCPU by test file (the file's tests and the servers they reaped), the {slowest * 2} costliest:"
+        )
+        for path, cpu in by_file.most_common(slowest * 2):
+            print(f"  {_clock(cpu):>7}  {path}")
     print(f"\ntime in tests by tier, and each tier's {slowest} slowest:")
     for tier, tests in sorted(spent.items(), key=lambda kv: -sum(kv[1].values())):
         print(f"  {tier}: {_clock(sum(tests.values()))} in {len(tests)} tests")

@@ -9,63 +9,10 @@ import os
 
 from . import host_pinning
 from .frontends.transport import receive_buffers
+from .serve_flags import parse_restricted
 from .server import Server, ServerOptions
 
 log = logging.getLogger("naiad")
-
-
-API_GROUPS = (
-    "health",
-    "metadata",
-    "inference",
-    "shared-memory",
-    "model-config",
-    "model-repository",
-    "statistics",
-    "trace",
-    "logging",
-    "openai",  # Naiad's own: the OpenAI-compatible API under /v1, on the HTTP port and on --openai-port
-)
-
-
-def restriction_value(value: str) -> str:
-    """A restricted API's value as given, or read from the environment (`env:<VARIABLE>`) or a file
-    (`file:<path>`, one trailing newline dropped), so that a credential need not appear on the command line."""
-    source, sep, ref = value.partition(":")
-    if not sep or source not in ("env", "file"):
-        return value
-    if source == "env":
-        if not os.environ.get(ref):
-            raise ValueError(f"restricted API value env:{ref}: the environment variable is not set or empty")
-        return os.environ[ref]
-    try:
-        with open(ref, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ValueError(f"restricted API value file:{ref}: {exc.strerror or exc}") from exc
-    text = text[:-1] if text.endswith("\n") else text
-    text = text[:-1] if text.endswith("\r") else text
-    if not text:
-        raise ValueError(f"restricted API value file:{ref}: the file is empty")
-    return text
-
-
-def parse_restricted(items: list[str]) -> dict[str, tuple[str, str]]:
-    """`<api>[,<api>...]:<header>=<value>` (repeatable) -> {api: (header, value)}; see restriction_value."""
-    out: dict[str, tuple[str, str]] = {}
-    for item in items or []:
-        apis, sep, rule = item.partition(":")
-        key, eq, value = rule.partition("=")
-        if not sep or not eq or not key:
-            raise ValueError(f"invalid restricted API '{item}': expected <apis>:<header>=<value>")
-        for api in apis.split(","):
-            api = api.strip()
-            if api not in API_GROUPS:
-                raise ValueError(f"unknown API group '{api}' (known: {', '.join(API_GROUPS)})")
-            if api in out:
-                raise ValueError(f"API group '{api}' is restricted twice")
-            out[api] = (key.strip().lower(), restriction_value(value))
-    return out
 
 
 def parse_trace_config(items: list[str]) -> tuple[dict, dict]:

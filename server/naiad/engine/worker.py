@@ -25,9 +25,9 @@ def _die_with_parent() -> None:
 
 
 async def run(path: str, args) -> int:
-    from ..app import parse_restricted
     from ..frontends.transport import tls
     from ..frontends.transport.receive_buffers import POOL
+    from ..serve_flags import parse_restricted
     from . import acceptor
     from .adopter import Adopter
     from .client import EngineClient
@@ -164,10 +164,11 @@ async def run(path: str, args) -> int:
 
 def main(argv: list[str]) -> int:
     _die_with_parent()
-    from ..cli import build_parser, configure_logging
+    from ..logsettings import configure_logging
+    from ..serve_flags import serve_parser
 
     path, rest = argv[0], argv[1:]
-    args = build_parser().parse_args(rest)
+    args = serve_parser().parse_args(rest)
     configure_logging(args.log_verbose, args.log_info, args.log_format)
     try:
         import uvloop

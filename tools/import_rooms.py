@@ -25,7 +25,8 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("engine",),  # frontend worker processes and the engine process they call
         ("serve_flags",),  # `naiad serve`'s command line, read alike by the engine process and its workers
         ("frontends",),  # the protocols
-        ("server",),  # Server: what every frontend calls
+        ("server",),  # Server: the serving API in one process
+        ("serving",),  # the serving API the frontends call (Protocols): Server and the engine's EngineClient
         ("repository",),
         ("model", "orchestration", "warmup"),
         ("scheduling",),

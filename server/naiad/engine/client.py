@@ -1,6 +1,7 @@
-"""The frontend worker's `Server`: the same interface the HTTP and gRPC frontends call, each call forwarded to
-the engine process (inference and model control over the asynchronous data channel, the small synchronous
-queries over a blocking control channel), with tensors in shared-memory slabs."""
+"""A frontend worker's server: the serving API the frontends call (`serving.Serving`), each call forwarded to the
+engine process (inference and model control over the asynchronous data channel, the small synchronous queries over
+a blocking control channel), with tensors in shared-memory slabs. `EngineClient` implements `Serving`, and
+`RemoteRepository`, `RemoteRecords`, `RemoteModel`, `RemoteLogSettings` and `RemoteTracer` its views."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, Iterator
+from typing import TYPE_CHECKING, Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
@@ -24,6 +25,9 @@ from .channel import Channel
 from .model_context import RemoteContext, remote_context
 from .remote_shm import RemoteSharedMemory
 from .slabs import SlabMaps, SlabPool
+
+if TYPE_CHECKING:
+    from ..serving import Serving
 
 CONTROL_TIMEOUT_S = 30.0
 
@@ -75,8 +79,8 @@ class ControlChannel:
 
 
 class RemoteModel:
-    """What frontends read of a `ModelVersion` (config, inputs, outputs, batching, decoupled, and the context the
-    OpenAI frontend reads), from the engine; `load` is the engine's load stamp of it."""
+    """A served model (`serving.ServedModel`): what frontends read of the engine's `ModelVersion` (config, inputs,
+    outputs, batching, decoupled, and the context the OpenAI frontend reads); `load` is the engine's load stamp."""
 
     def __init__(self, name: str, version: int, config: bytes, load: int, ctx: RemoteContext):
         self.name = name
@@ -91,7 +95,7 @@ class RemoteModel:
 
 
 class RemoteRecord:
-    """`repository.records[name]`: the model's loaded versions."""
+    """`repository.records[name]` (`serving.ModelRecordView`): the model's loaded versions."""
 
     def __init__(self, name: str, versions: dict[int, RemoteModel]):
         self.name = name
@@ -105,10 +109,12 @@ _MEMORY_KEYS = frozenset(
 
 
 class RemoteRepository:
+    """The engine's model repository (`serving.RepositoryView`): `index` answers from the last `refresh`."""
+
     def __init__(self, client: EngineClient):
         self._client = client
-        self.records = _RemoteRecords(client)
-        self._index: list = []
+        self.records = RemoteRecords(client)
+        self._index: list[dict] = []
 
     def get(self, name: str, version: int = -1) -> RemoteModel:
         return self._client.model(name, version)
@@ -116,15 +122,16 @@ class RemoteRepository:
     async def refresh(self) -> None:
         self._index = await self._client.call("index", False, True)
 
-    def index(self, ready: bool = False, memory: bool = False) -> list:
-        entries = [e for e in self._index if e.get("state") == "READY"] if ready else self._index
+    def index(self, ready_only: bool = False, memory: bool = False) -> list[dict]:
+        entries = [e for e in self._index if e.get("state") == "READY"] if ready_only else self._index
         if memory:
             return entries
         return [{k: v for k, v in e.items() if k not in _MEMORY_KEYS} for e in entries]
 
 
-class _RemoteRecords:
-    """`name in repository.records`, its names and `records[name].versions`, asked of the engine."""
+class RemoteRecords:
+    """`repository.records` (`serving.RecordsView`): `name in records`, its names and `records[name].versions`,
+    asked of the engine."""
 
     def __init__(self, client: EngineClient):
         self._client = client
@@ -144,6 +151,8 @@ class _RemoteRecords:
 
 
 class RemoteLogSettings:
+    """The engine's log settings (`serving.LogSettingsView`)."""
+
     def __init__(self, client: EngineClient):
         self._control = client.control
 
@@ -153,7 +162,7 @@ class RemoteLogSettings:
     def update(self, changes: dict) -> dict:
         return self._control.call("log_update", changes)
 
-    def grpc(self, request):
+    def grpc(self, request: Any) -> Any:
         return pb.LogSettingsResponse.FromString(self._control.call("log_grpc", request.SerializeToString()))
 
     def reopen(self) -> None:
@@ -161,7 +170,7 @@ class RemoteLogSettings:
 
 
 class RemoteTracer:
-    """The engine's trace settings; `active` is refreshed by every inference reply."""
+    """The engine's trace settings (`serving.TracerView`); `active` is refreshed by every inference reply."""
 
     def __init__(self, client: EngineClient):
         self._control = client.control
@@ -175,7 +184,7 @@ class RemoteTracer:
         self.active = bool(self._control.call("trace_active"))
         return out
 
-    def grpc(self, request):
+    def grpc(self, request: Any) -> Any:
         out = pb.TraceSettingResponse.FromString(
             self._control.call("trace_grpc", request.SerializeToString())
         )
@@ -184,7 +193,7 @@ class RemoteTracer:
 
 
 class EngineClient:
-    """Duck-types `naiad.server.Server` for the frontends of a worker process."""
+    """The serving API (`serving.Serving`) of a frontend worker's frontends, answered by the engine process."""
 
     name = "naiad"
 
@@ -332,7 +341,7 @@ class EngineClient:
             request.load_wait_ns = msg[0].load_wait_ns
         return wire.decode_response(msg[0], self.maps, self._release, msg[1])
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+    async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse, None]:
         rid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
@@ -452,3 +461,10 @@ class EngineClient:
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         await self.call("unload_model", name, unload_dependents)
+
+
+if TYPE_CHECKING:
+
+    def _serves(client: EngineClient) -> Serving:
+        """(mypy) EngineClient implements the serving API the frontends call."""
+        return client

@@ -62,7 +62,7 @@ async def run(path: str, args) -> int:
         from ..frontends.openai.routes import OpenAIFrontend
 
         openai = OpenAIFrontend(
-            client,  # type: ignore[arg-type]
+            client,
             chat_template=args.chat_template,
             stall_timeout=args.openai_stall_timeout,
             max_input_size=args.http_max_input_size,
@@ -71,7 +71,7 @@ async def run(path: str, args) -> int:
         from ..frontends.http.frontend import HttpFrontend
 
         http = HttpFrontend(
-            client,  # type: ignore[arg-type]
+            client,
             shm=shm,
             max_input_size=args.http_max_input_size,
             restricted=parse_restricted(args.http_restricted_api),
@@ -113,7 +113,7 @@ async def run(path: str, args) -> int:
         from ..frontends.grpc.frontend import GrpcFrontend, h2_settings
 
         grpc_frontend = GrpcFrontend(
-            client,  # type: ignore[arg-type]
+            client,
             shm=shm,
             restricted=parse_restricted(args.grpc_restricted_protocol),
             implementation=args.grpc_implementation,

@@ -11,7 +11,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ...server import Server
+from ...serving import Serving
 from ..transport import tls
 from . import wire
 from .restricted import RestrictInterceptor, api_group, denial
@@ -79,7 +79,7 @@ class GrpcFrontend:
 
     def __init__(
         self,
-        server: Server,
+        server: Serving,
         shm=None,
         restricted: dict | None = None,
         implementation: str = "naiad",

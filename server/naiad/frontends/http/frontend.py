@@ -1,4 +1,5 @@
-"""KServe v2 HTTP/REST frontend (aiohttp) with Triton's extensions. A thin adapter over `Server`."""
+"""KServe v2 HTTP/REST frontend (aiohttp) with Triton's extensions. A thin adapter over the serving API
+(`serving.Serving`: `Server`, or a frontend worker's `EngineClient`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ... import tensors
 from ...errors import InvalidArgument, NaiadError, NotFound
 from ...inference import InferenceRequest
 from ...repository import decode_file_overrides
-from ...server import Server
+from ...serving import Serving
 from ..transport import drain
 from ..transport.busy_poll import BusyPoll
 from ..transport.receive_buffers import POOLED_MIN
@@ -89,7 +90,7 @@ def api_category(path: str) -> str:
 class HttpFrontend:
     def __init__(
         self,
-        server: Server,
+        server: Serving,
         shm=None,
         max_input_size: int = 64 * 1024 * 1024,
         restricted: dict | None = None,

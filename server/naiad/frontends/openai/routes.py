@@ -7,7 +7,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -18,7 +18,7 @@ from ...errors import NaiadError, NotFound
 from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...llm import limits, tokenizing
-from ...server import Server
+from ...serving import Serving
 from ..http.aiohttp_site import start_tcp_site
 from ..http.codec import read_body, restricted_message
 from ..http.sse import EventStream, StreamStalled
@@ -91,7 +91,7 @@ def _raise_response_error(resp: InferenceResponse) -> None:
 class OpenAIFrontend:
     def __init__(
         self,
-        server: Server,
+        server: Serving,
         chat_template: str | None = None,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         max_input_size: int = 64 * 1024 * 1024,
@@ -190,7 +190,9 @@ class OpenAIFrontend:
     async def _body(self, request: web.Request) -> dict:
         return protocol.parse_body(await read_body(request, self.max_input_size))
 
-    async def _iterate(self, request: web.Request, req: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+    async def _iterate(
+        self, request: web.Request, req: InferenceRequest
+    ) -> AsyncGenerator[InferenceResponse, None]:
         """The model's responses. A timer looks for a client that went away every DISCONNECT_POLL_S and cancels
         the handler if so (nothing is spent per response); closing the stream cancels the model request."""
         loop = asyncio.get_running_loop()
@@ -357,7 +359,7 @@ class OpenAIFrontend:
 
     def _responses(
         self, request: web.Request, reqs: list[InferenceRequest]
-    ) -> AsyncIterator[tuple[int, InferenceResponse | None]]:
+    ) -> AsyncGenerator[tuple[int, InferenceResponse | None], None]:
         """(choice, response) from the model for each of the request's choices; (choice, None) at each one's end."""
         return choices.merged(lambda req: self._iterate(request, req), reqs)
 

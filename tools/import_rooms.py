@@ -23,6 +23,9 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("cli",),  # the command line
         ("app", "analyze"),  # what it runs: the server's process, the load analyzer
         ("engine",),  # frontend worker processes and the engine process they call
+        (
+            "endpoints",
+        ),  # the HTTP, gRPC and OpenAI endpoints, set up once: by app (one process) and each worker
         ("serve_flags",),  # `naiad serve`'s command line, read alike by the engine process and its workers
         ("frontends",),  # the protocols
         ("server",),  # Server: the serving API in one process

@@ -10,7 +10,7 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -21,6 +21,7 @@ from ..inference import InferenceRequest, InferenceResponse
 from ..model import _specs
 from ..server import parse_version
 from . import wire
+from .calls import EngineCalls
 from .channel import Channel
 from .model_context import RemoteContext, remote_context
 from .remote_shm import RemoteSharedMemory
@@ -46,17 +47,19 @@ class ControlChannel:
         self._lock = threading.Lock()
         self._buf = bytearray()
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: Callable[..., object], *args: Any) -> Any:
+        """The engine's answer to `method` (an `EngineCalls` method) with `args`."""
+        name = method.__name__
         with self._lock:
             rid = next(self._ids)
             try:
-                self.sock.sendall(wire.frame(wire.Call(rid, method, list(args))))
+                self.sock.sendall(wire.frame(wire.Call(rid, name, list(args))))
                 while True:
                     msg = wire.decoder.decode(self._read_frame())
                     if isinstance(msg, wire.Value | wire.Error) and msg.id == rid:
                         break
             except TimeoutError:
-                raise Unavailable(f"the engine did not answer '{method}' in {CONTROL_TIMEOUT_S:g}s") from None
+                raise Unavailable(f"the engine did not answer '{name}' in {CONTROL_TIMEOUT_S:g}s") from None
         if isinstance(msg, wire.Error):
             raise wire.exception(msg)
         assert isinstance(msg, wire.Value)
@@ -120,7 +123,7 @@ class RemoteRepository:
         return self._client.model(name, version)
 
     async def refresh(self) -> None:
-        self._index = await self._client.call("index", False, True)
+        self._index = await self._client.call(EngineCalls.index, False, True)
 
     def index(self, ready_only: bool = False, memory: bool = False) -> list[dict]:
         entries = [e for e in self._index if e.get("state") == "READY"] if ready_only else self._index
@@ -137,14 +140,14 @@ class RemoteRecords:
         self._client = client
 
     def __contains__(self, name: object) -> bool:
-        return bool(self._client.control.call("has_model", name))
+        return bool(self._client.control.call(EngineCalls.has_model, name))
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._client.control.call("model_names"))
+        return iter(self._client.control.call(EngineCalls.model_names))
 
     def __getitem__(self, name: str) -> RemoteRecord:
         client = self._client
-        infos = client.control.call("model_versions", name)
+        infos = client.control.call(EngineCalls.model_versions, name)
         if not infos and name not in self:
             raise KeyError(name)
         return RemoteRecord(name, {info[1]: client._remote_model(info) for info in infos})
@@ -157,13 +160,15 @@ class RemoteLogSettings:
         self._control = client.control
 
     def get(self) -> dict:
-        return self._control.call("log_get")
+        return self._control.call(EngineCalls.log_get)
 
     def update(self, changes: dict) -> dict:
-        return self._control.call("log_update", changes)
+        return self._control.call(EngineCalls.log_update, changes)
 
     def grpc(self, request: Any) -> Any:
-        return pb.LogSettingsResponse.FromString(self._control.call("log_grpc", request.SerializeToString()))
+        return pb.LogSettingsResponse.FromString(
+            self._control.call(EngineCalls.log_grpc, request.SerializeToString())
+        )
 
     def reopen(self) -> None:
         """The log file belongs to the engine; a worker logs to its stderr."""
@@ -174,21 +179,21 @@ class RemoteTracer:
 
     def __init__(self, client: EngineClient):
         self._control = client.control
-        self.active = bool(self._control.call("trace_active"))
+        self.active = bool(self._control.call(EngineCalls.trace_active))
 
     def get(self, model: str = "") -> dict:
-        return self._control.call("trace_get", model)
+        return self._control.call(EngineCalls.trace_get, model)
 
     def update(self, changes: dict, model: str = "") -> dict:
-        out = self._control.call("trace_update", changes, model)
-        self.active = bool(self._control.call("trace_active"))
+        out = self._control.call(EngineCalls.trace_update, changes, model)
+        self.active = bool(self._control.call(EngineCalls.trace_active))
         return out
 
     def grpc(self, request: Any) -> Any:
         out = pb.TraceSettingResponse.FromString(
-            self._control.call("trace_grpc", request.SerializeToString())
+            self._control.call(EngineCalls.trace_grpc, request.SerializeToString())
         )
-        self.active = bool(self._control.call("trace_active"))
+        self.active = bool(self._control.call(EngineCalls.trace_active))
         return out
 
 
@@ -303,10 +308,11 @@ class EngineClient:
             raise Unavailable("the engine process is gone")
         self.channel.send(msg)
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: Callable[..., object], *args: Any) -> Any:
+        """The engine's answer to `method` (an `EngineCalls` method) with `args`, over the data channel."""
         rid = next(self._ids)
         fut = self._pending[rid] = asyncio.get_running_loop().create_future()
-        self._send(wire.Call(rid, method, list(args)))
+        self._send(wire.Call(rid, method.__name__, list(args)))
         msg = await fut
         if isinstance(msg, wire.Error):
             raise wire.exception(msg)
@@ -384,23 +390,23 @@ class EngineClient:
 
     # ---- the synchronous queries ----
     def live(self) -> bool:
-        return bool(self.control.call("live"))
+        return bool(self.control.call(EngineCalls.live))
 
     def ready(self) -> bool:
-        return bool(self.control.call("ready"))
+        return bool(self.control.call(EngineCalls.ready))
 
     def metadata(self) -> dict:
-        return self.control.call("metadata")
+        return self.control.call(EngineCalls.metadata)
 
     def model(self, name: str, version: str | int = "") -> RemoteModel:
-        return self._remote_model(self.control.call("model_info", name, parse_version(version)))
+        return self._remote_model(self.control.call(EngineCalls.model_info, name, parse_version(version)))
 
     async def ready_model(self, name: str, version: str | int = "") -> tuple[RemoteModel, int]:
         """The model an inference request runs and the ns it waited (the engine loads it on demand)."""
-        *info, waited = await self.call("ready_model", name, version)
+        *info, waited = await self.call(EngineCalls.ready_model, name, version)
         mv = self._known(info)
         if mv is None:
-            described = await self.call("model_context", info[0], info[1])
+            described = await self.call(EngineCalls.model_context, info[0], info[1])
             mv = self._remember(info, described)
         return mv, waited
 
@@ -415,7 +421,7 @@ class EngineClient:
 
         # the OpenAI frontend's token counts, by the engine's tokenizer
         async def tokenize(text: str) -> list[int]:
-            return await self.call("tokenize", name, version, text)
+            return await self.call(EngineCalls.tokenize, name, version, text)
 
         # the engine's check of a structured-output spec, which the OpenAI frontend runs on a thread (it may build a
         # grammar): asked over the data channel, so this worker's event loop goes on serving meanwhile
@@ -424,9 +430,9 @@ class EngineClient:
             if (
                 channel is None or asyncio._get_running_loop() is channel.loop
             ):  # on the loop: no thread to block
-                self.control.call("check_structured_outputs", name, version, spec)
+                self.control.call(EngineCalls.check_structured_outputs, name, version, spec)
             else:
-                call = self.call("check_structured_outputs", name, version, spec)
+                call = self.call(EngineCalls.check_structured_outputs, name, version, spec)
                 asyncio.run_coroutine_threadsafe(call, channel.loop).result()
 
         ctx = remote_context(name, version, described, tokenize, check_structured_outputs)
@@ -437,30 +443,30 @@ class EngineClient:
     def _remote_model(self, info: list) -> RemoteModel:
         mv = self._known(info)
         if mv is None:
-            mv = self._remember(info, self.control.call("model_context", info[0], info[1]))
+            mv = self._remember(info, self.control.call(EngineCalls.model_context, info[0], info[1]))
         return mv
 
     @property
     def orchestrated(self) -> bool:
         """Whether the engine manages memory (the repository index then carries it)."""
-        return bool(self.control.call("orchestrated"))
+        return bool(self.control.call(EngineCalls.orchestrated))
 
     def model_metadata(self, name: str, version: str | int = "") -> dict:
-        return self.control.call("model_metadata", name, version)
+        return self.control.call(EngineCalls.model_metadata, name, version)
 
     def model_ready(self, name: str, version: str | int = "") -> bool:
-        return bool(self.control.call("model_ready", name, version))
+        return bool(self.control.call(EngineCalls.model_ready, name, version))
 
     def model_statistics(self, name: str = "", version: str | int = "") -> list[dict]:
-        return self.control.call("model_statistics", name, version)
+        return self.control.call(EngineCalls.model_statistics, name, version)
 
     async def load_model(
         self, name: str, config: str | dict | None = None, files: dict[str, bytes] | None = None
     ) -> None:
-        await self.call("load_model", name, config, files)
+        await self.call(EngineCalls.load_model, name, config, files)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
-        await self.call("unload_model", name, unload_dependents)
+        await self.call(EngineCalls.unload_model, name, unload_dependents)
 
 
 if TYPE_CHECKING:

@@ -264,8 +264,8 @@ class EngineClient:
                     break
             if queue is not None:
                 queue.put_nowait((msg.response, own))
-            else:
-                fut.set_result((msg.response, own))  # type: ignore[union-attr]
+            elif fut is not None:  # (it is: the reply returned above when neither waits)
+                fut.set_result((msg.response, own))
         elif isinstance(msg, wire.Free):
             for name in msg.slabs:
                 self.pool.free(name)

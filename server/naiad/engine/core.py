@@ -13,7 +13,7 @@ from typing import Any
 
 from ..frontends.transport import eager
 from ..host_pinning import HostPinning
-from ..inference import InferenceRequest, OutputTensor
+from ..inference import InferenceRequest
 from ..server import Server
 from ..shared_memory.system import SharedMemoryManager
 from . import leftovers, wire
@@ -161,16 +161,17 @@ class WorkerConnection:
     def _reply(self, rid: int, resp, peer, cuda_outputs: dict[str, dict], load_wait_ns: int = 0) -> None:
         e = self.engine
         if cuda_outputs:  # written here, where the regions are mapped; the worker gets their spans
-            outputs = []
-            for out in resp.outputs:  # (new tensors: the response cache may hold these ones)
+            cuda = e.cuda()
+            assert cuda is not None  # (only a server with CUDA shared memory finds such outputs)
+            spans = {}
+            for out in resp.outputs:
                 params = cuda_outputs.get(out.name)
                 if params is not None:
-                    e.shm.cuda.write_output(out, params)  # type: ignore[attr-defined]
-                    span = wire.CudaSpan(out.datatype, list(out.data.shape), params)
-                    out = OutputTensor(out.name, out.datatype, span)  # type: ignore[arg-type]
-                outputs.append(out)
-            resp.outputs = outputs
-        reply = wire.encode_response(resp, e.pool, peer)
+                    cuda.write_output(out, params)
+                    spans[out.name] = wire.CudaSpan(out.datatype, list(out.data.shape), params)
+            reply = wire.encode_response(resp, e.pool, peer, spans)
+        else:
+            reply = wire.encode_response(resp, e.pool, peer)
         if load_wait_ns:
             reply.load_wait_ns = load_wait_ns
         self.channel.send(wire.Reply(rid, reply, e.server.tracer.active, e.shm_generation))

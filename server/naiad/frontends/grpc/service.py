@@ -149,7 +149,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             req = None
             # Naiad's own HTTP/2 server: raw contents stay views of the message, outputs are sent from their memory
             chunked = type(msg) is wire.SplitInferRequest
-            head = msg.message if chunked else msg
+            head: pb.ModelInferRequest = msg.message if chunked else msg
             try:
                 req = decode_request(
                     head, self.shm, msg.raw if chunked else None, msg.packed if chunked else None

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Python model instances, in-process threads vs worker processes: requests/s at concurrency 8.
 
-The figures behind the default of `EXECUTION_ISOLATION` (naiad/backends/python/isolation.py). Two
+The figures behind the default of `EXECUTION_ISOLATION` (naiad/python_isolation.py). Two
 models from tests/models, each served three ways from one temporary repository:
 
     <model>_t1   instance_group count 1, EXECUTION_ISOLATION thread
@@ -23,7 +23,7 @@ undisturbed, and the median shows how much the disturbance mattered.
 
 The "machine check" line tells whether two cores were really free: with the kernel's autogroup
 scheduling, a busy neighbour session (a build) leaves this one a single core however nice it is.
-The figures in python/isolation.py were taken in a session of its own at autogroup nice -20 (root):
+The figures in naiad/python_isolation.py were taken in a session of its own at autogroup nice -20 (root):
 
     setsid bash -c 'echo -20 > /proc/self/autogroup; exec nice -n -20 .venv/bin/python \
         bench/python_instances.py --seconds 1 --rounds 12'

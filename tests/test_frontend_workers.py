@@ -360,7 +360,7 @@ def _running(pid: int) -> bool:
 
 
 def test_frontend_workers_auto_reads_the_cgroup_quota(tmp_path):
-    from naiad.engine import cpus
+    from naiad import cpus
 
     online = len(os.sched_getaffinity(0))
     (tmp_path / "cpu.max").write_text("150000 100000\n")

@@ -262,8 +262,8 @@ def _error(client, model: str, inputs) -> InferenceServerException:
 def test_default_rule_and_parameter():
     from tritonclient.grpc import model_config_pb2 as mc
 
-    from naiad.backends.python.isolation import execution_isolation
     from naiad.errors import InvalidArgument
+    from naiad.python_isolation import execution_isolation
 
     def config(count: int, value: str | None = None) -> mc.ModelConfig:
         c = mc.ModelConfig(name="m", backend="python")

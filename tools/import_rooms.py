@@ -23,8 +23,13 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
         ("cli",),  # the command line
         ("app", "analyze"),  # what it runs: the server's process, the load analyzer
         ("engine",),  # frontend worker processes and the engine process they call
+        (
+            "endpoints",
+        ),  # the HTTP, gRPC and OpenAI endpoints, set up once: by app (one process) and each worker
+        ("serve_flags",),  # `naiad serve`'s command line, read alike by the engine process and its workers
         ("frontends",),  # the protocols
-        ("server",),  # Server: what every frontend calls
+        ("server",),  # Server: the serving API in one process
+        ("serving",),  # the serving API the frontends call (Protocols): Server and the engine's EngineClient
         ("repository",),
         ("model", "orchestration", "warmup"),
         ("scheduling",),
@@ -42,6 +47,8 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
             "storage",
             "flags",
             "stop_signals",
+            "cpus",
+            "python_isolation",
         ),
         ("errors",),
     ],
@@ -64,15 +71,9 @@ ROOMS: dict[str, list[tuple[str, ...]]] = {
     ],
 }
 
-# Imports that run up the order today, each to be removed (and then removed from here). Repository and
+# Imports that run up the order today, each to be removed (and then removed from here): none now. Repository and
 # ModelOrchestrator also hold each other, but at run time only (orchestration imports nothing of repository).
-KNOWN_UPWARD = {
-    # the frontend worker process starts as `naiad serve` does: the restricted-API flags' parser, the CLI's own
-    ("naiad.engine.worker", "naiad.app"),
-    ("naiad.engine.worker", "naiad.cli"),
-    # whether a python model takes GPU inputs as they are depends on its instances' isolation (threads or processes)
-    ("naiad.device_tensors", "naiad.backends.python.isolation"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def room(scope: str, module: str) -> str | None:

@@ -3,69 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
 from . import host_pinning
+from .endpoints import Endpoints
 from .frontends.transport import receive_buffers
 from .server import Server, ServerOptions
 
 log = logging.getLogger("naiad")
-
-
-API_GROUPS = (
-    "health",
-    "metadata",
-    "inference",
-    "shared-memory",
-    "model-config",
-    "model-repository",
-    "statistics",
-    "trace",
-    "logging",
-    "openai",  # Naiad's own: the OpenAI-compatible API under /v1, on the HTTP port and on --openai-port
-)
-
-
-def restriction_value(value: str) -> str:
-    """A restricted API's value as given, or read from the environment (`env:<VARIABLE>`) or a file
-    (`file:<path>`, one trailing newline dropped), so that a credential need not appear on the command line."""
-    source, sep, ref = value.partition(":")
-    if not sep or source not in ("env", "file"):
-        return value
-    if source == "env":
-        if not os.environ.get(ref):
-            raise ValueError(f"restricted API value env:{ref}: the environment variable is not set or empty")
-        return os.environ[ref]
-    try:
-        with open(ref, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ValueError(f"restricted API value file:{ref}: {exc.strerror or exc}") from exc
-    text = text[:-1] if text.endswith("\n") else text
-    text = text[:-1] if text.endswith("\r") else text
-    if not text:
-        raise ValueError(f"restricted API value file:{ref}: the file is empty")
-    return text
-
-
-def parse_restricted(items: list[str]) -> dict[str, tuple[str, str]]:
-    """`<api>[,<api>...]:<header>=<value>` (repeatable) -> {api: (header, value)}; see restriction_value."""
-    out: dict[str, tuple[str, str]] = {}
-    for item in items or []:
-        apis, sep, rule = item.partition(":")
-        key, eq, value = rule.partition("=")
-        if not sep or not eq or not key:
-            raise ValueError(f"invalid restricted API '{item}': expected <apis>:<header>=<value>")
-        for api in apis.split(","):
-            api = api.strip()
-            if api not in API_GROUPS:
-                raise ValueError(f"unknown API group '{api}' (known: {', '.join(API_GROUPS)})")
-            if api in out:
-                raise ValueError(f"API group '{api}' is restricted twice")
-            out[api] = (key.strip().lower(), restriction_value(value))
-    return out
 
 
 def parse_trace_config(items: list[str]) -> tuple[dict, dict]:
@@ -111,8 +57,10 @@ class App:
         self.args = args
         self.server = Server(options)
         self.metrics = None
-        self._runners: list = []
-        self._grpc = None
+        self._endpoints: Endpoints | None = (
+            None  # HTTP, gRPC and the OpenAI API, when this process serves them
+        )
+        self._runners: list = []  # the metrics endpoint's
         self._tls_contexts: list = []
         self.endpoints: list[str] = []
         self.engine = None  # engine.core.EngineService and engine.supervisor.FrontendWorkers with
@@ -132,11 +80,8 @@ class App:
         from .frontends.transport import tls
 
         a = self.args
-        http_tls = tls.settings_from_args(a, "http")
-        grpc_tls = tls.settings_from_args(a, "grpc")
-        metrics_tls = tls.settings_from_args(a, "metrics", fallback=http_tls)
-        http_restricted = parse_restricted(a.http_restricted_api)
-        grpc_restricted = parse_restricted(a.grpc_restricted_protocol)
+        # the flags of the HTTP, gRPC and OpenAI endpoints (and the metrics port's TLS): a bad one stops the start
+        endpoints = self._endpoints = Endpoints(a)
         if a.allow_metrics:
             from .metrics import Metrics, parse_metrics_config
 
@@ -163,17 +108,9 @@ class App:
         if a.trace_config:
             settings, self.server.tracer.otel_settings = parse_trace_config(a.trace_config)
             self.server.tracer.update(settings, startup=True)
-        openai = None  # before the models load: a --chat-template that cannot be read stops the start
-        if a.allow_http or a.openai_port:
-            from .frontends.openai.routes import OpenAIFrontend
-
-            openai = OpenAIFrontend(
-                self.server,
-                chat_template=a.chat_template,
-                stall_timeout=a.openai_stall_timeout,
-                allow_runtime_lora=getattr(a, "allow_runtime_lora", False),
-                max_input_size=a.http_max_input_size,
-            )
+        endpoints.create_openai(
+            self.server
+        )  # before the models load: a --chat-template that cannot be read stops it
         from .shared_memory import shared_memory_manager  # system shared memory, plus CUDA with a GPU
 
         shm = shared_memory_manager(self.server, enabled=a.allow_client_shm)
@@ -186,56 +123,18 @@ class App:
         self.pinning = host_pinning.for_gpus(self.server.options.gpu_count)
         if in_process:
             receive_buffers.POOL.pinning = self.pinning
-        busy_poll = None
-        if a.busy_poll_us:
-            from .frontends.transport.busy_poll import BusyPoll
-
-            busy_poll = BusyPoll(asyncio.get_running_loop(), a.busy_poll_us)
-        if a.allow_http and in_process:
-            from .frontends.http.frontend import HttpFrontend
-
-            http = HttpFrontend(
-                self.server,
-                shm=shm,
-                max_input_size=a.http_max_input_size,
-                restricted=http_restricted,
-                busy_poll=busy_poll,
-                openai=openai,
-            )
-            context = self._tls_context(http_tls, ["http/1.1"], "HTTP")
-            self._runners.append(await http.start(a.http_address, a.http_port, ssl=context))
-            self.endpoints.append(f"HTTPService at {a.http_address}:{a.http_port}{tls.describe(http_tls)}")
-        if a.openai_port and openai is not None and in_process:  # else the frontend workers serve it
-            # the OpenAI API on a port of its own (Triton's OpenAI app uses 9000), with the HTTP port's TLS and
-            # restricted-API settings
-            host = a.openai_address or a.http_address
-            context = self._tls_context(http_tls, ["http/1.1"], "OpenAI")
-            self._runners.append(
-                await openai.start(host, a.openai_port, ssl=context, restricted=http_restricted)
-            )
-            self.endpoints.append(f"OpenAI API at {host}:{a.openai_port}{tls.describe(http_tls)}")
-        if a.allow_grpc and in_process:
-            from .frontends.grpc.frontend import GrpcFrontend, h2_settings
-
-            self._grpc = GrpcFrontend(
-                self.server,
-                shm=shm,
-                restricted=grpc_restricted,
-                implementation=a.grpc_implementation,
-                settings=h2_settings(a),
-                busy_poll=busy_poll,
-            )
-            await self._grpc.start(a.grpc_address, a.grpc_port, grpc_tls)
-            self.endpoints.append(
-                f"GRPCInferenceService at {a.grpc_address}:{a.grpc_port}{tls.describe(grpc_tls)}"
-            )
-        if not in_process:
+            await endpoints.start(self.server, shm)
+            self.endpoints.extend(endpoints.banner)
+            self._tls_contexts.extend(endpoints.contexts)
+        else:
             await self._start_workers(shm, workers)
         if self.metrics is not None:
             host = a.metrics_address or a.http_address
-            context = self._tls_context(metrics_tls, ["http/1.1"], "metrics")
+            context = self._tls_context(endpoints.metrics_tls, ["http/1.1"], "metrics")
             self._runners.append(await self.metrics.start(host, a.metrics_port, ssl=context))
-            self.endpoints.append(f"Metrics Service at {host}:{a.metrics_port}{tls.describe(metrics_tls)}")
+            self.endpoints.append(
+                f"Metrics Service at {host}:{a.metrics_port}{tls.describe(endpoints.metrics_tls)}"
+            )
         self.server.opening_listeners = False
         for reloading in self._tls_contexts:
             reloading.start()
@@ -272,7 +171,9 @@ class App:
 
         grace = float(getattr(self.args, "drain_idle_connections_secs", 5.0))
         quiet = float(getattr(self.args, "drain_quiet_secs", 0.0))
-        return await drain(self._runners, self._grpc, grace, timeout, quiet)
+        endpoints = self._endpoints
+        runners = [*endpoints.runners, *self._runners] if endpoints is not None else self._runners
+        return await drain(runners, endpoints.grpc if endpoints is not None else None, grace, timeout, quiet)
 
     async def stop(self, timeout: float) -> None:
         for reloading in self._tls_contexts:
@@ -293,8 +194,8 @@ class App:
         if self.engine is not None:
             await self.engine.stop()
         await self.server.stop(timeout)
-        if self._grpc is not None:
-            await self._grpc.stop(1.0)
+        if self._endpoints is not None:
+            await self._endpoints.stop()  # gRPC, then the HTTP and OpenAI endpoints
         for runner in self._runners:
             await runner.cleanup()
         if self.metrics is not None:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidArgument
+from .python_isolation import execution_isolation
 
 #: The python backend's parameter (Triton's name and values): "no" keeps GPU inputs on the GPU.
 FORCE_CPU_ONLY = "FORCE_CPU_ONLY_INPUT_TENSORS"
@@ -41,8 +42,6 @@ def takes_device_inputs(config) -> bool:
         return True
     if config.backend != "python" or force_cpu_only(config):
         return False
-    from .backends.python.isolation import execution_isolation
-
     return execution_isolation(config) == "thread"
 
 

@@ -53,6 +53,15 @@ class TritonFormatter(logging.Formatter):
         return f"{head} {message}"
 
 
+def configure_logging(verbose: int, info: bool = True, log_format: str = "default") -> None:
+    """Stderr logging in Triton's format until the server's LogSettings take over (and open --log-file): the
+    process `naiad serve` starts (cli.py) and each frontend worker (engine/worker.py), from the same flags."""
+    level = logging.DEBUG if verbose > 0 else (logging.INFO if info else logging.WARNING)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(TritonFormatter(log_format))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
 class LogSettings:
     """Owns the root logger's one handler: stderr, or a file that is reopened when rotated away."""
 

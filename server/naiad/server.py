@@ -7,7 +7,7 @@ import collections
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from .warmup import run_warmup
 
 if TYPE_CHECKING:
     from .model import ModelVersion
+    from .serving import Serving
 
 log = logging.getLogger("naiad.server")
 
@@ -60,7 +61,8 @@ class ServerOptions:
 
 
 class Server:
-    """Repository, schedulers and statistics, usable with or without any network frontend."""
+    """Repository, schedulers and statistics, usable with or without any network frontend; the frontends call it
+    through the serving API it implements (`serving.Serving`)."""
 
     name = "naiad"
 
@@ -336,7 +338,7 @@ class Server:
             mv.stats.record_cache(False, miss_ns + time.monotonic_ns() - t0)
         return response
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+    async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse, None]:
         """Decoupled (or not) inference as a stream of responses; the last one has `final` set."""
         if self._stopping:
             raise Unavailable("Server is shutting down")
@@ -467,3 +469,10 @@ def _labels(mv, output_name: str) -> list[str]:
             except OSError as exc:
                 log.warning("cannot read labels %s: %s", path, exc)
     return []
+
+
+if TYPE_CHECKING:
+
+    def _serves(server: Server) -> Serving:
+        """(mypy) Server implements the serving API the frontends call."""
+        return server

@@ -1,6 +1,7 @@
-"""The frontend worker's `Server`: the same interface the HTTP and gRPC frontends call, each call forwarded to
-the engine process (inference and model control over the asynchronous data channel, the small synchronous
-queries over a blocking control channel), with tensors in shared-memory slabs."""
+"""A frontend worker's server: the serving API the frontends call (`serving.Serving`), each call forwarded to the
+engine process (inference and model control over the asynchronous data channel, the small synchronous queries over
+a blocking control channel), with tensors in shared-memory slabs. `EngineClient` implements `Serving`, and
+`RemoteRepository`, `RemoteRecords`, `RemoteModel`, `RemoteLogSettings` and `RemoteTracer` its views."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
@@ -20,10 +21,14 @@ from ..inference import InferenceRequest, InferenceResponse
 from ..model import _specs
 from ..server import parse_version
 from . import wire
+from .calls import EngineCalls
 from .channel import Channel
 from .model_context import RemoteContext, remote_context
 from .remote_shm import RemoteSharedMemory
 from .slabs import SlabMaps, SlabPool
+
+if TYPE_CHECKING:
+    from ..serving import Serving
 
 CONTROL_TIMEOUT_S = 30.0
 
@@ -42,17 +47,19 @@ class ControlChannel:
         self._lock = threading.Lock()
         self._buf = bytearray()
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: Callable[..., object], *args: Any) -> Any:
+        """The engine's answer to `method` (an `EngineCalls` method) with `args`."""
+        name = method.__name__
         with self._lock:
             rid = next(self._ids)
             try:
-                self.sock.sendall(wire.frame(wire.Call(rid, method, list(args))))
+                self.sock.sendall(wire.frame(wire.Call(rid, name, list(args))))
                 while True:
                     msg = wire.decoder.decode(self._read_frame())
                     if isinstance(msg, wire.Value | wire.Error) and msg.id == rid:
                         break
             except TimeoutError:
-                raise Unavailable(f"the engine did not answer '{method}' in {CONTROL_TIMEOUT_S:g}s") from None
+                raise Unavailable(f"the engine did not answer '{name}' in {CONTROL_TIMEOUT_S:g}s") from None
         if isinstance(msg, wire.Error):
             raise wire.exception(msg)
         assert isinstance(msg, wire.Value)
@@ -75,8 +82,8 @@ class ControlChannel:
 
 
 class RemoteModel:
-    """What frontends read of a `ModelVersion` (config, inputs, outputs, batching, decoupled, and the context the
-    OpenAI frontend reads), from the engine; `load` is the engine's load stamp of it."""
+    """A served model (`serving.ServedModel`): what frontends read of the engine's `ModelVersion` (config, inputs,
+    outputs, batching, decoupled, and the context the OpenAI frontend reads); `load` is the engine's load stamp."""
 
     def __init__(self, name: str, version: int, config: bytes, load: int, ctx: RemoteContext):
         self.name = name
@@ -91,7 +98,7 @@ class RemoteModel:
 
 
 class RemoteRecord:
-    """`repository.records[name]`: the model's loaded versions."""
+    """`repository.records[name]` (`serving.ModelRecordView`): the model's loaded versions."""
 
     def __init__(self, name: str, versions: dict[int, RemoteModel]):
         self.name = name
@@ -105,86 +112,93 @@ _MEMORY_KEYS = frozenset(
 
 
 class RemoteRepository:
+    """The engine's model repository (`serving.RepositoryView`): `index` answers from the last `refresh`."""
+
     def __init__(self, client: EngineClient):
         self._client = client
-        self.records = _RemoteRecords(client)
-        self._index: list = []
+        self.records = RemoteRecords(client)
+        self._index: list[dict] = []
 
     def get(self, name: str, version: int = -1) -> RemoteModel:
         return self._client.model(name, version)
 
     async def refresh(self) -> None:
-        self._index = await self._client.call("index", False, True)
+        self._index = await self._client.call(EngineCalls.index, False, True)
 
-    def index(self, ready: bool = False, memory: bool = False) -> list:
-        entries = [e for e in self._index if e.get("state") == "READY"] if ready else self._index
+    def index(self, ready_only: bool = False, memory: bool = False) -> list[dict]:
+        entries = [e for e in self._index if e.get("state") == "READY"] if ready_only else self._index
         if memory:
             return entries
         return [{k: v for k, v in e.items() if k not in _MEMORY_KEYS} for e in entries]
 
 
-class _RemoteRecords:
-    """`name in repository.records`, its names and `records[name].versions`, asked of the engine."""
+class RemoteRecords:
+    """`repository.records` (`serving.RecordsView`): `name in records`, its names and `records[name].versions`,
+    asked of the engine."""
 
     def __init__(self, client: EngineClient):
         self._client = client
 
     def __contains__(self, name: object) -> bool:
-        return bool(self._client.control.call("has_model", name))
+        return bool(self._client.control.call(EngineCalls.has_model, name))
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._client.control.call("model_names"))
+        return iter(self._client.control.call(EngineCalls.model_names))
 
     def __getitem__(self, name: str) -> RemoteRecord:
         client = self._client
-        infos = client.control.call("model_versions", name)
+        infos = client.control.call(EngineCalls.model_versions, name)
         if not infos and name not in self:
             raise KeyError(name)
         return RemoteRecord(name, {info[1]: client._remote_model(info) for info in infos})
 
 
 class RemoteLogSettings:
+    """The engine's log settings (`serving.LogSettingsView`)."""
+
     def __init__(self, client: EngineClient):
         self._control = client.control
 
     def get(self) -> dict:
-        return self._control.call("log_get")
+        return self._control.call(EngineCalls.log_get)
 
     def update(self, changes: dict) -> dict:
-        return self._control.call("log_update", changes)
+        return self._control.call(EngineCalls.log_update, changes)
 
-    def grpc(self, request):
-        return pb.LogSettingsResponse.FromString(self._control.call("log_grpc", request.SerializeToString()))
+    def grpc(self, request: Any) -> Any:
+        return pb.LogSettingsResponse.FromString(
+            self._control.call(EngineCalls.log_grpc, request.SerializeToString())
+        )
 
     def reopen(self) -> None:
         """The log file belongs to the engine; a worker logs to its stderr."""
 
 
 class RemoteTracer:
-    """The engine's trace settings; `active` is refreshed by every inference reply."""
+    """The engine's trace settings (`serving.TracerView`); `active` is refreshed by every inference reply."""
 
     def __init__(self, client: EngineClient):
         self._control = client.control
-        self.active = bool(self._control.call("trace_active"))
+        self.active = bool(self._control.call(EngineCalls.trace_active))
 
     def get(self, model: str = "") -> dict:
-        return self._control.call("trace_get", model)
+        return self._control.call(EngineCalls.trace_get, model)
 
     def update(self, changes: dict, model: str = "") -> dict:
-        out = self._control.call("trace_update", changes, model)
-        self.active = bool(self._control.call("trace_active"))
+        out = self._control.call(EngineCalls.trace_update, changes, model)
+        self.active = bool(self._control.call(EngineCalls.trace_active))
         return out
 
-    def grpc(self, request):
+    def grpc(self, request: Any) -> Any:
         out = pb.TraceSettingResponse.FromString(
-            self._control.call("trace_grpc", request.SerializeToString())
+            self._control.call(EngineCalls.trace_grpc, request.SerializeToString())
         )
-        self.active = bool(self._control.call("trace_active"))
+        self.active = bool(self._control.call(EngineCalls.trace_active))
         return out
 
 
 class EngineClient:
-    """Duck-types `naiad.server.Server` for the frontends of a worker process."""
+    """The serving API (`serving.Serving`) of a frontend worker's frontends, answered by the engine process."""
 
     name = "naiad"
 
@@ -250,8 +264,8 @@ class EngineClient:
                     break
             if queue is not None:
                 queue.put_nowait((msg.response, own))
-            else:
-                fut.set_result((msg.response, own))  # type: ignore[union-attr]
+            elif fut is not None:  # (it is: the reply returned above when neither waits)
+                fut.set_result((msg.response, own))
         elif isinstance(msg, wire.Free):
             for name in msg.slabs:
                 self.pool.free(name)
@@ -294,10 +308,11 @@ class EngineClient:
             raise Unavailable("the engine process is gone")
         self.channel.send(msg)
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: Callable[..., object], *args: Any) -> Any:
+        """The engine's answer to `method` (an `EngineCalls` method) with `args`, over the data channel."""
         rid = next(self._ids)
         fut = self._pending[rid] = asyncio.get_running_loop().create_future()
-        self._send(wire.Call(rid, method, list(args)))
+        self._send(wire.Call(rid, method.__name__, list(args)))
         msg = await fut
         if isinstance(msg, wire.Error):
             raise wire.exception(msg)
@@ -332,7 +347,7 @@ class EngineClient:
             request.load_wait_ns = msg[0].load_wait_ns
         return wire.decode_response(msg[0], self.maps, self._release, msg[1])
 
-    async def infer_stream(self, request: InferenceRequest) -> AsyncIterator[InferenceResponse]:
+    async def infer_stream(self, request: InferenceRequest) -> AsyncGenerator[InferenceResponse, None]:
         rid = next(self._ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
@@ -375,23 +390,23 @@ class EngineClient:
 
     # ---- the synchronous queries ----
     def live(self) -> bool:
-        return bool(self.control.call("live"))
+        return bool(self.control.call(EngineCalls.live))
 
     def ready(self) -> bool:
-        return bool(self.control.call("ready"))
+        return bool(self.control.call(EngineCalls.ready))
 
     def metadata(self) -> dict:
-        return self.control.call("metadata")
+        return self.control.call(EngineCalls.metadata)
 
     def model(self, name: str, version: str | int = "") -> RemoteModel:
-        return self._remote_model(self.control.call("model_info", name, parse_version(version)))
+        return self._remote_model(self.control.call(EngineCalls.model_info, name, parse_version(version)))
 
     async def ready_model(self, name: str, version: str | int = "") -> tuple[RemoteModel, int]:
         """The model an inference request runs and the ns it waited (the engine loads it on demand)."""
-        *info, waited = await self.call("ready_model", name, version)
+        *info, waited = await self.call(EngineCalls.ready_model, name, version)
         mv = self._known(info)
         if mv is None:
-            described = await self.call("model_context", info[0], info[1])
+            described = await self.call(EngineCalls.model_context, info[0], info[1])
             mv = self._remember(info, described)
         return mv, waited
 
@@ -406,10 +421,10 @@ class EngineClient:
 
         # the OpenAI frontend's token counts, by the engine's tokenizer
         async def tokenize(text: str, add_special: bool | None = None) -> list[int]:
-            return await self.call("tokenize", name, version, text, add_special)
+            return await self.call(EngineCalls.tokenize, name, version, text, add_special)
 
         async def detokenize(ids: list[int]) -> str:
-            return await self.call("detokenize", name, version, ids)
+            return await self.call(EngineCalls.detokenize, name, version, ids)
 
         # the engine's check of a structured-output spec, which the OpenAI frontend runs on a thread (it may build a
         # grammar): asked over the data channel, so this worker's event loop goes on serving meanwhile
@@ -418,15 +433,15 @@ class EngineClient:
             if (
                 channel is None or asyncio._get_running_loop() is channel.loop
             ):  # on the loop: no thread to block
-                self.control.call("check_structured_outputs", name, version, spec)
+                self.control.call(EngineCalls.check_structured_outputs, name, version, spec)
             else:
-                call = self.call("check_structured_outputs", name, version, spec)
+                call = self.call(EngineCalls.check_structured_outputs, name, version, spec)
                 asyncio.run_coroutine_threadsafe(call, channel.loop).result()
 
         # a LoRA adapter loaded (path) or unloaded (None) by the engine; the next model_info this worker asks for
         # carries a new load stamp, and with it the adapters the model lists now
         async def change_lora(lora: str, path: str | None) -> None:
-            await self.call("change_lora", name, version, lora, path)
+            await self.call(EngineCalls.change_lora, name, version, lora, path)
 
         ctx = remote_context(
             name, version, described, tokenize, check_structured_outputs, detokenize, change_lora
@@ -438,27 +453,34 @@ class EngineClient:
     def _remote_model(self, info: list) -> RemoteModel:
         mv = self._known(info)
         if mv is None:
-            mv = self._remember(info, self.control.call("model_context", info[0], info[1]))
+            mv = self._remember(info, self.control.call(EngineCalls.model_context, info[0], info[1]))
         return mv
 
     @property
     def orchestrated(self) -> bool:
         """Whether the engine manages memory (the repository index then carries it)."""
-        return bool(self.control.call("orchestrated"))
+        return bool(self.control.call(EngineCalls.orchestrated))
 
     def model_metadata(self, name: str, version: str | int = "") -> dict:
-        return self.control.call("model_metadata", name, version)
+        return self.control.call(EngineCalls.model_metadata, name, version)
 
     def model_ready(self, name: str, version: str | int = "") -> bool:
-        return bool(self.control.call("model_ready", name, version))
+        return bool(self.control.call(EngineCalls.model_ready, name, version))
 
     def model_statistics(self, name: str = "", version: str | int = "") -> list[dict]:
-        return self.control.call("model_statistics", name, version)
+        return self.control.call(EngineCalls.model_statistics, name, version)
 
     async def load_model(
         self, name: str, config: str | dict | None = None, files: dict[str, bytes] | None = None
     ) -> None:
-        await self.call("load_model", name, config, files)
+        await self.call(EngineCalls.load_model, name, config, files)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
-        await self.call("unload_model", name, unload_dependents)
+        await self.call(EngineCalls.unload_model, name, unload_dependents)
+
+
+if TYPE_CHECKING:
+
+    def _serves(client: EngineClient) -> Serving:
+        """(mypy) EngineClient implements the serving API the frontends call."""
+        return client

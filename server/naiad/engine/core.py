@@ -1,5 +1,5 @@
 """The engine side of `--frontend-workers`: serves the workers' connections on a Unix socket, running each
-forwarded request, stream and control call on the one in-process `Server`."""
+forwarded request and stream on the one in-process `Server`, and each call by its name in `calls.CALLS`."""
 
 from __future__ import annotations
 
@@ -8,29 +8,28 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from typing import Any
-
-from tritonclient.grpc import service_pb2 as pb
 
 from ..frontends.transport import eager
 from ..host_pinning import HostPinning
-from ..inference import OutputTensor
+from ..inference import InferenceRequest
 from ..server import Server
 from ..shared_memory.system import SharedMemoryManager
-from . import leftovers, model_context, wire
+from . import leftovers, wire
+from .calls import CALLS, EngineCalls
 from .channel import Channel
 from .slabs import SHM_DIR, SlabMaps, SlabPool
 
 log = logging.getLogger("naiad.engine")
 
 
-class EngineService:
-    """Listens for frontend workers; each gets a `WorkerConnection` (data) and a control connection."""
+class EngineService(EngineCalls):
+    """Listens for frontend workers; each gets a `WorkerConnection` (data) and a control connection. The calls they
+    make are its `EngineCalls` methods."""
 
     def __init__(self, server: Server, shm: SharedMemoryManager, pinning: HostPinning | None = None):
-        self.server = server
-        self.shm = shm
-        self.shm_generation = 0  # bumped on every (un)registration, so workers drop stale mappings
+        super().__init__(server, shm)
         self._sweep()
         self.pool = SlabPool(f"naiad-e{os.getpid()}")
         self.pool.on_drop = self._unlinked
@@ -84,95 +83,9 @@ class EngineService:
             os.close(self._dir_lock)
             self._dir_lock = -1
 
-    # ---- control calls: name -> (server, args) -> a msgpack-able value ----
-    def call(self, method: str, args: list[Any]) -> Any:
-        s = self.server
-        if method == "live":
-            return s.live()
-        if method == "ready":
-            return s.ready()
-        if method == "metadata":
-            return s.metadata()
-        if method == "model_info":
-            return _model_info(s.model(*args))
-        if method == "model_context":
-            return model_context.describe(s.model(*args))
-        if method == "model_names":
-            return list(s.repository.records)
-        if method == "model_versions":  # a record's loaded versions, as repository.records[name].versions
-            rec = s.repository.records.get(args[0])
-            return [_model_info(mv) for _, mv in sorted(rec.versions.items())] if rec is not None else []
-        if method == "model_metadata":
-            return s.model_metadata(*args)
-        if method == "model_ready":
-            return s.model_ready(*args)
-        if method == "model_statistics":
-            return s.model_statistics(*args)
-        if method == "orchestrated":
-            return s.orchestrated
-        if method == "has_model":
-            return args[0] in s.repository.records
-        if method == "log_get":
-            return s.log_settings.get()
-        if method == "log_update":
-            return s.log_settings.update(args[0])
-        if method == "log_grpc":
-            return s.log_settings.grpc(pb.LogSettingsRequest.FromString(args[0])).SerializeToString()
-        if method == "trace_get":
-            return s.tracer.get(*args)
-        if method == "trace_update":
-            return s.tracer.update(*args)
-        if method == "trace_grpc":
-            return s.tracer.grpc(pb.TraceSettingRequest.FromString(args[0])).SerializeToString()
-        if method == "trace_active":
-            return s.tracer.active
-        if method == "shm_register":
-            self.shm.register(*args)
-            self.shm_generation += 1
-            return None
-        if method == "shm_unregister":
-            self.shm.unregister(*args)
-            self.shm_generation += 1
-            return None
-        if method == "shm_status":
-            return self.shm.status(*args)
-        if method == "shm_lookup":  # what a worker needs to use a region a request names
-            return self._shm_lookup(args[0])
-        if method.startswith("cuda_shm_"):
-            return self._cuda_call(method, args)
-        raise wire.raise_error("InvalidArgument", f"unknown engine call '{method}'")
-
-    def _shm_lookup(self, name: str) -> list:
-        """["system", key, offset, byte_size] or ["cuda"]; InvalidArgument (as a single process says it) when
-        no region has that name."""
-        cuda = getattr(self.shm, "cuda", None)
-        if cuda is not None and cuda.has(name):
-            return ["cuda"]
-        r = self.shm._region(name)
-        return ["system", r.key, r.offset, r.byte_size]
-
-    def _cuda_call(self, method: str, args: list[Any]) -> Any:
-        """CUDA shared memory, when this server serves it (it has a GPU): the workers forward registrations
-        here, where the IPC mappings are opened once for every worker."""
-        cuda = getattr(self.shm, "cuda", None)
-        if method == "cuda_shm_state":  # None: the frontends answer as a server without a GPU
-            return None if cuda is None else [cuda.enabled, cuda.reason]
-        if cuda is None:
-            raise wire.raise_error("InvalidArgument", "CUDA shared memory is not supported by this server")
-        if method == "cuda_shm_register":
-            cuda.register(*args)
-        elif method == "cuda_shm_unregister":
-            cuda.unregister(*args)
-        elif method == "cuda_shm_status":
-            return cuda.status(*args)
-        else:
-            raise wire.raise_error("InvalidArgument", f"unknown engine call '{method}'")
-        self.shm_generation += 1
-        return None
-
-    def cuda_outputs(self, request) -> dict[str, dict]:
+    def cuda_outputs(self, request: InferenceRequest) -> dict[str, dict]:
         """The requested outputs that go to CUDA shared memory regions: name -> their parameters."""
-        cuda = getattr(self.shm, "cuda", None)
+        cuda = getattr(self.shm, "cuda", None)  # (per request: not through `self.cuda()`, a call more)
         if cuda is None:
             return {}
         return {
@@ -180,49 +93,6 @@ class EngineService:
             for o in request.outputs
             if o.parameters and cuda.has(o.parameters.get("shared_memory_region"))
         }
-
-    async def call_async(self, method: str, args: list[Any]) -> Any:
-        s = self.server
-        if method == "index":
-            await s.repository.refresh()
-            return s.repository.index(*args)
-        if method == "load_model":
-            await s.load_model(*args)
-            return None
-        if method == "unload_model":
-            await s.unload_model(*args)
-            return None
-        if method == "ready_model":  # with --load-on-demand, the engine loads the model first
-            mv, waited = await s.ready_model(*args)
-            return [*_model_info(mv), waited]
-        if method == "tokenize":  # name, version, text, add_special
-            return await model_context.tokenize(s.model(args[0], args[1]), *args[2:])
-        if method == "detokenize":  # name, version, ids
-            return await model_context.detokenize(s.model(args[0], args[1]), args[2])
-        if method == "check_structured_outputs":  # name, version, spec
-            return await model_context.check_structured_outputs(s.model(args[0], args[1]), args[2])
-        if method == "change_lora":  # name, version, adapter, path (None: unload)
-            return await model_context.change_lora(s.model(args[0], args[1]), args[2], args[3])
-        return self.call(method, args)
-
-
-def _model_info(mv) -> list:
-    """What a worker's RemoteModel is made of: name, version, config, and the load it is."""
-    return [mv.name, mv.version, mv.config.SerializeToString(), model_context.load_stamp(mv)]
-
-
-_ASYNC_CALLS = frozenset(
-    {
-        "index",
-        "load_model",
-        "unload_model",
-        "ready_model",
-        "tokenize",
-        "detokenize",
-        "check_structured_outputs",
-        "change_lora",
-    }
-)
 
 
 class WorkerConnection:
@@ -255,11 +125,14 @@ class WorkerConnection:
         elif isinstance(msg, wire.Unmap):
             self.engine.maps.unmap(msg.slabs)
         elif isinstance(msg, wire.Call):
-            if msg.method in _ASYNC_CALLS:
-                self.tasks[msg.id] = loop.create_task(self._call_async(msg.id, msg.method, msg.args))
+            call = CALLS.get(msg.method)
+            if call is not None and call.is_async:
+                self.tasks[msg.id] = loop.create_task(self._call_async(msg.id, call.fn, msg.args))
             else:
                 try:
-                    value = self.engine.call(msg.method, msg.args)
+                    if call is None:
+                        raise wire.raise_error("InvalidArgument", f"unknown engine call '{msg.method}'")
+                    value = call.fn(self.engine, *msg.args)
                 except Exception as exc:
                     self.channel.send(wire.Error(msg.id, *wire.error_of(exc)))
                 else:
@@ -288,16 +161,17 @@ class WorkerConnection:
     def _reply(self, rid: int, resp, peer, cuda_outputs: dict[str, dict], load_wait_ns: int = 0) -> None:
         e = self.engine
         if cuda_outputs:  # written here, where the regions are mapped; the worker gets their spans
-            outputs = []
-            for out in resp.outputs:  # (new tensors: the response cache may hold these ones)
+            cuda = e.cuda()
+            assert cuda is not None  # (only a server with CUDA shared memory finds such outputs)
+            spans = {}
+            for out in resp.outputs:
                 params = cuda_outputs.get(out.name)
                 if params is not None:
-                    e.shm.cuda.write_output(out, params)  # type: ignore[attr-defined]
-                    span = wire.CudaSpan(out.datatype, list(out.data.shape), params)
-                    out = OutputTensor(out.name, out.datatype, span)  # type: ignore[arg-type]
-                outputs.append(out)
-            resp.outputs = outputs
-        reply = wire.encode_response(resp, e.pool, peer)
+                    cuda.write_output(out, params)
+                    spans[out.name] = wire.CudaSpan(out.datatype, list(out.data.shape), params)
+            reply = wire.encode_response(resp, e.pool, peer, spans)
+        else:
+            reply = wire.encode_response(resp, e.pool, peer)
         if load_wait_ns:
             reply.load_wait_ns = load_wait_ns
         self.channel.send(wire.Reply(rid, reply, e.server.tracer.active, e.shm_generation))
@@ -337,9 +211,9 @@ class WorkerConnection:
         finally:
             self.tasks.pop(rid, None)
 
-    async def _call_async(self, rid: int, method: str, args: list[Any]) -> None:
+    async def _call_async(self, rid: int, fn: Callable[..., Awaitable[Any]], args: list[Any]) -> None:
         try:
-            value = await self.engine.call_async(method, args)
+            value = await fn(self.engine, *args)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -4,17 +4,19 @@ to the engine, which holds the CUDA IPC mappings (a worker never creates a CUDA 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..errors import InvalidArgument
 from ..shared_memory.system import Region, SharedMemoryManager
+from .calls import EngineCalls
 from .wire import CudaSpan
 
 
 class Control(Protocol):
-    """The engine's blocking control calls (`client.ControlChannel`)."""
+    """The engine's blocking control calls (`client.ControlChannel`), each named by its `EngineCalls` method."""
 
-    def call(self, method: str, *args: Any) -> Any: ...
+    def call(self, method: Callable[..., object], *args: Any) -> Any: ...
 
 
 class RemoteSharedMemory(SharedMemoryManager):
@@ -27,22 +29,22 @@ class RemoteSharedMemory(SharedMemoryManager):
         self._control = control
         self.generation = 0
         self._cuda_regions: set[str] = set()  # names the engine said are CUDA regions
-        cuda = control.call("cuda_shm_state")  # None, or [enabled, reason] of the engine's manager
+        cuda = control.call(EngineCalls.cuda_shm_state)  # None, or [enabled, reason] of the engine's manager
         self.cuda = RemoteCudaSharedMemory(self, *cuda) if cuda is not None else None
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.check_enabled()
-        self._control.call("shm_register", name, key, offset, byte_size)
+        self._control.call(EngineCalls.shm_register, name, key, offset, byte_size)
         self.drop()
 
     def unregister(self, name: str = "") -> None:
         self.check_enabled()
-        self._control.call("shm_unregister", name)
+        self._control.call(EngineCalls.shm_unregister, name)
         self.drop()
 
     def status(self, name: str = "") -> list[dict]:
         self.check_enabled()
-        return self._control.call("shm_status", name)
+        return self._control.call(EngineCalls.shm_status, name)
 
     def drop(self) -> None:
         with self._lock:
@@ -56,7 +58,7 @@ class RemoteSharedMemory(SharedMemoryManager):
             region = self._regions.get(name)
             if region is not None or name in self._cuda_regions:
                 return region
-        kind, *where = self._control.call("shm_lookup", name)
+        kind, *where = self._control.call(EngineCalls.shm_lookup, name)
         if kind == "cuda":
             with self._lock:
                 self._cuda_regions.add(name)
@@ -105,14 +107,14 @@ class RemoteCudaSharedMemory:
 
     def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         self.check_enabled()
-        self._control.call("cuda_shm_register", name, bytes(raw_handle), device_id, byte_size)
+        self._control.call(EngineCalls.cuda_shm_register, name, bytes(raw_handle), device_id, byte_size)
         self._shm.drop()
 
     def unregister(self, name: str = "") -> None:
         self.check_enabled()
-        self._control.call("cuda_shm_unregister", name)
+        self._control.call(EngineCalls.cuda_shm_unregister, name)
         self._shm.drop()
 
     def status(self, name: str = "") -> list[dict]:
         self.check_enabled()
-        return self._control.call("cuda_shm_status", name)
+        return self._control.call(EngineCalls.cuda_shm_status, name)

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -205,7 +205,8 @@ class SlabPool:
         name = self._segments.get(id(buf))
         if name is None:
             return None
-        whole = np.frombuffer(buf, np.uint8)  # type: ignore[call-overload]
+        # one of this pool's receive segments, which are mmaps (`_exporter` cannot say which kind of object it finds)
+        whole = np.frombuffer(cast(mmap.mmap, buf), np.uint8)
         lo = whole.__array_interface__["data"][0]
         hi = lo + whole.nbytes
         for arr in arrays:

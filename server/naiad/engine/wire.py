@@ -215,7 +215,7 @@ def pack_tensors(
             dtype = ""
         else:
             arr = np.ascontiguousarray(arr)
-            raw = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+            raw = arr.reshape(-1).view(np.uint8).data  # (a memoryview of it)
             dtype = arr.dtype.str
         t = Tensor(name, datatype, dtype, arr.shape)
         n = len(raw)
@@ -251,7 +251,7 @@ def pack_tensors(
 def _holder(buf: np.ndarray, items: list[Tensor], release: Callable[[str], None], slab: str) -> np.ndarray:
     end = max(t.offset + t.nbytes for t in items)
     # an array over a memoryview, so numpy keeps every view's base pointing here (and the finalizer honest)
-    holder = np.frombuffer(memoryview(buf)[:end], np.uint8)  # type: ignore[arg-type]
+    holder = np.frombuffer(buf.data[:end], np.uint8)  # (`data`: a memoryview of `buf`)
     weakref.finalize(holder, release, slab)
     return holder
 
@@ -283,7 +283,9 @@ def unpack_tensors(
             out.append((t.name, t.datatype, CudaSpan(t.datatype, t.shape, t.cuda)))
             continue
         if raw is None:
-            raw = (peer_holder if t.peer else holder)[t.offset : t.offset + t.nbytes]  # type: ignore[index]
+            src = peer_holder if t.peer else holder
+            assert src is not None  # (a tensor in a slab: its message named the slab, or the peer's request)
+            raw = src[t.offset : t.offset + t.nbytes]
         if not t.dtype:
             arr = tensors.deserialize_bytes(raw).reshape(t.shape)
         else:
@@ -358,8 +360,18 @@ def decode_request(
     )
 
 
-def encode_response(resp: InferenceResponse, pool: SlabPool, peer: np.ndarray | None = None) -> Response:
-    items = [(o.name, o.datatype, o.data) for o in resp.outputs]
+def encode_response(
+    resp: InferenceResponse,
+    pool: SlabPool,
+    peer: np.ndarray | None = None,
+    spans: dict[str, CudaSpan] | None = None,
+) -> Response:
+    """`spans`: the outputs the engine wrote into CUDA shared memory, by name: their spans travel in their place."""
+    items: list[tuple[str, str, Any]]  # (pack_tensors': an array, or a CudaSpan)
+    if spans is None:
+        items = [(o.name, o.datatype, o.data) for o in resp.outputs]
+    else:
+        items = [(o.name, o.datatype, spans.get(o.name, o.data)) for o in resp.outputs]
     outputs, slab = pack_tensors(items, pool, peer) if items else ([], "")
     err = None
     if resp.error is not None:  # as the frontends report a response's error: a NaiadError as it is

@@ -4,6 +4,7 @@ when the engine goes away, and drains its connections on SIGTERM."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ctypes
 import logging
@@ -24,9 +25,8 @@ def _die_with_parent() -> None:
         pass
 
 
-async def run(path: str, args) -> int:
-    from ..app import parse_restricted
-    from ..frontends.transport import tls
+async def run(path: str, args: argparse.Namespace) -> int:
+    from ..endpoints import GRPC, HTTP, OPENAI, Endpoints
     from ..frontends.transport.receive_buffers import POOL
     from . import acceptor
     from .adopter import Adopter
@@ -45,95 +45,19 @@ async def run(path: str, args) -> int:
     loop = asyncio.get_running_loop()
     # SIGHUP: the engine reopens the log file; a worker has none
     StopSignals(loop, stop.set, args.exit_timeout_secs, name="naiad-worker").install()
-    busy_poll = None
-    if args.busy_poll_us:
-        from ..frontends.transport.busy_poll import BusyPoll
-
-        busy_poll = BusyPoll(loop, args.busy_poll_us)
-    runners: list = []  # each with cleanup(): HttpListener or web.AppRunner
-    contexts: list = []
-    grpc_frontend = None
     adopter = None  # --frontend-accept balanced: the engine accepts, this worker adopts what it is handed
     if getattr(args, "frontend_accept", "reuseport") == "balanced":
         adopter = Adopter(os.path.join(os.path.dirname(path), "accept.sock"))
     listen = adopter is None
-    openai = None  # the OpenAI API's /v1 routes, on the HTTP port and on --openai-port
-    if args.allow_http or args.openai_port:
-        from ..frontends.openai.routes import OpenAIFrontend
-
-        openai = OpenAIFrontend(
-            client,
-            chat_template=args.chat_template,
-            stall_timeout=args.openai_stall_timeout,
-            allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
-            max_input_size=args.http_max_input_size,
-        )
-    if args.allow_http:
-        from ..frontends.http.frontend import HttpFrontend
-
-        http = HttpFrontend(
-            client,  # type: ignore[arg-type]
-            shm=shm,
-            max_input_size=args.http_max_input_size,
-            restricted=parse_restricted(args.http_restricted_api),
-            busy_poll=busy_poll,
-            openai=openai,
-        )
-        settings = tls.settings_from_args(args, "http")
-        context = None
-        if settings is not None:
-            reloading = tls.ReloadingContext(settings, ["http/1.1"], "HTTP")
-            contexts.append(reloading)
-            context = reloading.context
-        started = await http.start(
-            args.http_address, args.http_port, ssl=context, reuse_port=True, listen=listen
-        )
-        runners.append(started)
-        if adopter is not None:
-            from ..frontends.http.frontend import protocol_factory
-
-            adopter.add(acceptor.HTTP, protocol_factory(started), context)
-    if args.openai_port and openai is not None:  # with the HTTP port's TLS and restricted-API settings
-        settings = tls.settings_from_args(args, "http")
-        context = None
-        if settings is not None:
-            reloading = tls.ReloadingContext(settings, ["http/1.1"], "OpenAI")
-            contexts.append(reloading)
-            context = reloading.context
-        host = args.openai_address or args.http_address
-        restricted = parse_restricted(args.http_restricted_api)
-        openai_runner = await openai.start(
-            host, args.openai_port, ssl=context, restricted=restricted, reuse_port=True, listen=listen
-        )
-        runners.append(openai_runner)
-        if adopter is not None:
-            from ..frontends.http.frontend import protocol_factory
-
-            adopter.add(acceptor.OPENAI, protocol_factory(openai_runner), context)
-    if args.allow_grpc:
-        from ..frontends.grpc.frontend import GrpcFrontend, h2_settings
-
-        grpc_frontend = GrpcFrontend(
-            client,  # type: ignore[arg-type]
-            shm=shm,
-            restricted=parse_restricted(args.grpc_restricted_protocol),
-            implementation=args.grpc_implementation,
-            settings=h2_settings(args),
-            busy_poll=busy_poll,
-        )
-        adopt_grpc = (
-            adopter is not None and args.grpc_implementation != "grpcio"
-        )  # grpcio cannot adopt sockets
-        await grpc_frontend.start(
-            args.grpc_address,
-            args.grpc_port,
-            tls.settings_from_args(args, "grpc"),
-            reuse_port=True,
-            listen=not adopt_grpc,
-        )
-        if adopter is not None and adopt_grpc:
-            adopter.add(acceptor.GRPC, grpc_frontend.protocol_factory, grpc_frontend.ssl_context)
-    for reloading in contexts:
+    # the same endpoints as one process serves (app.py), over the engine; every worker on the same ports
+    endpoints = Endpoints(args)
+    endpoints.create_openai(client)
+    await endpoints.start(client, shm, reuse_port=True, listen=listen)
+    if adopter is not None:
+        kinds = {HTTP: acceptor.HTTP, OPENAI: acceptor.OPENAI, GRPC: acceptor.GRPC}
+        for name, (factory, context) in endpoints.adoptable.items():
+            adopter.add(kinds[name], factory, context)
+    for reloading in endpoints.contexts:
         reloading.start()
     if adopter is not None:
         adopter.start()
@@ -147,28 +71,26 @@ async def run(path: str, args) -> int:
         return ENGINE_GONE
     if adopter is not None:
         adopter.close()
-    for reloading in contexts:
+    for reloading in endpoints.contexts:
         reloading.close()
     from ..frontends.transport.drain import drain
 
     # within the engine's wait for this worker (--exit-timeout-secs), which keeps serving it meanwhile
     budget = max(0.0, args.exit_timeout_secs - 1.0)
     quiet = args.drain_quiet_secs if listen else 0.0  # balanced: the engine's acceptor listened on (app.py)
-    await drain(runners, grpc_frontend, args.drain_idle_connections_secs, budget, quiet)
-    if grpc_frontend is not None:
-        await grpc_frontend.stop(1.0)
-    for runner in runners:
-        await runner.cleanup()
+    await drain(endpoints.runners, endpoints.grpc, args.drain_idle_connections_secs, budget, quiet)
+    await endpoints.stop()
     client.close()
     return 0
 
 
 def main(argv: list[str]) -> int:
     _die_with_parent()
-    from ..cli import build_parser, configure_logging
+    from ..logsettings import configure_logging
+    from ..serve_flags import serve_parser
 
     path, rest = argv[0], argv[1:]
-    args = build_parser().parse_args(rest)
+    args = serve_parser().parse_args(rest)
     configure_logging(args.log_verbose, args.log_info, args.log_format)
     try:
         import uvloop

@@ -1,5 +1,5 @@
 """Process-isolated python model instances, the server side: each instance runs `model.py` in its own worker
-process (`worker.main`), spoken to in the wire format of `wire` (the choice of mode is `isolation`'s).
+process (`worker.main`), spoken to in the wire format of `wire` (the choice of mode is `naiad.python_isolation`'s).
 
 A worker that dies fails the in-flight execution and ends open decoupled streams with an error that
 names its pid and signal; then, as Triton restarts its stub, a new worker is started (and `initialize`

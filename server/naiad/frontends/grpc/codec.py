@@ -45,13 +45,17 @@ _CONTENTS = {
 # the message (wire.SplitInferRequest), else read from one serialization of the contents (one copy in C; bools
 # as protobuf writes them, a byte of 0 or 1 each) instead of element by element through protobuf's list (a million
 # FP32 values: 0.75 against 64 ms). The varint-encoded integer fields have no such form.
-_PACKED = {"fp32_contents": np.dtype("<f4"), "fp64_contents": np.dtype("<f8"), "bool_contents": np.dtype("?")}
+_PACKED: dict[str, np.dtype] = {
+    "fp32_contents": np.dtype("<f4"),
+    "fp64_contents": np.dtype("<f8"),
+    "bool_contents": np.dtype("?"),
+}
 PACKED_MIN = 256  # elements; fewer go through the list, which then costs less than serializing
 # The integer fields as protobuf's list holds them (its C values, at the field's width): read by `np.fromiter`
 # (a million INT64 values: 41 against 63 ms for `np.asarray`, which asks each value its type first), then narrowed
 # to the input's datatype. Triton casts a value outside an INT8/INT16/UINT8/UINT16 input's range silently (300 as
 # INT8 is 44; docs/triton-behaviour.md); here it is an InvalidArgument, as it is in HTTP JSON `data`.
-_LISTED = {
+_LISTED: dict[str, np.dtype] = {
     "int_contents": np.dtype("<i4"),
     "int64_contents": np.dtype("<i8"),
     "uint_contents": np.dtype("<u4"),
@@ -220,6 +224,7 @@ def _contents_array(req, t, datatype: str, shape: list, split) -> np.ndarray:
                 f"expecting {count} for shape {shape}"
             )
         raise tensors.byte_size_mismatch(name, req.model_name, req.id, count * size, len(values) * size)
+    arr: np.ndarray | None
     if datatype == "BYTES":
         arr = np.empty(count, dtype=np.object_)
         arr[:] = list(values)
@@ -243,11 +248,11 @@ def _typed_array(contents, field: str, values, datatype: str, count: int) -> np.
         if count and (arr.min() < info.min or arr.max() > info.max):
             return None
         return arr.astype(dtype)
-    dtype = _PACKED.get(field)
-    if dtype is not None and count >= PACKED_MIN:
+    packed = _PACKED.get(field)
+    if packed is not None and count >= PACKED_MIN:
         view = wire.packed_field(contents.SerializeToString(), wire.CONTENTS_FIELDS[field])
-        if view is not None and len(view) == count * dtype.itemsize:
-            return np.frombuffer(view, dtype)
+        if view is not None and len(view) == count * packed.itemsize:
+            return np.frombuffer(view, packed)
     return np.asarray(values, dtype=tensors.numpy_dtype(datatype))
 
 

@@ -46,7 +46,8 @@ def inflate(
     d = zlib.decompressobj(wbits)
     out = bytearray()  # grows in place (realloc; mremap for large blocks): no second copy at the end
     view = memoryview(payload)
-    error = data = None
+    error: tuple[grpc.StatusCode, str] | None = None
+    data: bytes | memoryview | None = None
     try:
         for pos in range(0, n, _IN_STEP):
             data = view[pos : pos + _IN_STEP]
@@ -76,9 +77,9 @@ def inflate(
     if error is not None:
         inflated = len(out)
         del out, data, view  # (the Abort's traceback holds this frame: it must not hold the inflated bytes)
-        exc = Abort(*error)
-        exc.inflated = inflated
-        raise exc
+        abort = Abort(*error)
+        abort.inflated = inflated
+        raise abort
     return memoryview(out).toreadonly()
 
 

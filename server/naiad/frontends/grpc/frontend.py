@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ...server import Server
+from ...serving import Serving
 from ..transport import tls
 from . import wire
 from .restricted import RestrictInterceptor, api_group, denial
 from .service import HealthServicer, InferenceServicer
+
+if TYPE_CHECKING:
+    from .server import H2GrpcServer
 
 log = logging.getLogger("naiad.grpc")
 
@@ -79,7 +83,7 @@ class GrpcFrontend:
 
     def __init__(
         self,
-        server: Server,
+        server: Serving,
         shm=None,
         restricted: dict | None = None,
         implementation: str = "naiad",
@@ -94,9 +98,10 @@ class GrpcFrontend:
         self.restricted = restricted or {}
         self.implementation = implementation
         self.busy_poll = busy_poll  # busy_poll.BusyPoll, for the naiad implementation
-        self._grpc = None
-        self._health = None
-        self._tls_context = None
+        # Naiad's HTTP/2 server, or grpcio's grpc.aio.Server (grpcio has no inline types), once started
+        self._grpc: H2GrpcServer | Any | None = None
+        self._health: HealthServicer | Any | None = None  # (grpcio's: grpc_health's, untyped too)
+        self._tls_context: tls.ReloadingContext | None = None
 
     async def start(
         self, host: str, port: int, tls_settings=None, reuse_port: bool = False, listen: bool = True
@@ -149,13 +154,13 @@ class GrpcFrontend:
                     rules, method.group, ((k.decode("latin-1"), v.decode("latin-1")) for k, v in metadata)
                 )
 
-        self._grpc = H2GrpcServer(methods, authorize, self.settings, self.busy_poll)
+        server = self._grpc = H2GrpcServer(methods, authorize, self.settings, self.busy_poll)
         context = None
         if tls_settings is not None:
-            self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")
-            context = self._tls_context.context
+            reloading = self._tls_context = tls.ReloadingContext(tls_settings, ["h2"], "gRPC")
+            context = reloading.context
         try:
-            await self._grpc.start(host, port, ssl=context, reuse_port=reuse_port, listen=listen)
+            await server.start(host, port, ssl=context, reuse_port=reuse_port, listen=listen)
         except OSError as exc:
             raise OSError(f"cannot bind gRPC to {host}:{port}: {exc}") from exc
         if self._tls_context is not None:
@@ -176,23 +181,23 @@ class GrpcFrontend:
     async def _start_grpcio(self, host: str, port: int, tls_settings=None, reuse_port: bool = False) -> None:
         options = grpcio_options(self.settings, reuse_port)
         interceptors = [RestrictInterceptor(self.restricted)] if self.restricted else []
-        self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, self._grpc)
+        server = self._grpc = grpc.aio.server(options=options, interceptors=interceptors)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
         try:
             from grpc_health.v1 import health, health_pb2_grpc
 
             self._health = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         except ImportError:
             log.warning("grpcio-health-checking is not installed: grpc.health.v1 is not served")
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if tls_settings is not None:
-            bound = self._grpc.add_secure_port(addr, tls.grpcio_credentials(tls_settings))
+            bound = server.add_secure_port(addr, tls.grpcio_credentials(tls_settings))
         else:
-            bound = self._grpc.add_insecure_port(addr)
+            bound = server.add_insecure_port(addr)
         if bound == 0:
             raise OSError(f"cannot bind gRPC to {addr}")
-        await self._grpc.start()
+        await server.start()
         await self._set_health("SERVING")
 
     def accepted(self) -> int:

@@ -37,7 +37,7 @@ def _same(given: str | bytes, expected: str) -> bool:
 
 
 def denial(rules: dict[str, tuple[str, str]], group: str | None, metadata) -> str | None:
-    rule = rules.get(group)
+    rule = rules.get(group) if group is not None else None
     if rule is None:
         return None
     key, value = rule

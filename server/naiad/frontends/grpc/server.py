@@ -90,7 +90,7 @@ class Call(Stream):
         return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self.metadata)
 
     def peer(self) -> str:
-        peer = self.conn.transport.get_extra_info("peername") if self.conn.transport else None
+        peer = self.conn.transport.get_extra_info("peername")
         return f"ipv4:{peer[0]}:{peer[1]}" if peer else ""
 
     def cancelled(self) -> bool:
@@ -225,6 +225,7 @@ class _Connection(H2Reader):
     async def _request_iterator(self, st: Stream):
         request_type = st.method.request_type
         queue = st.queue
+        assert queue is not None  # (a streaming call's)
         while True:
             item = await queue.get()
             if item is None:
@@ -441,6 +442,8 @@ class _Connection(H2Reader):
 class H2GrpcServer:
     """Listens on host:port and serves `methods` ({b"/package.Service/Method": Method})."""
 
+    loop: asyncio.AbstractEventLoop  # the one it serves on, from `start` on
+
     def __init__(
         self,
         methods: dict[bytes, Method],
@@ -454,7 +457,6 @@ class H2GrpcServer:
         self.connections: set[_Connection] = set()
         self.accepted = 0  # connections made so far (transport/drain.py listens on while they still arrive)
         self.starter = eager.Starter(busy_poll)  # unary calls start in the frame handler (transport/eager.py)
-        self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         s = self.settings
@@ -485,10 +487,9 @@ class H2GrpcServer:
         if not listen:
             self._sweeper = self.loop.call_later(self.tick_interval, self._sweep)
             return
-        host = host.strip("[]") or None
         self._server = await self.loop.create_server(
             self.protocol_factory,
-            host,
+            host.strip("[]") or None,
             port,
             reuse_address=True,
             reuse_port=reuse_port or None,

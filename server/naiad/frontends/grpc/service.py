@@ -1,5 +1,6 @@
-"""The gRPC services' handlers: GRPCInferenceService (KServe v2 with Triton's extensions) over `Server`, and
-grpc.health.v1.Health for Naiad's HTTP/2 server. Shared by both implementations (server.py and grpc.aio)."""
+"""The gRPC services' handlers: GRPCInferenceService (KServe v2 with Triton's extensions) over the serving API
+(`serving.Serving`), and grpc.health.v1.Health for Naiad's HTTP/2 server. Shared by both implementations (server.py
+and grpc.aio)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from ...errors import NaiadError, Unsupported, as_naiad_error
 from ...orchestration.on_demand import LOAD_WAIT_PARAMETER
-from ...server import Server
+from ...serving import Serving
 from ..triton import shm as shm_handlers
 from . import wire
 from .codec import decode_request, encode_response, load_parameters, unload_dependents
@@ -27,9 +28,9 @@ def _traceparent(context) -> str | None:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """GRPCInferenceService: each RPC a thin adapter over the in-process `Server`."""
+    """GRPCInferenceService: each RPC a thin adapter over the serving API (`serving.Serving`)."""
 
-    def __init__(self, server: Server, shm=None, logging_ext=None, trace_ext=None):
+    def __init__(self, server: Serving, shm=None, logging_ext=None, trace_ext=None):
         self.server = server
         self.shm = shm
         self.logging_ext = logging_ext
@@ -148,7 +149,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             req = None
             # Naiad's own HTTP/2 server: raw contents stay views of the message, outputs are sent from their memory
             chunked = type(msg) is wire.SplitInferRequest
-            head = msg.message if chunked else msg
+            head: pb.ModelInferRequest = msg.message if chunked else msg
             try:
                 req = decode_request(
                     head, self.shm, msg.raw if chunked else None, msg.packed if chunked else None

@@ -124,7 +124,8 @@ def _packed_contents(view, pos: int, end: int) -> tuple[int, int, memoryview] | 
     field, when that is the packed fixed-width field of the input's datatype (PACKED_CONTENTS) and `contents`
     occurs once; None for anything else (protobuf parses it); ValueError where the input cannot be walked (protobuf
     judges the whole message)."""
-    datatype = contents = None
+    datatype = b""  # (none seen: no datatype is empty)
+    contents: tuple[int, int, int] | None = None
     while pos < end:
         field_start = pos
         key, pos = _varint(view, pos, end)
@@ -140,7 +141,7 @@ def _packed_contents(view, pos: int, end: int) -> tuple[int, int, memoryview] | 
             pos = field_end
         else:
             pos = _skip(view, pos, end, wire)
-    number = PACKED_CONTENTS.get(datatype)  # type: ignore[arg-type]
+    number = PACKED_CONTENTS.get(datatype)
     if pos != end or contents is None or number is None:
         return None
     field_start, field_end, pos = contents

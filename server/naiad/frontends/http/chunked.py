@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from ..transport.receive_buffers import POOL, POOLED_MIN, ConnectionReader, size_class
+from ..transport.receive_buffers import POOL, POOLED_MIN, Connection, ConnectionReader, size_class
 
 MAX_LINE = 4096  # a chunk-size line (with extensions) or a trailer field
 MAX_TRAILER = 64 * 1024  # all trailer fields together
@@ -47,7 +47,7 @@ class ChunkError(Exception):
         self.status = status
 
 
-class ChunkedConnection(Protocol):
+class ChunkedConnection(Connection, Protocol):
     """What the reader needs of the connection it reads for (fast.py's FastHttpProtocol)."""
 
     loop: asyncio.AbstractEventLoop
@@ -59,10 +59,8 @@ class ChunkedConnection(Protocol):
     def chunked_failed(self, reader: ChunkedBodyReader, exc: ChunkError) -> None:
         """The framing is bad, or the body is over the limit."""
 
-    def connection_lost(self, exc) -> None: ...
 
-
-class ChunkedBodyReader(ConnectionReader):
+class ChunkedBodyReader(ConnectionReader[ChunkedConnection]):
     """The transport's protocol while a chunked body arrives. The decoded body is `buf[:out]`; the bytes
     `buf[pos:end]` were read but not yet decoded (a partial size line, or what follows the body)."""
 
@@ -143,8 +141,9 @@ class ChunkedBodyReader(ConnectionReader):
         return bytes(self.view[self.pos : self.end])
 
     def release(self) -> None:
-        """Drop this reader's hold on the buffer (uvloop keeps a BufferedProtocol's bound methods a while)."""
-        self.view = self.buf = None  # type: ignore[assignment]
+        """Drop this reader's hold on the buffer (uvloop keeps a BufferedProtocol's bound methods a while): a
+        released reader has none."""
+        del self.view, self.buf
 
     def _decode(self) -> bool:
         """Decode what was read; True once the last chunk and the trailer are in."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from typing import Any
 
 import numpy as np
 import orjson
@@ -55,9 +56,10 @@ def _request_id(doc: dict) -> str:
 
 
 def decode_infer_request(
-    model: str, version: str, body: bytes, header_length: str | None, shm=None
+    model: str, version: str, body: bytes | memoryview, header_length: str | None, shm=None
 ) -> tuple[InferenceRequest, bool]:
     """Parse a KServe v2 JSON (+ binary) request; tensors are views over `body` wherever possible."""
+    json_part: bytes | memoryview
     if header_length is not None:
         try:
             n = int(header_length)
@@ -162,13 +164,13 @@ def decode_infer_request(
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument("each entry of 'outputs' must be an object with a 'name'")
         oparams = parameters_of(item, "output", item["name"])
-        binary = oparams.get("binary_data")
-        if type(binary) is not bool and "binary_data" in oparams:
-            boolean(binary, "binary_data")  # (raises: only true and false are binary_data)
+        binary_data = oparams.get("binary_data")
+        if type(binary_data) is not bool and "binary_data" in oparams:
+            boolean(binary_data, "binary_data")  # (raises: only true and false are binary_data)
         classification = oparams.get("classification", 0)
         if type(classification) is not int or classification < 0:
             unsigned(classification, "classification", "set")  # (raises: a count is an unsigned integer)
-        outputs.append(RequestedOutput(item["name"], binary, classification, oparams))
+        outputs.append(RequestedOutput(item["name"], binary_data, classification, oparams))
     req_id = doc.get("id", "")
     if not isinstance(req_id, str):
         raise InvalidArgument("Unable to parse 'id': attempt to access JSON non-string as string")
@@ -204,7 +206,7 @@ def encode_infer_response(
     chunks = []
     for out in response.outputs:
         req = wanted.get(out.name)
-        entry = {"name": out.name, "datatype": out.datatype, "shape": out.shape}
+        entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": out.shape}
         oparams = req.parameters if req is not None else {}
         if req is not None and "shared_memory_region" in oparams:
             if shm is None:
@@ -222,7 +224,7 @@ def encode_infer_response(
             else:
                 entry["data"] = out.data.reshape(-1)
         outputs.append(entry)
-    doc = {"model_name": response.model_name, "model_version": response.model_version}
+    doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
     if response.id:
         doc["id"] = response.id
     if response.parameters:
@@ -317,7 +319,8 @@ async def read_body(request, limit: int) -> bytes:
 
 async def _body_chunks(request, limit: int) -> tuple[list[bytes], int]:
     """The body as aiohttp's parser cut it (no join), and its size; 413 past `limit` bytes."""
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+    size = 0
     while True:
         chunk = await request.content.readany()
         if not chunk:

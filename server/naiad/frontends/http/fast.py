@@ -88,13 +88,13 @@ _OK_BINARY = (
 _BINARY_HEADERS = ("Inference-Header-Content-Length", "Content-Type")
 
 
-def response_bytes(status: int, chunks: list, headers: dict | None, keep_alive: bool) -> bytes | list:
+def response_bytes(status: int, chunks: list, headers: dict | None, keep_alive: bool) -> bytes | list[bytes]:
     """The whole response, as one bytes for transport.write or, for a large body, a list for writelines."""
     length = 0
     for c in chunks:
         length += len(c)
     content_type = headers.get("Content-Type") if headers else None
-    if content_type is None or (content_type == "application/json" and len(headers) == 1):
+    if content_type is None or headers is None or (content_type == "application/json" and len(headers) == 1):
         head = (
             _OK_JSON if status == 200 else _status_line(status) + _JSON
         ) + b"Content-Length: %d\r\n" % length
@@ -291,15 +291,17 @@ class FastHttpProtocol(asyncio.Protocol):
         "writing_paused",
     )
 
+    transport: asyncio.Transport  # from connection_made on, which comes before any other callback
+
     def __init__(self, srv: FastHttpServer):
         self.srv = srv
         self.loop = asyncio.get_running_loop()
-        self.transport = None
         self.parser = httptools.HttpRequestParser(self)
-        self.raw = b""  # raw bytes from the start of the message being parsed
+        # raw bytes from the start of the message being parsed (a large body's, fed from its pooled buffer: a view)
+        self.raw: bytes | bytearray | memoryview = b""
         self.queue: deque = deque()  # complete requests not yet answered
         self.task: asyncio.Task | None = None
-        self.final = None  # _HANDOFF, _CLOSE or _BAD_REQUEST once parsing has stopped
+        self.final: int | None = None  # _HANDOFF, _CLOSE or _BAD_REQUEST once parsing has stopped
         self.lost = False
         self.eof = False
         self.reading_paused = False
@@ -316,16 +318,16 @@ class FastHttpProtocol(asyncio.Protocol):
     def _reset(self) -> None:
         self.url = b""
         self.content_length = 0
-        self.header_length = None
-        self.coding = None
+        self.header_length: str | None = None
+        self.coding: str | None = None
         self.expect = False
         self.chunked = False
         self.keep_alive = True
         self.handoff = False
-        self.restricted_value = None
+        self.restricted_value: str | None = None
         self.head_end = -1
         self.header_count = 0
-        self.route = None
+        self.route: tuple[str, str] | None = None
 
     # ---- asyncio.Protocol ----
     def connection_made(self, transport) -> None:
@@ -341,7 +343,7 @@ class FastHttpProtocol(asyncio.Protocol):
         self.reader = None
         self.queue.clear()
         self.raw = b""
-        self.parser = None  # it holds our bound methods: break the cycle
+        del self.parser  # it holds our bound methods: break the cycle (nothing parses after this)
         self.srv.connections.discard(self)
         # an in-flight request runs to completion (aiohttp does not cancel handlers either); its write is skipped
 
@@ -357,7 +359,7 @@ class FastHttpProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.writing_paused = False
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         self.last_active = self.loop.time()
         if self.final is not None:
             # parsing stopped: only a pending handoff still wants the bytes, to pass them on to aiohttp
@@ -480,6 +482,7 @@ class FastHttpProtocol(asyncio.Protocol):
             raise _Stop
         self.route = route
         raw = self.raw
+        assert not isinstance(raw, memoryview)  # (only a large body's bytes are: they come after the head)
         if raw[0] in (10, 13):  # empty lines before a request line are allowed and skipped (RFC 9112 2.2)
             raw = self.raw = raw.lstrip(b"\r\n")
         self.head_end = raw.find(b"\r\n\r\n") + 4  # llhttp (strict by default) requires CRLF line ends
@@ -502,9 +505,11 @@ class FastHttpProtocol(asyncio.Protocol):
             self.error = "internal HTTP framing error"
             raise _Stop
         reader = self.reader
+        body: bytes | memoryview
         if (
             reader is not None
         ):  # the body was read into a pooled buffer: the request's tensors are views of it
+            assert type(reader) is BodyReader  # (a chunked body's reader is done before the parser reads on)
             body = reader.body
             self.reader = None
             self.raw = b""
@@ -558,14 +563,16 @@ class FastHttpProtocol(asyncio.Protocol):
         finally:
             # uvloop keeps the bound methods of a transport's last BufferedProtocol until the next one is set
             # or the connection closes: the reader must not keep the body's buffer alive after its request
-            reader.view = reader.body = None
+            del reader.view, reader.body
 
     def _read_chunked(self) -> bytes:
         """The head of a chunked request is parsed (its parser stopped there): the bytes already here and the rest
         of the body are decoded into a pooled buffer (chunked.py); a new parser takes the next request.
         Returns the bytes that followed the body when it came whole with its head (for data_received to parse)."""
         srv = self.srv
-        reader = ChunkedBodyReader(self, srv.chunked_sizes.get(self.route, 0), srv.max_input_size)
+        route = self.route
+        assert route is not None  # (the head of a request the fast path serves)
+        reader = ChunkedBodyReader(self, srv.chunked_sizes.get(route, 0), srv.max_input_size)
         raw, self.raw = self.raw, b""
         self.parser = httptools.HttpRequestParser(self)
         try:
@@ -601,7 +608,9 @@ class FastHttpProtocol(asyncio.Protocol):
         sizes = self.srv.chunked_sizes
         if len(sizes) >= ROUTE_CACHE_SIZE:
             sizes.clear()
-        sizes[self.route] = len(body)  # the next chunked body to this route starts in a buffer of this size
+        route = self.route
+        assert route is not None  # (this request's, until _queue_request below)
+        sizes[route] = len(body)  # the next chunked body to this route starts in a buffer of this size
         return rest if self._queue_request(body, self.keep_alive) else b""
 
     def _take_back(self, reader: ChunkedBodyReader) -> None:
@@ -649,7 +658,7 @@ class FastHttpProtocol(asyncio.Protocol):
                 if not queue and (srv.closing or srv.draining or self.eof or self.final == _CLOSE):
                     keep_alive = False
                 out = response_bytes(status, chunks, headers, keep_alive)
-                if type(out) is bytes:
+                if isinstance(out, bytes):
                     self.transport.write(out)
                 else:
                     self.transport.writelines(out)
@@ -677,7 +686,8 @@ class FastHttpProtocol(asyncio.Protocol):
             status = self.bad_status
             body = orjson.dumps({"error": f"{HTTPStatus(status).phrase}: {self.error}"})
             if not self.transport.is_closing():
-                self.transport.write(response_bytes(status, [body], None, False))
+                out = response_bytes(status, [body], None, False)  # (small: one bytes)
+                self.transport.write(out if isinstance(out, bytes) else b"".join(out))
             self.close()
         else:
             self.close()
@@ -686,7 +696,7 @@ class FastHttpProtocol(asyncio.Protocol):
         transport = self.transport
         self.srv.connections.discard(self)
         raw, self.raw = self.raw, b""
-        self.parser = None
+        del self.parser  # (aiohttp parses the connection from here)
         proto = self.srv.aiohttp_server()
         proto.connection_made(transport)
         transport.set_protocol(proto)
@@ -714,7 +724,7 @@ class FastHttpProtocol(asyncio.Protocol):
 
     def close(self) -> None:
         self.srv.connections.discard(self)
-        if self.transport is not None and not self.lost:
+        if not self.lost:  # (connected: only a connection made is in srv.connections, or closes itself)
             self.transport.close()
 
 
@@ -722,7 +732,7 @@ def _path(model: str, version: str) -> str:
     return f"/v2/models/{model}/versions/{version}/infer" if version else f"/v2/models/{model}/infer"
 
 
-class BodyReader(ConnectionReader):
+class BodyReader(ConnectionReader[FastHttpProtocol]):
     """The transport's protocol while a large request body arrives: the kernel writes it into a pooled
     buffer (transport/receive_buffers.py), then the connection's FastHttpProtocol takes over again."""
 

@@ -1,4 +1,5 @@
-"""KServe v2 HTTP/REST frontend (aiohttp) with Triton's extensions. A thin adapter over `Server`."""
+"""KServe v2 HTTP/REST frontend (aiohttp) with Triton's extensions. A thin adapter over the serving API
+(`serving.Serving`: `Server`, or a frontend worker's `EngineClient`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ... import tensors
 from ...errors import InvalidArgument, NaiadError, NotFound
 from ...inference import InferenceRequest
 from ...repository import decode_file_overrides
-from ...server import Server
+from ...serving import Serving
 from ..transport import drain
 from ..transport.busy_poll import BusyPoll
 from ..transport.receive_buffers import POOLED_MIN
@@ -89,7 +90,7 @@ def api_category(path: str) -> str:
 class HttpFrontend:
     def __init__(
         self,
-        server: Server,
+        server: Serving,
         shm=None,
         max_input_size: int = 64 * 1024 * 1024,
         restricted: dict | None = None,
@@ -293,7 +294,7 @@ class HttpFrontend:
         raise InvalidArgument("CUDA shared memory is not supported by this server: it needs a CUDA device")
 
     # inference
-    def _raw_binary_request(self, mv, model: str, v: int, body: bytes) -> InferenceRequest:
+    def _raw_binary_request(self, mv, model: str, v: int, body: bytes | memoryview) -> InferenceRequest:
         """Triton's raw binary request (no JSON header): the whole body is the only input's tensor."""
         if len(mv.inputs) != 1:
             raise InvalidArgument(
@@ -304,7 +305,7 @@ class HttpFrontend:
         batch = [1] if mv.max_batch_size > 0 else []
         if spec.datatype == "BYTES":
             data = tensors.deserialize_bytes(body)
-            shape = batch + [len(data)]
+            arr = data.reshape(batch + [len(data)])
         else:
             size = tensors.ITEMSIZE[spec.datatype]
             if len(body) % size:
@@ -314,18 +315,18 @@ class HttpFrontend:
                 )
             fixed = all(d > 0 for d in spec.dims) and len(spec.dims) > 1
             shape = batch + (list(spec.dims) if fixed else [len(body) // size])
-            data = body
-        arr = (
-            tensors.from_buffer(spec.datatype, data, shape)
-            if spec.datatype != "BYTES"
-            else data.reshape(shape)
-        )
+            arr = tensors.from_buffer(spec.datatype, body, shape)
         return InferenceRequest(
             model_name=model, inputs={spec.name: arr}, datatypes={spec.name: spec.datatype}, model_version=v
         )
 
     async def run_infer(
-        self, model: str, version: str, body: bytes, header_length: str | None, traceparent: str | None = None
+        self,
+        model: str,
+        version: str,
+        body: bytes | memoryview,
+        header_length: str | None,
+        traceparent: str | None = None,
     ) -> tuple[list, dict]:
         """One infer request from its route and body to the response's (body chunks, headers).
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
 from ...inference import InferenceRequest, InferenceResponse
@@ -27,16 +27,17 @@ def choice_request_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}-{index}"
 
 
-Iterate = Callable[[InferenceRequest], AsyncIterator[InferenceResponse]]
+Iterate = Callable[[InferenceRequest], AsyncGenerator[InferenceResponse, None]]
 
 
 async def merged(
     iterate: Iterate, requests: list[InferenceRequest]
-) -> AsyncIterator[tuple[int, InferenceResponse | None]]:
+) -> AsyncGenerator[tuple[int, InferenceResponse | None], None]:
     """(choice index, response) as each model response arrives, and (index, None) once that choice's responses
     have ended. One request is iterated in place; several each in a task of their own, feeding a bounded queue (a
     slow reader holds the generations back), and all of them are cancelled when the caller stops early or one of
     them fails (its error is raised here)."""
+    resp: InferenceResponse | None
     if len(requests) == 1:
         async with aclosing(iterate(requests[0])) as responses:
             async for resp in responses:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +21,7 @@ from ...errors import NaiadError, NotFound
 from ...inference import InferenceRequest, InferenceResponse
 from ...llm import info as llm_info
 from ...llm import limits, tokenizing
+from ...serving import Serving
 from . import choices, mapping, templates
 from .errors import LLMError
 from .request import Generation
@@ -109,7 +110,7 @@ class LLMService:
     """The server's LLM models as the LLM routes use them (`server`: the in-process `Server` or a frontend worker's
     engine client); `chat_template`: `--chat-template`'s file, for models that bring none."""
 
-    def __init__(self, server: Any, chat_template: str | None = None):
+    def __init__(self, server: Serving, chat_template: str | None = None):
         self.server = server
         self.chat_template = templates.from_file(chat_template) if chat_template else None
         self._adapter_bases: dict[str, str] = {}  # LoRA adapter -> the model it was last found on
@@ -141,11 +142,11 @@ class LLMService:
         base = self._adapter_bases.get(name)
         if base is not None:
             try:
-                mv, _ = await self.server.ready_model(base)
+                base_mv, _ = await self.server.ready_model(base)
             except NotFound:
-                mv = None
-            if mv is not None and name in llm_info.lora_adapters(llm_info.of(mv.ctx)):
-                return mv, name
+                base_mv = None
+            if base_mv is not None and name in llm_info.lora_adapters(llm_info.of(base_mv.ctx)):
+                return base_mv, name
             self._adapter_bases.pop(name, None)
         for mv in self.listed():
             if name in llm_info.lora_adapters(llm_info.of(mv.ctx)):
@@ -314,7 +315,7 @@ class LLMService:
 
     def run(
         self, request: web.Request | None, reqs: list[InferenceRequest]
-    ) -> AsyncIterator[tuple[int, mapping.Piece | None, InferenceResponse | None]]:
+    ) -> AsyncGenerator[tuple[int, mapping.Piece | None, InferenceResponse | None], None]:
         """(choice, piece, response) for each model response of each choice, and (choice, None, None) at each
         choice's end; a response's error is raised. `request`: the client's, whose leaving cancels the run (None:
         a run no client waits for)."""
@@ -322,7 +323,7 @@ class LLMService:
 
     async def _pieces(
         self, request: web.Request | None, reqs: list[InferenceRequest]
-    ) -> AsyncIterator[tuple[int, mapping.Piece | None, InferenceResponse | None]]:
+    ) -> AsyncGenerator[tuple[int, mapping.Piece | None, InferenceResponse | None], None]:
         merged = choices.merged(lambda req: self.iterate(request, req), reqs)
         async with aclosing(merged) as responses:
             async for i, resp in responses:
@@ -334,7 +335,7 @@ class LLMService:
 
     async def iterate(
         self, request: web.Request | None, req: InferenceRequest
-    ) -> AsyncIterator[InferenceResponse]:
+    ) -> AsyncGenerator[InferenceResponse, None]:
         """The model's responses. A timer looks for a client that went away every DISCONNECT_POLL_S and cancels
         the handler if so (nothing is spent per response); closing the stream cancels the model request."""
         if request is None:

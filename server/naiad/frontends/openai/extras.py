@@ -72,10 +72,10 @@ class ExtraRoutes:
             prompt = await self.llm.render(mv, self.llm.template(mv), gen)
             add_special = _flag(doc, "add_special_tokens", False)
         else:
-            prompt = doc.get("prompt", doc.get("content"))  # (llama-server's name for it)
-            if not isinstance(prompt, str):
+            given = doc.get("prompt", doc.get("content"))  # (llama-server's name for it)
+            if not isinstance(given, str):
                 raise LLMError("'prompt' (a string) or 'messages' is required", param="prompt")
-            add_special = _flag(doc, "add_special_tokens", True)
+            prompt, add_special = given, _flag(doc, "add_special_tokens", True)
         try:
             ids = await tokenizing.tokenize(published, prompt, add_special)
         except limits.PromptTooLong as exc:
@@ -136,7 +136,7 @@ class ExtraRoutes:
         if len(lefts) == 1:
             model, scores, tokens = await self._scores(request, doc.get("model"), lefts[0], rights)
         else:
-            model, scores, tokens = doc.get("model"), [], 0
+            model, scores, tokens = str(doc.get("model")), [], 0
             for left, right in zip(lefts, rights):
                 model, one, used = await self._scores(request, doc.get("model"), left, [right])
                 scores += one

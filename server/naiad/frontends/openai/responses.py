@@ -257,6 +257,7 @@ def parse(doc: dict) -> ResponsesRequest:
     }
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+    assert isinstance(items, list)  # (input_messages refused anything else)
     return ResponsesRequest(
         gen, echo, store, background, previous, messages, [_with_id(i) for i in items], bool(parallel)
     )

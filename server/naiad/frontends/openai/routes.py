@@ -1,4 +1,4 @@
-"""The `/v1` routes: OpenAI requests in, inference requests to `Server`, OpenAI responses and event streams out.
+"""The `/v1` routes: OpenAI requests in, inference requests to the server, OpenAI responses and event streams out.
 Served on the HTTP port's aiohttp app, and on a port of its own with `--openai-port`."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from contextlib import aclosing
 import orjson
 from aiohttp import web
 
+from ...serving import Serving
 from ..anthropic.routes import MessagesRoutes
 from ..http.aiohttp_site import start_tcp_site
 from ..http.codec import read_body, restricted_message
@@ -58,7 +59,7 @@ class OpenAIFrontend:
 
     def __init__(
         self,
-        server,
+        server: Serving,
         chat_template: str | None = None,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         max_input_size: int = 64 * 1024 * 1024,

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 from aiohttp import hdrs, web
 
@@ -43,6 +43,13 @@ def install(app: web.Application) -> None:
     app.on_response_prepare.append(close_when_draining)
 
 
+class _ConnectionHook(Protocol):
+    """aiohttp's web.Server as `count_connections` sees it: `connection_made`, which its RequestHandlers call, may
+    be set on the instance, in front of the class's method."""
+
+    connection_made: Callable[[Any, Any], None]
+
+
 def count_connections(runner: web.AppRunner) -> None:
     """Once `runner` is set up and listens: count the connections its aiohttp server accepts, in the app's
     DrainState (aiohttp's RequestHandler reports each one to its server's `connection_made`)."""
@@ -57,7 +64,7 @@ def count_connections(runner: web.AppRunner) -> None:
         state.accepted += 1
         made(handler, transport)
 
-    server.connection_made = connection_made  # type: ignore[method-assign]
+    cast(_ConnectionHook, server).connection_made = connection_made
 
 
 class HttpDrain:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import contextvars
+import types
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, cast
 
 from .busy_poll import BusyPoll
 
@@ -59,7 +60,8 @@ def start_now(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -
     except Exception as exc:
         loop.call_exception_handler({"message": "request coroutine failed", "exception": exc})
         return None
-    return loop.create_task(Started(coro, waiting), context=ctx)  # type: ignore[arg-type]
+    # (Started is a Coroutine by registration, below, which a type checker does not see)
+    return loop.create_task(cast("Coroutine[Any, Any, Any]", Started(coro, waiting)), context=ctx)
 
 
 class Started:
@@ -93,19 +95,25 @@ class Started:
     # what asyncio reads of a Task's coroutine for its repr and its stack: the started coroutine's own
     @property
     def __name__(self) -> str:
-        return self.coro.__name__
+        return _native(self.coro).__name__
 
     @property
     def cr_code(self) -> Any:
-        return self.coro.cr_code  # type: ignore[attr-defined]
+        return _native(self.coro).cr_code
 
     @property
     def cr_frame(self) -> Any:
-        return self.coro.cr_frame  # type: ignore[attr-defined]
+        return _native(self.coro).cr_frame
 
     @property
     def cr_running(self) -> bool:
-        return self.coro.cr_running  # type: ignore[attr-defined]
+        return _native(self.coro).cr_running
+
+
+def _native(coro: Coroutine[Any, Any, Any]) -> types.CoroutineType[Any, Any, Any]:
+    """A request's coroutine as what it is, an async function's (a native coroutine, with its code and frame), which
+    its `Coroutine` type does not say."""
+    return cast("types.CoroutineType[Any, Any, Any]", coro)
 
 
 _TAKEN = object()

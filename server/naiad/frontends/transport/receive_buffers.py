@@ -23,7 +23,7 @@ import asyncio
 import mmap
 import os
 import sys
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from ...host_pinning import HostPinning
@@ -78,9 +78,8 @@ class ReceivePool:
         if self.bytes + cap > self.limit:
             self._evict(cap)
         keep = self.bytes + cap <= self.limit  # else a buffer of its own, freed after its request
-        buf = self.segments.receive_segment(cap) if keep and self.segments is not None else None
-        if buf is None:
-            buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
+        segment = self.segments.receive_segment(cap) if keep and self.segments is not None else None
+        buf = segment if segment is not None else mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE)
         if not keep:
             return buf
         if self.pinning is not None:
@@ -124,20 +123,32 @@ class ReceivePool:
 POOL = ReceivePool()  # one per process: the HTTP and gRPC frontends share it (one event loop)
 
 
-class ConnectionReader(asyncio.BufferedProtocol):
+class Connection(Protocol):
+    """The callbacks a `ConnectionReader` passes on to the connection it reads for."""
+
+    def connection_lost(self, exc: Exception | None, /) -> None: ...
+    def eof_received(self) -> bool | None: ...
+    def pause_writing(self) -> None: ...
+    def resume_writing(self) -> None: ...
+
+
+C = TypeVar("C", bound=Connection)
+
+
+class ConnectionReader(asyncio.BufferedProtocol, Generic[C]):
     """The transport's protocol while one large body or frame is read into a receive buffer: a subclass fills
-    `get_buffer`/`buffer_updated`; the connection's other callbacks go to the connection (`conn`) it stands in
-    for, which takes the transport back once the bytes are in."""
+    `get_buffer`/`buffer_updated`; the connection's other callbacks go to the connection (`conn`, a `C`) it
+    stands in for, which takes the transport back once the bytes are in."""
 
     __slots__ = ("conn",)
 
-    conn: asyncio.BaseProtocol
+    conn: C
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.conn.connection_lost(exc)
 
-    def eof_received(self):
-        return self.conn.eof_received()  # type: ignore[attr-defined]
+    def eof_received(self) -> bool | None:
+        return self.conn.eof_received()
 
     def pause_writing(self) -> None:
         self.conn.pause_writing()

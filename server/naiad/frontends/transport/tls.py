@@ -85,7 +85,7 @@ def settings_from_args(
 
 def _signature(settings: TlsSettings) -> tuple:
     """What changes when a file is rewritten or a mounted Secret's symlinks are swapped."""
-    out = []
+    out: list[tuple[int, int, int, int] | None] = []
     for path in (settings.cert, settings.key, settings.root):
         if path is None:
             continue

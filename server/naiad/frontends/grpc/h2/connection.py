@@ -149,12 +149,15 @@ class H2Connection(asyncio.Protocol):
     """The connection's state and what sends on it. `server` is what accepted it (grpc/server.py's
     H2GrpcServer): its settings, loop and set of connections."""
 
+    # from connection_made on, which comes before any other callback; the server reaches a connection only after
+    # it too (its `connections`, which connection_made joins)
+    transport: asyncio.Transport
+
     def __init__(self, server: Any):
         self.server = server
         self.settings = server.settings
         self.max_message = server.settings.max_message
         self.loop = server.loop
-        self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         # a call whose pooled message this read's DATA went into (message_reader.py may read the rest)
         self.filling: Stream | None = None
@@ -234,8 +237,7 @@ class H2Connection(asyncio.Protocol):
         self._goaway(code, message)
         self.buf = bytearray()
         self.headers_block = bytearray()
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()
 
     def _sent_data(self) -> None:
         """We sent headers or data: the ping policies start over (grpcio's ResetPingStrikes)."""
@@ -426,7 +428,7 @@ class H2Connection(asyncio.Protocol):
         )
 
     def _maybe_close(self) -> None:
-        if self.draining and not self.streams and not self.closed and self.transport is not None:
+        if self.draining and not self.streams and not self.closed:
             self.transport.close()
 
     def shutdown(self) -> None:
@@ -440,7 +442,7 @@ class H2Connection(asyncio.Protocol):
         stream id 2^31-1 and a PING; calls the client sends meanwhile are still served. Once the PING's ACK
         shows the client has seen the first GOAWAY (or after DRAIN_ACK_TIMEOUT), shutdown() sends the real last
         stream id: no stream the client started can then be lost in flight, and its next call goes elsewhere."""
-        if self.closed or self.draining or self.drain_ping_at is not None or self.transport is None:
+        if self.closed or self.draining or self.drain_ping_at is not None:
             return
         self.drain_ping_at = self.loop.time()
         self.transport.write(
@@ -448,13 +450,13 @@ class H2Connection(asyncio.Protocol):
         )
 
     def abort(self) -> None:
-        if self.transport is not None and not self.closed:
+        if not self.closed:
             self.transport.abort()
 
     def tick(self, now: float) -> None:
         """The server's sweep (about once a second): handshake, header-block, idle, stall and keepalive
         deadlines."""
-        if self.closed or self.transport is None:
+        if self.closed:
             return
         s = self.settings
         self.resets = 0

@@ -11,6 +11,8 @@ deadline".)"""
 
 from __future__ import annotations
 
+from typing import cast
+
 import hpack
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
@@ -33,7 +35,9 @@ def decode(decoder: hpack.Decoder, block: bytes) -> list[tuple[bytes, bytes]]:
     """`decoder.decode(block, raw=True)`'s (name, value) pairs, its table updated as the library updates it."""
     table = decoder.header_table
     if (block and block[0] & 0xE0 == 0x20) or table.maxsize > decoder.max_allowed_table_size:
-        return decoder.decode(block, raw=True)  # a table size update, or one owed: the library checks it
+        # a table size update, or one owed: the library checks it. (It says it returns an Iterable of HeaderTuple, but
+        # with raw=True what it returns is a list of (name, value) bytes pairs.)
+        return cast("list[tuple[bytes, bytes]]", decoder.decode(block, raw=True))
     dynamic = table.dynamic_entries
     limit = decoder.max_header_list_size
     headers: list[tuple[bytes, bytes]] = []
@@ -119,12 +123,12 @@ def _string(block: bytes, i: int, decoded: dict[bytes, bytes] | None) -> tuple[b
         if decoded is None:
             text = decode_huffman(text)
         else:
-            coded = text
-            text = decoded.get(coded)  # type: ignore[assignment]
-            if text is None:
-                text = decode_huffman(coded)
+            cached = decoded.get(text)
+            if cached is None:
+                cached = decode_huffman(text)
                 if length <= _CACHED_LONGEST:
                     if len(decoded) >= _DECODED_MAX:
                         decoded.clear()
-                    decoded[coded] = text
+                    decoded[text] = cached
+            text = cached
     return text, i + length

@@ -81,7 +81,7 @@ class LowMark:
                 self.sock = None
                 return
             try:
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)  # type: ignore[union-attr]
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 self.sock = None
 

@@ -15,6 +15,7 @@ its 16 MiB open).
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 from ...transport.receive_buffers import POOLED_MIN, ConnectionReader
@@ -28,7 +29,7 @@ MESSAGE_READER_MIN = 256 * 1024  # a message with less than this still to come i
 _NOT_OURS = PADDED | END_STREAM
 
 
-class MessageReader(ConnectionReader):
+class MessageReader(ConnectionReader[H2Connection]):
     """The transport's protocol while a call's message arrives in small DATA frames. The message buffer holds the
     payload received so far (`[0, fill)`), then the read bytes not yet squeezed (`[fill, end)`): at most a
     frame header cut short by the read; `left` payload bytes of the current frame are still to come."""
@@ -42,11 +43,13 @@ class MessageReader(ConnectionReader):
         "size",
         "stream",
         "taken",
+        "transport",
     )
 
-    def __init__(self, conn: H2Connection, st: Stream):
+    def __init__(self, conn: H2Connection, st: Stream, transport: asyncio.Transport):
         self.conn = conn
-        self.stream = st
+        self.transport = transport  # the connection's
+        self.stream: Stream | None = st  # None once the reader handed the connection back
         msg = st.msg
         assert msg is not None
         self.buf = memoryview(msg.obj)  # the whole pooled buffer: room past the message for the last headers
@@ -54,15 +57,17 @@ class MessageReader(ConnectionReader):
         self.fill = self.end = st.msg_fill
         self.left = 0
         self.taken = 0  # payload bytes read since the reader took over
-        self.low = LowMark(conn.transport, conn.loop)
+        self.low = LowMark(transport, conn.loop)
 
     @classmethod
     def start(cls, conn: H2Connection, st: Stream, rest: memoryview) -> bool:
         """Take over the transport for `st`'s message, beginning with `rest` (the read's unfinished frame): False
         when the message has too little left to be worth it or `rest` is not the start of its next frame."""
         msg = st.msg
+        transport = conn.transport
         if (
             msg is None
+            or transport is None
             or st.remote_closed
             or st.queue is not None
             or (st.content_length is not None and st.content_length - st.received < len(msg) - st.msg_fill)
@@ -78,9 +83,9 @@ class MessageReader(ConnectionReader):
             lt, flags, sid = _FRAME.unpack_from(rest)
             if not cls._ours(lt, flags, sid, st.sid, len(msg) - st.msg_fill):
                 return False
-        reader = cls(conn, st)
+        reader = cls(conn, st, transport)
         reader.buf[reader.end : reader.end + len(rest)] = rest
-        conn.transport.set_protocol(reader)
+        transport.set_protocol(reader)
         reader.low.expect(len(msg) - st.msg_fill - MESSAGE_READER_MIN)
         reader.buffer_updated(len(rest))
         return True
@@ -103,10 +108,10 @@ class MessageReader(ConnectionReader):
         return self.buf[end : min(len(self.buf), end + READ_MAX)]
 
     def buffer_updated(self, nbytes: int) -> None:
-        conn = self.conn
-        if conn.closed or self.stream is None:
+        conn, st = self.conn, self.stream
+        if conn.closed or st is None:
             return
-        buf, size, sid = self.buf, self.size, self.stream.sid
+        buf, size, sid = self.buf, self.size, st.sid
         self.low.got(nbytes)
         fill, end, left = self.fill, self.end + nbytes, self.left
         pos = fill  # the first byte not yet looked at; [fill, pos) is what the squeeze removed
@@ -141,18 +146,18 @@ class MessageReader(ConnectionReader):
             left = length - k
         got = fill - self.fill
         self.fill, self.left = fill, left
-        self._account(got)
+        self._account(st, got)
         if back >= 0:
-            self._hand_back(buf[back:end].tobytes())
+            self._hand_back(st, buf[back:end].tobytes())
             return
         tail = end - pos  # a header cut short by the read (no payload: `left` is 0 then)
         if tail:
             buf[fill : fill + tail] = buf[pos:end]
         self.end = fill + tail
 
-    def _account(self, n: int) -> None:
-        """`n` payload bytes received: the message's fill, the stream's and the connection's flow control."""
-        conn, st = self.conn, self.stream
+    def _account(self, st: Stream, n: int) -> None:
+        """`n` payload bytes of `st` received: the message's fill, the stream's and the connection's flow control."""
+        conn = self.conn
         conn.last_recv = conn.loop.time()
         if not n:
             return
@@ -163,16 +168,18 @@ class MessageReader(ConnectionReader):
         conn._ack_conn(n)
         st.unacked += n
         if st.unacked >= RECV_STREAM_WINDOW // 2:
-            conn.transport.write(frame(WINDOW_UPDATE, 0, st.sid, struct.pack(">I", st.unacked)))
+            self.transport.write(frame(WINDOW_UPDATE, 0, st.sid, struct.pack(">I", st.unacked)))
             st.unacked = 0
 
-    def _hand_back(self, rest: bytes) -> None:
+    def _hand_back(self, st: Stream, rest: bytes) -> None:
         """The connection's frame loop reads again, from `rest` (a frame this reader does not take, and what
-        followed it in the read). A reader let go of its buffer first (see DataReader.buffer_updated)."""
-        conn, st = self.conn, self.stream
+        followed it in the read); `st` is the call it read for. A reader lets go of its buffer first (see
+        DataReader.buffer_updated)."""
+        conn = self.conn
         self.low.clear()
-        self.buf = self.stream = None  # type: ignore[assignment]
-        conn.transport.set_protocol(conn)
+        self.stream = None
+        del self.buf
+        self.transport.set_protocol(conn)
         if self.taken < MESSAGE_READER_MIN:
             st.interleaved = True  # other frames between this call's: the rest is read frame by frame
         if rest:

@@ -88,7 +88,7 @@ class H2Reader(H2Connection, abc.ABC):
     stream_type: type[Stream] = Stream  # what a new stream is made as
     head_type: type[RequestHead] = RequestHead  # what a request's header block is read into
 
-    def data_received(self, data: bytes):
+    def data_received(self, data: bytes | memoryview) -> None:
         if self.closed:
             return
         self.last_recv = self.loop.time()
@@ -159,7 +159,7 @@ class H2Reader(H2Connection, abc.ABC):
         except hpack.HPACKError as exc:
             self._close_with(COMPRESSION_ERROR, f"header block: {type(exc).__name__}")
 
-    def _complete_frame(self, data: bytes) -> memoryview | None:
+    def _complete_frame(self, data: bytes | memoryview) -> memoryview | None:
         """The frame begun in `self.buf` completed from the head of `data`, which holds the rest of it: the
         frame is handled and what follows it in `data` returned as a view (None: `data` does not finish it)."""
         buf = self.buf
@@ -577,7 +577,7 @@ class H2Reader(H2Connection, abc.ABC):
         """A request message of `length` bytes is past `max_message`: end the call with an error."""
 
 
-class DataReader(ConnectionReader):
+class DataReader(ConnectionReader[H2Reader]):
     """The transport's protocol while the rest of a large DATA frame arrives: the kernel writes it into the
     call's message buffer, then the connection reads frames again."""
 
@@ -590,7 +590,9 @@ class DataReader(ConnectionReader):
         self.start = st.msg_fill
         self.size = length
         self.fill = have
-        self.view = st.msg[self.start : self.start + length]
+        msg = st.msg
+        assert msg is not None  # (_read_data made it)
+        self.view = msg[self.start : self.start + length]
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.view[self.fill :]  # never past this frame: what follows is the next frame's
@@ -606,7 +608,7 @@ class DataReader(ConnectionReader):
         # connection closes, so a reader still holding its view kept the connection's last large message
         # (and its one-off receive buffer: 272 MiB for a 256 MiB message) alive after the call.
         view, sid = self.view, self.stream.sid
-        self.view = self.stream = None
+        del self.view, self.stream
         conn.transport.set_protocol(conn)
         if conn.closed:
             return

@@ -1,4 +1,5 @@
-"""Whether a python model's instances run in-process (threads) or in worker processes.
+"""Whether a python model's instances run in-process (threads) or in worker processes: a question of its config alone,
+asked by the python backend (`backends/python`) and by `device_tensors` (which models take GPU inputs as they are).
 
 Why: in-process python instances (`PythonInstance`) share the server's GIL, so `instance_group
 { count: 2 kind: KIND_CPU }` on a CPU-bound python model gives no speed-up. Triton runs every python
@@ -33,14 +34,13 @@ from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from ...config import ModelConfig
-from ...errors import InvalidArgument
+from .errors import InvalidArgument
 
 ISOLATION_PARAMETER = "EXECUTION_ISOLATION"
 ISOLATION_MODES = ("process", "thread")
 
 
-def instance_count(config: ModelConfig) -> int:
+def instance_count(config: mc.ModelConfig) -> int:
     """How many instances the repository creates for `config` (one per count per listed GPU)."""
     total = 0
     for group in config.instance_group:
@@ -49,7 +49,7 @@ def instance_count(config: ModelConfig) -> int:
     return total
 
 
-def execution_isolation(config: ModelConfig) -> str:
+def execution_isolation(config: mc.ModelConfig) -> str:
     """ "process" or "thread" for a python model: the EXECUTION_ISOLATION parameter, else by instance count."""
     if ISOLATION_PARAMETER in config.parameters:
         value = config.parameters[ISOLATION_PARAMETER].string_value.strip().lower()

@@ -230,13 +230,7 @@ class LlamaEngine:
         self.metrics = metrics or EngineMetrics(None, "")
         try:
             self.speculator: Speculator | None = create_speculator(
-                lc,
-                settings,
-                self.model,
-                self.memory,
-                self.n_ctx,
-                lc.llama_vocab_n_tokens(self.vocab),
-                self.metrics,
+                lc, settings, self.model, self.memory, self.n_ctx, self.metrics
             )
         except BaseException:
             lc.llama_batch_free(self.batch)

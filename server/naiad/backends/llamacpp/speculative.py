@@ -55,7 +55,7 @@ VOCAB_CHECK_START_TOKEN_ID = (
 
 
 def create(
-    lc, settings: EngineSettings, model, memory, n_ctx: int, n_vocab: int, metrics: EngineMetrics
+    lc, settings: EngineSettings, model, memory, n_ctx: int, metrics: EngineMetrics
 ) -> Speculator | None:
     """The engine's speculator, or None when its parameters ask for no speculation."""
     if not settings.speculative_model and settings.speculative_ngram <= 0:
@@ -66,7 +66,7 @@ def create(
             "tokens); recurrent and hybrid models (Mamba, RWKV, ...) cannot: remove the speculative_* parameters"
         )
     draft = DraftModel(lc, settings, model) if settings.speculative_model else None
-    return Speculator(lc, settings, memory, n_ctx, n_vocab, metrics, draft)
+    return Speculator(lc, settings, memory, n_ctx, metrics, draft)
 
 
 @dataclass
@@ -263,7 +263,6 @@ class Speculator:
         settings: EngineSettings,
         memory,
         n_ctx: int,
-        n_vocab: int,
         metrics: EngineMetrics,
         draft: DraftModel | None,
     ):
@@ -296,14 +295,10 @@ class Speculator:
         for slot, tokens, _ in work:
             slot.draft = []
             req = slot.request
-            limit = min(
-                self.max,
-                req.max_tokens
-                - req.generated
-                - 1,  # the model's own token after the draft must still be wanted
-                self.n_ctx - 1 - len(slot.tokens),  # the last drafted position must fit the sequence's cells
-                budget - used,
-            )
+            # the model's own token after the draft must still be wanted, the last drafted position must fit the
+            # sequence's n_ctx cells, and the batch n_batch
+            wanted = req.max_tokens - req.generated - 1
+            limit = min(self.max, wanted, self.n_ctx - 1 - len(slot.tokens), budget - used)
             if limit < self.min:
                 continue
             if self.ngram:

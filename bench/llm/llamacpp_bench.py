@@ -13,8 +13,9 @@ shared machine's drift lands on all of them. `--client raw` reads the streams st
 `--spec none,self,layers,random,ngram` runs every way once per speculative decoding setting (way `naiad+ngram`, ...):
 `self` the model as its own draft, `layers` its first `--draft-layers` blocks as the draft (a layer-skip model
 written from the GGUF), `random` a tiny random model with its tokenizer, `ngram` prompt lookup (`--ngram`); each
-drafts at most `--spec-max` tokens. The rows then add the acceptance rate (accepted / drafted tokens) and the mean
-acceptance length (1 + accepted / drafts), from the engine's counters (the servers': vllm:spec_decode_* on /metrics).
+drafts at most `--spec-max` tokens (a draft model stops below `--p-min`). The rows then add the acceptance rate
+(accepted / drafted tokens) and the mean acceptance length (1 + accepted / drafts), from the engine's counters (the
+servers': vllm:spec_decode_* on /metrics).
 `--prompt repeat` is a prompt whose continuation repeats it (where prompt lookup finds something).
 
     .venv/bin/python bench/llm/llamacpp_bench.py --model large --concurrency 1,8,32 --ways inproc,naiad,llama-server
@@ -512,19 +513,20 @@ def spec_settings(args, gguf: Path, names: str) -> dict[str, dict[str, str]]:
     """`--spec`: the speculative_* parameters of each setting (drafts written next to the model's temporary copy)."""
     out: dict[str, dict[str, str]] = {}
     common = {"speculative_max": str(args.spec_max)}
+    drafting = {**common, "speculative_p_min": str(args.p_min)}
     work = Path(tempfile.mkdtemp(prefix="llm-bench-draft-"))
     for name in names.split(","):
         if name == "none":
             out[name] = {}
         elif name == "self":
-            out[name] = {"speculative_model": str(gguf), **common}
+            out[name] = {"speculative_model": str(gguf), **drafting}
         elif name == "layers":
             draft = write_truncated_gguf(work / f"layers{args.draft_layers}.gguf", gguf, args.draft_layers)
-            out[name] = {"speculative_model": str(draft), **common}
+            out[name] = {"speculative_model": str(draft), **drafting}
         elif name == "random":
             out[name] = {
                 "speculative_model": str(write_random_like_gguf(work / "random.gguf", gguf)),
-                **common,
+                **drafting,
             }
         elif name == "ngram":
             out[name] = {"speculative_ngram": str(args.ngram), "speculative_ngram_min": "1", **common}
@@ -577,6 +579,7 @@ def main() -> None:
     )
     ap.add_argument("--spec-max", type=int, default=4, help="speculative_max: draft tokens per step")
     ap.add_argument("--draft-layers", type=int, default=4, help="--spec layers: the draft's blocks")
+    ap.add_argument("--p-min", type=float, default=0.0, help="speculative_p_min of the draft models")
     ap.add_argument("--ngram", type=int, default=3, help="--spec ngram: speculative_ngram")
     ap.add_argument("--prompt", choices=sorted(PROMPTS), default="story")
     args = ap.parse_args()

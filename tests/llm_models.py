@@ -103,8 +103,11 @@ def write_llama_gguf(
     context_length: int = 2048,
     seed: int = 0,
     dtype: str = "f32",
+    noise: float = 0.0,
 ) -> Path:
-    """Write a random-weight llama GGUF with a byte-level BPE tokenizer and a chat template to `path`."""
+    """Write a random-weight llama GGUF with a byte-level BPE tokenizer and a chat template to `path`. `noise` > 0
+    adds that much of other random weights to every matrix: a model close to the one `seed` gives (a draft model
+    that agrees with it often, not always)."""
     import gguf
 
     path = Path(path)
@@ -115,8 +118,13 @@ def write_llama_gguf(
     rng = np.random.default_rng(seed)
     np_dtype = np.float16 if dtype == "f16" else np.float32
 
+    other = np.random.default_rng(seed + 1000)
+
     def mat(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np_dtype)
+        m = rng.standard_normal((rows, cols))
+        if noise:
+            m += noise * other.standard_normal((rows, cols))
+        return (m / np.sqrt(cols)).astype(np_dtype)
 
     def norm() -> np.ndarray:
         return np.ones(n_embd, dtype=np.float32)
@@ -232,6 +240,97 @@ def cached_large_gguf() -> Path:
     path = root / "llm-models" / f"large-llama-{tag}.gguf"
     if not path.exists():
         write_large_gguf(path)
+    return path
+
+
+# ---- draft models for speculative decoding (the benchmark's, from a real GGUF) ----
+def _copy_metadata(reader, writer, skip: tuple[str, ...] = ()) -> None:
+    """Every key of `reader`'s GGUF but the writer's own, `general.architecture` and those starting with `skip`."""
+    import gguf
+
+    for f in reader.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith(("GGUF.", *skip)):
+            continue
+        kind = f.types[0]
+        sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, f.contents(), kind, sub_type=sub)
+
+
+def write_truncated_gguf(path: str | os.PathLike, like: str | os.PathLike, n_layer: int) -> Path:
+    """A llama GGUF's first `n_layer` blocks, its embedding, output and tokenizer as they are (quantized tensors
+    copied byte for byte): a cheaper model that often agrees with the whole one (a layer-skip draft)."""
+    import gguf
+
+    path = Path(path)
+    reader = gguf.GGUFReader(str(like))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    _copy_metadata(reader, w, skip=(f"{arch}.block_count",))
+    w.add_block_count(n_layer)
+    keep = [t for t in reader.tensors if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < n_layer]
+    for t in keep:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in keep:
+        w.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    w.close()
+    os.replace(tmp, path)
+    return path
+
+
+def write_random_like_gguf(
+    path: str | os.PathLike, like: str | os.PathLike, *, n_embd: int = 64, n_layer: int = 2
+) -> Path:
+    """A tiny random-weight llama with the tokenizer (every `tokenizer.*` key) of the GGUF `like`: a draft model
+    whose vocabulary fits that model's, and that knows nothing (it costs a draft and almost never agrees)."""
+    import gguf
+
+    path = Path(path)
+    reader = gguf.GGUFReader(str(like))
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    n_head, n_ff = 4, 2 * n_embd
+    rng = np.random.default_rng(0)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    tmp = path.with_name(path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name("naiad-random-draft")
+    w.add_context_length(2048)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(0)
+    for f in reader.fields.values():
+        if f.name.startswith("tokenizer."):
+            kind = f.types[0]
+            sub = f.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(f.name, f.contents(), kind, sub_type=sub)
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(f"blk.{i}.{name}.weight", mat(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(n_embd, n_ff))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", mat(n_vocab, n_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
     return path
 
 

@@ -110,3 +110,23 @@ def test_without_a_server_everything_still_works():
 def test_token_buckets_follow_vllm():
     assert token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert token_buckets(2048)[-1] == 2000
+
+
+def test_spec_decode_counters_are_vllms():
+    server = _server()
+    m = EngineMetrics(server, "llama")
+    # before enable_spec_decode (an engine that does not speculate): nothing
+    m.spec_decode(1, 4, 4, [1, 1, 1, 1])
+    assert "spec_decode" not in server.custom_metrics.exposition().decode()
+    m.enable_spec_decode(3)
+    m.spec_decode(1, 3, 2, [1, 1])
+    m.spec_decode(2, 5, 1, [1])
+    text = server.custom_metrics.exposition().decode()
+    assert "# TYPE vllm:spec_decode_num_drafts_total counter" in text
+    assert _value(text, "vllm:spec_decode_num_drafts_total", model_name="llama") == 3
+    assert _value(text, "vllm:spec_decode_num_draft_tokens_total", model_name="llama") == 8
+    assert _value(text, "vllm:spec_decode_num_accepted_tokens_total", model_name="llama") == 3
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [_value(text, per_pos, model_name="llama", position=str(i)) for i in range(3)] == [2, 1, 0]
+    m.close()
+    assert "spec_decode" not in server.custom_metrics.exposition().decode()

@@ -10,7 +10,16 @@ a request) and output tokens/s (all tokens / wall time of the level). The ways a
 shared machine's drift lands on all of them. `--client raw` reads the streams straight from sockets;
 `--baseline DIR` adds way naiad-base (another checkout's Naiad) for an A/B in the same run.
 
+`--spec none,self,layers,random,ngram` runs every way once per speculative decoding setting (way `naiad+ngram`, ...):
+`self` the model as its own draft, `layers` its first `--draft-layers` blocks as the draft (a layer-skip model
+written from the GGUF), `random` a tiny random model with its tokenizer, `ngram` prompt lookup (`--ngram`); each
+drafts at most `--spec-max` tokens (a draft model stops below `--p-min`). The rows then add the acceptance rate
+(accepted / drafted tokens) and the mean acceptance length (1 + accepted / drafts), from the engine's counters (the
+servers': vllm:spec_decode_* on /metrics).
+`--prompt repeat` is a prompt whose continuation repeats it (where prompt lookup finds something).
+
     .venv/bin/python bench/llm/llamacpp_bench.py --model large --concurrency 1,8,32 --ways inproc,naiad,llama-server
+    .venv/bin/python bench/llm/llamacpp_bench.py --model smollm2 --ways inproc --spec none,self,ngram --rounds 3
 """
 
 from __future__ import annotations
@@ -35,12 +44,25 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "server"), str(ROOT / "tests")]
 
 from helpers import NaiadProcess, free_ports  # noqa: E402
-from llm_models import cached_large_gguf, write_tiny_gguf  # noqa: E402
-
-PROMPT = (
-    "Once upon a time there was a model that generated tokens one at a time, and the server streamed them"
+from llm_models import (  # noqa: E402
+    cached_large_gguf,
+    write_random_like_gguf,
+    write_tiny_gguf,
+    write_truncated_gguf,
 )
+
+PROMPTS = {
+    "story": "Once upon a time there was a model that generated tokens one at a time, and the server streamed them",
+    # what a model continues by repeating it: prompt lookup's case (code edits, quoting, lists)
+    "repeat": (
+        "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. "
+        "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. "
+        "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday,"
+    ),
+}
+PROMPT = PROMPTS["story"]  # --prompt
 CLIENT = "requests"  # --client
+SPEC_COUNTERS = ("drafts", "draft_tokens", "accepted")
 
 
 class Level:
@@ -95,15 +117,19 @@ def run_level(concurrency: int, n_requests: int, one) -> dict:
 class InProcess:
     name = "inproc"
 
-    def __init__(self, gguf: Path, args):
+    def __init__(self, gguf: Path, args, spec: dict[str, str] | None = None):
         from naiad.backends.llamacpp.engine import LlamaEngine
-        from naiad.backends.llamacpp.params import EngineSettings
+        from naiad.backends.llamacpp.params import engine_settings
 
-        self.engine = LlamaEngine(
-            gguf, EngineSettings(n_ctx=args.n_ctx, n_parallel=args.slots, n_threads=args.threads, n_batch=512)
-        )
+        params = {"n_ctx": args.n_ctx, "n_parallel": args.slots, "n_threads": args.threads, "n_batch": 512}
+        settings = engine_settings({k: str(v) for k, v in {**params, **(spec or {})}.items()})
+        self.engine = LlamaEngine(gguf, settings)
         self.prompt = self.engine.tokenize(PROMPT)
         self.max_tokens = args.max_tokens
+
+    def spec_counts(self) -> tuple[int, ...] | None:
+        s = self.engine.speculator
+        return None if s is None else tuple(getattr(s, k) for k in SPEC_COUNTERS)
 
     def one(self, level: Level) -> None:
         from naiad.backends.llamacpp.engine import GenerationRequest
@@ -290,11 +316,11 @@ class Naiad:
     server_args: tuple[str, ...] = ()
     server_env: dict[str, str] | None = None
 
-    def __init__(self, gguf: Path, args):
+    def __init__(self, gguf: Path, args, spec: dict[str, str] | None = None):
         self.repo = Path(tempfile.mkdtemp(prefix="llm-bench-"))
         (self.repo / "llm" / "1").mkdir(parents=True)
         os.symlink(gguf, self.repo / "llm" / "1" / "model.gguf")
-        params = {"n_ctx": args.n_ctx, "n_parallel": args.slots, "n_threads": args.threads}
+        params = {"n_ctx": args.n_ctx, "n_parallel": args.slots, "n_threads": args.threads, **(spec or {})}
         (self.repo / "llm" / "config.pbtxt").write_text(
             'backend: "llamacpp"\n'
             + "".join(
@@ -308,6 +334,21 @@ class Naiad:
 
     def one(self, level: Level) -> None:
         _post(self, level)
+
+    def spec_counts(self) -> tuple[int, ...] | None:
+        """vllm:spec_decode_*_total of the model on /metrics (None: the server does not speculate)."""
+        text = requests.get(f"http://{self.proc.metrics}/metrics", timeout=10).text
+        found = {}
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            for key, metric in (
+                ("drafts", "vllm:spec_decode_num_drafts_total"),
+                ("draft_tokens", "vllm:spec_decode_num_draft_tokens_total"),
+                ("accepted", "vllm:spec_decode_num_accepted_tokens_total"),
+            ):
+                if name.startswith(metric + "{"):
+                    found[key] = int(float(value))
+        return tuple(found[k] for k in SPEC_COUNTERS) if len(found) == 3 else None
 
     def close(self):
         self.proc.stop()
@@ -333,8 +374,8 @@ class NaiadOpenAI(Naiad):
 
     name = "naiad-openai"
 
-    def __init__(self, gguf: Path, args):
-        super().__init__(gguf, args)
+    def __init__(self, gguf: Path, args, spec: dict[str, str] | None = None):
+        super().__init__(gguf, args, spec)
         self.url = f"{self.proc.url}/v1/completions"
         self.body = completions_body(args.max_tokens)
 
@@ -356,7 +397,7 @@ def _baseline(checkout: Path) -> type[Naiad]:
 class LlamaServer:
     name = "llama-server"
 
-    def __init__(self, gguf: Path, args):
+    def __init__(self, gguf: Path, args, spec: dict[str, str] | None = None):
         binary = Path(args.llama_server) if args.llama_server else _llama_server()
         (port,) = free_ports(1)
         cmd = [
@@ -381,6 +422,7 @@ class LlamaServer:
             "512",
             "--no-webui",
             "--log-disable",
+            *_llama_server_spec(spec or {}),
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}/completion"
@@ -405,9 +447,25 @@ class LlamaServer:
     def one(self, level: Level) -> None:
         _post(self, level)
 
+    def spec_counts(self) -> tuple[int, ...] | None:
+        return None  # (llama-server logs its acceptance; it exports no counters)
+
     def close(self):
         self.proc.terminate()
         self.proc.wait(30)
+
+
+def _llama_server_spec(spec: dict[str, str]) -> list[str]:
+    """The same speculation for llama-server: -md for a draft model, ngram-simple for prompt lookup."""
+    out = []
+    if spec.get("speculative_model"):
+        out += ["-md", spec["speculative_model"], "-td", "1"]
+    if spec.get("speculative_ngram"):
+        out += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", spec["speculative_ngram"]]
+        out += ["--spec-ngram-simple-size-m", spec.get("speculative_max", "4")]
+    if "speculative_max" in spec:
+        out += ["--spec-draft-n-max", spec["speculative_max"]]
+    return out
 
 
 def _llama_server() -> Path:
@@ -440,17 +498,59 @@ def append_rows(path: str, rows: list[dict]) -> None:
 
 
 def _print(row: dict) -> None:
+    spec = ""
+    if row.get("accept_pct") is not None:
+        spec = f"  accepted {row['accept_pct']:5.1f}% mean length {row['mean_accept_len']:.2f}"
     print(
         f"{row['model']:5} c{row['concurrency']:<3} {row['way']:13} round {row['round']!s:6} "
         f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms  ITL {row['itl_ms']:7.2f} ms  {row['tok_s']:8.1f} tok/s  "
-        f"({row['requests']} requests)",
+        f"({row['requests']} requests){spec}",
         flush=True,
     )
 
 
+def spec_settings(args, gguf: Path, names: str) -> dict[str, dict[str, str]]:
+    """`--spec`: the speculative_* parameters of each setting (drafts written next to the model's temporary copy)."""
+    out: dict[str, dict[str, str]] = {}
+    common = {"speculative_max": str(args.spec_max)}
+    drafting = {**common, "speculative_p_min": str(args.p_min)}
+    work = Path(tempfile.mkdtemp(prefix="llm-bench-draft-"))
+    for name in names.split(","):
+        if name == "none":
+            out[name] = {}
+        elif name == "self":
+            out[name] = {"speculative_model": str(gguf), **drafting}
+        elif name == "layers":
+            draft = write_truncated_gguf(work / f"layers{args.draft_layers}.gguf", gguf, args.draft_layers)
+            out[name] = {"speculative_model": str(draft), **drafting}
+        elif name == "random":
+            out[name] = {
+                "speculative_model": str(write_random_like_gguf(work / "random.gguf", gguf)),
+                **drafting,
+            }
+        elif name == "ngram":
+            out[name] = {"speculative_ngram": str(args.ngram), "speculative_ngram_min": "1", **common}
+        else:
+            raise SystemExit(f"--spec: unknown setting {name!r} (none, self, layers, random, ngram)")
+    return out
+
+
+def _spec_row(before, after) -> dict:
+    if before is None or after is None:
+        return {}
+    drafts, drafted, accepted = (b - a for a, b in zip(before, after))
+    return {
+        "drafts": drafts,
+        "draft_tokens": drafted,
+        "accepted": accepted,
+        "accept_pct": 100.0 * accepted / drafted if drafted else 0.0,
+        "mean_accept_len": 1.0 + accepted / drafts if drafts else 1.0,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["tiny", "large"], default="large")
+    ap.add_argument("--model", choices=["tiny", "large", "smollm2"], default="large")
     ap.add_argument("--ways", default="inproc,naiad,llama-server")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--requests", type=int, default=0, help="per level (default: max(8, 2 x concurrency))")
@@ -472,20 +572,41 @@ def main() -> None:
     ap.add_argument(
         "--baseline", default="", help="a checkout (git worktree) whose Naiad runs as way naiad-base"
     )
+    ap.add_argument(
+        "--spec",
+        default="none",
+        help="speculative decoding settings: none,self,layers,random,ngram (each way each)",
+    )
+    ap.add_argument("--spec-max", type=int, default=4, help="speculative_max: draft tokens per step")
+    ap.add_argument("--draft-layers", type=int, default=4, help="--spec layers: the draft's blocks")
+    ap.add_argument("--p-min", type=float, default=0.0, help="speculative_p_min of the draft models")
+    ap.add_argument("--ngram", type=int, default=3, help="--spec ngram: speculative_ngram")
+    ap.add_argument("--prompt", choices=sorted(PROMPTS), default="story")
     args = ap.parse_args()
-    global CLIENT
+    global CLIENT, PROMPT
     CLIENT = args.client
+    PROMPT = PROMPTS[args.prompt]
     if args.baseline:
         WAYS["naiad-base"] = _baseline(Path(args.baseline))
 
     if args.model == "tiny":
         gguf = write_tiny_gguf(Path(tempfile.mkdtemp(prefix="llm-bench-")) / "tiny.gguf")
+    elif args.model == "smollm2":
+        from real_models import smollm2_gguf
+
+        gguf = smollm2_gguf()
     else:
         gguf = cached_large_gguf()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers started below on a kill too
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
-    ways = [WAYS[w](gguf, args) for w in args.ways.split(",")]
+    ways = []
+    for spec_name, spec in spec_settings(args, gguf, args.spec).items():
+        for w in args.ways.split(","):
+            way = WAYS[w](gguf, args, spec)
+            if spec_name != "none":
+                way.name = f"{way.name}+{spec_name}"
+            ways.append(way)
     try:
         for way in ways:  # warm up: the first requests fill caches and start threads
             run_level(2, 2, way.one)
@@ -495,13 +616,16 @@ def main() -> None:
             for r in range(args.rounds):
                 order = ways if r % 2 == 0 else ways[::-1]
                 for way in order:
+                    before = way.spec_counts()
                     row = {
                         "model": args.model,
                         "way": way.name,
                         "concurrency": c,
                         "round": r,
+                        "prompt": args.prompt,
                         **run_level(c, n, way.one),
                     }
+                    row.update(_spec_row(before, way.spec_counts()))
                     per_way[way.name].append(row)
                     rows.append(row)
                     _print(row)
@@ -511,6 +635,8 @@ def main() -> None:
                     med = {
                         k: statistics.median(x[k] for x in got) for k in ("ttft_p50_ms", "itl_ms", "tok_s")
                     }
+                    if got[0].get("draft_tokens") is not None:  # acceptance over all the rounds
+                        med.update(_spec_row((0, 0, 0), [sum(x[k] for x in got) for k in SPEC_COUNTERS]))
                     _print(
                         {
                             "model": args.model,

@@ -12,7 +12,8 @@ holds one `EngineMetrics` per model instance and one `RequestMetrics` per reques
 
 Names, kinds and buckets follow vLLM's PrometheusStatLogger (vllm/v1/metrics/loggers.py), which is what dashboards
 and the Gateway API Inference Extension's endpoint picker read (`vllm:num_requests_waiting`,
-`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, `vllm:lora_requests_info`). Counters are registered
+`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, `vllm:lora_requests_info`); an engine that speculates
+adds vLLM's `vllm:spec_decode_*` counters (enable_spec_decode, spec_decode). Counters are registered
 under their exposed name (`vllm:prompt_tokens_total`), as prometheus_client renders vLLM's `vllm:prompt_tokens`.
 The inter-token histogram has three buckets below vLLM's first (1, 2.5 and 5 ms): CPU engines step that fast.
 """
@@ -73,6 +74,13 @@ _FAMILIES: dict[str, tuple[int, str, list[float] | None]] = {
 }  # fmt: skip
 _SUCCESS = "vllm:request_success_total"
 _LORA = "vllm:lora_requests_info"
+# speculative decoding (vllm/v1/spec_decode/metrics.py's SpecDecodingProm), registered by enable_spec_decode
+_SPEC_DECODE = {
+    "vllm:spec_decode_num_drafts_total": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens_total": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens_total": "Number of accepted tokens.",
+}
+_SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 class EngineMetrics:
@@ -87,6 +95,9 @@ class EngineMetrics:
         self._success: dict[str, int] = {}
         self._lora_owner: object | None = None
         self._lora_family: int | None = None
+        self._spec_per_pos: list[
+            int
+        ] = []  # vllm:spec_decode_num_accepted_tokens_per_pos's series by position
         self._lock = threading.Lock()
         self._closed = False
         # what the gauges say, kept here too so that the engine can read them without the registry
@@ -141,6 +152,38 @@ class EngineMetrics:
             self._registry.update(mid, "set", time.time())
             if previous is not None:
                 self._registry.release(previous)  # the old label set leaves /metrics
+
+    def enable_spec_decode(self, num_spec_tokens: int) -> None:
+        """The engine speculates (at most `num_spec_tokens` draft tokens a step): vLLM's spec_decode counters appear,
+        the per-position one with a series for each position (label `position`, 0 the first draft token)."""
+        if self._registry is None or self._closed or self._spec_per_pos:
+            return
+        labels = {"model_name": self.model_name}
+        for name, help_text in _SPEC_DECODE.items():
+            fid = self._registry.family(name, help_text, COUNTER, owner=self._owner)
+            self._ids[name] = self._registry.metric(fid, labels, owner=self._owner)
+        fid = self._registry.family(
+            _SPEC_PER_POS, "Accepted tokens per draft position.", COUNTER, self._owner
+        )
+        self._spec_per_pos = [
+            self._registry.metric(fid, {**labels, "position": str(pos)}, owner=self._owner)
+            for pos in range(max(1, int(num_spec_tokens)))
+        ]
+
+    def spec_decode(self, drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: list[int]) -> None:
+        """What a step's verification found: `drafts` sequences verified a draft of `draft_tokens` tokens in all,
+        `accepted` of which the model took; `accepted_per_pos[i]`: how many drafts had position i accepted."""
+        if not self._spec_per_pos or self._closed:
+            return
+        self._update("vllm:spec_decode_num_drafts_total", "increment", drafts)
+        self._update("vllm:spec_decode_num_draft_tokens_total", "increment", draft_tokens)
+        self._update("vllm:spec_decode_num_accepted_tokens_total", "increment", accepted)
+        for mid, n in zip(self._spec_per_pos, accepted_per_pos, strict=False):
+            if n:
+                try:
+                    self._registry.update(mid, "increment", n)
+                except Exception:
+                    pass
 
     def close(self) -> None:
         """The engine unloads: this model's series leave /metrics (unless another instance still holds them)."""

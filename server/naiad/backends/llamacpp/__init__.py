@@ -71,7 +71,7 @@ class LlamaCppBackend(Backend):
                 f"model '{model.name}': the llamacpp backend streams tokens, so the model must be decoupled "
                 "(model_transaction_policy { decoupled: true }, which a bare config gets by auto-complete)"
             )
-        engine_settings(model.parameters)  # malformed parameters fail the load here, once
+        engine_settings(model.parameters, version_dir=model.version_path)  # malformed ones fail the load here
         path = model.model_file
         if path is None or not path.is_file():
             raise InvalidArgument(f"model '{model.name}': no GGUF file at {path}")
@@ -83,7 +83,7 @@ class LlamaCppBackend(Backend):
 
     def instance_initialize(self, instance: InstanceState) -> None:
         model = instance.model
-        settings = engine_settings(model.parameters, instance.instance_count)
+        settings = engine_settings(model.parameters, instance.instance_count, model.version_path)
         metrics = EngineMetrics(model.ctx.server, model.name, max_model_len=settings.n_ctx)
         adapters: ModelAdapters = model.state
         try:

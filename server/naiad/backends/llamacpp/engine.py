@@ -15,6 +15,10 @@ adapter each asked for (the base model being one group) and decodes each group w
 `llama_set_adapters_lora`: sequences of different adapters and of the base all advance in every step, one decode per
 adapter group. A slot's cached tokens are keyed by the adapter they were computed under, so prefix reuse never
 takes KV cells another adapter (or the base) computed.
+
+Speculative decoding (speculative.py: a draft model or prompt lookup, from the model's parameters) hooks in at three
+places: a step's decoding sequences get their drafts after their last sampled token, every drafted position gets
+logits in the same `llama_decode`, and `verify` samples them in order instead of `_sample` once.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from ...llm import limits
 from ...llm.metrics import EngineMetrics, RequestMetrics
 from .params import EngineSettings, SamplingParams
 from .rpc import rpc_devices
+from .speculative import Speculator
+from .speculative import create as create_speculator
 from .text import TextStream
 
 log = logging.getLogger("naiad.llamacpp")
@@ -157,6 +163,7 @@ class _Slot:
     text: TextStream | None = None
     batch_index: int = -1  # where this slot's logits are in the current batch (-1: none)
     last_token: int = -1
+    draft: list[int] = field(default_factory=list)  # this step's speculative tokens after last_token
 
 
 class LlamaEngine:
@@ -221,6 +228,15 @@ class LlamaEngine:
         self._recent: dict[tuple[str, bool, bool], list[int]] = {}
         self._recent_lock = threading.Lock()
         self.metrics = metrics or EngineMetrics(None, "")
+        try:
+            self.speculator: Speculator | None = create_speculator(
+                lc, settings, self.model, self.memory, self.n_ctx, self.metrics
+            )
+        except BaseException:
+            lc.llama_batch_free(self.batch)
+            lc.llama_free(self.ctx)
+            lc.llama_model_free(self.model)
+            raise
         self.slots = [_Slot(seq=i) for i in range(settings.n_parallel)]
         self._queue: collections.deque[GenerationRequest] = collections.deque()
         self._cond = threading.Condition()
@@ -476,6 +492,8 @@ class LlamaEngine:
             self._free_samplers(slot)
         lc.llama_batch_free(self.batch)
         lc.llama_free(self.ctx)
+        if self.speculator is not None:
+            self.speculator.close()
         if self._embed_ctx is not None:
             lc.llama_free(self._embed_ctx)
         for adapter in [*self.adapters.values(), *self._retired]:
@@ -587,6 +605,8 @@ class LlamaEngine:
             if slot.request is not None and not slot.pending and budget > 0:
                 work.append((slot, [slot.last_token], True))
                 budget -= 1
+        if self.speculator is not None and work:
+            budget -= self.speculator.propose(work, budget)
         for slot in self.slots:
             if slot.request is None or not slot.pending or budget <= 0:
                 continue
@@ -615,12 +635,12 @@ class LlamaEngine:
         batch = self.batch
         n = 0
         for slot, tokens, logits in items:
-            last_at = len(tokens) - 1
+            last_at = len(tokens) - 1 - len(slot.draft)  # a draft's tokens follow, each with logits too
             for i, t in enumerate(tokens):
-                last = logits and i == last_at
+                last = logits and i >= last_at
                 self._put(batch, n, t, len(slot.tokens), slot.seq, last)
                 slot.tokens.append(t)
-                if last:
+                if last and i == last_at:
                     slot.batch_index = n
                 n += 1
         batch.n_tokens = n
@@ -630,7 +650,10 @@ class LlamaEngine:
             raise RuntimeError(f"llama_decode returned {rc}")
         for slot, _, _ in items:
             if slot.request is not None and slot.batch_index >= 0:
-                self._sample(slot)
+                if slot.draft:
+                    self.speculator.verify(slot, self._sample)  # type: ignore[union-attr]
+                else:
+                    self._sample(slot)
 
     def _report_kv_usage(self) -> None:
         """vllm:kv_cache_usage_perc as vLLM counts it: the cells running sequences hold. A free slot's cells, kept
@@ -743,7 +766,7 @@ class LlamaEngine:
         lc.llama_sampler_chain_add(chain, lc.llama_sampler_init_dist(seed))
         return chain
 
-    def _sample(self, slot: _Slot) -> None:
+    def _sample(self, slot: _Slot) -> int:
         req = slot.request
         assert req is not None
         sampler = (
@@ -779,6 +802,7 @@ class LlamaEngine:
             self._release(slot)
             self._finish_metrics(req, finish)
         _safe(req.emit, Output(text, 1, finish, logprobs))
+        return token
 
     def _sample_grammar(self, slot: _Slot, sampler) -> int:
         """A token the grammar allows, as llama.cpp's own server picks it: the chain samples freely and the grammar

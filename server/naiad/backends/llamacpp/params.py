@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidArgument
@@ -36,6 +37,29 @@ MODEL_PARAMETERS = {
         "prompts of more UTF-8 bytes are refused untokenized (0: n_ctx times the vocabulary's longest token, the "
         "most any tokenization of n_ctx tokens can hold; a smaller value lowers that bound)",
     ),
+    # speculative decoding (speculative.py)
+    "speculative_model": (
+        "",
+        "a draft GGUF (a path relative to the version folder) sharing the model's vocabulary: it proposes "
+        "speculative_max tokens per step that the model verifies in its own decode; empty: none",
+    ),
+    "speculative_ngram": (
+        0,
+        "prompt-lookup drafting without a draft model (vLLM's ngram): the last N tokens are looked up in the "
+        "sequence's prompt and output and what followed them is proposed; 0: off",
+    ),
+    "speculative_ngram_min": (
+        0,
+        "the shortest n-gram prompt lookup matches when the last speculative_ngram tokens match nowhere "
+        "(0: speculative_ngram, as vLLM's prompt_lookup_min)",
+    ),
+    "speculative_max": (4, "most draft tokens per sequence and step (vLLM's num_speculative_tokens)"),
+    "speculative_min": (0, "a shorter draft is not verified (llama.cpp's --draft-min)"),
+    "speculative_p_min": (
+        "0",
+        "the draft model stops drafting at a token it gives less probability than this (llama.cpp's "
+        "--draft-p-min; 0: always speculative_max tokens)",
+    ),
 }
 
 
@@ -49,10 +73,31 @@ class EngineSettings:
     rpc_servers: list[str] = field(default_factory=list)
     rpc_wait_seconds: int = 120
     max_prompt_bytes: int = 0  # 0: the bound the vocabulary gives (llm/limits.py)
+    speculative_model: str = (
+        ""  # the draft GGUF's path (resolved against the version folder by engine_settings)
+    )
+    speculative_ngram: int = 0
+    speculative_ngram_min: int = 0
+    speculative_max: int = 4
+    speculative_min: int = 0
+    speculative_p_min: float = 0.0
 
 
-def engine_settings(parameters: dict[str, str], instance_count: int = 1) -> EngineSettings:
-    """The engine settings from a config's parameters; unknown or malformed values are a load error."""
+_MAY_BE_ZERO = (
+    "n_threads",
+    "rpc_wait_seconds",
+    "max_prompt_bytes",
+    "speculative_ngram",
+    "speculative_ngram_min",
+    "speculative_min",
+)
+
+
+def engine_settings(
+    parameters: dict[str, str], instance_count: int = 1, version_dir: Path | None = None
+) -> EngineSettings:
+    """The engine settings from a config's parameters; unknown or malformed values are a load error. A relative
+    `speculative_model` is taken from `version_dir` (the model's version folder), and must be a file there."""
     out = EngineSettings()
     rpc = parameters.get("rpc_servers") or os.environ.get(RPC_SERVERS_ENV, "")
     out.rpc_servers = parse_rpc_servers(rpc)
@@ -66,17 +111,49 @@ def engine_settings(parameters: dict[str, str], instance_count: int = 1) -> Engi
                 raise InvalidArgument(f"parameter 'embeddings' must be true or false, got {raw!r}")
             out.embeddings = raw.lower() in ("true", "1")
             continue
+        if key == "speculative_model":
+            out.speculative_model = _draft_path(raw.strip(), version_dir)
+            continue
+        if key == "speculative_p_min":
+            try:
+                out.speculative_p_min = float(raw)
+            except ValueError:
+                raise InvalidArgument(f"parameter '{key}' must be a number, got {raw!r}") from None
+            if not 0.0 <= out.speculative_p_min <= 1.0:
+                raise InvalidArgument(f"parameter '{key}' must be in [0, 1], got {raw}")
+            continue
         try:
             value = int(raw)
         except ValueError:
             raise InvalidArgument(f"parameter '{key}' must be an integer, got {raw!r}") from None
-        if value < (0 if key in ("n_threads", "rpc_wait_seconds", "max_prompt_bytes") else 1):
+        if value < (0 if key in _MAY_BE_ZERO else 1):
             raise InvalidArgument(f"parameter '{key}' must be positive, got {value}")
         setattr(out, key, value)
+    if out.speculative_ngram and out.speculative_ngram_min > out.speculative_ngram:
+        raise InvalidArgument(
+            f"parameter 'speculative_ngram_min' ({out.speculative_ngram_min}) is more than 'speculative_ngram' "
+            f"({out.speculative_ngram})"
+        )
+    if out.speculative_min > out.speculative_max:
+        raise InvalidArgument(
+            f"parameter 'speculative_min' ({out.speculative_min}) is more than 'speculative_max' "
+            f"({out.speculative_max})"
+        )
     if out.n_threads == 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         out.n_threads = max(1, cores // max(1, instance_count))
     return out
+
+
+def _draft_path(raw: str, version_dir: Path | None) -> str:
+    if not raw:
+        return ""
+    path = Path(raw).expanduser()
+    if not path.is_absolute() and version_dir is not None:
+        path = version_dir / path
+    if version_dir is not None and not path.is_file():
+        raise InvalidArgument(f"parameter 'speculative_model': no draft GGUF at '{raw}' (from {version_dir})")
+    return str(path)
 
 
 @dataclass

@@ -165,6 +165,7 @@ class App:
             self.server.tracer.update(settings, startup=True)
         openai = None  # before the models load: a --chat-template that cannot be read stops the start
         if a.allow_http or a.openai_port:
+            from .frontends.llm.media import media_settings_from_args
             from .frontends.openai.routes import OpenAIFrontend
 
             openai = OpenAIFrontend(
@@ -172,6 +173,7 @@ class App:
                 chat_template=a.chat_template,
                 stall_timeout=a.openai_stall_timeout,
                 allow_runtime_lora=getattr(a, "allow_runtime_lora", False),
+                media_settings=media_settings_from_args(a),
                 max_input_size=a.http_max_input_size,
             )
         from .shared_memory import shared_memory_manager  # system shared memory, plus CUDA with a GPU

@@ -15,7 +15,7 @@ from .engine.cpus import frontend_workers
 from .errors import NaiadError
 from .flags import parse_bool as _bool
 from .gpu import device_count
-from .llm import tokenizing
+from .llm import images, tokenizing
 from .server import Server, ServerOptions
 from .stop_signals import StopSignals
 
@@ -309,6 +309,46 @@ def build_parser() -> argparse.ArgumentParser:
         "LoRA adapters loaded into llama.cpp models while they serve; off, those routes answer 403",
     )
     s.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="read images given as file: URLs in LLM requests when the file is under DIR (vLLM's flag); unset, "
+        "file: URLs are refused",
+    )
+    s.add_argument(
+        "--allow-image-fetch",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="fetch images given as http(s): URLs in LLM requests (at most --max-image-bytes, within "
+        "--image-fetch-timeout-secs; the server then reaches any address a client names); off, they are refused",
+    )
+    s.add_argument(
+        "--image-fetch-timeout-secs",
+        type=float,
+        default=10.0,
+        help="the longest fetching one image may take (--allow-image-fetch)",
+    )
+    s.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=images.DEFAULT_MAX_BYTES,
+        help="the most bytes one image in an LLM request may have (encoded, before base64)",
+    )
+    s.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=images.DEFAULT_MAX_PIXELS,
+        help="the most pixels (width x height, read from its header before decoding) one image may have",
+    )
+    s.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=images.DEFAULT_MAX_IMAGES,
+        help="the most images one LLM request may carry",
+    )
+    s.add_argument(
         "--llm-tokenize-timeout-secs",
         type=float,
         default=10.0,
@@ -498,6 +538,9 @@ async def serve(args: argparse.Namespace) -> int:
             raise ValueError("--drain-quiet-secs must not be negative")
         options = _options(args, auto_complete)
         tokenizing.configure(args.llm_tokenize_timeout_secs)
+        images.configure(args.max_image_bytes, args.max_image_pixels, args.max_images_per_request)
+        if args.image_fetch_timeout_secs <= 0:
+            raise ValueError("--image-fetch-timeout-secs must be positive")
         memory.configure(
             args.pinned_memory_pool_byte_size,
             memory.parse_cuda_pool(args.cuda_memory_pool_byte_size, options.gpu_count),

@@ -37,10 +37,11 @@ async def run(path: str, args) -> int:
     shm = client.shm = RemoteSharedMemory(client.control, enabled=args.allow_client_shm)
     # large request bodies land in shared memory the engine maps: their tensors reach it without a copy
     POOL.share(client.pool)
-    from ..llm import tokenizing
+    from ..llm import images, tokenizing
     from ..stop_signals import StopSignals
 
     tokenizing.configure(args.llm_tokenize_timeout_secs)
+    images.configure(args.max_image_bytes, args.max_image_pixels, args.max_images_per_request)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # SIGHUP: the engine reopens the log file; a worker has none
@@ -59,6 +60,7 @@ async def run(path: str, args) -> int:
     listen = adopter is None
     openai = None  # the OpenAI API's /v1 routes, on the HTTP port and on --openai-port
     if args.allow_http or args.openai_port:
+        from ..frontends.llm.media import media_settings_from_args
         from ..frontends.openai.routes import OpenAIFrontend
 
         openai = OpenAIFrontend(
@@ -66,6 +68,7 @@ async def run(path: str, args) -> int:
             chat_template=args.chat_template,
             stall_timeout=args.openai_stall_timeout,
             allow_runtime_lora=getattr(args, "allow_runtime_lora", False),
+            media_settings=media_settings_from_args(args),
             max_input_size=args.http_max_input_size,
         )
     if args.allow_http:

@@ -15,6 +15,9 @@ adapter each asked for (the base model being one group) and decodes each group w
 `llama_set_adapters_lora`: sequences of different adapters and of the base all advance in every step, one decode per
 adapter group. A slot's cached tokens are keyed by the adapter they were computed under, so prefix reuse never
 takes KV cells another adapter (or the base) computed.
+
+Images (multimodal.py): a request's prompt may hold images, evaluated into its sequence by llama.cpp's multimodal
+library as they reach the head of its pending prompt, between the batched decodes of the text around them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -142,6 +146,7 @@ class GenerationRequest:
     max_tokens: int = 16
     generated: int = 0
     adapters: AdapterKey = ()  # from sampling.lora_name / lora_scale, resolved by submit
+    media: Any = None  # the prompt's images (multimodal.MediaPrompt): `prompt` holds their positions' ids
 
 
 @dataclass
@@ -247,6 +252,7 @@ class LlamaEngine:
         self._ctx_adapters: AdapterKey = ()  # what llama_set_adapters_lora last set on the context
         # vllm:lora_requests_info's last running and waiting adapters (None: never set)
         self._lora_reported: tuple[list[str], list[str]] | None = None
+        self.media: Any = None  # multimodal.Media: the mtmd context, once the backend loads a projector
         self._thread = threading.Thread(target=self._run, name="llamacpp-engine", daemon=True)
         self._thread.start()
 
@@ -474,6 +480,8 @@ class LlamaEngine:
         lc = self._lc
         for slot in self.slots:
             self._free_samplers(slot)
+        if self.media is not None:
+            self.media.close()
         lc.llama_batch_free(self.batch)
         lc.llama_free(self.ctx)
         if self._embed_ctx is not None:
@@ -578,6 +586,8 @@ class LlamaEngine:
     def _step(self) -> None:
         self._drop_cancelled()
         self._admit()
+        if self.media is not None:
+            self.media.evaluate()  # images at the head of a slot's pending prompt, into its sequence
         # what each running sequence puts in this step: decoding ones their next token first, then prompt chunks in
         # what is left of n_batch
         work: list[tuple[_Slot, list[int], bool]] = []  # slot, tokens, whether the last one needs logits
@@ -590,7 +600,10 @@ class LlamaEngine:
         for slot in self.slots:
             if slot.request is None or not slot.pending or budget <= 0:
                 continue
-            take = slot.pending[:budget]
+            media = slot.request.media
+            take = slot.pending[: budget if media is None else media.text_run(slot.pending, budget)]
+            if not take:
+                continue  # an image comes first: evaluated as the next step starts
             del slot.pending[: len(take)]
             work.append((slot, take, not slot.pending))
             budget -= len(take)
@@ -700,6 +713,8 @@ class LlamaEngine:
     def _start(self, slot: _Slot, req: GenerationRequest) -> None:
         lc = self._lc
         keep = min(self._reusable(slot, req), len(req.prompt) - 1)
+        if req.media is not None:
+            keep = req.media.boundary(keep)  # an image's cells are kept whole or not at all
         if keep < len(slot.tokens):
             if not lc.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
                 keep = 0

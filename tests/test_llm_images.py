@@ -367,6 +367,9 @@ def test_file_urls_are_read_only_under_the_allowed_folder(server, media_dir):
     refused(chat(server, LLAMACPP, user(PROMPT, f"file://{media_dir / 'missing.png'}")), "no file")
     refused(chat(server, LLAMACPP, user(PROMPT, f"file://{media_dir}")), "not a regular file")
     refused(chat(server, LLAMACPP, user(PROMPT, "file://host/etc/passwd")), "not a host")
+    refused(chat(server, LLAMACPP, user(PROMPT, f"file://{media_dir}/a%00b.png")), "no file")
+    relative = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:one.png"}}]}]
+    refused(chat(server, LLAMACPP, relative), "absolute path")
 
 
 # ---- in-process: the frontend's loader and the llama.cpp engine ----

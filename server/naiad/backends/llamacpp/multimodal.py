@@ -202,8 +202,8 @@ class Media:
         bitmaps = []
         try:
             for _, image in images:
-                rgb = image.tobytes()
-                data = (ctypes.c_ubyte * len(rgb)).from_buffer_copy(rgb)
+                rgb = image.tobytes()  # RGBRGB..., what mtmd_bitmap_init copies
+                data = ctypes.cast(ctypes.c_char_p(rgb), ctypes.POINTER(ctypes.c_uint8))
                 bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, data)
                 if not bitmap:
                     raise InvalidArgument("llama.cpp could not take an image (mtmd_bitmap_init)")

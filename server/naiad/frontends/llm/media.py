@@ -166,7 +166,7 @@ class MediaLoader:
             raise InvalidArgument(f"{what}: a file: URL must hold an absolute path (file:///path)")
         try:
             real = path.resolve(strict=True)  # symbolic links followed: where the file really is
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError, ValueError):  # (ValueError: a NUL byte in the path)
             raise InvalidArgument(f"{what}: no file at {path}") from None
         if not real.is_relative_to(self.folder):
             raise InvalidArgument(

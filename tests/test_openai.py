@@ -398,7 +398,10 @@ def test_bad_input(server):
     assert "no chat template" in err["message"]
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     bad = {"model": "counting_vllm", "messages": [{"role": "user", "content": image}]}
-    assert "only text" in assert_openai_error(post(server, chat, bad), 400)["message"]
+    assert "is not multimodal" in assert_openai_error(post(server, chat, bad), 400)["message"]
+    audio = [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
+    bad = {"model": "counting_vllm", "messages": [{"role": "user", "content": audio}]}
+    assert "'input_audio'" in assert_openai_error(post(server, chat, bad), 400)["message"]
     assert_openai_error(
         post(server, "/v1/completions", {"model": "counting_vllm", "prompt": ["a", "b"]}), 400
     )

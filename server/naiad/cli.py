@@ -13,7 +13,7 @@ import time
 from . import __version__, memory
 from .errors import NaiadError
 from .gpu import device_count
-from .llm import tokenizing
+from .llm import images, tokenizing
 from .logsettings import configure_logging
 from .serve_flags import command_parser
 from .server import Server, ServerOptions
@@ -158,6 +158,9 @@ async def serve(args: argparse.Namespace) -> int:
             raise ValueError("--drain-quiet-secs must not be negative")
         options = _options(args, auto_complete)
         tokenizing.configure(args.llm_tokenize_timeout_secs)
+        images.configure(args.max_image_bytes, args.max_image_pixels, args.max_images_per_request)
+        if args.image_fetch_timeout_secs <= 0:
+            raise ValueError("--image-fetch-timeout-secs must be positive")
         memory.configure(
             args.pinned_memory_pool_byte_size,
             memory.parse_cuda_pool(args.cuda_memory_pool_byte_size, options.gpu_count),

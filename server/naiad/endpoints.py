@@ -56,6 +56,7 @@ class Endpoints:
         a --chat-template that cannot be read stops the start."""
         a = self.args
         if a.allow_http or a.openai_port:
+            from .frontends.llm.media import media_settings_from_args
             from .frontends.openai.routes import OpenAIFrontend
 
             self.openai = OpenAIFrontend(
@@ -63,6 +64,7 @@ class Endpoints:
                 chat_template=a.chat_template,
                 stall_timeout=a.openai_stall_timeout,
                 allow_runtime_lora=getattr(a, "allow_runtime_lora", False),
+                media_settings=media_settings_from_args(a),
                 max_input_size=a.http_max_input_size,
             )
 

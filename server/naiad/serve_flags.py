@@ -9,6 +9,7 @@ import os
 from . import __version__, memory
 from .cpus import frontend_workers
 from .flags import parse_bool as _bool
+from .llm import images
 
 
 def command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
@@ -307,6 +308,46 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         default=False,
         help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
         "LoRA adapters loaded into llama.cpp models while they serve; off, those routes answer 403",
+    )
+    s.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="read images given as file: URLs in LLM requests when the file is under DIR (vLLM's flag); unset, "
+        "file: URLs are refused",
+    )
+    s.add_argument(
+        "--allow-image-fetch",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="fetch images given as http(s): URLs in LLM requests (at most --max-image-bytes, within "
+        "--image-fetch-timeout-secs; the server then reaches any address a client names); off, they are refused",
+    )
+    s.add_argument(
+        "--image-fetch-timeout-secs",
+        type=float,
+        default=10.0,
+        help="the longest fetching one image may take (--allow-image-fetch)",
+    )
+    s.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=images.DEFAULT_MAX_BYTES,
+        help="the most bytes one image in an LLM request may have (encoded, before base64)",
+    )
+    s.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=images.DEFAULT_MAX_PIXELS,
+        help="the most pixels (width x height, read from its header before decoding) one image may have",
+    )
+    s.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=images.DEFAULT_MAX_IMAGES,
+        help="the most images one LLM request may carry",
     )
     s.add_argument(
         "--llm-tokenize-timeout-secs",

@@ -209,6 +209,11 @@ class Engine:
                 limits.check_prompt(req.prompt, self.prompt_byte_limit, self.context_length)
             if task not in self.tasks:
                 raise InvalidArgument(f"Model {self.name} does not support '{task}' request")
+            if req.images:
+                raise InvalidArgument(
+                    f"model '{self.name}': the vllm backend does not take images yet (the llamacpp and "
+                    "transformers backends do; see docs/llm.md)"
+                )
         except NaiadError as exc:
             sender.send(error=exc, final=True)
             return

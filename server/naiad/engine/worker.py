@@ -37,10 +37,11 @@ async def run(path: str, args: argparse.Namespace) -> int:
     shm = client.shm = RemoteSharedMemory(client.control, enabled=args.allow_client_shm)
     # large request bodies land in shared memory the engine maps: their tensors reach it without a copy
     POOL.share(client.pool)
-    from ..llm import tokenizing
+    from ..llm import images, tokenizing
     from ..stop_signals import StopSignals
 
     tokenizing.configure(args.llm_tokenize_timeout_secs)
+    images.configure(args.max_image_bytes, args.max_image_pixels, args.max_images_per_request)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # SIGHUP: the engine reopens the log file; a worker has none

@@ -14,6 +14,11 @@ from typing import Any
 
 _KEY = "llm"
 LORA_ADAPTERS = "lora_adapters"  # LLMInfo.extra's key for a model's LoRA adapters: {name: adapter file}
+# LLMInfo.extra's key for a model that takes images (its `image` input): {"marker": text}. With a marker (llama.cpp's
+# `<__media__>`), the chat template is given text in which the marker stands where each image goes; with none (a
+# Hugging Face processor's model), the template is given `{"type": "image"}` content parts and writes the model's
+# own image token
+IMAGES = "images"
 
 
 @dataclass
@@ -58,3 +63,11 @@ def lora_adapters(info: LLMInfo | None) -> dict[str, str]:
     if info is None:
         return {}
     return info.extra.get(LORA_ADAPTERS) or {}
+
+
+def image_input(info: LLMInfo | None) -> dict[str, Any] | None:
+    """How a model takes images (`extra[IMAGES]`), or None for a model that takes none."""
+    if info is None:
+        return None
+    value = info.extra.get(IMAGES)
+    return value if isinstance(value, dict) else None

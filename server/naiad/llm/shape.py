@@ -12,6 +12,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 # (name, data type, dims, optional): the order and types of Triton's vllm_backend auto-complete.
 VLLM_INPUTS: tuple[tuple[str, int, tuple[int, ...], bool], ...] = (
     ("text_input", mc.TYPE_STRING, (1,), False),
+    # images, one base64 string each (PNG, JPEG, WebP, GIF), placed where the prompt has the model's image marker
+    ("image", mc.TYPE_STRING, (-1,), True),
     ("stream", mc.TYPE_BOOL, (1,), True),
     ("sampling_parameters", mc.TYPE_STRING, (1,), True),
     ("exclude_input_in_output", mc.TYPE_BOOL, (1,), True),

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import InvalidArgument
 from ..inference import InferenceRequest
-from . import limits
+from . import images, limits
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -34,6 +34,9 @@ class VllmRequest:
     sampling: dict[str, Any]
     returns: set[str] = field(default_factory=set)  # the return_* flags that are set
     embedding: dict[str, Any] | None = None  # the parsed embedding_request
+    images: list[bytes] = field(
+        default_factory=list
+    )  # the `image` input's images, base64-decoded (images.py)
 
 
 def _scalar(request: InferenceRequest, name: str) -> Any:
@@ -82,7 +85,9 @@ def parse(request: InferenceRequest) -> VllmRequest:
             k: v for k, v in request.parameters.items() if not k.startswith(("triton_", "binary_data"))
         }
     returns = {f for f in RETURN_FLAGS if _scalar(request, f)}
-    return VllmRequest(str(prompt), stream, prepend, sampling, returns)
+    return VllmRequest(
+        str(prompt), stream, prepend, sampling, returns, images=images.from_request(request.inputs)
+    )
 
 
 def outputs(

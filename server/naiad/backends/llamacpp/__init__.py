@@ -9,7 +9,9 @@ Parameters (config.pbtxt, string values): see params.MODEL_PARAMETERS and docs/l
 `structured_outputs` sampling parameter) follows a GBNF grammar (grammar.py), so the OpenAI frontend's
 `response_format` and forced `tool_choice` work on these models. LoRA adapters (lora.py) are loaded with the model
 from its config and at runtime; a request names one by the `lora_name` sampling parameter (as Triton's vllm_backend
-reads it), which the OpenAI frontend sets for `model: "<adapter>"`.
+reads it), which the OpenAI frontend sets for `model: "<adapter>"`. Images (Triton vllm_backend's `image` input,
+base64 strings) reach a model with a multimodal projector (multimodal.py: parameter `mmproj`, or `mmproj.gguf` in
+the version folder), placed where the prompt has llama.cpp's marker `<__media__>`.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from ...config import ModelConfig
 from ...errors import InvalidArgument, NaiadError
 from ...inference import InferenceRequest
 from ...llm import info as llm_info
+from ...llm.images import decode as decode_image
+from ...llm.images import from_request as image_inputs
 from ...llm.metrics import EngineMetrics
 from ...llm.shape import auto_complete_vllm_shape
 from ..api import Backend, InstanceState
 from .engine import GenerationRequest, LlamaEngine, Output
 from .grammar import structured_grammar
 from .lora import ModelAdapters, static_adapters
+from .multimodal import Media, mmproj_path
 from .params import engine_settings, sampling_params
 
 log = logging.getLogger("naiad.llamacpp")
@@ -77,6 +82,7 @@ class LlamaCppBackend(Backend):
             raise InvalidArgument(f"model '{model.name}': no GGUF file at {path}")
         try:
             static = static_adapters(model.parameters, model.version_path)
+            mmproj_path(model.parameters, model.version_path)
         except NaiadError as exc:
             raise InvalidArgument(f"model '{model.name}': {exc.message}") from None
         model.state = ModelAdapters(static, model.version_path)
@@ -92,6 +98,9 @@ class LlamaCppBackend(Backend):
             metrics.close()
             raise
         try:
+            mmproj = mmproj_path(model.parameters, model.version_path)
+            if mmproj is not None:
+                engine.media = Media(engine, mmproj)
             adapters.add_engine(engine)
         except BaseException as exc:
             engine.close()
@@ -118,6 +127,8 @@ class LlamaCppBackend(Backend):
                 load_lora=adapters.load,
                 unload_lora=adapters.unload,
             )
+            if engine.media is not None:
+                info.extra[llm_info.IMAGES] = {"marker": engine.media.marker}
             adapters.publish(info.extra)
             llm_info.publish(model.ctx, info)
 
@@ -167,7 +178,22 @@ class LlamaCppBackend(Backend):
         }
         if (flags["return_logprobs"] or flags["return_cumulative_logprob"]) and sampling.logprobs is None:
             sampling.logprobs = 0
-        tokens = engine.tokenize(prompt)  # PromptTooLong, untokenized, past the byte bound
+        media = None
+        images = image_inputs(request.inputs)
+        if images:
+            if engine.media is None:
+                raise InvalidArgument(
+                    f"model '{instance.model.name}' is not multimodal: it takes no images (it has no mmproj, the "
+                    "multimodal projector GGUF)"
+                )
+            decoded = [(data, decode_image(data, f"image {i + 1}")) for i, data in enumerate(images)]
+            media = engine.media.tokenize(prompt, decoded)
+            tokens = media.tokens
+            # the frontend fills max_tokens in from the text's tokens alone: with images, what the context leaves
+            if sampling.max_tokens is not None and len(tokens) < engine.n_ctx:
+                sampling.max_tokens = min(sampling.max_tokens, engine.n_ctx - len(tokens))
+        else:
+            tokens = engine.tokenize(prompt)  # PromptTooLong, untokenized, past the byte bound
         state = {"text": [], "tokens": 0, "logprobs": [], "cumulative": 0.0}
 
         def outputs(text: str, n_tokens: int, finish: str | None, logprobs: list | None) -> dict:
@@ -216,7 +242,12 @@ class LlamaCppBackend(Backend):
 
         engine.submit(
             GenerationRequest(
-                prompt=tokens, sampling=sampling, emit=emit, fail=fail, cancelled=sender.is_cancelled
+                prompt=tokens,
+                sampling=sampling,
+                emit=emit,
+                fail=fail,
+                cancelled=sender.is_cancelled,
+                media=media,
             )
         )
 

@@ -19,6 +19,9 @@ takes KV cells another adapter (or the base) computed.
 Speculative decoding (speculative.py: a draft model or prompt lookup, from the model's parameters) hooks in at three
 places: a step's decoding sequences get their drafts after their last sampled token, every drafted position gets
 logits in the same `llama_decode`, and `verify` samples them in order instead of `_sample` once.
+
+Images (multimodal.py): a request's prompt may hold images, evaluated into its sequence by llama.cpp's multimodal
+library as they reach the head of its pending prompt, between the batched decodes of the text around them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -148,6 +152,7 @@ class GenerationRequest:
     max_tokens: int = 16
     generated: int = 0
     adapters: AdapterKey = ()  # from sampling.lora_name / lora_scale, resolved by submit
+    media: Any = None  # the prompt's images (multimodal.MediaPrompt): `prompt` holds their positions' ids
 
 
 @dataclass
@@ -263,6 +268,7 @@ class LlamaEngine:
         self._ctx_adapters: AdapterKey = ()  # what llama_set_adapters_lora last set on the context
         # vllm:lora_requests_info's last running and waiting adapters (None: never set)
         self._lora_reported: tuple[list[str], list[str]] | None = None
+        self.media: Any = None  # multimodal.Media: the mtmd context, once the backend loads a projector
         self._thread = threading.Thread(target=self._run, name="llamacpp-engine", daemon=True)
         self._thread.start()
 
@@ -490,6 +496,8 @@ class LlamaEngine:
         lc = self._lc
         for slot in self.slots:
             self._free_samplers(slot)
+        if self.media is not None:
+            self.media.close()
         lc.llama_batch_free(self.batch)
         lc.llama_free(self.ctx)
         if self.speculator is not None:
@@ -596,6 +604,8 @@ class LlamaEngine:
     def _step(self) -> None:
         self._drop_cancelled()
         self._admit()
+        if self.media is not None:
+            self.media.evaluate()  # images at the head of a slot's pending prompt, into its sequence
         # what each running sequence puts in this step: decoding ones their next token first, then prompt chunks in
         # what is left of n_batch
         work: list[tuple[_Slot, list[int], bool]] = []  # slot, tokens, whether the last one needs logits
@@ -610,7 +620,10 @@ class LlamaEngine:
         for slot in self.slots:
             if slot.request is None or not slot.pending or budget <= 0:
                 continue
-            take = slot.pending[:budget]
+            media = slot.request.media
+            take = slot.pending[: budget if media is None else media.text_run(slot.pending, budget)]
+            if not take:
+                continue  # an image comes first: evaluated as the next step starts
             del slot.pending[: len(take)]
             work.append((slot, take, not slot.pending))
             budget -= len(take)
@@ -723,6 +736,8 @@ class LlamaEngine:
     def _start(self, slot: _Slot, req: GenerationRequest) -> None:
         lc = self._lc
         keep = min(self._reusable(slot, req), len(req.prompt) - 1)
+        if req.media is not None:
+            keep = req.media.boundary(keep)  # an image's cells are kept whole or not at all
         if keep < len(slot.tokens):
             if not lc.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
                 keep = 0

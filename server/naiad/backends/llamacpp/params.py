@@ -32,6 +32,12 @@ MODEL_PARAMETERS = {
         "request names one by sampling parameter lora_name, an OpenAI request by model; multi_lora.json in the "
         "version folder (Triton vllm_backend's: {name: path}) adds to them",
     ),
+    "mmproj": (
+        "",
+        "the multimodal projector GGUF (llama.cpp's mmproj: a vision encoder and its projection) for images in "
+        "requests (a path relative to the version folder); empty: mmproj.gguf in the version folder when there is "
+        "one, else a text-only model",
+    ),
     "max_prompt_bytes": (
         0,
         "prompts of more UTF-8 bytes are refused untokenized (0: n_ctx times the vocabulary's longest token, the "
@@ -102,8 +108,8 @@ def engine_settings(
     rpc = parameters.get("rpc_servers") or os.environ.get(RPC_SERVERS_ENV, "")
     out.rpc_servers = parse_rpc_servers(rpc)
     for key, raw in parameters.items():
-        if key in ("rpc_servers", "lora_adapters"):
-            continue  # (lora_adapters: lora.py)
+        if key in ("rpc_servers", "lora_adapters", "mmproj"):
+            continue  # (lora_adapters: lora.py; mmproj: multimodal.py)
         if key not in MODEL_PARAMETERS:
             continue  # other backends' or the user's own keys are left alone, as Triton does
         if key == "embeddings":

@@ -299,8 +299,8 @@ class Speculator:
             # sequence's n_ctx cells, and the batch n_batch
             wanted = req.max_tokens - req.generated - 1
             limit = min(self.max, wanted, self.n_ctx - 1 - len(slot.tokens), budget - used)
-            if limit < self.min:
-                continue
+            if limit < self.min or req.media is not None:
+                continue  # a prompt with images holds their positions' negative ids, which no drafter can take
             if self.ngram:
                 draft = ngram_draft(slot.tokens + tokens, self.ngram, self.ngram_min, limit)
                 if len(draft) >= self.min:

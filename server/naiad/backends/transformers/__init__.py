@@ -16,6 +16,10 @@ with the folder's pooling (mean, CLS, max or last token) and normalisation, as s
 a causal model's embeddings are the mean of its last hidden state over the prompt's tokens. The vLLM-named metrics
 (naiad.llm.metrics) include `vllm:kv_cache_usage_perc`, sampled from the paged cache (kv_cache.py).
 
+A folder whose `config.json` has a `vision_config` is a vision-language model (vision.py): loaded with its processor
+(`AutoProcessor`, `AutoModelForImageTextToText`), its requests with images (the `image` input) run by `model.generate`
+on a thread of their own, its text-only requests batched as any model's.
+
 Config parameters (`parameters { key: ... value: { string_value: ... } }`): `max_num_seqs` (sequences in one
 batch, 16), `num_blocks` and `block_size` (the paged KV cache: blocks of tokens, 256 of 32 by default; sized
 explicitly because transformers' automatic sizing probes memory for half a minute on CPU), `max_batch_tokens`
@@ -24,20 +28,26 @@ explicitly because transformers' automatic sizing probes memory for half a minut
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from ..api import InstanceState
 from ..engine_backend import EngineBackend
 from .embedding import EmbeddingEngine, is_embedding_model
 
+# transformers imports its classes lazily, and two threads importing the same one at once can see it half made
+# (`cannot import name 'AutoModelForCausalLM'`): models load one at a time
+_load_lock = threading.Lock()
+
 
 def _engine(instance: InstanceState) -> Any:
-    """The engine for the model folder: an embedding model's, or a causal language model's."""
-    if is_embedding_model(instance.model.version_path):
-        return EmbeddingEngine(instance)
-    from .generation import Engine
+    """The engine for the model folder: an embedding model's, or a (vision-)language model's."""
+    with _load_lock:
+        if is_embedding_model(instance.model.version_path):
+            return EmbeddingEngine(instance)
+        from .generation import Engine
 
-    return Engine(instance)
+        return Engine(instance)
 
 
 class TransformersBackend(EngineBackend):

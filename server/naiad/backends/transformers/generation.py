@@ -16,9 +16,11 @@ from ...llm import info as llm_info
 from ...llm import limits, vllm_request
 from ...llm.metrics import EngineMetrics
 from ..api import InstanceState, ResponseSender
+from . import vision
 from .grammar import GrammarSampling
 from .kv_cache import KVCacheSampler
 from .seed import SeededSampling
+from .text import safe_end as _safe_end
 
 log = logging.getLogger("naiad.transformers")
 
@@ -48,7 +50,7 @@ def start_manager(model: Any, settings: dict[str, int], pad_token_id: int, eos_t
     generation = GenerationConfig(
         do_sample=True,
         temperature=0.5,
-        top_k=model.config.vocab_size,
+        top_k=model.config.get_text_config().vocab_size,
         top_p=0.99,
         max_new_tokens=16,
         pad_token_id=pad_token_id,
@@ -92,9 +94,20 @@ class Engine:
             )
         dtype = dtype_name if dtype_name == "auto" else getattr(torch, dtype_name)
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(self.device).eval()
-        config = self.model.config
+        self.images: vision.ImageGeneration | None = None  # a vision-language model's requests with images
+        if vision.is_vision_model(folder):
+            processor, loaded = vision.load(folder, dtype)
+            self.model = loaded.to(self.device).eval()
+            self.tokenizer = processor.tokenizer
+            self.images = vision.ImageGeneration(self, processor)
+            chat_template = getattr(processor, "chat_template", None) or getattr(
+                self.tokenizer, "chat_template", None
+            )
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(self.device).eval()
+            chat_template = getattr(self.tokenizer, "chat_template", None)
+        config = self.model.config.get_text_config()
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.vocab_size = int(config.vocab_size)
         eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else config.eos_token_id
@@ -126,7 +139,7 @@ class Engine:
         llm_info.publish(
             model.ctx,
             llm_info.LLMInfo(
-                chat_template=getattr(tok, "chat_template", None),
+                chat_template=chat_template,
                 bos_token=tok.bos_token or "",
                 eos_token=tok.eos_token or "",
                 context_length=self.context_length,
@@ -136,7 +149,12 @@ class Engine:
                 ),
                 detokenize=lambda ids: tok.decode(ids),
                 check_structured_outputs=self.grammars.compile,
-                extra={"engine": "transformers", "structured_outputs": True},
+                extra={
+                    "engine": "transformers",
+                    "structured_outputs": True,
+                    # a Hugging Face template: images as {"type": "image"} parts (it writes the image token)
+                    **({llm_info.IMAGES: {"marker": None}} if self.images is not None else {}),
+                },
             ),
         )
 
@@ -147,6 +165,8 @@ class Engine:
             log.info("model '%s': %d sequences in one forward", self.name, self.max_sequences)
 
     def close(self) -> None:
+        if self.images is not None:
+            self.images.close()
         self.kv_cache.close()
         self.manager.stop(block=True, timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -161,7 +181,21 @@ class Engine:
         except NaiadError as exc:
             sender.send(error=exc, final=True)
             return
-        work = self._embed(req, sender) if req.embedding is not None else self._generate(req, sender)
+        if req.images and self.images is None:
+            sender.send(
+                error=InvalidArgument(
+                    f"model '{self.name}' is not multimodal: it takes no images (a vision-language model's folder "
+                    "has a vision_config and a processor)"
+                ),
+                final=True,
+            )
+            return
+        if req.embedding is not None:
+            work = self._embed(req, sender)
+        elif req.images and self.images is not None:
+            work = self.images.generate(req, sender)
+        else:
+            work = self._generate(req, sender)
         asyncio.run_coroutine_threadsafe(work, self.loop)
 
     def _encode(self, text: str) -> list[int]:
@@ -321,17 +355,3 @@ class Engine:
             self.seeds.forget(rid)
             self.grammars.forget(rid)
             metrics.finished(len(prompt_ids), generated, finish)
-
-
-def _safe_end(text: str, stops: list[str]) -> int:
-    """How much of `text` may go out now: not a trailing replacement character (a UTF-8 sequence still being
-    decoded) nor a suffix that starts one of the stop strings."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    for stop in stops:
-        for k in range(min(len(stop) - 1, end), 0, -1):
-            if text[end - k : end] == stop[:k]:
-                end -= k
-                break
-    return end

@@ -1,5 +1,5 @@
-"""Anthropic Messages request bodies read into a chat `Generation`: `system`, `messages` of text, `tool_use` and
-`tool_result` blocks (as the chat template's assistant tool calls and tool messages), `tools` (their
+"""Anthropic Messages request bodies read into a chat `Generation`: `system`, `messages` of text, `image` (base64
+or url sources, in user messages), `tool_use` and `tool_result` blocks (as the chat template's assistant tool calls and tool messages), `tools` (their
 `input_schema` as the function's parameters), `tool_choice`, `max_tokens` (required), `stop_sequences`,
 `temperature`, `top_p`, `top_k`, `stream`, and `thinking` (the chat template's `enable_thinking`)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..llm import media
 from ..llm.errors import LLMError
 from ..llm.request import Generation
 
@@ -42,6 +43,7 @@ def _message(i: int, msg: Any) -> list[dict]:
     if not isinstance(content, list):
         raise LLMError(f"{where}.content: must be a string or a list of content blocks")
     texts: list[str] = []
+    parts: list[dict] = []  # a user message's text and image parts, in order (media.py)
     calls: list[dict] = []
     results: list[dict] = []
     for j, block in enumerate(content):
@@ -49,6 +51,9 @@ def _message(i: int, msg: Any) -> list[dict]:
         here = f"{where}.content.{j}"
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and role == "user":
+            parts.append(media.image_part(_image_url(block.get("source"), here), f"{here}.source"))
         elif kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise LLMError(f"{here}: tool_use needs an id and a name")
@@ -79,9 +84,22 @@ def _message(i: int, msg: Any) -> list[dict]:
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
-    elif texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    elif parts:
+        out.append({"role": "user", "content": media.content(parts)})
     return out
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as a URL: `base64` (its media_type and data) as a data: URL, or `url` as given."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str) or not data:
+            raise LLMError(f"{where}.source: a base64 image needs a media_type and data")
+        return f"data:{media_type};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise LLMError(f"{where}.source: an image's source must be of type 'base64' (or 'url'), got {kind!r}")
 
 
 def _number(doc: dict, key: str, low: float, high: float | None) -> float | None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ... import tensors
 from ...inference import InferenceRequest, InferenceResponse
+from ...llm import images
 from ...llm import info as llm_info
 from ...llm.shape import is_trtllm_shape, is_vllm_shape
 from ..http.generate import fit_shape
@@ -44,6 +45,18 @@ def require_llm(mv, what: str) -> str:
 
 def supports_embeddings(mv) -> bool:
     return "embedding_request" in mv.inputs and "text_output" in mv.outputs
+
+
+def image_input(mv) -> dict[str, Any] | None:
+    """How a model takes images ({"marker": text or None}, llm/info.py's IMAGES), or None when it takes none: a
+    vLLM-shape model with an `image` input (Triton vllm_backend's) whose engine says it is multimodal, or that
+    publishes nothing (a Triton model: its Hugging Face chat template writes the image tokens)."""
+    if images.INPUT not in mv.inputs or not is_vllm_shape(mv.config):
+        return None
+    published = llm_info.of(mv.ctx)
+    if published is None:
+        return {"marker": None}
+    return llm_info.image_input(published)
 
 
 def supports_structured_output(mv, kind: str) -> bool:
@@ -209,6 +222,10 @@ def generation_request(
     structured = structured_output(mv, kind, gen)
     ins = _Inputs(mv)
     ins.add("text_input", [prompt])
+    if gen.images:
+        if kind != VLLM or image_input(mv) is None:
+            raise LLMError(f"model '{mv.name}' takes no images", param="messages")
+        ins.add(images.INPUT, images.encode_values(gen.images))
     if gen.logprobs is not None and "logprobs" not in mv.outputs:
         raise LLMError(f"model '{mv.name}' does not return logprobs", param="logprobs")
     if kind == VLLM:

@@ -38,6 +38,8 @@ class Generation:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict = field(default_factory=dict)
+    # the images the messages' image parts (media.py) point to, read by the generation service before rendering
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass

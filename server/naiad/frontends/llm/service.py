@@ -17,12 +17,12 @@ from typing import Any
 
 from aiohttp import web
 
-from ...errors import NaiadError, NotFound
+from ...errors import InvalidArgument, NaiadError, NotFound
 from ...inference import InferenceRequest, InferenceResponse
+from ...llm import images, limits, tokenizing
 from ...llm import info as llm_info
-from ...llm import limits, tokenizing
 from ...serving import Serving
-from . import choices, mapping, templates
+from . import choices, mapping, media, templates
 from .errors import LLMError
 from .request import Generation
 from .shaping import Parsers
@@ -110,9 +110,15 @@ class LLMService:
     """The server's LLM models as the LLM routes use them (`server`: the in-process `Server` or a frontend worker's
     engine client); `chat_template`: `--chat-template`'s file, for models that bring none."""
 
-    def __init__(self, server: Serving, chat_template: str | None = None):
+    def __init__(
+        self,
+        server: Serving,
+        chat_template: str | None = None,
+        media_settings: media.MediaSettings | None = None,
+    ):
         self.server = server
         self.chat_template = templates.from_file(chat_template) if chat_template else None
+        self.media = media.MediaLoader(media_settings)
         self._adapter_bases: dict[str, str] = {}  # LoRA adapter -> the model it was last found on
 
     # ---- models ----
@@ -189,6 +195,7 @@ class LLMService:
         kind = mapping.require_llm(mv, route)
         template = self.template(mv)
         if gen.messages is not None:
+            await self.load_images(mv, gen)
             prompt = await self.render(mv, template, gen)
         else:
             prompt = gen.prompt or ""
@@ -197,9 +204,33 @@ class LLMService:
         await self.check_structured_output(mv, kind, gen)
         return Prepared(mv, kind, prompt, prompt_tokens, parsers, lora)
 
+    async def load_images(self, mv: Any, gen: Generation) -> None:
+        """The images the messages point to, read into `gen.images` (their count, size and pixels checked): a 400
+        for a model that takes none, before any is read."""
+        urls = media.image_urls(gen.messages)
+        if urls:
+            self.image_input(mv, len(urls))
+            gen.images = await self.media.load_all(urls, "messages")
+
+    @staticmethod
+    def image_input(mv: Any, n_images: int) -> dict:
+        """How the model takes images; a 400 when the request has too many or the model takes none."""
+        try:
+            images.check_count(n_images)
+        except InvalidArgument as exc:
+            raise LLMError(exc.message, param="messages") from None
+        how = mapping.image_input(mv)
+        if how is None:
+            raise LLMError(
+                f"model '{mv.name}' is not multimodal: it takes no images (a llama.cpp model needs its mmproj "
+                "file; a transformers model a vision-language model and its processor)",
+                param="messages",
+            )
+        return how
+
     async def render(self, mv: Any, template: templates.ChatTemplate | None, gen: Generation) -> str:
         """A chat's prompt by the model's template; rendering is Python work as long as the messages, so a large
-        chat is rendered off the event loop."""
+        chat is rendered off the event loop. Image parts become what the model's template expects (media.py)."""
         if template is None:
             raise LLMError(
                 f"model '{mv.name}' has no chat template (none published by its backend, no chat_template in a "
@@ -207,14 +238,16 @@ class LLMService:
                 param="messages",
             )
         add_prompt = gen.add_generation_prompt and not gen.continue_final_message
-        size = sum(
-            len(m.get("content") or "") for m in gen.messages or [] if isinstance(m.get("content"), str)
-        )
+        size = media.text_size(gen.messages)
+        messages = gen.messages or []
+        n_images = len(media.image_urls(messages))
+        if n_images:
+            messages = media.for_template(messages, self.image_input(mv, n_images).get("marker"))
         try:
             prompt = await tokenizing.off_loop(
                 templates.render,
                 template,
-                gen.messages or [],
+                messages,
                 gen.tools,
                 add_prompt,
                 gen.chat_template_kwargs,
@@ -223,9 +256,9 @@ class LLMService:
             )
         except tokenizing.TokenizeTimeout as exc:
             raise LLMError(exc.message, param="messages") from None
-        if gen.continue_final_message and gen.messages and gen.messages[-1].get("content"):
+        if gen.continue_final_message and messages and isinstance(messages[-1].get("content"), str):
             # the prompt stops where the last (assistant) message stops, for the model to go on from there
-            last = gen.messages[-1]["content"]
+            last = messages[-1]["content"]
             cut = prompt.rfind(last)
             if cut >= 0:
                 prompt = prompt[: cut + len(last)]

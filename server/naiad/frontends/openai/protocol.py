@@ -12,6 +12,7 @@ import orjson
 
 from ...errors import InvalidArgument
 from ...llm import limits
+from ..llm import media
 from ..llm.errors import LLMError
 from ..llm.request import Embedding, Generation
 
@@ -192,23 +193,33 @@ def _message(i: int, msg: Any) -> dict:
     content = msg.get("content")
     out = dict(msg)
     if isinstance(content, list):
-        texts = []
-        for part in content:
+        parts: list[dict] = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
             if (
                 isinstance(part, dict)
-                and part.get("type") in ("text", "input_text")
+                and kind in ("text", "input_text")
                 and isinstance(part.get("text"), str)
             ):
-                texts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
             elif isinstance(part, str):
-                texts.append(part)
+                parts.append({"type": "text", "text": part})
+            elif kind == "image_url" and role == "user":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                parts.append(media.image_part(url, f"{where}.content[{j}].image_url.url", where + ".content"))
+            elif kind == "input_image" and role == "user":  # the Responses API's part, taken here too
+                parts.append(
+                    media.image_part(part.get("image_url"), f"{where}.content[{j}].image_url", where)
+                )
             else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                kind = kind if isinstance(part, dict) else type(part).__name__
                 raise LLMError(
-                    f"'{where}.content' has a part of type {kind!r}: only text content is supported",
+                    f"'{where}.content' has a part of type {kind!r}: text parts are supported, and image_url "
+                    "parts in user messages",
                     param=where + ".content",
                 )
-        out["content"] = "\n".join(texts)
+        out["content"] = media.content(parts)
     elif content is None:
         if role != "assistant":
             raise LLMError(f"'{where}.content' is required for role '{role}'", param=where + ".content")

@@ -31,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from ..http.sse import EventStream
+from ..llm import media
 from ..llm.errors import LLMError
 from ..llm.guard import guard_stream
 from ..llm.request import Generation
@@ -70,26 +71,35 @@ class ResponsesRequest:
     parallel_tool_calls: bool
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's content (a string, or input_text/output_text parts) as text."""
+def _content_of(content: Any, where: str, role: str) -> str | list[dict]:
+    """A message's content (a string, or input_text/output_text parts, and input_image parts in a user message) as
+    text, or as text and image parts (media.py) when it has images."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise LLMError(f"'{where}.content' must be a string or a list of content parts", param=where)
-    texts = []
+    parts: list[dict] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image" and role == "user":
+            if part.get("image_url") is None and part.get("file_id") is not None:
+                raise LLMError(
+                    f"'{where}.content[{i}]' names an uploaded file (file_id), which this server does not keep: "
+                    "give image_url (a data: URL)",
+                    param=f"{where}.content",
+                )
+            parts.append(media.image_part(part.get("image_url"), f"{where}.content[{i}].image_url", "input"))
         else:
             raise LLMError(
-                f"'{where}.content[{i}]' is of type {kind!r}: only text parts (input_text, output_text) are "
-                "supported by this model",
+                f"'{where}.content[{i}]' is of type {kind!r}: text parts (input_text, output_text) are supported, "
+                "and input_image parts in user messages",
                 param=f"{where}.content",
             )
-    return "\n".join(texts)
+    return media.content(parts)
 
 
 def input_messages(items: Any) -> list[dict]:
@@ -111,7 +121,7 @@ def input_messages(items: Any) -> list[dict]:
             messages.append(
                 {
                     "role": "system" if role == "developer" else role,
-                    "content": _text_of(item.get("content"), where),
+                    "content": _content_of(item.get("content"), where, role),
                 }
             )
         elif kind == "function_call":

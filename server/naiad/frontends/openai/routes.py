@@ -19,6 +19,7 @@ from ..http.sse import EventStream
 from ..llm.errors import LLMError
 from ..llm.guard import guard as llm_guard
 from ..llm.guard import guard_stream
+from ..llm.media import MediaSettings
 from ..llm.request import Generation
 from ..llm.service import ChoiceState, LLMService, Prepared, total_usage
 from ..llm.shaping import Shaper
@@ -64,9 +65,10 @@ class OpenAIFrontend:
         stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
         max_input_size: int = 64 * 1024 * 1024,
         allow_runtime_lora: bool = False,
+        media_settings: MediaSettings | None = None,
     ):
         self.server = server
-        self.llm = LLMService(server, chat_template)
+        self.llm = LLMService(server, chat_template, media_settings)
         self.stall_timeout = stall_timeout
         self.max_input_size = max_input_size
         self._created: dict[tuple[str, int], int] = {}

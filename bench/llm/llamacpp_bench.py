@@ -468,6 +468,24 @@ def _llama_server_spec(spec: dict[str, str]) -> list[str]:
     return out
 
 
+def _cpus(spec: str) -> set[int]:
+    """'0', '0-3' or '0,2' -> the CPU numbers."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        out.update(range(int(low), int(high or low) + 1))
+    return out
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` and of its child processes onto `cpus` (threads started later inherit it)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), cpus)
+        children = Path(f"/proc/{pid}/task/{task}/children")
+        for child in children.read_text().split() if children.exists() else []:
+            _pin(int(child), cpus)
+
+
 def _llama_server() -> Path:
     out = subprocess.run(
         ["bash", str(ROOT / "tools/llama_cpp/build.sh"), "servers"],
@@ -577,6 +595,13 @@ def main() -> None:
         default="none",
         help="speculative decoding settings: none,self,layers,random,ngram (each way each)",
     )
+    ap.add_argument(
+        "--pin",
+        default="",
+        metavar="SERVER:CLIENT",
+        help="CPU lists: the servers' every thread on SERVER, this process (the client) on CLIENT, e.g. 0:1 "
+        "(the in-process way's engine then runs on CLIENT too)",
+    )
     ap.add_argument("--spec-max", type=int, default=4, help="speculative_max: draft tokens per step")
     ap.add_argument("--draft-layers", type=int, default=4, help="--spec layers: the draft's blocks")
     ap.add_argument("--p-min", type=float, default=0.0, help="speculative_p_min of the draft models")
@@ -607,6 +632,13 @@ def main() -> None:
             if spec_name != "none":
                 way.name = f"{way.name}+{spec_name}"
             ways.append(way)
+    if args.pin:
+        server_cpus, client_cpus = (_cpus(part) for part in args.pin.split(":"))
+        for way in ways:
+            proc = getattr(way, "proc", None)
+            if proc is not None:
+                _pin(proc.proc.pid if isinstance(proc, NaiadProcess) else proc.pid, server_cpus)
+        _pin(os.getpid(), client_cpus)
     try:
         for way in ways:  # warm up: the first requests fill caches and start threads
             run_level(2, 2, way.one)

@@ -30,6 +30,7 @@ import collections
 import concurrent.futures
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -245,6 +246,7 @@ class LlamaEngine:
         self.slots = [_Slot(seq=i) for i in range(settings.n_parallel)]
         self._queue: collections.deque[GenerationRequest] = collections.deque()
         self._cond = threading.Condition()
+        self._emitted = False  # a step's tokens went out: yield to the event loop after it
         self._stop = False
         self._eog = [t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)]
         self._eog_set = frozenset(self._eog)  # no ctypes call per token: each one hands the GIL over and back
@@ -578,6 +580,11 @@ class LlamaEngine:
                 self._run_controls()
                 self._step()
                 self._reap_adapters()
+                if self._emitted:
+                    # the GIL and the CPU to the event loop that the step's tokens woke: on a busy or single core
+                    # it would otherwise wait for the scheduler to preempt this thread (milliseconds)
+                    self._emitted = False
+                    os.sched_yield()
         except BaseException as exc:  # a broken engine fails everything it holds, never hangs a client
             log.exception("llama.cpp engine thread failed")
             with self._cond:
@@ -816,6 +823,7 @@ class LlamaEngine:
         if finish is not None:
             self._release(slot)
             self._finish_metrics(req, finish)
+        self._emitted = True
         _safe(req.emit, Output(text, 1, finish, logprobs))
         return token
 

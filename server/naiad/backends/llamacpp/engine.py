@@ -42,7 +42,7 @@ import numpy as np
 from ...errors import InvalidArgument, NotFound, Unavailable
 from ...llm import limits
 from ...llm.metrics import EngineMetrics, RequestMetrics
-from .params import EngineSettings, SamplingParams
+from .params import EngineSettings, SamplingParams, context_params
 from .rpc import rpc_devices
 from .speculative import Speculator
 from .speculative import create as create_speculator
@@ -208,18 +208,7 @@ class LlamaEngine:
             normalizing=lc.llama_vocab_type(self.vocab)
             not in (lc.LLAMA_VOCAB_TYPE_SPM, lc.LLAMA_VOCAB_TYPE_BPE),
         )
-        cparams = lc.llama_context_default_params()
-        cparams.n_ctx = settings.n_ctx * settings.n_parallel
-        cparams.n_batch = settings.n_batch
-        cparams.n_ubatch = settings.n_batch
-        cparams.n_seq_max = settings.n_parallel
-        cparams.n_threads = settings.n_threads
-        cparams.n_threads_batch = settings.n_threads
-        cparams.kv_unified = False  # every sequence owns n_ctx cells: a slot can never run out of KV cache
-        # a sliding-window model's (gemma2/3) cache holds every position too, not only the window: prefix reuse keeps
-        # a prompt's first tokens, whose window a smaller SWA cache would have overwritten (llama.cpp's default)
-        cparams.swa_full = True
-        cparams.no_perf = True
+        cparams = context_params(lc, settings)
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lc.llama_model_free(self.model)

@@ -248,3 +248,20 @@ def sampling_params(text: str | bytes | None) -> SamplingParams:
         # the grammar ends the output by allowing only end-of-generation tokens, which these would ban
         raise InvalidArgument("'structured_outputs' cannot be combined with 'ignore_eos' or 'min_tokens'")
     return out
+
+
+def context_params(lc, settings: EngineSettings):
+    """llama.cpp's context parameters for an engine of `settings` (the model's and a draft model's alike)."""
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = settings.n_ctx * settings.n_parallel
+    cparams.n_batch = settings.n_batch
+    cparams.n_ubatch = settings.n_batch
+    cparams.n_seq_max = settings.n_parallel
+    cparams.n_threads = settings.n_threads
+    cparams.n_threads_batch = settings.n_threads
+    cparams.kv_unified = False  # every sequence owns n_ctx cells: a slot can never run out of KV cache
+    # a sliding-window model's (gemma2/3) cache holds every position too, not only the window: prefix reuse keeps
+    # a prompt's first tokens, whose window a smaller SWA cache would have overwritten (llama.cpp's default)
+    cparams.swa_full = True
+    cparams.no_perf = True
+    return cparams

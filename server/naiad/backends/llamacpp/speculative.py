@@ -44,7 +44,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ...errors import InvalidArgument
 from ...llm.metrics import EngineMetrics
-from .params import EngineSettings
+from .params import EngineSettings, context_params
 
 log = logging.getLogger("naiad.llamacpp")
 
@@ -99,16 +99,7 @@ class DraftModel:
             self.vocab = lc.llama_model_get_vocab(self.model)
             self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
             self.target_n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(target_model))
-            cparams = lc.llama_context_default_params()
-            cparams.n_ctx = settings.n_ctx * settings.n_parallel
-            cparams.n_batch = settings.n_batch
-            cparams.n_ubatch = settings.n_batch
-            cparams.n_seq_max = settings.n_parallel
-            cparams.n_threads = settings.n_threads
-            cparams.n_threads_batch = settings.n_threads
-            cparams.kv_unified = False
-            cparams.swa_full = True
-            cparams.no_perf = True
+            cparams = context_params(lc, settings)
             self.ctx = lc.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 raise InvalidArgument(f"llama.cpp could not create a context for the draft model '{path}'")

@@ -154,6 +154,22 @@ def llm_schema() -> Schema:
                 "the model's endpoints. Unset: a copy is always one pod.",
                 minimum=1,
             ),
+            "loraAdapters": array(
+                "LoRA adapters the model serves (engine llamacpp), each a model of its own on /v1 and in "
+                "/v1/models: loaded with the model on every pod that holds it (the load config's lora_adapters "
+                "parameter; a change reloads the model live) and reported in vllm:lora_requests_info, which the "
+                "endpoint picker reads to send an adapter's requests where it already runs.",
+                obj(
+                    "An adapter.",
+                    {
+                        "name": string(
+                            "The adapter's model name.", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$"
+                        ),
+                        "path": string("The adapter GGUF, relative to the model's version folder."),
+                    },
+                    required=["name", "path"],
+                ),
+            ),
             "inferencePool": obj(
                 "The InferencePool (inference.networking.k8s.io/v1) named after the model, rendered when the "
                 "cluster serves that API.",

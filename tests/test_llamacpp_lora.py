@@ -552,3 +552,33 @@ def test_static_adapters_are_checked_at_load(tmp_path):
     (tmp_path / "multi_lora.json").write_text("[1]")
     with pytest.raises(InvalidArgument, match="JSON object"):
         static_adapters({}, tmp_path)
+
+
+def test_the_operators_load_config_serves_its_adapters(tmp_path):
+    """An InferenceModel's `llm.loraAdapters` as the operator sends them: its load config, posted to Triton's
+    repository API of a server in explicit mode, serves each adapter as a model whose parent is the base."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "operator"))
+    from naiad_operator.model_resources import model_intent
+
+    version = tmp_path / "repo" / "tiny" / "1"
+    write_tiny_gguf(version / "model.gguf")
+    write_lora_gguf(version / "adapters" / "sql.gguf", seed=1)
+    spec = {
+        "modelName": "tiny",
+        "llm": {"engine": "llamacpp", "loraAdapters": [{"name": "sql", "path": "adapters/sql.gguf"}]},
+        "config": {"parameters": {"n_threads": {"string_value": "1"}}},
+    }
+    intent = model_intent("tiny", spec)
+    assert intent.problems == []
+    with NaiadProcess(tmp_path / "repo", "--model-control-mode", "explicit", timeout=120) as proc:
+        r = requests.post(
+            f"{proc.url}/v2/repository/models/tiny/load",
+            json={"parameters": {"config": json.dumps(intent.load_config)}},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        cards = {m["id"]: m for m in requests.get(f"{proc.url}/v1/models", timeout=10).json()["data"]}
+        assert cards["sql"]["parent"] == "tiny"
+        assert text(proc, "sql") != text(proc, "tiny")

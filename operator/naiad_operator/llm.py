@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import lora_adapters
 from .objects import Body, Spec
 from .quantity import parse_quantity
 
@@ -52,6 +53,7 @@ class LLMSpec:
     endpoint_picker_port: int = 9002
     failure_mode: str = "FailClose"
     gpus_per_node: int | None = None  # None: a copy always runs on one pod
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path in the version folder), llm.loraAdapters
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -134,6 +136,7 @@ def llm_spec(name: str, spec: Spec) -> LLMSpec | None:
         endpoint_picker_port=port,
         failure_mode=failure_mode,
         gpus_per_node=gpus_per_node,
+        lora_adapters=lora_adapters.parse(block, engine, problems),
         problems=problems,
     )
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import lora_adapters
 from .config import OperatorConfig
 from .llm import (
     LLMSpec,
@@ -182,6 +183,18 @@ def load_config(spec: Spec) -> dict[str, Any] | None:
     return config
 
 
+def llm_load_config(
+    llm: LLMSpec | None, config: Mapping[str, Any] | None
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """(the load config, problems): `config` with what the `llm` block adds (vLLM's parallel sizes, the LoRA
+    adapters); unchanged for a model that is not an LLM."""
+    config, problems = vllm_load_config(llm, config)
+    if llm is not None:
+        config, more = lora_adapters.with_adapters(llm.lora_adapters, config)
+        problems += more
+    return config, problems
+
+
 def revision_of(model_name: str, config: Mapping[str, Any] | None) -> str:
     """Identifies what a pod should hold: a change of name, version or config is a new revision (a live reload)."""
     return short_hash(
@@ -223,7 +236,7 @@ def _canary_intent(
         problems.append("canary needs a version or a config that differs from the model's")
         return None
     merged = canary_spec(spec)
-    config, config_problems = vllm_load_config(llm, load_config(merged))
+    config, config_problems = llm_load_config(llm, load_config(merged))
     problems += [f"canary: {problem}" for problem in config_problems]
     revision = revision_of(model_name, config)
     if revision == stable_revision:
@@ -266,7 +279,7 @@ def model_intent(name: str, spec: Spec) -> ModelIntent:
     except ValueError as error:
         problems.append(f"memory: {error}")
     llm = llm_spec(name, spec)
-    config, config_problems = vllm_load_config(llm, load_config(spec))
+    config, config_problems = llm_load_config(llm, load_config(spec))
     if llm is not None:
         problems += llm.problems + config_problems
         if dedicated:

@@ -155,6 +155,70 @@ def test_cancel_aborts_and_the_gauges_follow(server):
     assert server.output().count("vllm stand-in: aborted request") >= 2
 
 
+def test_lora_adapters_from_multi_lora_json(tmp_path):
+    """Triton vllm_backend's LoRA: `enable_lora` in model.json and multi_lora.json beside it; `lora_name` in the
+    sampling parameters reaches the engine as a LoRARequest (the stand-in writes the adapter's name on every word),
+    with vllm_backend's errors; the OpenAI API lists each adapter as a model whose parent is the base and serves it
+    by name; vllm:lora_requests_info lists the adapters of the requests in the engine. enable_lora without
+    multi_lora.json fails the load."""
+    shutil.copytree(STANDINS / "vllm", tmp_path / "site" / "vllm")
+    repo = tmp_path / "models"
+    write_model(repo, "base", {"model": "stand-in", "enable_lora": True, "max_loras": 2})
+    (repo / "base" / "1" / "multi_lora.json").write_text(json.dumps({"sql": "adapters/sql", "chat": "/abs/chat"}))
+    write_model(repo, "plain", {"model": "stand-in"})
+    write_model(repo, "no_file", {"model": "stand-in", "enable_lora": "true"})
+    env = {"PYTHONPATH": f"{ROOT / 'server'}:{tmp_path / 'site'}"}
+    with NaiadProcess(repo, "--strict-readiness", "false", env=env, timeout=120) as server:
+        body = {"text_input": "a b", "exclude_input_in_output": True}
+
+        def run(model: str, **sampling) -> requests.Response:
+            params = json.dumps({"max_tokens": 2, **sampling})
+            return generate(server, model, {**body, "sampling_parameters": params})
+
+        assert run("base").json()["text_output"] == " b a"
+        assert run("base", lora_name="sql").json()["text_output"] == " sql:b sql:a"
+        r = run("base", lora_name="nope")
+        assert r.status_code == 400
+        assert r.json()["error"] == "LoRA nope is not supported, we currently support ['sql', 'chat']"
+        r = run("plain", lora_name="sql")
+        assert r.status_code == 400 and r.json()["error"] == "LoRA feature is not enabled."
+        index = {m["name"]: m for m in requests.post(f"{server.url}/v2/repository/index").json()}
+        assert index["no_file"]["state"] == "UNAVAILABLE" and "multi_lora.json" in index["no_file"]["reason"]
+        cards = {m["id"]: m for m in requests.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
+        assert cards["sql"]["parent"] == "base" and cards["chat"]["parent"] == "base"
+        r = requests.post(
+            f"{server.url}/v1/completions",
+            json={"model": "chat", "prompt": "x y", "max_tokens": 2},
+            timeout=30,
+        )
+        assert r.status_code == 200 and r.json()["model"] == "chat", r.text
+        assert r.json()["choices"][0]["text"] == " chat:y chat:x"
+
+        def lora_info() -> str:
+            text = requests.get(f"http://{server.metrics}/metrics", timeout=10).text
+            (line,) = [
+                line
+                for line in text.splitlines()
+                if line.startswith("vllm:lora_requests_info{") and 'model_name="base"' in line
+            ]
+            return line
+
+        stream = requests.post(  # 300 tokens at the stand-in's 10 ms a step: running while it is read
+            f"{server.url}/v2/models/base/generate_stream",
+            json={**body, "stream": True, "sampling_parameters": json.dumps({"max_tokens": 300, "lora_name": "sql"})},
+            stream=True,
+            timeout=30,
+        )
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: "))
+        assert 'running_lora_adapters="sql"' in lora_info() and 'max_lora="2"' in lora_info()
+        stream.close()
+        deadline = time.monotonic() + 10
+        while 'running_lora_adapters=""' not in lora_info():
+            assert time.monotonic() < deadline, lora_info()
+            time.sleep(0.1)
+
+
 def test_backend_directory_takes_precedence(tmp_path):
     shutil.copytree(STANDINS / "vllm", tmp_path / "site" / "vllm")
     (tmp_path / "backends" / "vllm").mkdir(parents=True)

@@ -22,6 +22,7 @@ built-in, as in Triton: the registry looks in the backend directory first.
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import itertools
 import json
@@ -34,7 +35,7 @@ from typing import Any
 from ..errors import InvalidArgument, NaiadError, Unavailable
 from ..inference import InferenceRequest
 from ..llm import info as llm_info
-from ..llm import limits, vllm_request
+from ..llm import limits, multi_lora, vllm_request
 from ..llm.metrics import EngineMetrics
 from .api import InstanceState, ResponseSender
 from .engine_backend import EngineBackend
@@ -60,6 +61,27 @@ def engine_arguments(version_dir: Path, model_name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidArgument(f"model '{model_name}': {path} must hold a JSON object of engine arguments")
     return value
+
+
+def lora_repository(arguments: dict[str, Any], version_dir: Path, model_name: str) -> dict[str, str]:
+    """Triton vllm_backend's adapters: with `enable_lora` in model.json, multi_lora.json in the version folder
+    names them (name -> a PEFT adapter folder; a relative path is the version folder's); {} without enable_lora."""
+    if str(arguments.get("enable_lora", False)).lower() != "true":
+        return {}
+    entries = multi_lora.read(version_dir)
+    if entries is None:
+        raise InvalidArgument(
+            f"model '{model_name}': enable_lora is set in {ENGINE_ARGS_FILENAME} but "
+            f"{version_dir / multi_lora.FILE} is missing"
+        )
+    out: dict[str, str] = {}
+    for name, raw in entries:
+        multi_lora.check_name(name)
+        if not isinstance(raw, str) or not raw:
+            raise InvalidArgument(f"{multi_lora.FILE}: LoRA adapter '{name}' needs a path")
+        path = Path(raw).expanduser()
+        out[name] = str(path if path.is_absolute() else version_dir / path)
+    return out
 
 
 # Config parameters that override model.json's engine argument of the same name.
@@ -144,6 +166,9 @@ class Engine:
         self.metrics = EngineMetrics(
             model.ctx.server, model.name, int(arguments.get("max_model_len") or 65536)
         )
+        self.loras = lora_repository(arguments, model.version_path, model.name)
+        self.max_loras = int(arguments.get("max_loras", 1))
+        self._lora_running: collections.Counter[str] = collections.Counter()
         self.max_prompt_bytes = limits.max_prompt_bytes_parameter(model.parameters)
         self.prompt_byte_limit: int | None = None
         self._ids = itertools.count()
@@ -187,6 +212,7 @@ class Engine:
                     tokenizer.encode(text, add_special_tokens=add_special)
                 ),
                 detokenize=lambda ids: tokenizer.decode(ids),
+                extra={llm_info.LORA_ADAPTERS: dict(self.loras)} if self.loras else {},
             ),
         )
 
@@ -257,16 +283,25 @@ class Engine:
         prompt_tokens = generated = 0
         finish = "abort"
         reader: asyncio.Task | None = None
+        lora_name: str | None = None
+        counted = False  # in vllm:lora_requests_info
         try:
+            sampling = dict(req.sampling)
+            lora_name = sampling.pop("lora_name", None)
+            lora_request = self._lora_request(lora_name)
             try:
-                params = SamplingParams(**req.sampling)
+                params = SamplingParams(**sampling)
             except (TypeError, ValueError) as exc:
                 raise InvalidArgument(f"bad sampling parameters: {exc}") from None
             outputs: asyncio.Queue = asyncio.Queue()
+            self._lora_started(lora_name)
+            counted = True
 
             async def read() -> None:
                 try:
-                    async for item in self.engine.generate(req.prompt, params, rid):
+                    async for item in self.engine.generate(
+                        req.prompt, params, rid, lora_request=lora_request
+                    ):
                         outputs.put_nowait(item)
                 except Exception as exc:
                     outputs.put_nowait(exc)
@@ -334,7 +369,41 @@ class Engine:
         finally:
             if reader is not None and not reader.done():
                 reader.cancel()
+            if counted:
+                self._lora_ended(lora_name)
             metrics.finished(prompt_tokens, generated, finish)
+
+    def _lora_request(self, name: Any) -> Any:
+        """The LoRARequest for sampling parameter `lora_name`, as Triton's vllm_backend builds it (id: the adapter's
+        place in multi_lora.json, from 1); None without one. Its errors are vllm_backend's."""
+        if name is None:
+            return None
+        if not self.loras:
+            raise InvalidArgument("LoRA feature is not enabled.")
+        if name not in self.loras:
+            raise InvalidArgument(f"LoRA {name} is not supported, we currently support {list(self.loras)}")
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(name, list(self.loras).index(name) + 1, self.loras[name])
+
+    def _lora_started(self, name: str | None) -> None:
+        if self.loras:
+            if name is not None:
+                self._lora_running[name] += 1
+            self._publish_lora()
+
+    def _lora_ended(self, name: str | None) -> None:
+        if self.loras:
+            if name is not None:
+                self._lora_running[name] -= 1
+                if self._lora_running[name] <= 0:
+                    del self._lora_running[name]
+            self._publish_lora()
+
+    def _publish_lora(self) -> None:
+        """vllm:lora_requests_info: the adapters of the requests in the engine (vLLM's scheduler splits running
+        from waiting; from outside it, every request handed to the engine counts as running)."""
+        self.metrics.set_lora(sorted(self._lora_running), [], self.max_loras)
 
 
 def _logprobs(completion: Any, start: int) -> list[dict[str, Any]] | None:

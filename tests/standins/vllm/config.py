@@ -1,6 +1,7 @@
 """Stand-in of vllm.config: the parts of VllmConfig that stat loggers and servers read."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -27,3 +28,4 @@ class VllmConfig:
     model_config: ModelConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora_config: Any = None  # vLLM's LoRAConfig when enable_lora; the stand-in keeps max_loras only

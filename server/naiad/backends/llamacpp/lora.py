@@ -10,30 +10,17 @@ An adapter is a GGUF as llama.cpp's `convert_lora_to_gguf.py` writes one (`gener
 
 from __future__ import annotations
 
-import json
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidArgument, NotFound
 from ...llm import info as llm_info
+from ...llm import multi_lora
+from ...llm.multi_lora import check_name
 
 if TYPE_CHECKING:
     from .engine import LlamaEngine
-
-MULTI_LORA_FILE = "multi_lora.json"  # Triton vllm_backend's {name: path}, in the model's version folder
-
-
-def check_name(name: Any) -> str:
-    """An adapter name as a request names it (`model`, `lora_name`) and vllm:lora_requests_info lists it (comma-
-    separated): a non-empty string without commas, whitespace or control characters, of at most 256 characters."""
-    if not isinstance(name, str) or not name:
-        raise InvalidArgument("a LoRA adapter's name must be a non-empty string")
-    if len(name) > 256 or any(c == "," or c.isspace() or not c.isprintable() for c in name):
-        raise InvalidArgument(
-            f"LoRA adapter name {name[:64]!r} may not hold commas, whitespace or control characters (256 at most)"
-        )
-    return name
 
 
 def resolve_path(raw: Any, base: Path) -> Path:
@@ -69,20 +56,12 @@ def static_adapters(parameters: dict[str, str], version_dir: Path) -> dict[str, 
         if not sep or not name.strip() or not path.strip():
             raise InvalidArgument(f"parameter 'lora_adapters': {item!r} is not name=path")
         entries.append((name.strip(), path.strip()))
-    multi = version_dir / MULTI_LORA_FILE
-    if multi.is_file():
-        try:
-            doc = json.loads(multi.read_text())
-        except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"{multi} is not a JSON object of adapter names and paths: {exc}") from None
-        if not isinstance(doc, dict):
-            raise InvalidArgument(f"{multi} must be a JSON object of adapter names and paths")
-        entries.extend(doc.items())
+    entries.extend(multi_lora.read(version_dir) or [])
     out: dict[str, Path] = {}
     for name, path in entries:
         check_name(name)
         if name in out:
-            raise InvalidArgument(f"LoRA adapter '{name}' is named twice (lora_adapters, {MULTI_LORA_FILE})")
+            raise InvalidArgument(f"LoRA adapter '{name}' is named twice (lora_adapters, {multi_lora.FILE})")
         try:
             out[name] = resolve_path(path, version_dir)
         except NotFound as exc:

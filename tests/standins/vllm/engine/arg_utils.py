@@ -40,4 +40,5 @@ class AsyncEngineArgs:
                 self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend
             ),
             scheduler_config=SchedulerConfig(self.max_num_seqs or 256),
+            lora_config={"max_loras": self.max_loras} if self.enable_lora else None,
         )

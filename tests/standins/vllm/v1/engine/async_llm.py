@@ -51,13 +51,23 @@ class WordTokenizer:
 
 
 class _Request:
-    def __init__(self, request_id: str, prompt: str, ids: list[int], params: Any, queue: asyncio.Queue):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str,
+        ids: list[int],
+        params: Any,
+        queue: asyncio.Queue,
+        lora: Any = None,
+    ):
         self.id = request_id
         self.prompt = prompt
         self.prompt_ids = ids
         self.params = params
         self.queue = queue
         self.words = list(reversed(prompt.split())) or ["end"]
+        if lora is not None:  # what an adapter does to the stand-in: its name on every word
+            self.words = [f"{lora.lora_name}:{w}" for w in self.words]
         self.token_ids: list[int] = []
         self.text = ""
         self.sent = 0
@@ -175,9 +185,13 @@ class AsyncLLM(EngineClient):
             raise RuntimeError("the engine is dead")
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError("generate() needs SamplingParams")
+        if lora_request is not None and self.vllm_config.lora_config is None:
+            raise ValueError(
+                f"Got lora_request {lora_request} but LoRA is not enabled!"
+            )  # as vLLM's v1 engine
         text, ids = self._prompt(prompt)
         queue: asyncio.Queue = asyncio.Queue()
-        self._waiting.append(_Request(request_id, text, ids, sampling_params, queue))
+        self._waiting.append(_Request(request_id, text, ids, sampling_params, queue, lora_request))
         self._ensure_stepping()
         try:
             while True:

@@ -394,6 +394,9 @@ class LlamaEngine:
             if name in self.adapters:
                 raise InvalidArgument(f"LoRA adapter '{name}' is already loaded")
             _captured.lines = []
+            # the process's llama.cpp log is Naiad's again (llama-cpp-python's Llama, or a test's reference, may
+            # have set its own since): the reason llama.cpp gives is what the 400 says
+            self._lc.llama_log_set(_quiet_log, ctypes.c_void_p(0))
             try:
                 with self._embed_lock:  # the embeddings context decodes on other threads over the same model
                     handle = self._lc.llama_adapter_lora_init(self.model, path.encode())

@@ -201,7 +201,9 @@ def test_messages_with_a_tool(claude):
     }
     message = claude.messages.create(
         model=MODEL,
-        max_tokens=64,
+        # room for a long city name: the greedy path can differ in a near tie when the prompt's prefix is reused
+        # from KV cells another batch computed (make test's run once reached 64 tokens inside the arguments)
+        max_tokens=256,
         tools=[tool],
         tool_choice={"type": "tool", "name": "get_weather"},
         messages=[{"role": "user", "content": "What is the weather in Rome?"}],

@@ -201,8 +201,8 @@ def test_messages_with_a_tool(claude):
     }
     message = claude.messages.create(
         model=MODEL,
-        # room for a long city name: the greedy path can differ in a near tie when the prompt's prefix is reused
-        # from KV cells another batch computed (make test's run once reached 64 tokens inside the arguments)
+        # room for a longer call: one make test run stopped at 64 tokens (max_tokens) before the call was complete,
+        # a greedy path that passes alone (a near tie, perhaps, over KV cells reused from another batch)
         max_tokens=256,
         tools=[tool],
         tool_choice={"type": "tool", "name": "get_weather"},

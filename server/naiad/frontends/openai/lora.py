@@ -107,9 +107,14 @@ class LoraRoutes:
                 f"'{name}' is the name of a model: a LoRA adapter is requested by its name as a model's",
                 param="lora_name",
             )
-        load = llm_info.of(mv.ctx).load_lora  # type: ignore[union-attr]
+        published = llm_info.of(mv.ctx)
+        load = published.load_lora if published is not None else None
+        if load is None:  # (the model was reloaded without adapters since `_base` chose it)
+            raise LLMError(
+                f"model '{mv.name}' takes no LoRA adapters (llama.cpp models do)", param="base_model_name"
+            )
         try:
-            await _run(load, name, path)  # type: ignore[arg-type]
+            await _run(load, name, path)
         except NaiadError as exc:
             param = "lora_path" if isinstance(exc, NotFound) else None
             raise LLMError(exc.message, exc.http_status, param=param) from None

@@ -55,6 +55,8 @@ class TierCounter:
         self.durations: dict[str, float] = {}
         self.started = time.time()
         self.cpu_started = _cpu_seconds()
+        self.own_cpu_started = _cpu_seconds(own_only=True)
+        self.workers_reported = 0  # xdist workers whose CPU arrived (pytest_testnodedown)
         self.workers_cpu = 0.0  # what xdist workers spent, each reported as it ended
         # CPU seconds by test file: this process's and what it reaped while the file's tests ran (a module's servers
         # are reaped at its end, so they count for their file); xdist workers send theirs with each report
@@ -74,6 +76,7 @@ class TierCounter:
     def pytest_testnodedown(self, node, error) -> None:  # (xdist, on the controller)
         output = getattr(node, "workeroutput", {})
         self.workers_cpu += output.get("naiad_cpu", 0.0)
+        self.workers_reported += 1
         self.cpu_by_file.update(output.get("naiad_cpu_by_file", {}))
 
     def pytest_runtest_logreport(self, report) -> None:
@@ -124,8 +127,14 @@ class TierCounter:
                 "failures": self.failures,
                 "started": self.started,
                 "wall": time.time() - self.started,
-                # this process's, the children it waited for and its xdist workers'
-                "cpu": _cpu_seconds() - self.cpu_started + self.workers_cpu,
+                # this process's and the children it waited for; under xdist its own and its workers' as they
+                # reported them (by now the controller has reaped its workers too: counting its children as well
+                # counted them twice)
+                "cpu": (
+                    _cpu_seconds(own_only=True) - self.own_cpu_started + self.workers_cpu
+                    if self.workers_reported
+                    else _cpu_seconds() - self.cpu_started
+                ),
                 "durations": {k: round(v, 3) for k, v in self.durations.items()},
                 "tier_of": {k: tier_of(k) for k in self.durations},
                 "cpu_by_file": {k: round(v, 1) for k, v in self.cpu_by_file.items()},
@@ -139,8 +148,12 @@ class TierCounter:
                 terminalreporter.write_line(line)
 
 
-def _cpu_seconds() -> float:
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+def _cpu_seconds(own_only: bool = False) -> float:
+    """CPU seconds of this process and (unless `own_only`) of the children it has waited for."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    if own_only:
+        return own.ru_utime + own.ru_stime
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 

@@ -164,7 +164,9 @@ def test_lora_adapters_from_multi_lora_json(tmp_path):
     shutil.copytree(STANDINS / "vllm", tmp_path / "site" / "vllm")
     repo = tmp_path / "models"
     write_model(repo, "base", {"model": "stand-in", "enable_lora": True, "max_loras": 2})
-    (repo / "base" / "1" / "multi_lora.json").write_text(json.dumps({"sql": "adapters/sql", "chat": "/abs/chat"}))
+    (repo / "base" / "1" / "multi_lora.json").write_text(
+        json.dumps({"sql": "adapters/sql", "chat": "/abs/chat"})
+    )
     write_model(repo, "plain", {"model": "stand-in"})
     write_model(repo, "no_file", {"model": "stand-in", "enable_lora": "true"})
     env = {"PYTHONPATH": f"{ROOT / 'server'}:{tmp_path / 'site'}"}
@@ -205,7 +207,11 @@ def test_lora_adapters_from_multi_lora_json(tmp_path):
 
         stream = requests.post(  # 300 tokens at the stand-in's 10 ms a step: running while it is read
             f"{server.url}/v2/models/base/generate_stream",
-            json={**body, "stream": True, "sampling_parameters": json.dumps({"max_tokens": 300, "lora_name": "sql"})},
+            json={
+                **body,
+                "stream": True,
+                "sampling_parameters": json.dumps({"max_tokens": 300, "lora_name": "sql"}),
+            },
             stream=True,
             timeout=30,
         )

@@ -118,7 +118,10 @@ def test_request_timeout_override_shortens(sched):
 def test_priorities_reorder_the_queue(sched):
     client = httpclient.InferenceServerClient(sched.http, concurrency=8)
     blocker = client.async_infer("prioritized", one(0))
-    time.sleep(0.1)  # the blocker is executing; everything below queues behind it
+    # the blocker is executing (1 s: config.pbtxt's sleep_s, room for a loaded machine); everything below queues
+    # behind it, the high-priority request too (with 0.3 s, one loaded make test run saw a low one run before it:
+    # the high one had not reached the queue when the blocker ended)
+    time.sleep(0.2)
     low = [client.async_infer("prioritized", one(1), priority=2) for _ in range(3)]
     time.sleep(0.05)
     high = client.async_infer("prioritized", one(2), priority=1)

@@ -44,7 +44,7 @@ from ...llm import limits
 from ...llm.metrics import EngineMetrics, RequestMetrics
 from .params import EngineSettings, SamplingParams, context_params
 from .rpc import rpc_devices
-from .speculative import Speculator
+from .speculative import Speculator, common_prefix
 from .speculative import create as create_speculator
 from .text import TextStream
 
@@ -730,7 +730,7 @@ class LlamaEngine:
         """How many of the prompt's first tokens the slot's KV cache holds, computed under the request's adapters."""
         if slot.tokens_adapters != req.adapters:
             return 0
-        return _common_prefix(slot.tokens, req.prompt)
+        return common_prefix(slot.tokens, req.prompt)
 
     def _start(self, slot: _Slot, req: GenerationRequest) -> None:
         lc = self._lc
@@ -896,14 +896,6 @@ class LlamaEngine:
     @property
     def running(self) -> int:
         return sum(1 for s in self.slots if s.request is not None)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _safe(fn: Callable, arg) -> None:

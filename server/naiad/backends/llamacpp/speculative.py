@@ -126,7 +126,7 @@ class DraftModel:
         n = len(held)
         if n <= len(tokens) and tokens[:n] == held:
             return
-        keep = _common_prefix(held, tokens)
+        keep = common_prefix(held, tokens)
         if not self._lc.llama_memory_seq_rm(self.memory, seq, keep, -1):
             keep = 0
             self._lc.llama_memory_seq_rm(self.memory, seq, -1, -1)
@@ -344,7 +344,8 @@ class Speculator:
         self.metrics.spec_decode(1, len(draft), accepted, per_pos)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading token ids `a` and `b` share (the engine's prefix reuse, a draft model's KV)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -281,7 +281,9 @@ class LLMService:
             raise LLMError(exc.message, param=param, code="context_length_exceeded") from None
         except tokenizing.TokenizeTimeout as exc:
             raise LLMError(exc.message, param=param) from None
-        except NaiadError as exc:  # the engine process's answer in a frontend worker (its deadline, its bound, busy)
+        except (
+            NaiadError
+        ) as exc:  # the engine process's answer in a frontend worker (its deadline, its bound, busy)
             raise LLMError(exc.message, exc.http_status, param=param) from None
         except Exception as exc:  # a tokenizer failing is the engine's to report
             log.debug("tokenize failed for model '%s': %s", mv.name, exc)

@@ -217,8 +217,8 @@ def test_sigterm_ends_a_process_whose_loop_is_blocked_at_the_exit_timeout():
     out, err = proc.communicate(timeout=30)
     took = time.monotonic() - start
     assert proc.returncode == 1, (out, err)
-    assert 1.4 < took < 5, took
-    assert "still running 1.5s after SIGTERM" in err
+    assert 1.3 < took < 5, took  # (the deadline leads the timeout by a tenth of it, at most 0.5 s)
+    assert "--exit-timeout-secs (1.5s) after SIGTERM" in err
 
 
 def test_sigterm_stops_a_free_loop_at_once_and_it_exits_cleanly():

@@ -239,6 +239,15 @@ class LLMService:
             )
         add_prompt = gen.add_generation_prompt and not gen.continue_final_message
         size = media.text_size(gen.messages)
+        published = llm_info.of(mv.ctx)
+        if (
+            published is not None
+            and published.prompt_byte_limit is not None
+            and size > published.prompt_byte_limit
+        ):
+            # the prompt holds at least the messages' text (a character is a byte or more): refused unrendered
+            exc = limits.PromptTooLong(size, published.prompt_byte_limit, published.context_length)
+            raise LLMError(exc.message, param="messages", code="context_length_exceeded")
         messages = gen.messages or []
         n_images = len(media.image_urls(messages))
         if n_images:

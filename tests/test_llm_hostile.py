@@ -204,16 +204,19 @@ def test_a_500kb_prompt_is_refused_in_under_100ms_and_a_normal_request_meanwhile
     assert _quick(took, 0.1, _reference(naiad, HOSTILE)), took
     alone = _best_of(5, lambda: _normal_completion(naiad))
 
-    def meanwhile() -> float:
-        with ThreadPoolExecutor(4) as pool:
-            attacks = [pool.submit(hostile) for _ in range(3)]
+    def beside(attack: bytes, status: int) -> float:
+        """A normal completion's time while three posts of `attack` (encoded once: this process's threads
+        encoding 500 KB of JSON held the GIL the timed request needs) are in flight."""
+        with ThreadPoolExecutor(3) as pool:
+            attacks = [pool.submit(_post, naiad, "/v1/completions", attack) for _ in range(3)]
             took = _normal_completion(naiad)
-            for a in attacks:
-                a.result()
+            assert all(a.result().status_code == status for a in attacks)
         return took
 
-    during = _best_of(5, meanwhile)
-    assert _quick(during, 0.05, alone, factor=3.0), (during, alone)
+    during = _best_of(5, lambda: beside(json.dumps(body).encode(), 400))
+    # The yardstick on a loaded machine: the same three bodies refused before any model work (no such model).
+    reading = _best_of(5, lambda: beside(json.dumps({**body, "model": "no_such_model"}).encode(), 404))
+    assert _quick(during, 0.05, alone, factor=3.0) or during < 2 * reading, (during, alone, reading)
 
 
 def test_a_superlinear_tokenizer_never_sees_the_500kb_prompt(naiad):

@@ -20,7 +20,7 @@ from naiad.errors import InvalidArgument
 
 def test_nothing_asked_is_no_grammar():
     assert grammar.structured_grammar(None) is None
-    assert sampling_params(json.dumps({"max_tokens": 3})).grammar is None
+    assert sampling_params({"max_tokens": 3}).grammar is None
 
 
 def test_a_schema_is_converted_once():
@@ -99,7 +99,7 @@ def test_a_property_named_like_a_keyword_is_no_keyword():
 def test_grammar_with_ignore_eos_is_refused():
     params = {"structured_outputs": json.dumps({"json_object": True}), "ignore_eos": True}
     with pytest.raises(InvalidArgument, match="ignore_eos"):
-        sampling_params(json.dumps(params))
+        sampling_params(params)
 
 
 def test_the_engine_follows_the_grammar(tmp_path):
@@ -127,7 +127,7 @@ def test_the_engine_follows_the_grammar(tmp_path):
                     results[i] = ("".join(out), o.finish_reason)
                     done.release()
 
-            sp = sampling_params(json.dumps(params))
+            sp = sampling_params(params)
             engine.submit(GenerationRequest(engine.tokenize("Pick:"), sp, emit, lambda e: done.release()))
 
         for i in range(4):  # constrained and free sequences share a batch
@@ -157,7 +157,7 @@ def test_grammars_that_would_crash_llama_cpp_never_reach_it(tmp_path):
             {"grammar": 'root ::= ("" | "a")*'},
         ):
             with pytest.raises(InvalidArgument, match="can match nothing"):
-                sampling_params(json.dumps({"structured_outputs": json.dumps(spec)}))
+                sampling_params({"structured_outputs": json.dumps(spec)})
         for spec in ({"grammar": 'root ::= ("a" | "b")* "c"'}, {"regex": "(ab?)*c"}, {"json_object": True}):
             engine.check_grammar(grammar.structured_grammar(spec) or "")  # llama.cpp takes these
     finally:

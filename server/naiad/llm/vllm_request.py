@@ -1,6 +1,6 @@
 """One request in the vLLM shape (Triton's vllm_backend inputs) read into Python values, and its outputs built back.
 
-Engines that speak the vLLM shape natively (the `vllm` and `transformers` backends) read `text_input`, `stream`,
+The three LLM engines (the `llamacpp`, `vllm` and `transformers` backends) read `text_input`, `stream`,
 `sampling_parameters` (JSON; the request's parameters when the tensor is absent, as vllm_backend does),
 `exclude_input_in_output`, the `return_*` flags and `embedding_request` with `parse`, and answer with `outputs`.
 """
@@ -46,7 +46,12 @@ def _scalar(request: InferenceRequest, name: str) -> Any:
     if value.size != 1:
         raise InvalidArgument(f"input '{name}' must hold exactly one element, got shape {list(value.shape)}")
     item = value.reshape(-1)[0]
-    return item.decode("utf-8", "replace") if isinstance(item, bytes) else item
+    if not isinstance(item, bytes):
+        return item
+    try:
+        return item.decode("utf-8")  # strict, as vllm_backend decodes
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"input '{name}' is not valid UTF-8") from None
 
 
 def _json_object(text: Any, what: str) -> dict[str, Any]:

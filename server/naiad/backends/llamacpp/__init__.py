@@ -20,14 +20,12 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
-
 from ...config import ModelConfig
 from ...errors import InvalidArgument, NaiadError
 from ...inference import InferenceRequest
 from ...llm import info as llm_info
+from ...llm import vllm_request
 from ...llm.images import decode as decode_image
-from ...llm.images import from_request as image_inputs
 from ...llm.metrics import EngineMetrics
 from ...llm.shape import auto_complete_vllm_shape
 from ..api import Backend, InstanceState
@@ -38,27 +36,6 @@ from .multimodal import Media, mmproj_path
 from .params import engine_settings, sampling_params
 
 log = logging.getLogger("naiad.llamacpp")
-
-
-def _scalar(request: InferenceRequest, name: str, default=None):
-    arr = request.inputs.get(name)
-    if arr is None or arr.size == 0:
-        return default
-    value = arr.reshape(-1)[0]
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _text(value) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidArgument("text_input is not valid UTF-8") from None
-    return str(value)
-
-
-def _strings(*values: str) -> np.ndarray:
-    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
 
 
 class LlamaCppBackend(Backend):
@@ -155,38 +132,22 @@ class LlamaCppBackend(Backend):
     def _submit(
         self, instance: InstanceState, engine: LlamaEngine, request: InferenceRequest, sender
     ) -> None:
-        embedding = _scalar(request, "embedding_request")
-        if embedding is not None:
-            self._embed(engine, request, sender, embedding)
+        req = vllm_request.parse(request)
+        if req.embedding is not None:
+            self._embed(engine, req, sender)
             return
-        prompt_value = _scalar(request, "text_input")
-        if prompt_value is None:
-            raise InvalidArgument("input 'text_input' is required")
-        prompt = _text(prompt_value)
-        sampling = sampling_params(_scalar(request, "sampling_parameters"))
-        stream = bool(_scalar(request, "stream", False))
-        exclude = bool(_scalar(request, "exclude_input_in_output", False))
-        flags = {
-            k: bool(_scalar(request, k, False))
-            for k in (
-                "return_finish_reason",
-                "return_num_input_tokens",
-                "return_num_output_tokens",
-                "return_logprobs",
-                "return_cumulative_logprob",
-            )
-        }
-        if (flags["return_logprobs"] or flags["return_cumulative_logprob"]) and sampling.logprobs is None:
+        prompt = req.prompt
+        sampling = sampling_params(req.sampling)
+        if req.returns & {"return_logprobs", "return_cumulative_logprob"} and sampling.logprobs is None:
             sampling.logprobs = 0
         media = None
-        images = image_inputs(request.inputs)
-        if images:
+        if req.images:
             if engine.media is None:
                 raise InvalidArgument(
                     f"model '{instance.model.name}' is not multimodal: it takes no images (it has no mmproj, the "
                     "multimodal projector GGUF)"
                 )
-            decoded = [(data, decode_image(data, f"image {i + 1}")) for i, data in enumerate(images)]
+            decoded = [(data, decode_image(data, f"image {i + 1}")) for i, data in enumerate(req.images)]
             media = engine.media.tokenize(prompt, decoded)
             tokens = media.tokens
             # the frontend fills max_tokens in from the text's tokens alone: with images, what the context leaves
@@ -194,48 +155,39 @@ class LlamaCppBackend(Backend):
                 sampling.max_tokens = min(sampling.max_tokens, engine.n_ctx - len(tokens))
         else:
             tokens = engine.tokenize(prompt)  # PromptTooLong, untokenized, past the byte bound
-        state = {"text": [], "tokens": 0, "logprobs": [], "cumulative": 0.0}
+        pending: list[str] = []  # the whole text, when not streaming
+        state = {"tokens": 0, "cumulative": 0.0}
+        logprobs: list[dict] = []  # since the last response
 
-        def outputs(text: str, n_tokens: int, finish: str | None, logprobs: list | None) -> dict:
-            out = {"text_output": _strings(text)}
-            if flags["return_finish_reason"]:
-                out["finish_reason"] = _strings(str(finish))
-            if flags["return_num_input_tokens"]:
-                out["num_input_tokens"] = np.array([len(tokens)], dtype=np.uint32)
-            if flags["return_num_output_tokens"]:
-                out["num_output_tokens"] = np.array([n_tokens], dtype=np.uint32)
-            if flags["return_logprobs"]:
-                out["logprobs"] = _strings(json.dumps(logprobs or []))
-            if flags["return_cumulative_logprob"]:
-                out["cumulative_logprob"] = np.array([state["cumulative"]], dtype=np.float32)
-            return out
+        def send(text: str, finish: str | None) -> None:
+            out = vllm_request.outputs(
+                req,
+                text,
+                finish_reason=finish,
+                cumulative_logprob=state["cumulative"],
+                logprobs=logprobs,
+                num_input_tokens=len(tokens),
+                num_output_tokens=state["tokens"],
+            )
+            sender.send(out, final=finish is not None)
 
         def emit(o: Output) -> None:
             if o.logprobs:
                 for entry in o.logprobs:
                     state["cumulative"] += next(iter(entry.values()))["logprob"]
-            if stream:
+                logprobs.extend(o.logprobs)
+            state["tokens"] += o.tokens
+            if req.stream:
                 # a token that is no text yet (a partial UTF-8 character, a possible stop string) is counted,
                 # with its logprob, in the next delta that carries text
-                state["tokens"] += o.tokens
-                if o.logprobs:
-                    state["logprobs"].extend(o.logprobs)
                 if o.text or o.finish_reason is not None:
-                    sender.send(
-                        outputs(o.text, state["tokens"], o.finish_reason, state["logprobs"]),
-                        final=o.finish_reason is not None,
-                    )
-                    state["tokens"], state["logprobs"] = 0, []
+                    send(o.text, o.finish_reason)
+                    state["tokens"] = 0
+                    logprobs.clear()
                 return
-            state["text"].append(o.text)
-            state["tokens"] += o.tokens
-            if o.logprobs:
-                state["logprobs"].extend(o.logprobs)
+            pending.append(o.text)
             if o.finish_reason is not None:
-                text = "".join(state["text"])
-                if not exclude:
-                    text = prompt + text
-                sender.send(outputs(text, state["tokens"], o.finish_reason, state["logprobs"]), final=True)
+                send((prompt if req.prepend_input else "") + "".join(pending), o.finish_reason)
 
         def fail(exc: BaseException) -> None:
             sender.send(error=exc, final=True)
@@ -251,30 +203,25 @@ class LlamaCppBackend(Backend):
             )
         )
 
-    def _embed(self, engine: LlamaEngine, request: InferenceRequest, sender, raw) -> None:
+    def _embed(self, engine: LlamaEngine, req: vllm_request.VllmRequest, sender) -> None:
         if not engine.settings.embeddings:
             raise InvalidArgument(
                 "embeddings are turned off for this model (parameter 'embeddings' is false)"
             )
-        try:
-            spec = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(f"embedding_request is not valid JSON: {exc}") from None
-        text = spec.get("input") if isinstance(spec, dict) else None
+        spec = req.embedding or {}
+        text = spec.get("input")
         if isinstance(text, list) and all(isinstance(t, int) for t in text):
             raise InvalidArgument("the llamacpp backend embeds text: give 'input' as a string")
         if not isinstance(text, str):
-            raise InvalidArgument("embedding_request must be a JSON object with a string 'input'")
+            raise InvalidArgument("embedding_request 'input' must be a string")
         vector = engine.embed(text)
         dims = (spec.get("pooling_params") or {}).get("dimensions")
         if dims is not None:
             if not isinstance(dims, int) or not 0 < dims <= len(vector):
                 raise InvalidArgument(f"pooling_params.dimensions must be an integer in [1, {len(vector)}]")
             vector = vector[:dims]
-        out = {"text_output": _strings(json.dumps(vector))}
-        if bool(_scalar(request, "return_num_input_tokens", False)):
-            out["num_input_tokens"] = np.array([len(engine.tokenize(text))], dtype=np.uint32)
-        sender.send(out, final=True)
+        n_input = len(engine.tokenize(text)) if "return_num_input_tokens" in req.returns else 0
+        sender.send(vllm_request.outputs(req, json.dumps(vector), num_input_tokens=n_input), final=True)
 
 
 backend = LlamaCppBackend()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import InvalidArgument
-from ...llm.limits import check_stop
+from ...llm.vllm_request import stop_strings
 from .grammar import structured_grammar
 from .rpc import RPC_SERVERS_ENV, parse_rpc_servers
 
@@ -194,17 +193,10 @@ def _number(params: dict, key: str, kind: type, low: float | None = None, high: 
     return value
 
 
-def sampling_params(text: str | bytes | None) -> SamplingParams:
-    """Parse the `sampling_parameters` JSON of a vLLM-shape request; bad values are InvalidArgument."""
+def sampling_params(params: dict[str, Any]) -> SamplingParams:
+    """The engine's sampling parameters from a vLLM-shape request's (llm/vllm_request.py parsed its JSON); bad
+    values are InvalidArgument."""
     out = SamplingParams()
-    if text in (None, b"", ""):
-        return out
-    try:
-        params = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"sampling_parameters is not valid JSON: {exc}") from None
-    if not isinstance(params, dict):
-        raise InvalidArgument("sampling_parameters must be a JSON object")
     if "n" in params and params["n"] not in (1, "1", None):
         raise InvalidArgument("the llamacpp backend generates one sequence per request: 'n' must be 1")
     if params.get("best_of") not in (None, 1, "1"):
@@ -236,13 +228,8 @@ def sampling_params(text: str | bytes | None) -> SamplingParams:
         out.lora_scale = _number(params, "lora_scale", float, -16.0, 16.0)
     ignore = params.get("ignore_eos", False)
     out.ignore_eos = ignore in (True, "true", "True", 1)
-    stop = params.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise InvalidArgument("sampling parameter 'stop' must be a string or a list of strings")
-        out.stop = check_stop([s for s in stop if s])
+    if params.get("stop") is not None:
+        out.stop = stop_strings(params)
     out.grammar = structured_grammar(params.get("structured_outputs"))
     if out.grammar is not None and (out.ignore_eos or out.min_tokens > 0):
         # the grammar ends the output by allowing only end-of-generation tokens, which these would ban

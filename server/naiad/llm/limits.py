@@ -66,19 +66,23 @@ def max_prompt_bytes_parameter(parameters: Mapping[str, str]) -> int | None:
     return value
 
 
+def check_bytes(n_bytes: int, limit: int | None, context_length: int | None = None) -> None:
+    """PromptTooLong when a prompt of `n_bytes` (or at least that many) is over `limit` bytes."""
+    if limit is not None and n_bytes > limit:
+        raise PromptTooLong(n_bytes, limit, context_length)
+
+
 def check_prompt(text: str | bytes, limit: int | None, context_length: int | None = None) -> None:
     """PromptTooLong when `text` is over `limit` bytes; costs no encoding when its length alone decides."""
     if limit is None:
         return
     n = len(text)
     if isinstance(text, str):
-        if n > limit:  # a character is at least one byte
-            raise PromptTooLong(n, limit, context_length)
+        check_bytes(n, limit, context_length)  # a character is at least one byte
         if 4 * n <= limit:  # and at most four
             return
         n = len(text.encode("utf-8", "surrogatepass"))
-    if n > limit:
-        raise PromptTooLong(n, limit, context_length)
+    check_bytes(n, limit, context_length)
 
 
 def max_token_bytes(pieces: Iterable[str | bytes]) -> int:

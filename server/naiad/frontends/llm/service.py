@@ -240,14 +240,12 @@ class LLMService:
         add_prompt = gen.add_generation_prompt and not gen.continue_final_message
         size = media.text_size(gen.messages)
         published = llm_info.of(mv.ctx)
-        if (
-            published is not None
-            and published.prompt_byte_limit is not None
-            and size > published.prompt_byte_limit
-        ):
-            # the prompt holds at least the messages' text (a character is a byte or more): refused unrendered
-            exc = limits.PromptTooLong(size, published.prompt_byte_limit, published.context_length)
-            raise LLMError(exc.message, param="messages", code="context_length_exceeded")
+        if published is not None:
+            try:
+                # the prompt holds at least the messages' text (a character is a byte or more): refused unrendered
+                limits.check_bytes(size, published.prompt_byte_limit, published.context_length)
+            except limits.PromptTooLong as exc:
+                raise LLMError(exc.message, param="messages", code="context_length_exceeded") from None
         messages = gen.messages or []
         n_images = len(media.image_urls(messages))
         if n_images:
@@ -290,9 +288,8 @@ class LLMService:
             raise LLMError(exc.message, param=param, code="context_length_exceeded") from None
         except tokenizing.TokenizeTimeout as exc:
             raise LLMError(exc.message, param=param) from None
-        except (
-            NaiadError
-        ) as exc:  # the engine process's answer in a frontend worker (its deadline, its bound, busy)
+        except NaiadError as exc:
+            # the engine process's answer in a frontend worker (its deadline, its bound, busy)
             raise LLMError(exc.message, exc.http_status, param=param) from None
         except Exception as exc:  # a tokenizer failing is the engine's to report
             log.debug("tokenize failed for model '%s': %s", mv.name, exc)

@@ -28,7 +28,9 @@ STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 BOMB_MIB = 512
 AFTER_BOUND = 50 * 1024 * 1024  # RSS after an attack, over the RSS before it
 PEAK_BOUND = {"naiad": 300 * 1024 * 1024}
-ANSWER_WITHIN = {"naiad": 2.0, "grpcio": 30.0}  # grpcio inflates 512 MiB first (1.6-11 s here, machine-bound)
+# grpcio, the reference, inflates 512 MiB first: 1.6-11 s on a quiet 2-core VM, past 30 s once beside a loaded
+# make test's other tiers; its bound only keeps a reference that never answers from hanging the test
+ANSWER_WITHIN = {"naiad": 2.0, "grpcio": 120.0}
 # grpcio (grpc core) is not Naiad's code: it must answer the bomb and stay up; how its other clients fare and what
 # memory it holds meanwhile and after are recorded (printed; docs/security.md), not bounded
 STRICT = {"naiad": True, "grpcio": False}
@@ -234,7 +236,7 @@ def test_grpc_gzip_bomb_is_answered_at_once(server, bomb):
     with RawH2(server.grpc) as conn:
         start = time.monotonic()
         _send_message(conn, INFER, message, 1, ("grpc-encoding", "gzip"))
-        trailers = _trailers(conn, timeout=30)
+        trailers = _trailers(conn, timeout=ANSWER_WITHIN[server.implementation] + 5)
         took = time.monotonic() - start
     print(f"gzip bomb [{server.implementation}]: answered after {took:.2f}s with {trailers}")
     assert trailers is not None and trailers.get("grpc-status", "0") != "0", trailers
